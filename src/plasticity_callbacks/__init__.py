@@ -1,0 +1,33 @@
+"""Lightning callbacks that restore a network's plasticity at training phase changes.
+
+The callbacks import Lightning; the math (``spectral``, ``dormancy``, ``shrink``,
+``subspace``) and the model (``models.GPT``) do not.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported on first use so `import plasticity_callbacks` stays light.
+_LAZY = {
+    "GPT": "plasticity_callbacks.models",
+    "GPTConfig": "plasticity_callbacks.models",
+    "GPTLightningModule": "plasticity_callbacks.models",
+    "CodeCorpusDataModule": "plasticity_callbacks.data",
+    "ByteTokenizer": "plasticity_callbacks.data",
+    "select_targets": "plasticity_callbacks.targets",
+    "FIREReinit": "plasticity_callbacks.callbacks.fire",
+    "ReDoMonitor": "plasticity_callbacks.callbacks.redo",
+    "DASHShrink": "plasticity_callbacks.callbacks.dash",
+    "AdaptiveSVDSwitch": "plasticity_callbacks.callbacks.adaptive_svd",
+    "ShrinkPerturb": "plasticity_callbacks.callbacks.shrink_perturb",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'plasticity_callbacks' has no attribute {name!r}")

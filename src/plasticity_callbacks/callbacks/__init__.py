@@ -1,0 +1,1 @@
+"""One callback per technique, each in its own file."""

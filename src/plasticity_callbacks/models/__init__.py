@@ -1,0 +1,17 @@
+"""The GPT, its pluggable blocks and its LightningModule."""
+from .blocks import KVCache, NeuronLayout
+from .gpt import GPT, Block, GPTConfig
+from .registry import ATTENTIONS, MLPS, POSITIONS, ConfigError, Registry
+
+__all__ = [
+    "GPT", "GPTConfig", "Block", "KVCache", "NeuronLayout", "ATTENTIONS", "MLPS", "POSITIONS",
+    "ConfigError", "Registry", "GPTLightningModule",
+]
+
+
+def __getattr__(name):  # the LightningModule imports Lightning; the bare model does not need it
+    if name == "GPTLightningModule":
+        from .lightning_module import GPTLightningModule
+
+        return GPTLightningModule
+    raise AttributeError(name)

@@ -1,0 +1,77 @@
+"""MLP blocks. Each exposes its neuron layout (which projections make a hidden unit and
+which one reads it) so callbacks such as ReDo and FIRE find them without name matching."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import MLPS
+
+
+class NeuronLayout(NamedTuple):
+    """Hidden unit i is row i of ``up`` (times row i of ``gate``, if gated) and column i of ``down``."""
+
+    up: nn.Linear
+    down: nn.Linear
+    gate: nn.Linear | None = None
+
+
+class MLPBlock(nn.Module):
+    """Base class. ``forward(x, attn_out)``: ``attn_out`` is the same block's attention
+    output, which most MLPs ignore (the reciprocal MLP uses it)."""
+
+    plasticity_role = "mlp"
+
+    def neuron_layouts(self) -> list[NeuronLayout]:
+        gate = getattr(self, "c_gate", None)
+        return [NeuronLayout(up=self.c_fc, down=self.c_proj, gate=gate)]
+
+
+@MLPS.register("relu2")
+class ReluSquaredMLP(MLPBlock):
+    """``c_proj(relu(c_fc x)²)`` with hidden width ``hidden_mult · d`` (nanochat)."""
+
+    def __init__(self, config, layer_idx: int, hidden_mult: int = 4):
+        super().__init__()
+        hidden = hidden_mult * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, attn_out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+def gated_hidden_width(n_embd: int, hidden_mult: int, multiple_of: int) -> int:
+    """Width of a gated MLP with the parameters of a plain one of ``hidden_mult · d``:
+    three matrices instead of two, so ``2/3`` of the width, rounded up to ``multiple_of``."""
+    width = int(2 * hidden_mult * n_embd / 3)
+    return multiple_of * -(-width // multiple_of)
+
+
+class GatedMLP(MLPBlock):
+    """``c_proj(act(c_gate x) * c_fc x)`` with separate gate and value projections."""
+
+    activation = staticmethod(F.silu)
+
+    def __init__(self, config, layer_idx: int, hidden_mult: int = 4, multiple_of: int = 32):
+        super().__init__()
+        hidden = gated_hidden_width(config.n_embd, hidden_mult, multiple_of)
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, attn_out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.c_proj(self.activation(self.c_gate(x)) * self.c_fc(x))
+
+
+@MLPS.register("swiglu")
+class SwiGLUMLP(GatedMLP):
+    activation = staticmethod(F.silu)
+
+
+@MLPS.register("geglu")
+class GeGLUMLP(GatedMLP):
+    activation = staticmethod(F.gelu)

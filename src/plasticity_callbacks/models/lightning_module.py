@@ -1,0 +1,118 @@
+"""``GPTLightningModule``: next-token training of the GPT with Lightning."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+from ..data.tokenizer import IGNORE_INDEX
+from ..optim import build_optimizer, lr_lambda
+from .gpt import GPT, GPTConfig
+from .registry import ConfigError
+
+
+class GPTLightningModule(L.LightningModule):
+    """Trains a :class:`GPT` on ``(x, y)`` batches; labels equal to ``IGNORE_INDEX`` (-100) are skipped.
+
+    Logs ``train/loss``, ``train/tokens_per_sec``, ``val/loss``, ``val/ppl``.
+
+    Args:
+        model: a ``GPTConfig`` or a dict of its fields.
+        optimizer: ``adamw`` or ``muon`` (Muon on block matrices, AdamW on the rest).
+        lr, weight_decay, betas: AdamW settings; ``muon_lr``, ``muon_momentum``: Muon's.
+        schedule: ``cosine`` | ``linear`` | ``constant`` after ``warmup_steps``; decays to ``min_lr_ratio·lr``.
+
+    Example:
+        >>> module = GPTLightningModule({"n_layer": 2, "n_embd": 64, "mlp": "swiglu"}, lr=3e-3)
+        >>> L.Trainer(max_steps=100).fit(module, datamodule=CodeCorpusDataModule())
+    """
+
+    def __init__(
+        self,
+        model: GPTConfig | dict[str, Any] | None = None,
+        optimizer: str = "adamw",
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        muon_lr: float = 0.02,
+        muon_momentum: float = 0.95,
+        schedule: str = "cosine",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+    ):
+        super().__init__()
+        config = model if isinstance(model, GPTConfig) else GPTConfig(**dict(model or {}))
+        self.save_hyperparameters({"model": config.to_dict(), "optimizer": optimizer, "lr": lr,
+                                   "weight_decay": weight_decay, "betas": list(betas), "muon_lr": muon_lr,
+                                   "muon_momentum": muon_momentum, "schedule": schedule,
+                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio})
+        self.model = GPT(config)
+        self.val_loss = MeanMetric()
+        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self._step_started = 0.0
+        lr_lambda(schedule, 1, warmup_steps, min_lr_ratio)  # validates the schedule name now, not at fit time
+        if optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"optimizer.name={optimizer!r} is not one of ('adamw', 'muon')")
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.model.config
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None:
+            check_data_fits_model(datamodule, self.config)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self.model(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._step_started
+        if elapsed > 0:
+            self.log("train/tokens_per_sec", batch[0].numel() / elapsed)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = batch
+        logits = self.model(x)
+        self.val_loss.update(self.loss(logits, y), weight=(y != IGNORE_INDEX).sum())
+        self.val_ppl.update(logits, y)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl)
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = build_optimizer(self.model, h.optimizer, h.lr, h.weight_decay, tuple(h.betas), h.muon_lr,
+                                    h.muon_momentum)
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        factor = lr_lambda(h.schedule, max(1, total), h.warmup_steps, h.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def check_data_fits_model(datamodule, config: GPTConfig) -> None:
+    """Fail early, naming the fields, when the data cannot be fed to the model."""
+    seq = getattr(datamodule, "sequence_len", None)
+    if seq is not None and seq > config.sequence_len:
+        raise ConfigError(f"data.sequence_len={seq} is larger than model.sequence_len={config.sequence_len}")
+    vocab = getattr(datamodule, "vocab_size", None)
+    if vocab is not None and vocab > config.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size={config.vocab_size}; "
+                          f"set model.vocab_size >= {vocab}")

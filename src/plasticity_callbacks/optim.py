@@ -1,0 +1,135 @@
+"""Optimizers and LR schedules for the GPT: AdamW, or Muon for block matrices + AdamW for the rest.
+
+Lightning's automatic optimization steps exactly one optimizer per training step, while
+nanochat steps Muon and AdamW together. ``CombinedOptimizer`` presents several optimizers as
+one: one ``step`` (the closure runs once), shared param-group dicts (so LR schedulers and
+Lightning's LR monitor see every group), and a ``state`` view routed to the owning optimizer.
+Callbacks see one ``on_before_optimizer_step`` per real step.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import MutableMapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .targets import select_targets
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+class _RoutedState(MutableMapping):
+    """``optimizer.state`` of a CombinedOptimizer: each key lives in the optimizer owning it."""
+
+    def __init__(self, optimizers: list[Optimizer]):
+        self._optimizers = optimizers
+
+    def _owner(self, param) -> Optimizer:
+        for opt in self._optimizers:
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                return opt
+        raise KeyError("parameter is not managed by this optimizer")
+
+    def __getitem__(self, param):
+        return self._owner(param).state[param]
+
+    def __setitem__(self, param, value):
+        self._owner(param).state[param] = value
+
+    def __delitem__(self, param):
+        del self._owner(param).state[param]
+
+    def __iter__(self):
+        for opt in self._optimizers:
+            yield from opt.state
+
+    def __len__(self):
+        return sum(len(opt.state) for opt in self._optimizers)
+
+
+class CombinedOptimizer(Optimizer):
+    """Several optimizers over disjoint parameters, stepped as one."""
+
+    def __init__(self, optimizers: list[Optimizer]):
+        self.optimizers = list(optimizers)
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        super().__init__(params, {})
+        # Share the inner group dicts, so schedulers write the learning rates the inner optimizers read.
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+        self.state = _RoutedState(self.optimizers)  # type: ignore[assignment]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        inner = state_dict["optimizers"]
+        if len(inner) != len(self.optimizers):
+            raise ValueError(f"checkpoint has {len(inner)} optimizers, this run has {len(self.optimizers)}")
+        for opt, sd in zip(self.optimizers, inner):
+            opt.load_state_dict(sd)
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+    def __repr__(self) -> str:
+        return f"CombinedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str = "adamw",
+    lr: float = 3e-3,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    muon_lr: float = 0.02,
+    muon_momentum: float = 0.95,
+) -> Optimizer:
+    """``adamw``: one AdamW, no decay on 1-D parameters. ``muon``: ``torch.optim.Muon`` on the
+    blocks' 2-D matrices (nanochat's grouping), AdamW on embeddings, head and everything else."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer.name={name!r} is not one of {OPTIMIZERS}")
+    betas = tuple(betas)
+    if name == "adamw":
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+    matrices = [t.param for t in select_targets(model, include_conv=False) if t.param.dim() == 2]
+    matrix_ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in matrix_ids]
+    muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay)
+    adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=0.0)
+    return CombinedOptimizer([muon, adamw])
+
+
+def lr_lambda(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step ``s``: linear warmup, then cosine/linear decay to ``min_lr_ratio``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optimizer.schedule={schedule!r} is not one of {SCHEDULES}")
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_lr_ratio + (1 - min_lr_ratio) * decay
+
+    return factor

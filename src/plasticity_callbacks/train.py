@@ -1,0 +1,96 @@
+"""``plasticity-train``: the Hydra entry point (``python -m plasticity_callbacks.train`` does the same).
+
+Compose the config, instantiate data, model, callbacks, logger and trainer, fit, print a summary.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from .models.lightning_module import GPTLightningModule, check_data_fits_model
+from .models.registry import ConfigError
+
+
+def config_dir() -> str:
+    """The ``configs/`` folder: inside the installed wheel, or at the top of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parents[1] / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"no Hydra configs found next to {here}; reinstall the package")
+
+
+def build_module(cfg: DictConfig) -> GPTLightningModule:
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    name = optimizer.pop("name")
+    return GPTLightningModule(OmegaConf.to_container(cfg.model, resolve=True), optimizer=name, **optimizer)
+
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing."""
+    callbacks = [instantiate(spec) for spec in (cfg.get("callbacks") or {}).values() if spec is not None]
+    return callbacks + [instantiate(cfg.checkpoint)]
+
+
+def fit(cfg: DictConfig) -> dict[str, Any]:
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg)
+    check_data_fits_model(datamodule, module.config)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg), logger=instantiate(cfg.logger))
+    started = time.perf_counter()
+    before = None
+    if cfg.validate_before_fit and cfg.ckpt_path is None:
+        before = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    summary = {
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "steps": trainer.global_step,
+        "tokens_seen": trainer.global_step * datamodule.batch_size * datamodule.sequence_len
+        * trainer.accumulate_grad_batches * trainer.world_size,
+        "val_loss_before": before,
+        "train_loss_final": metrics.get("train/loss"),
+        "val_loss_final": metrics.get("val/loss"),
+        "minutes": (time.perf_counter() - started) / 60,
+        "log_dir": trainer.logger.log_dir if trainer.logger is not None else None,
+        "checkpoint_dir": cfg.paths.checkpoint_dir,
+    }
+    rank_zero_info(format_summary(summary))
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def fmt(v):
+        return f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
+    width = max(map(len, summary))
+    return "\n".join(["", "run summary"] + [f"  {k.ljust(width)}  {fmt(v)}" for k, v in summary.items()])
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def hydra_main(cfg: DictConfig) -> float | None:
+    try:
+        return fit(cfg).get("val_loss_final")
+    except (ConfigError, InstantiationException) as err:
+        # Bad config values: one readable line, not a traceback from deep inside.
+        message = str(err).strip().splitlines()
+        print(f"plasticity-train: configuration error: {' '.join(line.strip() for line in message)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
