@@ -22,6 +22,7 @@ _LAZY = {
     "DASHShrink": "plasticity_callbacks.callbacks.dash",
     "AdaptiveSVDSwitch": "plasticity_callbacks.callbacks.adaptive_svd",
     "ShrinkPerturb": "plasticity_callbacks.callbacks.shrink_perturb",
+    "GateLogger": "plasticity_callbacks.callbacks.gate_logger",
 }
 
 __all__ = sorted(_LAZY)

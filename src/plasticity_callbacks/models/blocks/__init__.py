@@ -1,10 +1,14 @@
 """Model blocks; importing this package registers every block under its config name."""
-from . import attention, mlp, position  # noqa: F401
+from . import attention, mlp, position, position_bias, reciprocal_attention, reciprocal_mlp  # noqa: F401
 from .attention import CausalSelfAttention, KVCache, rms_norm
 from .mlp import GatedMLP, GeGLUMLP, MLPBlock, NeuronLayout, ReluSquaredMLP, SwiGLUMLP
 from .position import NoPosition, PositionBlock, Rotary
+from .position_bias import ALiBiBias, FIREBias, T5RelativeBias
+from .reciprocal_attention import ReciprocalAttention
+from .reciprocal_mlp import ReciprocalMLP
 
 __all__ = [
     "CausalSelfAttention", "KVCache", "rms_norm", "GatedMLP", "GeGLUMLP", "MLPBlock", "NeuronLayout",
-    "ReluSquaredMLP", "SwiGLUMLP", "NoPosition", "PositionBlock", "Rotary",
+    "ReluSquaredMLP", "SwiGLUMLP", "NoPosition", "PositionBlock", "Rotary", "ALiBiBias", "FIREBias",
+    "T5RelativeBias", "ReciprocalAttention", "ReciprocalMLP",
 ]

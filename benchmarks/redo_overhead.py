@@ -1,0 +1,147 @@
+"""Training-step time of the default GPT with ReDoMonitor collecting statistics vs without.
+
+One fit of ``GPTConfig()`` on batches shaped like ``configs/data/stdlib.yaml`` (16 × 256
+tokens). Steps cycle through three modes, so machine noise hits all of them alike:
+
+- ``baseline``: ReDoMonitor's hooks removed (as if it were not attached);
+- ``idle``: hooks attached but not collecting (the other 9 of 10 steps at the default interval);
+- ``collect``: hooks collecting (every step with ``collect_every_n_steps=1``).
+
+Each mode is compared with the baseline step of its own cycle; the overheads are medians of
+those per-cycle ratios. At the default interval the cost is ``(9·idle + collect) / 10``.
+On a shared CPU the per-cycle ratios scatter by several percent, so the script also times the
+hook's own work directly on the activations of the last step (the collecting hook: reduction
+and EMA update; the idle hook: an early return) and divides by the median baseline step.
+
+    python benchmarks/redo_overhead.py [--cycles 20] [--budget-s 170] [--threads 1]
+
+Goal: overhead <= 3% collecting every step, <= 0.5% at the default interval.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from plasticity_callbacks import GPTConfig, GPTLightningModule, ReDoMonitor
+
+MODES = ("collect", "baseline", "idle")  # step % 3 == 0 collects (collect_every_n_steps=3)
+WARMUP = 3  # one first cycle, not timed: optimizer state allocation, allocator warm-up
+
+
+class CycleDriver(L.Callback):
+    """Times each step and detaches/reattaches ReDo's hooks so steps cycle through MODES.
+
+    Uses ReDoMonitor's own ``on_fit_end`` (removes hooks) and ``on_fit_start`` (re-registers them,
+    keeping its statistics) — the same calls Lightning makes around a fit.
+    """
+
+    def __init__(self, redo: ReDoMonitor, budget_s: float):
+        self.redo, self.budget_s = redo, budget_s
+        self.times: dict[str, list[float]] = {m: [] for m in MODES}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        mode = MODES[trainer.global_step % 3]
+        if mode == "baseline":
+            self.redo.on_fit_end(trainer, pl_module)
+        elif mode == "idle":
+            self.redo.on_fit_start(trainer, pl_module)
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._mode, self._start = mode, time.perf_counter()
+        if trainer.global_step == 0:
+            self._began = self._start
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        if trainer.global_step > WARMUP:
+            self.times[self._mode].append(time.perf_counter() - self._start)
+        if self._mode == "idle" and time.perf_counter() - self._began > self.budget_s:
+            trainer.should_stop = True  # end on a complete cycle
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=20, help="timed cycles of (collect, baseline, idle) steps")
+    parser.add_argument("--budget-s", type=float, default=170.0, help="stop earlier, after a complete cycle")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = leave as is)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    L.seed_everything(0, verbose=False)
+    config = GPTConfig()
+    module = GPTLightningModule(config, optimizer="adamw", schedule="constant")
+    steps = WARMUP + 3 * args.cycles
+    tokens = torch.randint(0, 256, (args.batch_size * steps, config.sequence_len + 1))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)
+    redo = ReDoMonitor(collect_every_n_steps=3, log_every_n_steps=10**9)  # no log step inside the timing
+    driver = CycleDriver(redo, args.budget_s)
+    trainer = L.Trainer(accelerator=args.device, devices=1, max_steps=steps, callbacks=[driver, redo], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, loader)
+
+    direct = time_hooks_directly(redo, module, loader)
+    cycles = min(len(v) for v in driver.times.values())
+    base = driver.times["baseline"][:cycles]
+    ratio = {m: [t / b for t, b in zip(driver.times[m][:cycles], base)] for m in MODES}
+    overhead = {m: statistics.median(r) - 1 for m, r in ratio.items()}
+    print(f"GPT {config.n_layer}x{config.n_embd} {config.mlp}, batch {args.batch_size}x{config.sequence_len}, "
+          f"{args.device}, {torch.get_num_threads()} threads, {cycles} cycles")
+    print(f"{'mode':<34}{'median step ms':>15}{'overhead vs baseline':>22}")
+    for m in ("baseline", "idle", "collect"):
+        print(f"{m:<34}{statistics.median(driver.times[m][:cycles]) * 1e3:>15.1f}{100 * overhead[m]:>+21.2f}%")
+    default = (9 * overhead["idle"] + overhead["collect"]) / 10
+    print(f"{'every step (collect_every_n_steps=1)':<49}{100 * overhead['collect']:>+21.2f}%  (goal <= 3%)")
+    print(f"{'default interval (every 10 steps)':<49}{100 * default:>+21.2f}%  (goal <= 0.5%)")
+    spread = statistics.quantiles(ratio["collect"], n=4) if cycles >= 4 else []
+    if spread:
+        print(f"collect/baseline per-cycle ratio quartiles: {', '.join(f'{q:.3f}' for q in spread)}")
+    step = statistics.median(base)
+    print(f"direct: hooks' work per step {direct['collect'] * 1e3:.2f} ms collecting, {direct['idle'] * 1e6:.1f} us idle "
+          f"({len(redo.layers)} layers)")
+    every, default = direct["collect"] / step, (direct["collect"] + 9 * direct["idle"]) / 10 / step
+    print(f"{'direct, every step':<49}{100 * every:>+21.2f}%  (goal <= 3%)")
+    print(f"{'direct, default interval (every 10 steps)':<49}{100 * default:>+21.2f}%  (goal <= 0.5%)")
+
+
+@torch.no_grad()
+def time_hooks_directly(redo: ReDoMonitor, module, loader, reps: int = 20) -> dict[str, float]:
+    """Seconds per training step spent in ReDo's hooks, collecting and idle, on real activations.
+    Calls the hook function itself (``_collect``) on the inputs its ``down`` layers saw."""
+    inputs = {}
+    handles = [layer.down.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+               for i, layer in enumerate(redo.layers)]
+    module.train()
+    module(next(iter(loader))[0].to(module.device))
+    for h in handles:
+        h.remove()
+    views, offset = [], 0
+    for layer in redo.layers:
+        views.append(slice(offset, offset + layer.width))
+        offset += layer.width
+    result = {}
+    for mode in ("collect", "idle"):
+        redo._collecting = mode == "collect"
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for i, layer in enumerate(redo.layers):
+                redo._collect(i, views[i], layer.down, (inputs[i],))
+            if module.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        result[mode] = statistics.median(times)
+    redo._collecting = False
+    return result
+
+
+if __name__ == "__main__":
+    main()

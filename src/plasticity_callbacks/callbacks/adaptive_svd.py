@@ -1,0 +1,317 @@
+"""``AdaptiveSVDSwitch``: compare successive SVDs of each weight and switch it between full-matrix
+and minor-component training (seed 004's adaptive MiLoRA; ALGORITHMS.md §5)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+
+from .. import lowrank
+from ..distributed import MisconfigurationException, require_full_parameters
+from ..figures import save_figure
+from ..subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
+from ..targets import SCOPES, Target, require_targets, select_targets
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class _Matrix:
+    target: Target
+    attr: str  # parameter name on target.module ("weight", "in_proj_weight")
+    g: int
+    mode: str = "full"
+    r: int | None = None  # minor components of the current phase (None before the first SVD)
+    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,)
+    S_prev: torch.Tensor | None = None
+
+    @property
+    def U_minor(self) -> torch.Tensor:
+        return self.U_prev[:, self.g - self.r:]
+
+
+class AdaptiveSVDSwitch(L.Callback):
+    """Every ``svd_interval`` optimizer steps (from ``warmup_steps`` on), for each target matrix:
+    SVD, compare with the previous SVD, measure the gradient's alignment, decide per matrix whether
+    the next phase trains the full matrix or only its ``r`` minor components, and with which ``r``.
+
+    Hooks: ``on_before_optimizer_step`` measures and acts, on the step's (all-reduced) gradient,
+    so no gradient is lost at a switch; in low-rank phases it also projects gradients
+    (``mode="project"``). ``on_fit_start`` rebuilds a factorized structure from a checkpoint;
+    ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into the checkpoint's model state,
+    so it loads with or without this callback; ``on_train_end`` saves a figure of mode and r per layer.
+
+    Changes: ``mode="project"`` replaces the gradients of low-rank matrices by ``U_m U_mᵀ ∇W``
+    (and projects their linear momentum at each cycle). ``mode="factorize"`` re-parametrizes
+    low-rank matrices as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
+    optimizer param group (see :mod:`plasticity_callbacks.lowrank`); every cycle folds ``BA`` back
+    and re-splits with the new ``r``. Factorize runs on a single device only.
+
+    Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
+    effective_rank,r,lowrank}`` and ``adaptive_svd/{n_lowrank,mean_*}``.
+
+    Example:
+        >>> switch = AdaptiveSVDSwitch(mode="project", svd_interval=100, warmup_steps=200)
+        >>> trainer = L.Trainer(max_steps=2000, callbacks=[switch])
+        >>> trainer.fit(module, datamodule=data)
+    """
+
+    def __init__(
+        self,
+        mode: str = "project",
+        svd_interval: int = 100,
+        warmup_steps: int = 100,
+        scope: str = "all",
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        include_conv: bool = True,
+        include_head: bool = False,
+        r_min: int = 8,
+        initial_rank: int | None = None,
+        clobber_alignment: float = 0.4,
+        stable_angle: float = 0.1,
+        safe_minor_alignment: float = 0.6,
+        max_reconstruction_error: float = 0.01,
+        svd_method: str = "full",
+        svd_niter: int = 2,
+        svd_dtype: str = "float32",
+        log_per_matrix: bool = True,
+        save_figure: bool = True,
+    ):
+        super().__init__()
+        if mode not in lowrank.LOWRANK_MODES:
+            raise ValueError(f"mode={mode!r} is not one of {lowrank.LOWRANK_MODES}")
+        for name, value in (("svd_interval", svd_interval), ("r_min", r_min)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name, value in (("warmup_steps", warmup_steps), ("svd_niter", svd_niter)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+        if initial_rank is not None and (not isinstance(initial_rank, int) or initial_rank < 1):
+            raise ValueError(f"initial_rank={initial_rank!r} must be None or a positive integer")
+        if scope not in SCOPES:
+            raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+        for name, value in (("clobber_alignment", clobber_alignment), ("safe_minor_alignment", safe_minor_alignment),
+                            ("max_reconstruction_error", max_reconstruction_error)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name}={value!r} must be in [0, 1]")
+        if not 0 <= stable_angle <= math.pi / 2:
+            raise ValueError(f"stable_angle={stable_angle!r} must be in [0, pi/2] radians")
+        if svd_method not in SVD_METHODS:
+            raise ValueError(f"svd_method={svd_method!r} is not one of {SVD_METHODS}")
+        if svd_dtype not in _DTYPES:
+            raise ValueError(f"svd_dtype={svd_dtype!r} is not one of {tuple(_DTYPES)}")
+        self.mode, self.svd_interval, self.warmup_steps = mode, svd_interval, warmup_steps
+        self.selection = dict(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
+                              include_head=include_head)
+        self.r_min, self.initial_rank = r_min, initial_rank
+        self.thresholds = dict(clobber_alignment=clobber_alignment, stable_angle=stable_angle,
+                               safe_minor_alignment=safe_minor_alignment,
+                               max_reconstruction_error=max_reconstruction_error)
+        self.svd_method, self.svd_niter, self.svd_dtype = svd_method, svd_niter, _DTYPES[svd_dtype]
+        self.log_per_matrix, self.save_figure = log_per_matrix, save_figure
+        self.matrices: list[_Matrix] = []
+        self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, mode, r) per decision
+        self._pending: dict | None = None  # loaded state, applied once the targets exist
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode, **self.selection)
+
+    # ---------------------------------------------------------------- setup and resume
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        require_full_parameters(trainer, "AdaptiveSVDSwitch")
+        if self.mode == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
+            raise MisconfigurationException(
+                f"AdaptiveSVDSwitch(mode='factorize') changes the parameter set during training, which "
+                f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (gradients of the new "
+                "factors would not be synchronized). Use mode='project' (same minor-subspace training by gradient "
+                "projection, DDP-safe) or a single device."
+            )
+        if self.matrices:
+            return
+        targets = select_targets(pl_module, **self.selection)
+        require_targets(targets, "AdaptiveSVDSwitch", self.selection["scope"], self.selection["include"],
+                        self.selection["exclude"])
+        for t in targets:
+            g = min(as_matrix(t.param).shape)
+            if g >= 2:  # a rank-1 shape has nothing to split
+                self.matrices.append(_Matrix(t, t.name.rsplit(".", 1)[-1], g))
+        self._apply_pending()
+
+    def state_dict(self) -> dict:
+        matrices = {}
+        for m in self.matrices:
+            entry = {"mode": m.mode, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
+            if lowrank.is_factorized(m.target.module, m.attr):
+                parts = lowrank.components(m.target.module, m.attr)
+                entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
+                             A=parts.A.detach().clone())
+            matrices[m.target.name] = entry
+        return {"matrices": matrices, "history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._pending = state_dict
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        if self._pending is None or not self.matrices:
+            return
+        saved = self._pending["matrices"]
+        for m in self.matrices:
+            entry = saved.get(m.target.name)
+            if entry is not None:
+                m.mode, m.r, m.U_prev, m.S_prev = entry["mode"], entry["r"], entry["U_prev"], entry["S_prev"]
+        self.history = [tuple(h) for h in self._pending["history"]]
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Runs after configure_optimizers and before Lightning loads the optimizer state, so the
+        # factors re-join their groups in the saved order and their moments load into them.
+        if self._pending is None or self.mode != "factorize":
+            return
+        saved = self._pending["matrices"]
+        for m in self.matrices:
+            entry = saved.get(m.target.name, {})
+            if "B" in entry and not lowrank.is_factorized(m.target.module, m.attr):
+                device = m.target.param.device
+                parts = lowrank.factorize(m.target.module, m.attr, entry["B"].to(device), entry["A"].to(device),
+                                          frozen=entry["W_p"].to(device))
+                lowrank.attach(trainer.optimizers, m.target.param, [parts.B, parts.A])
+        self._pending = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state."""
+        state = checkpoint.get("state_dict")
+        if state is None:
+            return
+        for m in self.matrices:
+            if lowrank.is_factorized(m.target.module, m.attr):
+                prefix = m.target.name[: -len(m.attr)]
+                for key in [k for k in state if k.startswith(f"{prefix}parametrizations.{m.attr}.")]:
+                    del state[key]
+                state[m.target.name] = getattr(m.target.module, m.attr).detach().clone()
+
+    # ---------------------------------------------------------------- training
+    def _is_svd_step(self, step: int) -> bool:
+        return step >= self.warmup_steps and step % self.svd_interval == 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        capture = self._is_svd_step(trainer.global_step)
+        for m in self.matrices:
+            if lowrank.is_factorized(m.target.module, m.attr):
+                lowrank.components(m.target.module, m.attr).capture = capture
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._is_svd_step(trainer.global_step):
+            self._cycle(trainer, pl_module)
+        elif self.mode == "project":
+            for m in self.matrices:
+                if m.mode == "lowrank":
+                    lowrank.project_gradient(m.target.param, m.U_minor)
+
+    @torch.no_grad()
+    def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step, logged = trainer.global_step, []
+        for m in self.matrices:
+            module, weight = m.target.module, m.target.param
+            factorized = lowrank.is_factorized(module, m.attr)
+            W = as_matrix(getattr(module, m.attr).detach())  # the effective weight in either structure
+            grad = lowrank.components(module, m.attr).captured if factorized else weight.grad
+            r = m.r if m.r is not None else self._initial_r(W, m.g)
+            svd = svd_triplets(W, self.svd_method, top=m.g - r, niter=self.svd_niter, dtype=self.svd_dtype,
+                               seed=step)
+            new_mode, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.mode, r_min=self.r_min,
+                                                 dtype=self.svd_dtype, **self.thresholds)
+            if m.r is None and self.initial_rank is not None:
+                r_next = r  # a given initial_rank replaces the seed's spectral first guess for the first phase
+            m.mode, m.r, m.U_prev, m.S_prev = new_mode, r_next, svd.U, svd.S
+            if self.mode == "project":
+                if new_mode == "lowrank":
+                    lowrank.project_gradient(weight, m.U_minor)
+                    lowrank.project_optimizer_state(trainer.optimizers, weight, m.U_minor)
+            else:
+                self._resplit(trainer, m, svd, grad, factorized)
+            self.history.append((step, m.target.name, new_mode, r_next))
+            logged.append((m, diag))
+        self._log(pl_module, logged)
+
+    def _initial_r(self, W: torch.Tensor, g: int) -> int:
+        if self.initial_rank is not None:
+            lo, hi = rank_bounds(g, self.r_min)
+            return max(lo, min(self.initial_rank, hi))
+        S = torch.linalg.svdvals(W.to(self.svd_dtype))
+        return next_rank(S, None, g // 2, self.r_min)[0]  # the seed's "initial r from spectral structure"
+
+    def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:
+        """Fold ``BA`` back if factorized, then split again with the new ``r`` if low-rank. The
+        step's gradient ``G`` w.r.t. the effective weight moves to the new structure by the chain
+        rule (``∇B = G Aᵀ``, ``∇A = Bᵀ G``), so the coming optimizer step is not lost."""
+        module, weight = m.target.module, m.target.param
+        if factorized:
+            parts = lowrank.components(module, m.attr)
+            lowrank.detach(trainer.optimizers, [parts.B, parts.A])
+            lowrank.fold(module, m.attr)
+        if m.mode == "lowrank":
+            B, A = lowrank.minor_factors(svd, m.r, weight.dtype)
+            parts = lowrank.factorize(module, m.attr, B, A)
+            if grad is not None:
+                G = as_matrix(grad).to(B.dtype)
+                parts.B.grad, parts.A.grad = G @ parts.A.mT, parts.B.mT @ G
+            lowrank.attach(trainer.optimizers, weight, [parts.B, parts.A])
+        else:
+            weight.grad = grad.reshape(weight.shape).to(weight.dtype) if grad is not None else None
+
+    def _log(self, pl_module: L.LightningModule, logged: list) -> None:
+        def log(name, value):
+            pl_module.log(f"adaptive_svd/{name}", float(value), on_step=True, on_epoch=False)
+
+        keys = ("principal_alignment", "minor_alignment", "reconstruction_error")
+        for m, diag in logged:
+            if self.log_per_matrix:
+                name = m.target.name
+                if not math.isnan(diag["subspace_angle"]):  # no previous SVD yet: nothing to compare
+                    log(f"{name}/angle", diag["subspace_angle"])
+                for key in (*keys, "effective_rank"):
+                    log(f"{name}/{key}", diag[key])
+                log(f"{name}/r", m.r)
+                log(f"{name}/lowrank", m.mode == "lowrank")
+        log("n_lowrank", sum(m.mode == "lowrank" for m, _ in logged))
+        for key in keys:
+            log(f"mean_{key}", sum(d[key] for _, d in logged) / len(logged))
+        angles = [d["subspace_angle"] for _, d in logged if not math.isnan(d["subspace_angle"])]
+        if angles:
+            log("mean_angle", sum(angles) / len(angles))
+
+    # ---------------------------------------------------------------- the end
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.save_figure or not self.history:
+            return
+        import matplotlib.pyplot as plt
+
+        names = [m.target.name for m in self.matrices]
+        fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
+        labels = {"lowrank": "low-rank", "full": "full"}  # each legend entry once
+        for row, name in enumerate(names):
+            points = [(s, mode, r) for s, n, mode, r in self.history if n == name]
+            steps = [s for s, _, _ in points]
+            g = next(m.g for m in self.matrices if m.target.name == name)
+            # height inside the row: r/g; filled markers for low-rank phases, hollow for full
+            y = [row + 0.8 * r / g for _, _, r in points]
+            ax.plot(steps, y, color="0.6", lw=0.8)
+            low = [(s, yy) for (s, mode, _), yy in zip(points, y) if mode == "lowrank"]
+            full = [(s, yy) for (s, mode, _), yy in zip(points, y) if mode != "lowrank"]
+            if low:
+                ax.scatter(*zip(*low), s=14, color="C3", label=labels.pop("lowrank", None))
+            if full:
+                ax.scatter(*zip(*full), s=14, facecolors="none", edgecolors="C0", label=labels.pop("full", None))
+        ax.set_yticks(range(len(names)), names, fontsize=6)
+        ax.set_xlabel("optimizer step")
+        ax.set_title("AdaptiveSVDSwitch: mode per matrix (marker), r/g (height within the row)")
+        ax.legend(loc="upper right", fontsize=7)
+        path = save_figure(fig, trainer, "adaptive_svd_modes")
+        if path is not None:
+            rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")

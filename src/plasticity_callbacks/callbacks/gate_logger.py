@@ -1,0 +1,51 @@
+"""``GateLogger``: log the learned skip gates of reciprocal blocks during training."""
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+
+
+def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every submodule exposing ``gate_values() -> {name: scalar tensor}`` (the reciprocal blocks)."""
+    return [(name, m) for name, m in model.named_modules() if callable(getattr(m, "gate_values", None))]
+
+
+class GateLogger(L.Callback):
+    """Logs each gated block's ``sigmoid(skip)`` gates, pathway weights and ``α`` as
+    ``gates/<module>/<name>`` (e.g. ``gates/model.blocks.0.attn/gate_rec``), plus the binary
+    decision ``gates/<module>/<pathway>_on`` (gate > 0.5). The forward pass always gates softly;
+    the decisions exist only here, as in seed 002.
+
+    Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps; changes nothing.
+    Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank.
+
+    Example:
+        >>> module = GPTLightningModule({"attention": "reciprocal", "mlp": "reciprocal"})
+        >>> trainer = L.Trainer(callbacks=[GateLogger(every_n_steps=50)])
+        >>> trainer.fit(module, datamodule=CodeCorpusDataModule())
+    """
+
+    def __init__(self, every_n_steps: int = 50, log_decisions: bool = True):
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps <= 0:
+            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+        if not isinstance(log_decisions, bool):
+            raise ValueError(f"log_decisions must be true or false, got {log_decisions!r}")
+        self.every_n_steps, self.log_decisions = every_n_steps, log_decisions
+        self._modules: list[tuple[str, nn.Module]] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._modules = gated_modules(pl_module)
+        if not self._modules:
+            raise ValueError("GateLogger: the model has no gated blocks (modules with gate_values()); "
+                             "use model/attention=reciprocal or model/mlp=reciprocal, or drop the callback")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step % self.every_n_steps:
+            return
+        for name, module in self._modules:
+            for key, value in module.gate_values().items():
+                pl_module.log(f"gates/{name}/{key}", value, on_step=True, on_epoch=False)
+                if self.log_decisions and key.startswith("gate_"):
+                    decision = (value > 0.5).to(torch.float32)
+                    pl_module.log(f"gates/{name}/{key[5:]}_on", decision, on_step=True, on_epoch=False)

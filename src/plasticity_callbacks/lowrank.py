@@ -1,0 +1,156 @@
+"""Training only the minor components of a weight: two implementations behind one switch.
+
+``mode="factorize"`` (the seed's plan, MiLoRA's split): the weight becomes ``W_p + B @ A`` with
+``B = U_m √S_m`` and ``A = √S_m V_mᵀ`` from the ``r`` smallest singular triplets and
+``W_p = W − BA``; ``W_p`` is frozen and only ``B, A`` train. It is a
+``torch.nn.utils.parametrize`` parametrization, so ``module.weight`` keeps returning the effective
+weight to every caller (Linear, conv, ``MultiheadAttention.in_proj_weight``), and the frozen
+``W_p`` *is* the original ``Parameter`` object (``parametrizations.weight.original``).
+
+Optimizer surgery, and why in place: Lightning has no API to swap an optimizer mid-fit, and a
+rebuilt optimizer would lose every other parameter's moments and the LR scheduler's binding.
+So ``B, A`` are appended to the *param group that holds the weight* (same learning rate, weight
+decay, scheduler lambda; no new group, so schedulers and LR monitors need no change), and the
+frozen ``W_p`` stays in its group with no gradient, which every ``torch.optim`` optimizer skips.
+Its moments are dropped (stale, and the memory is the point). ``CombinedOptimizer`` shares its
+group dicts with the inner Muon/AdamW, so one append reaches both. Appending in a fixed order
+(target order, after removing all previous ``B, A``) makes the layout a function of which
+matrices are factorized, which is what lets a checkpoint resume into it.
+
+``mode="project"``: the weight stays one parameter; in low-rank phases its gradient is replaced
+by ``U_m U_mᵀ ∇W`` before the optimizer step (no parameter surgery, DDP-safe). Relation to the
+factorized form: at ``W = W_p + BA`` a gradient step on ``B, A`` changes the weight by
+``−η (B Bᵀ ∇W + ∇W AᵀA) = −η (U_m S_m U_mᵀ ∇W + ∇W V_m S_m V_mᵀ)`` to first order: a
+σ-weighted projection onto the minor *left* subspace plus one onto the minor *right* subspace
+(so its left factor is not confined to ``U_m``). Projection keeps the left, unweighted part only:
+the update of a momentum-SGD or Muon step stays exactly in ``span(U_m)`` (their linear
+momentum is projected at each switch too), an AdamW step only up to its per-coordinate
+rescaling ``1/√v``, which mixes directions again.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .optim_state import leaf_optimizers, reset_optimizer_state
+from .subspace import SVD, as_matrix
+
+LOWRANK_MODES = ("factorize", "project")
+_LINEAR_STATE = ("exp_avg", "momentum_buffer")  # moments that are linear in the gradient (projectable)
+
+
+class MinorComponents(nn.Module):
+    """Parametrization ``original ↦ original + B @ A`` (reshaped to a conv kernel if needed).
+
+    When ``capture`` is set, the gradient with respect to the effective weight is summed into
+    ``captured`` (over micro-batches): the callback's gradient alignment needs ``∇W``, which
+    the optimizer never sees in this mode.
+    """
+
+    def __init__(self, B: torch.Tensor, A: torch.Tensor):
+        super().__init__()
+        self.B = nn.Parameter(B)  # (d_out, r)
+        self.A = nn.Parameter(A)  # (r, d_in·∏k)
+        self.capture = False
+        self.captured: torch.Tensor | None = None
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        weight = original + (self.B @ self.A).reshape(original.shape)
+        if self.capture and weight.requires_grad:
+            weight.register_hook(self._accumulate)
+        return weight
+
+    def _accumulate(self, grad: torch.Tensor) -> None:
+        grad = grad.detach()
+        self.captured = grad.clone() if self.captured is None else self.captured + grad
+
+
+def minor_factors(svd: SVD, r: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiLoRA's balanced split of the ``r`` smallest triplets: ``B = U_m √S_m``, ``A = √S_m V_mᵀ``."""
+    U, S, V = svd
+    k = S.numel() - r
+    root = S[k:].clamp_min(0).sqrt()
+    return (U[:, k:] * root).to(dtype).contiguous(), (root[:, None] * V[:, k:].mT).to(dtype).contiguous()
+
+
+def is_factorized(module: nn.Module, attr: str) -> bool:
+    return parametrize.is_parametrized(module, attr)
+
+
+def components(module: nn.Module, attr: str) -> MinorComponents:
+    return getattr(module.parametrizations, attr)[0]
+
+
+def factorize(module: nn.Module, attr: str, B: torch.Tensor, A: torch.Tensor,
+              frozen: torch.Tensor | None = None) -> MinorComponents:
+    """Split ``module.<attr>`` into frozen ``W_p = W − BA`` (or the given ``frozen``) plus trainable ``B, A``.
+
+    The module's output is unchanged up to rounding, since ``W_p + BA`` reproduces ``W``.
+    """
+    weight = getattr(module, attr)
+    with torch.no_grad():
+        weight.copy_(frozen if frozen is not None else weight - (B @ A).reshape(weight.shape))
+    weight.requires_grad_(False)
+    weight.grad = None
+    parts = MinorComponents(B, A)
+    parametrize.register_parametrization(module, attr, parts, unsafe=True)
+    return parts
+
+
+def fold(module: nn.Module, attr: str) -> nn.Parameter:
+    """Fold ``BA`` back: the original ``Parameter`` object (still in its optimizer group) becomes ``W_p + BA``."""
+    parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
+    weight = getattr(module, attr)
+    weight.requires_grad_(True)
+    return weight
+
+
+def param_group_of(optimizers, param: torch.Tensor) -> dict | None:
+    """The param-group dict holding ``param`` (shared with the inner optimizers of a ``CombinedOptimizer``)."""
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+        for group in opt.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+    return None
+
+
+def attach(optimizers, weight: torch.Tensor, new_params: list[torch.Tensor]) -> None:
+    """Append ``new_params`` to the group of ``weight`` and drop ``weight``'s now-stale state."""
+    group = param_group_of(optimizers, weight)
+    if group is None:
+        raise RuntimeError("the factorized weight is in no optimizer param group; was it frozen before training?")
+    group["params"].extend(new_params)
+    reset_optimizer_state(optimizers, [weight])
+
+
+def detach(optimizers, params: list[torch.Tensor]) -> None:
+    """Remove ``params`` (and their state) from every param group."""
+    reset_optimizer_state(optimizers, params)
+    ids = {id(p) for p in params}
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        for group in opt.param_groups:
+            group["params"][:] = [p for p in group["params"] if id(p) not in ids]
+
+
+def project_onto(tensor: torch.Tensor, U_minor: torch.Tensor) -> None:
+    """In place: ``T ← U_m U_mᵀ T`` with ``T`` read as its ``(d_out, ·)`` matrix."""
+    T = as_matrix(tensor).to(U_minor.dtype)
+    tensor.copy_((U_minor @ (U_minor.mT @ T)).reshape(tensor.shape))
+
+
+def project_gradient(param: torch.Tensor, U_minor: torch.Tensor) -> None:
+    if param.grad is not None:
+        project_onto(param.grad, U_minor)
+
+
+def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor) -> None:
+    """Project the moments that are linear in the gradient (Adam's ``exp_avg``, SGD/Muon's momentum),
+    so momentum gathered in full mode does not keep pushing principal directions."""
+    for opt in leaf_optimizers(optimizers):
+        state = opt.state.get(param)
+        for key in _LINEAR_STATE:
+            if state and torch.is_tensor(state.get(key)) and state[key].shape == param.shape:
+                project_onto(state[key], U_minor)

@@ -1,0 +1,224 @@
+"""SVD comparison metrics and the adaptive full / minor-component decision (seed 004, ALGORITHMS.md §5).
+
+A weight ``W (d_out, d_in)`` with ``g = min(d_out, d_in)`` has the reduced SVD ``W = U diag(S) Vᵀ``
+(``U (d_out, g)``, ``V (d_in, g)``, ``S`` descending). With ``r`` minor components, the top
+``k = g − r`` columns of ``U`` span the *principal* output subspace and the last ``r`` the *minor*
+one. Everything here is plain tensor math (no Lightning), computed in float32 unless a caller asks
+for float64, on whatever device the inputs live on.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+MODES = ("full", "lowrank")
+SVD_METHODS = ("full", "lowrank")
+
+
+class SVD(NamedTuple):
+    U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis the seed tracks
+    S: torch.Tensor  # (g,) singular values, descending
+    V: torch.Tensor  # (d_in, g) right singular vectors (columns, not Vᵀ)
+
+
+def as_matrix(weight: torch.Tensor) -> torch.Tensor:
+    """A conv kernel ``(out, in, *k)`` viewed as the ``(out, in·∏k)`` matrix it applies."""
+    return weight.reshape(weight.shape[0], -1)
+
+
+def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, niter: int = 2,
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> SVD:
+    """All ``g`` singular triplets of ``W``.
+
+    ``method="full"``: ``torch.linalg.svd`` (LAPACK / cuSOLVER), exact.
+    ``method="lowrank"``: two randomized ``torch.svd_lowrank`` blocks built from matmuls and small
+    SVDs: the top ``top`` triplets of ``W``, then the ``g − top`` triplets of the remainder
+    ``W − U_top S_top V_topᵀ``. Its accuracy depends on the spectral gap at ``top`` and on ``niter``
+    power iterations; a low-rank split built from it stays exact because ``W_p = W − BA`` absorbs
+    any error. The random sketch comes from a private RNG stream (``seed``), so the training RNG
+    is untouched and every rank draws the same sketch.
+    """
+    if method not in SVD_METHODS:
+        raise ValueError(f"method={method!r} is not one of {SVD_METHODS}")
+    W = W.to(dtype)
+    if method == "full":
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+        return SVD(U, S, Vh.mT)
+    g = min(W.shape)
+    q = g if top is None else max(1, min(g, int(top)))
+    devices = [W.device] if W.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        U, S, V = torch.svd_lowrank(W, q=q, niter=niter)
+        if q < g:
+            rest = W - (U * S) @ V.mT
+            U2, S2, V2 = torch.svd_lowrank(rest, q=g - q, niter=niter)
+            U, S, V = torch.cat([U, U2], 1), torch.cat([S, S2]), torch.cat([V, V2], 1)
+    return SVD(U, S, V)
+
+
+def subspace_angle(U1: torch.Tensor, U2: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> float:
+    """Largest principal angle (radians, in ``[0, π/2]``) between the spans of ``U1[:, :k]`` and ``U2[:, :k]``.
+
+    The seed takes ``arccos`` of the smallest singular value of ``U1_kᵀ U2_k``; near 0 that loses
+    everything below ~1e-4 rad in float32 (cos θ = 1 − θ²/2 rounds to 1). Pairing the cosine with
+    the sine of the same angle, ``‖U2_k − U1_k U1_kᵀ U2_k‖₂``, and taking ``atan2`` is accurate
+    at both ends. Both come from ``k × k`` problems (the sine from the Gram matrix of the residual).
+    """
+    if k <= 0:
+        return 0.0
+    A, B = U1[:, :k].to(dtype), U2[:, :k].to(dtype)
+    cross = A.mT @ B  # (k, k)
+    residual = B - A @ cross  # (d, k): the part of span(U2_k) outside span(U1_k)
+    cos = torch.linalg.svdvals(cross).min().clamp(0, 1)
+    sin = torch.linalg.eigvalsh(residual.mT @ residual).max().clamp(0, 1).sqrt()
+    return float(torch.atan2(sin, cos))
+
+
+def energy_rank(S: torch.Tensor, share: float = 0.95) -> int:
+    """How many leading singular values hold ``share`` of ``Σσ²`` (0 for an all-zero spectrum)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share={share} must be in (0, 1]")
+    energy = S.double() ** 2  # float64 sums; a share reached up to the input's rounding counts as reached
+    total = energy.sum()
+    if total <= 0:
+        return 0
+    slack = 4 * S.numel() * torch.finfo(S.dtype).eps if S.is_floating_point() else 0.0
+    reached = torch.cumsum(energy, 0) >= share * total * (1 - slack)
+    return int(reached.nonzero()[0, 0]) + 1
+
+
+def concentration_ratio(S: torch.Tensor, share: float = 0.95) -> float:
+    """``energy_rank / g``: the fraction of singular values needed for ``share`` of the energy."""
+    return energy_rank(S, share) / max(1, S.numel())
+
+
+def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: torch.Tensor, r: int,
+                         dtype: torch.dtype = torch.float32) -> float:
+    """``‖W − W_k‖_F / ‖W‖_F`` for ``W_k`` built from the top ``k = g − r`` triplets (0 for ``W = 0``)."""
+    W = as_matrix(W).to(dtype)
+    k = S.numel() - r
+    U_k, S_k, V_k = U[:, :k].to(dtype), S[:k].to(dtype), V[:, :k].to(dtype)
+    norm = torch.linalg.matrix_norm(W)
+    if norm == 0:
+        return 0.0
+    return float(torch.linalg.matrix_norm(W - (U_k * S_k) @ V_k.mT) / norm)
+
+
+def gradient_alignment(grad: torch.Tensor, U: torch.Tensor, r: int,
+                       dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """``(‖U_p U_pᵀ G‖/‖G‖, ‖U_m U_mᵀ G‖/‖G‖)`` with ``U_p = U[:, :g−r]``, ``U_m = U[:, g−r:g]``.
+
+    The squares sum to 1 when ``U`` spans the whole output space (``d_out ≤ d_in``); a tall
+    matrix's gradient can also point outside ``W``'s column space, and that share is in neither.
+    A zero gradient gives ``(0, 0)``.
+    """
+    G, U = as_matrix(grad).to(dtype), U.to(dtype)
+    k = U.shape[1] - r
+    norm = torch.linalg.matrix_norm(G)
+    if norm == 0:
+        return 0.0, 0.0
+    coeff = U.mT @ G  # (g, d_in): coordinates of G in the U basis; ‖U_p U_pᵀ G‖ = ‖U_pᵀ G‖
+    principal = torch.linalg.matrix_norm(coeff[:k]) / norm
+    minor = torch.linalg.matrix_norm(coeff[k:]) / norm
+    return float(principal), float(minor)
+
+
+def rank_bounds(g: int, r_min: int) -> tuple[int, int]:
+    """``r`` stays in ``[min(r_min, g − 1), g − 1]``: at least one principal component is kept."""
+    return min(r_min, g - 1), g - 1
+
+
+def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int = 8,
+              change_threshold: float = 0.1, grow: float = 1.2, shrink: float = 0.8) -> tuple[int, str]:
+    """The seed's ``determine_next_r``: the number of minor components for the next phase, and why.
+
+    First call (no comparable ``S_prev``): the smallest of the spectral-gap cut (the components
+    after the largest ``σ_i/σ_{i+1}``), the 99.9%-energy cut and ``g // 2``. Later calls: if the
+    bottom ``min(r, g // 4)`` singular values moved by more than ``change_threshold`` (relative
+    norm), keep or grow ``r`` by ``grow``, else shrink it by ``shrink``. Bounded by
+    :func:`rank_bounds`. (The seed's gap cut is ``g − i`` for the gap after index ``i``; that keeps
+    one component too few in the principal part, so it is ``g − i − 1`` here.)
+    """
+    g = S.numel()
+    lo, hi = rank_bounds(g, r_min)
+    S64 = S.double()
+    ratios = S64[:-1] / S64[1:].clamp_min(torch.finfo(torch.float64).tiny)
+    gap_cut = g - int(torch.argmax(ratios)) - 1 if g > 1 else 0
+    energy_cut = g - energy_rank(S, 0.999)
+    if S_prev is not None and S_prev.numel() == g:
+        bottom = max(1, min(r, g // 4))
+        prev, curr = S_prev.double()[-bottom:], S64[-bottom:]
+        denom = torch.linalg.vector_norm(prev)
+        change = float(torch.linalg.vector_norm(curr - prev) / denom) if denom > 0 else math.inf
+        if change > change_threshold:
+            r_next = max(r, int(r * grow))
+            why = f"minor components changing ({change:.1%} > {change_threshold:.0%}): keep/grow r"
+        else:
+            r_next = int(r * shrink)
+            why = f"minor components stable ({change:.1%} <= {change_threshold:.0%}): shrink r"
+    else:
+        r_next = min(gap_cut, energy_cut, g // 2)
+        why = f"initial r from spectral structure (gap cut {gap_cut}, 99.9% energy cut {energy_cut}, g//2 {g // 2})"
+    r_next = max(lo, min(r_next, hi))
+    return r_next, f"{why} -> r={r_next}"
+
+
+def mode_rule(angle: float, principal: float, minor: float, error: float, mode: str,
+              clobber_alignment: float = 0.4, stable_angle: float = 0.1, safe_minor_alignment: float = 0.6,
+              max_reconstruction_error: float = 0.01) -> tuple[str, str]:
+    """The seed's decision on already measured metrics: ``(mode, reason)``; see :func:`decide_mode`."""
+    if principal > clobber_alignment:
+        return "lowrank", "gradient_clobbering_risk"
+    if angle < stable_angle and minor > safe_minor_alignment and error < max_reconstruction_error:
+        return "lowrank", "optimal_lowrank_conditions"
+    if not error < max_reconstruction_error:
+        return "full", "reconstruction_unsafe"
+    return mode, "continue_current_mode"
+
+
+def decide_mode(
+    W: torch.Tensor,
+    svd: SVD,
+    U_prev: torch.Tensor | None,
+    S_prev: torch.Tensor | None,
+    grad: torch.Tensor | None,
+    r: int,
+    mode: str,
+    r_min: int = 8,
+    clobber_alignment: float = 0.4,
+    stable_angle: float = 0.1,
+    safe_minor_alignment: float = 0.6,
+    max_reconstruction_error: float = 0.01,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[str, int, dict]:
+    """The seed's rule: train the full matrix or only its ``r`` minor components next?
+
+    With metrics measured at the current ``r`` (``k = g − r`` principal components):
+    1. principal alignment > ``clobber_alignment`` → ``lowrank`` (the gradient would clobber the principal subspace);
+    2. angle to the previous SVD < ``stable_angle`` and minor alignment > ``safe_minor_alignment``
+       and reconstruction error < ``max_reconstruction_error`` → ``lowrank``;
+    3. reconstruction error ≥ ``max_reconstruction_error`` → ``full``;
+    4. otherwise keep ``mode``.
+    Without a previous SVD the angle is unknown (NaN) and rule 2 cannot fire; without a gradient
+    both alignments are 0. Returns ``(mode, r_next, diagnostics)``; ``r_next`` comes from :func:`next_rank`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    U, S, V = svd
+    k = S.numel() - r
+    angle = subspace_angle(U_prev, U, k, dtype) if U_prev is not None else math.nan
+    principal, minor = gradient_alignment(grad, U, r, dtype) if grad is not None else (0.0, 0.0)
+    error = reconstruction_error(W, U, S, V, r, dtype)
+    r_next, rationale = next_rank(S, S_prev, r, r_min)
+    new_mode, reason = mode_rule(angle, principal, minor, error, mode, clobber_alignment, stable_angle,
+                                 safe_minor_alignment, max_reconstruction_error)
+    diagnostics = {
+        "subspace_angle": angle, "principal_alignment": principal, "minor_alignment": minor,
+        "reconstruction_error": error, "effective_rank": energy_rank(S, 0.95),
+        "concentration": concentration_ratio(S, 0.95), "r": r, "r_next": r_next,
+        "reason": reason, "r_rationale": rationale,
+    }
+    return new_mode, r_next, diagnostics

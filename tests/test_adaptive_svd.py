@@ -1,0 +1,209 @@
+"""AdaptiveSVDSwitch: factorized and projected low-rank training, checkpoint resume, DDP."""
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from ddp_harness import assert_ranks_identical, run_ddp
+from plasticity_callbacks import AdaptiveSVDSwitch, lowrank
+from plasticity_callbacks.subspace import as_matrix, svd_triplets
+from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
+
+ALWAYS_LOWRANK = dict(clobber_alignment=0.0, r_min=2, save_figure=False)  # any principal gradient share > 0
+
+
+def split(module, attr, r):
+    svd = svd_triplets(as_matrix(getattr(module, attr).detach()))
+    B, A = lowrank.minor_factors(svd, r, torch.float32)
+    return lowrank.factorize(module, attr, B, A), svd
+
+
+@pytest.mark.parametrize("layer,x", [
+    (nn.Linear(12, 10), torch.randn(5, 12)),
+    (nn.Conv2d(3, 6, 3, padding=1), torch.randn(2, 3, 7, 7)),
+])
+def test_factorize_keeps_the_output_and_fold_back_is_exact(layer, x):
+    before = layer(x).detach()
+    weight = layer.weight
+    parts, svd = split(layer, "weight", r=3)
+    assert torch.allclose(layer(x), before, atol=1e-5)
+    assert layer.parametrizations.weight.original is weight and not weight.requires_grad
+    k = svd.S.numel() - 3  # B A is exactly the minor part U_m S_m V_mᵀ
+    minor = (svd.U[:, k:] * svd.S[k:]) @ svd.V[:, k:].mT
+    assert torch.allclose(parts.B @ parts.A, minor, atol=1e-5)
+    effective = layer.weight.detach().clone()
+    assert lowrank.fold(layer, "weight") is weight
+    assert torch.equal(weight, effective) and weight.requires_grad and not lowrank.is_factorized(layer, "weight")
+
+
+def test_transferred_gradient_is_the_chain_rule():
+    """At a switch the step's gradient moves to B, A as G Aᵀ and Bᵀ G: what autograd gives the factors."""
+    layer, x = nn.Linear(9, 7), torch.randn(4, 9)
+    G = torch.autograd.grad(layer(x).square().sum(), layer.weight)[0]
+    parts, _ = split(layer, "weight", r=2)
+    layer(x).square().sum().backward()
+    assert torch.allclose(parts.B.grad, G @ parts.A.detach().mT, atol=1e-5)
+    assert torch.allclose(parts.A.grad, parts.B.detach().mT @ G, atol=1e-5)
+
+
+class Spy(L.Callback):
+    """Records, after each optimizer step, the frozen part and the factors of every factorized matrix."""
+
+    def __init__(self, switch):
+        self.switch, self.records = switch, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        row = {"step": trainer.global_step}
+        for m in self.switch.matrices:
+            if lowrank.is_factorized(m.target.module, m.attr):
+                parts = lowrank.components(m.target.module, m.attr)
+                row[m.target.name] = (m.target.param.detach().clone(), (parts.B @ parts.A).detach().clone())
+        self.records.append(row)
+
+
+def test_factorize_freezes_w_p_and_trains_only_the_minor_part():
+    module, loader = build("mlp")
+    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=4, warmup_steps=4, **ALWAYS_LOWRANK)
+    spy = Spy(switch)
+    cpu_trainer(max_steps=8, callbacks=[switch, spy]).fit(module, loader)
+    name = "net.2.weight"
+    after_switch = [r[name] for r in spy.records if r["step"] >= 5]  # steps 5..8 run on the split of step 4
+    assert len(after_switch) == 4
+    for W_p, BA in after_switch[1:]:
+        assert torch.equal(W_p, after_switch[0][0])  # the principal part never moves
+        assert not torch.equal(BA, after_switch[0][1])  # the minor part trains
+    optimizer = module.trainer.optimizers[0]
+    m = next(m for m in switch.matrices if m.target.name == name)
+    parts = lowrank.components(m.target.module, m.attr)
+    group = lowrank.param_group_of([optimizer], m.target.param)
+    assert any(p is parts.B for p in group["params"]) and any(p is parts.A for p in group["params"])
+    assert m.target.param not in optimizer.state and parts.B in optimizer.state  # W_p holds no moments
+    assert switch.matrices[0].r <= 7 and all(m.mode == "lowrank" for m in switch.matrices)
+
+
+class FlipToFull(L.Callback):
+    """From step ``at`` on, make every decision "full" (no rule can choose low-rank)."""
+
+    def __init__(self, switch, at):
+        self.switch, self.at = switch, at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            self.switch.thresholds.update(clobber_alignment=1.0, max_reconstruction_error=0.0)
+
+
+def test_switch_back_to_full_folds_and_trains_the_whole_matrix_again():
+    module, loader = build("gpt", optimizer="muon")  # B, A join Muon's group inside CombinedOptimizer
+    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=2, warmup_steps=2, **ALWAYS_LOWRANK)
+    trainer = cpu_trainer(max_steps=7, callbacks=[switch, FlipToFull(switch, at=4)])
+    trainer.fit(module, loader)
+    optimizer = trainer.optimizers[0]
+    modes = [mode for step, _, mode, _ in switch.history]
+    assert "lowrank" in modes and all(mode == "full" for step, _, mode, _ in switch.history if step >= 4)
+    muon_params = optimizer.optimizers[0].param_groups[0]["params"]
+    for m in switch.matrices:
+        assert not lowrank.is_factorized(m.target.module, m.attr) and m.target.param.requires_grad
+        assert m.target.param in optimizer.state  # stepped again as a whole matrix
+    assert len(muon_params) == len({id(p) for p in muon_params}) == sum(1 for _ in switch.matrices)
+
+
+def test_factorized_checkpoint_resumes_into_the_same_run(tmp_path):
+    def run(max_steps, ckpt_path=None, save=False):
+        L.seed_everything(0)
+        module = TinyMLPModule()
+        switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=4, warmup_steps=4, **ALWAYS_LOWRANK)
+        callbacks = [switch]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1,
+                                             filename="{step}"))
+        trainer = cpu_trainer(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save)
+        trainer.fit(module, regression_loader(), ckpt_path=ckpt_path)  # 8 batches: step 8 ends an epoch
+        effective = {n: m.target.module.weight.detach().clone() for n, m in
+                     ((m.target.name, m) for m in switch.matrices)}
+        return module, switch, effective
+
+    module, uninterrupted, weights = run(16, save=True)
+    ckpt = torch.load(tmp_path / "step=8.ckpt", weights_only=False)
+    assert not any("parametrizations" in k for k in ckpt["state_dict"])  # a plain checkpoint...
+    plain = TinyMLPModule()
+    plain.load_state_dict(ckpt["state_dict"])  # ...that loads without the callback
+    resumed_module, resumed, resumed_weights = run(16, ckpt_path=tmp_path / "step=8.ckpt")
+    assert resumed.history == uninterrupted.history
+    for name in weights:
+        assert torch.equal(resumed_weights[name], weights[name]), name
+    for a, b in zip(resumed_module.parameters(), module.parameters()):
+        assert torch.equal(a, b)
+    assert all(lowrank.is_factorized(m.target.module, m.attr) for m in resumed.matrices)
+
+
+class GradientSpy(L.Callback):
+    def __init__(self, sink, switch):
+        self.sink, self.switch = sink, switch
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.sink.append({m.target.name: (m.target.param.grad.clone(), m.mode, m.U_prev, m.r)
+                          for m in self.switch.matrices})
+
+
+def test_project_removes_the_principal_component_of_the_gradient_exactly():
+    module, loader = build("cnn", optimizer="sgd")  # a non-GPT model with conv kernels
+    switch = AdaptiveSVDSwitch(mode="project", svd_interval=3, warmup_steps=3, **ALWAYS_LOWRANK)
+    raw, projected = [], []
+    trainer = cpu_trainer(max_steps=7, callbacks=[GradientSpy(raw, switch), switch, GradientSpy(projected, switch)])
+    trainer.fit(module, loader)
+    checked = 0
+    for before, after in zip(raw[3:], projected[3:]):
+        for name, (grad, _, _, _) in before.items():
+            projected_grad, mode, U, r = after[name]
+            assert mode == "lowrank"
+            U = U.double()
+            k = U.shape[1] - r
+            G = as_matrix(grad).double()
+            assert torch.allclose(as_matrix(projected_grad).double(), U[:, k:] @ (U[:, k:].mT @ G), atol=1e-7)
+            assert (U[:, :k].mT @ as_matrix(projected_grad).double()).abs().max() < 1e-6 * G.abs().max()
+            checked += 1
+    assert checked == 4 * len(switch.matrices)
+    assert all(torch.equal(raw[s][n][0], projected[s][n][0]) for s in range(3) for n in raw[s])  # full mode: untouched
+
+
+def test_logs_and_figure(tmp_path):
+    module, loader = build("mlp")
+    switch = AdaptiveSVDSwitch(mode="project", svd_interval=2, warmup_steps=2, r_min=2, clobber_alignment=0.0)
+    trainer = cpu_trainer(max_steps=5, callbacks=[switch], default_root_dir=tmp_path)
+    trainer.fit(module, loader)
+    metrics = trainer.callback_metrics
+    assert metrics["adaptive_svd/n_lowrank"] == 2
+    for key in ("angle", "principal_alignment", "minor_alignment", "reconstruction_error", "effective_rank", "r",
+                "lowrank"):
+        assert f"adaptive_svd/net.0.weight/{key}" in metrics
+    assert (tmp_path / "figures" / "adaptive_svd_modes.png").is_file()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="lora"), "mode"), (dict(svd_interval=0), "svd_interval"), (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(r_min=0), "r_min"), (dict(scope="conv"), "scope"), (dict(stable_angle=2.0), "stable_angle"),
+    (dict(clobber_alignment=1.5), "clobber_alignment"), (dict(svd_method="qr"), "svd_method"),
+    (dict(svd_dtype="float16"), "svd_dtype"), (dict(initial_rank=0), "initial_rank"),
+])
+def test_arguments_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveSVDSwitch(**kwargs)
+
+
+def test_factorize_refuses_ddp_with_a_pointer_to_project():
+    fake = SimpleNamespace(strategy=DDPStrategy())
+    with pytest.raises(MisconfigurationException, match="mode='project'"):
+        AdaptiveSVDSwitch(mode="factorize").setup(fake, TinyMLPModule(), "fit")
+
+
+def test_project_mode_keeps_ddp_ranks_identical(tmp_path):
+    spec = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "mode": "project", "svd_interval": 2,
+            "warmup_steps": 2, "r_min": 2, "clobber_alignment": 0.0, "save_figure": False}
+    results = run_ddp(tmp_path, spec, model="gpt", steps=6)
+    assert_ranks_identical(results)
+    assert results[0]["metrics"]["adaptive_svd/n_lowrank"] == 12  # every matrix projected: the test is not vacuous

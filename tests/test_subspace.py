@@ -1,0 +1,171 @@
+"""SVD comparison metrics and the decision rule, on matrices with known answers (float64 references)."""
+import math
+
+import pytest
+import torch
+
+from plasticity_callbacks.subspace import (
+    SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, mode_rule, next_rank,
+    reconstruction_error, subspace_angle, svd_triplets,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def orthonormal(n, k, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(n, k, generator=g, dtype=dtype)).Q
+
+
+def reference_angle(A, B):
+    """arccos of the smallest cosine, in float64 (the seed's formula, fine away from 0)."""
+    return float(torch.arccos(torch.linalg.svdvals(A.double().mT @ B.double()).min().clamp(-1, 1)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_angle_identical_orthogonal_and_known_rotation(device):
+    n, k = 20, 4
+    Q = orthonormal(n, n, seed=1).to(device)  # a fresh random frame: the answers must not depend on it
+    U1 = Q[:, :k].float()
+    mix = orthonormal(k, k, seed=2).to(device).float()  # another basis of the same subspace
+    assert subspace_angle(U1, U1 @ mix, k) == pytest.approx(0.0, abs=1e-5)
+    assert subspace_angle(U1, Q[:, k:2 * k].float(), k) == pytest.approx(math.pi / 2, abs=1e-6)
+    thetas = torch.tensor([0.05, 0.3, 0.7, 0.2], dtype=torch.float64, device=device)
+    U2 = Q[:, :k] * thetas.cos() + Q[:, k:2 * k] * thetas.sin()  # column i turned by θ_i toward the complement
+    assert subspace_angle(U1, U2.float(), k) == pytest.approx(0.7, abs=1e-6)
+    assert subspace_angle(U1, U2.float(), k) == pytest.approx(reference_angle(U1, U2), abs=1e-6)
+
+
+def test_small_angle_is_accurate_in_float32():
+    Q = orthonormal(16, 16, seed=3)
+    theta = 3e-5  # cos θ rounds to 1 in float32: the seed's arccos would return 0
+    U2 = Q[:, :3].clone()
+    U2[:, 1] = Q[:, 1] * math.cos(theta) + Q[:, 7] * math.sin(theta)
+    assert subspace_angle(Q[:, :3].float(), U2.float(), 3) == pytest.approx(theta, rel=0.05)
+    assert subspace_angle(Q[:, :3], U2, 3, dtype=torch.float64) == pytest.approx(theta, rel=1e-6)
+
+
+def test_energy_rank_and_concentration():
+    S = torch.tensor([50.0, 30.0, 15.0, 4.0, 1.0]).sqrt()  # energies sum to 100
+    assert energy_rank(S, 0.5) == 1
+    assert energy_rank(S, 0.95) == 3  # exactly 95 counts as reached
+    assert energy_rank(S, 0.96) == 4
+    assert energy_rank(S, 1.0) == 5
+    assert concentration_ratio(S, 0.95) == pytest.approx(3 / 5)
+    assert energy_rank(torch.zeros(4), 0.9) == 0
+    S = torch.rand(30, generator=torch.Generator().manual_seed(4)).sort(descending=True).values
+    e = (S.double() ** 2).cumsum(0) / (S.double() ** 2).sum()
+    assert energy_rank(S, 0.9) == int((e < 0.9).sum()) + 1  # the seed's counting
+    with pytest.raises(ValueError, match="share"):
+        energy_rank(S, 0.0)
+
+
+def test_reconstruction_error_of_a_rank_k_matrix():
+    g = torch.Generator().manual_seed(5)
+    d_out, d_in, k = 12, 20, 4
+    W = torch.randn(d_out, k, generator=g) @ torch.randn(k, d_in, generator=g)  # rank 4, g = 12
+    U, S, V = svd_triplets(W)
+    for r in range(0, 12 - k + 1):
+        assert reconstruction_error(W, U, S, V, r) < 1e-5
+    assert reconstruction_error(W, U, S, V, 12 - k + 1) > 1e-2
+    W = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    U, S, V = svd_triplets(W, dtype=torch.float64)
+    tail = float((S[-5:] ** 2).sum().sqrt() / (S ** 2).sum().sqrt())
+    assert reconstruction_error(W, U, S, V, 5, dtype=torch.float64) == pytest.approx(tail, rel=1e-10)
+    assert reconstruction_error(torch.zeros(3, 4), *svd_triplets(torch.zeros(3, 4)), 1) == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_alignment(device):
+    g = torch.Generator().manual_seed(6)
+    W = torch.randn(10, 16, generator=g).to(device)
+    U, S, V = svd_triplets(W)
+    r = 3
+    inside = U[:, :7] @ torch.randn(7, 16, generator=g).to(device)  # built inside the principal subspace
+    assert gradient_alignment(inside, U, r) == pytest.approx((1.0, 0.0), abs=1e-5)
+    minor = U[:, 7:] @ torch.randn(3, 16, generator=g).to(device)
+    assert gradient_alignment(minor, U, r) == pytest.approx((0.0, 1.0), abs=1e-5)
+    G = torch.randn(10, 16, generator=g, dtype=torch.float64).to(device)
+    U64 = svd_triplets(W, dtype=torch.float64).U
+    expect = [float(torch.linalg.matrix_norm(P @ P.mT @ G) / torch.linalg.matrix_norm(G))
+              for P in (U64[:, :7], U64[:, 7:])]
+    p, m = gradient_alignment(G, U64, r, dtype=torch.float64)
+    assert (p, m) == pytest.approx(expect, rel=1e-10)
+    assert p ** 2 + m ** 2 == pytest.approx(1.0)  # square-or-wide: U spans the output space
+    assert gradient_alignment(torch.zeros(10, 16), U, r) == (0.0, 0.0)
+
+
+def test_next_rank_first_call_uses_the_spectral_structure():
+    # 64 values: a gap after index 39 (ratio 10), 99.9% energy well inside the first 40
+    S = torch.cat([torch.linspace(10, 5, 40), torch.linspace(0.5, 0.01, 24)])
+    r, why = next_rank(S, None, r=32, r_min=8)
+    energy_cut = 64 - energy_rank(S, 0.999)
+    assert r == min(64 - 40, energy_cut, 32) and "initial" in why
+    r, _ = next_rank(torch.ones(16), None, r=8, r_min=8)  # flat spectrum, no gap: g//2 or the bounds
+    assert 8 <= r <= 15
+
+
+def test_next_rank_grows_when_the_bottom_moves_and_shrinks_when_stable():
+    S_prev = torch.linspace(10, 1, 100)
+    moved = S_prev.clone()
+    moved[-20:] *= 1.3  # bottom 25% changed by 30% > 10%
+    assert next_rank(moved, S_prev, r=40)[0] == 48 and "grow" in next_rank(moved, S_prev, r=40)[1]
+    stable = S_prev.clone()
+    stable[-20:] *= 1.05
+    assert next_rank(stable, S_prev, r=40)[0] == 32
+    assert next_rank(stable, S_prev, r=9)[0] == 8  # r_min bound
+    assert next_rank(moved, S_prev, r=99)[0] == 99  # g − 1 bound
+    assert next_rank(stable, S_prev[:50], r=9)[1].startswith("initial")  # incomparable previous spectrum
+
+
+@pytest.mark.parametrize("angle,principal,minor,error,mode,expected", [
+    (0.5, 0.41, 0.2, 0.5, "full", ("lowrank", "gradient_clobbering_risk")),  # clobbering wins over everything
+    (0.5, 0.40, 0.2, 0.5, "lowrank", ("full", "reconstruction_unsafe")),  # 0.4 is not > 0.4
+    (0.09, 0.3, 0.61, 0.009, "full", ("lowrank", "optimal_lowrank_conditions")),
+    (0.10, 0.3, 0.61, 0.009, "full", ("full", "continue_current_mode")),  # angle not < 0.1
+    (0.09, 0.3, 0.60, 0.009, "lowrank", ("lowrank", "continue_current_mode")),  # minor not > 0.6
+    (0.09, 0.3, 0.61, 0.010, "lowrank", ("full", "reconstruction_unsafe")),  # error not < 0.01
+    (math.nan, 0.3, 0.9, 0.001, "full", ("full", "continue_current_mode")),  # no previous SVD
+])
+def test_mode_rule_table(angle, principal, minor, error, mode, expected):
+    assert mode_rule(angle, principal, minor, error, mode) == expected
+
+
+def test_decide_mode_on_constructed_matrices():
+    gen = torch.Generator().manual_seed(7)
+    U0, V0 = orthonormal(16, 16, 8).float(), orthonormal(24, 16, 9).float()
+    S = torch.cat([torch.linspace(10, 4, 12), torch.full((4,), 1e-3)])
+    W = (U0 * S) @ V0.mT  # the 4 minor components carry ~1e-7 of the energy
+    svd = svd_triplets(W)
+    minor_grad = svd.U[:, 12:] @ torch.randn(4, 24, generator=gen)
+    mode, r_next, d = decide_mode(W, svd, svd.U, svd.S, minor_grad, r=4, mode="full")
+    assert (mode, d["reason"]) == ("lowrank", "optimal_lowrank_conditions")
+    assert d["subspace_angle"] < 1e-3 and d["minor_alignment"] > 0.99 and d["reconstruction_error"] < 1e-3
+    principal_grad = svd.U[:, :12] @ torch.randn(12, 24, generator=gen)
+    assert decide_mode(W, svd, None, None, principal_grad, 4, "full")[2]["reason"] == "gradient_clobbering_risk"
+    noisy = svd_triplets(torch.randn(16, 24, generator=gen))
+    mode, _, d = decide_mode(torch.randn(16, 24, generator=gen), noisy, None, None, minor_grad * 0, 4, "lowrank")
+    assert (mode, d["reason"]) == ("full", "reconstruction_unsafe")
+    with pytest.raises(ValueError, match="mode"):
+        decide_mode(W, svd, None, None, None, 4, "half")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_svd_triplets_lowrank_matches_full_and_keeps_global_rng(device):
+    g = torch.Generator().manual_seed(10)
+    U0, V0 = orthonormal(40, 30, 11), orthonormal(30, 30, 12)
+    S0 = torch.cat([torch.linspace(20, 10, 10), torch.linspace(1, 0.1, 20)]).double()
+    W = ((U0 * S0) @ V0.mT).float().to(device)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    U, S, V = svd_triplets(W, "lowrank", top=10, niter=4)
+    assert torch.equal(torch.rand(3), expected_draw)  # the sketch used a private stream
+    assert U.shape == (40, 30) and S.shape == (30,) and V.shape == (30, 30)
+    assert torch.allclose((U * S) @ V.mT, W, atol=1e-4)
+    assert torch.allclose(S.cpu().double(), S0, rtol=1e-3)
+    assert subspace_angle(U, U0.float().to(device), 10) < 1e-3
+    full = svd_triplets(W, dtype=torch.float64)
+    assert full.U.dtype == torch.float64 and isinstance(full, SVD)
+    with pytest.raises(ValueError, match="method"):
+        svd_triplets(W, "randomized")
