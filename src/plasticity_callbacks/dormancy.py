@@ -92,7 +92,8 @@ def fresh_weights(weight: torch.Tensor, init: Init, generator: torch.Generator |
         if init not in INITS:
             raise ValueError(f"init={init!r} is not one of {INITS} or a std (number / 0-D tensor)")
         if init == "weight_std":
-            std = weight.detach().float().std()
+            # The std of a one-element weight is undefined (NaN): fall back to PyTorch's default scale.
+            std = weight.detach().float().std() if weight.numel() > 1 else torch.tensor(1 / math.sqrt(fan_in))
         else:
             bound = 1 / math.sqrt(fan_in) if init == "default" else math.sqrt(6 / (fan_in + fan_out))
             uniform = torch.rand(weight.shape, generator=generator, device=weight.device, dtype=torch.float32)

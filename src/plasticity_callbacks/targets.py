@@ -110,6 +110,18 @@ def select_targets(
     return targets
 
 
+def validate_selection(scope: str, include=None, exclude=None) -> None:
+    """Check selection arguments at construction time, so a typo fails before training starts."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+    for name, value in (("include", include), ("exclude", exclude)):
+        if value is None:
+            continue
+        # A bare string would be iterated character by character: demand a list of patterns.
+        if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+            raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
+
+
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 

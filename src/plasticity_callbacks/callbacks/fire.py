@@ -1,0 +1,307 @@
+"""``FIREReinit``: Frobenius-isometry reinitialization (FIRE) at chosen moments of training."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..distributed import all_reduce_mean, require_full_parameters
+from ..fire import FireRecord, apply_fire, validate_fire_options
+from ..optim_state import leaf_optimizers
+from ..spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
+from ..targets import SCOPES, require_targets, select_targets
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class FIREReinit(L.Callback):
+    """Replace the selected weights by ``scale · polar(W)``, the nearest isometry, and reset their optimizer state.
+
+    When (any combination; each application happens once, also across a resume):
+      * ``at_fit_start``: in ``on_train_start`` (a phase boundary: the fit continues from earlier
+        weights). A fit resumed with ``ckpt_path`` whose checkpoint already records it does not repeat it.
+      * ``epochs`` / ``every_n_epochs``: in ``on_train_epoch_start`` of those epochs (0-based; ``every_n_epochs``
+        skips epoch 0).
+      * ``steps``: in ``on_train_batch_start`` once ``trainer.global_step`` (optimizer steps taken) equals one.
+      * ``monitor``: in ``on_validation_end`` when the (rank-averaged) metric has not improved by
+        ``min_delta`` for ``patience`` validations (EarlyStopping's rule); then ``cooldown`` validations
+        pass before counting again, and the best value restarts from the post-FIRE loss.
+
+    What changes: the target weights (see :func:`plasticity_callbacks.fire.apply_fire`) and the
+    optimizer state of exactly those weights (``reset_optimizer``). With ``rewarmup_steps = K`` the
+    learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
+    each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
+    scheduler steps, so the user's scheduler is neither replaced nor disturbed.
+    Logged (through ``pl_module.log``, at the next training batch): ``fire/dfi_before``,
+    ``fire/dfi_after`` (mean over layers), ``fire/sfe``, ``fire/sfe_normalized``, ``fire/seconds``
+    (rank mean), ``fire/applications``, and per layer with ``log_per_layer``. ``save_spectra``
+    saves singular-value spectra before/after as a figure in the logger's directory.
+    Every rank computes the same deterministic result; sharded strategies are refused at setup.
+
+    Example:
+        >>> fire = FIREReinit(at_fit_start=True, scope="attention", method="polar_express")
+        >>> trainer = L.Trainer(callbacks=[fire], max_steps=1000)
+        >>> trainer.fit(model, datamodule=next_phase_data)
+    """
+
+    def __init__(
+        self,
+        at_fit_start: bool = True,
+        epochs: Sequence[int] | None = None,
+        every_n_epochs: int | None = None,
+        steps: Sequence[int] | None = None,
+        monitor: str | None = None,
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "min",
+        cooldown: int = 0,
+        max_plateau_applications: int | None = None,
+        scope: str = "all",
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        include_conv: bool = True,
+        include_head: bool = False,
+        method: str = "polar_express",
+        normalize: str | None = None,
+        iters: int | None = None,
+        tol: float | None = 1e-5,
+        check_every: int = 2,
+        dtype: str = "float32",
+        scale: str | float = "sqrt_dout_din",
+        on_degenerate: str = "skip",
+        reset_optimizer: bool = True,
+        rewarmup_steps: int = 0,
+        log_per_layer: bool = False,
+        save_spectra: bool = False,
+    ):
+        super().__init__()
+        for name, patterns in (("include", include), ("exclude", exclude)):
+            if patterns is not None and (isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)):
+                raise ValueError(f"{name}={patterns!r} must be a list of fnmatch patterns, e.g. ['blocks.0.*']")
+        self.epochs = _int_list("epochs", epochs)
+        self.steps = _int_list("steps", steps)
+        _check_int("every_n_epochs", every_n_epochs, minimum=1, optional=True)
+        _check_int("patience", patience, minimum=1)
+        _check_int("cooldown", cooldown, minimum=0)
+        _check_int("max_plateau_applications", max_plateau_applications, minimum=1, optional=True)
+        _check_int("rewarmup_steps", rewarmup_steps, minimum=0)
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode={mode!r} is not one of ('min', 'max')")
+        if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
+            raise ValueError(f"min_delta={min_delta!r} must be a non-negative number")
+        if scope not in SCOPES:
+            raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+        if normalize is not None and normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZATIONS} or None "
+                             f"(default per method: {DEFAULT_NORMALIZE})")
+        if method == "polar_express" and normalize == "spectral":
+            raise ValueError("normalize='spectral' is unsafe for method='polar_express'; use 'gram' or 'frobenius'")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {tuple(_DTYPES)}")
+        if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
+            raise ValueError(f"tol={tol!r} must be a positive number or None")
+        _check_int("iters", iters, minimum=1, optional=True)
+        _check_int("check_every", check_every, minimum=1)
+        validate_fire_options(method, scale, on_degenerate)
+        if not (at_fit_start or self.epochs or every_n_epochs or self.steps or monitor):
+            raise ValueError("FIREReinit has no trigger: set at_fit_start, epochs, every_n_epochs, steps or monitor")
+        self.at_fit_start, self.every_n_epochs = at_fit_start, every_n_epochs
+        self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, float(min_delta), mode
+        self.cooldown, self.max_plateau_applications = cooldown, max_plateau_applications
+        self.selection = dict(scope=scope, include=list(include) if include else None,
+                              exclude=list(exclude) if exclude else None, include_conv=include_conv,
+                              include_head=include_head)
+        self.fire_options = dict(method=method, normalize=normalize, iters=iters, tol=tol, check_every=check_every,
+                                 dtype=_DTYPES[dtype], scale=scale, on_degenerate=on_degenerate,
+                                 reset_optimizer=reset_optimizer)
+        self.rewarmup_steps, self.log_per_layer, self.save_spectra = rewarmup_steps, log_per_layer, save_spectra
+        # State that survives a resume (state_dict): which applications happened, plateau counters, warmup.
+        self.applied: list[str] = []  # "fit_start", "epoch:3", "step:100", "plateau:250"
+        self.history: list[dict[str, Any]] = []  # per application: key, global_step, mean DfI before/after
+        self.best: float | None = None
+        self.wait = 0
+        self.cooldown_left = 0
+        self.warmup_start: int | None = None  # global step of the first re-warmed step
+        self.last_records: list[FireRecord] = []
+        self._pending_logs: dict[str, float] = {}
+        self._hook_handles: list = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(scope=self.selection["scope"], method=self.fire_options["method"],
+                                        at_fit_start=self.at_fit_start, epochs=self.epochs,
+                                        every_n_epochs=self.every_n_epochs, steps=self.steps, monitor=self.monitor)
+
+    # ------------------------------------------------------------------------------------- hooks
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        require_full_parameters(trainer, "FIREReinit")
+        require_targets(select_targets(pl_module, **self.selection), "FIREReinit", self.selection["scope"],
+                        self.selection["include"], self.selection["exclude"])
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.rewarmup_steps:
+            self._install_rewarmup_hooks(trainer)
+        if self.at_fit_start:
+            self._apply_once("fit_start", trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        periodic = self.every_n_epochs is not None and epoch > 0 and epoch % self.every_n_epochs == 0
+        if epoch in self.epochs or periodic:
+            self._apply_once(f"epoch:{epoch}", trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step in self.steps:
+            self._apply_once(f"step:{trainer.global_step}", trainer, pl_module)
+        if self._pending_logs:
+            for name, value in self._pending_logs.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False)
+            self._pending_logs = {}
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.monitor is None or trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            raise RuntimeError(f"FIREReinit(monitor={self.monitor!r}): metric not logged; available: "
+                               f"{sorted(trainer.callback_metrics)}")
+        # Ranks may log different local values: decide on the mean so every rank acts alike.
+        value = float(all_reduce_mean(trainer, torch.as_tensor(value, dtype=torch.float64, device=pl_module.device)))
+        if self.cooldown_left > 0:
+            self.cooldown_left -= 1
+            self.best = value if self._improved(value) else self.best
+            return
+        if self._improved(value):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        plateau_count = sum(key.startswith("plateau:") for key in self.applied)
+        limit_reached = self.max_plateau_applications is not None and plateau_count >= self.max_plateau_applications
+        if self.wait >= self.patience and not limit_reached:
+            if self._apply_once(f"plateau:{trainer.global_step}", trainer, pl_module):
+                self.best, self.wait, self.cooldown_left = None, 0, self.cooldown
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remove_rewarmup_hooks()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_rewarmup_hooks()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": list(self.applied), "history": list(self.history), "best": self.best, "wait": self.wait,
+                "cooldown_left": self.cooldown_left, "warmup_start": self.warmup_start}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.applied = list(state_dict["applied"])
+        self.history = list(state_dict["history"])
+        self.best, self.wait = state_dict["best"], state_dict["wait"]
+        self.cooldown_left, self.warmup_start = state_dict["cooldown_left"], state_dict["warmup_start"]
+
+    # ----------------------------------------------------------------------------------- actions
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+
+    def _apply_once(self, key: str, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        if key in self.applied:
+            return False
+        records = apply_fire(pl_module, trainer.optimizers, record_spectra=self.save_spectra, **self.selection,
+                             **self.fire_options)
+        self.applied.append(key)
+        self.last_records = records
+        if self.rewarmup_steps:
+            self.warmup_start = trainer.global_step
+        done = [r for r in records if r.skipped is None]
+        seconds = sum(r.seconds for r in records)
+        seconds = float(all_reduce_mean(trainer, torch.tensor(seconds, dtype=torch.float64, device=pl_module.device)))
+        summary = {
+            "fire/dfi_before": _mean(r.dfi_before for r in done), "fire/dfi_after": _mean(r.dfi_after for r in done),
+            "fire/sfe": sum(r.sfe for r in done), "fire/sfe_normalized": _mean(r.sfe_normalized for r in done),
+            "fire/seconds": seconds, "fire/applications": float(len(self.applied)),
+            "fire/layers": float(len(done)),
+        }
+        if self.log_per_layer:
+            for r in done:
+                summary[f"fire/dfi_before/{r.name}"] = r.dfi_before
+                summary[f"fire/dfi_after/{r.name}"] = r.dfi_after
+                summary[f"fire/sfe/{r.name}"] = r.sfe
+        self._pending_logs.update(summary)
+        self.history.append({"key": key, "global_step": trainer.global_step, "dfi_before": summary["fire/dfi_before"],
+                             "dfi_after": summary["fire/dfi_after"], "layers": len(done)})
+        skipped = [f"{r.name} ({r.skipped})" for r in records if r.skipped is not None]
+        rank_zero_info(f"FIREReinit[{key}]: {len(done)} weights orthogonalized at step {trainer.global_step} in "
+                       f"{seconds:.3f}s, mean DfI {summary['fire/dfi_before']:.3g} -> {summary['fire/dfi_after']:.3g}"
+                       + (f"; skipped {', '.join(skipped)}" if skipped else ""))
+        if self.save_spectra:
+            self._save_spectra(trainer, key, done)
+        return True
+
+    def _save_spectra(self, trainer: L.Trainer, key: str, records: list[FireRecord]) -> None:
+        from ..figures import plt, save_figure
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in records:
+            line, = ax.plot(r.spectrum_before.flatten().sort(descending=True).values, alpha=0.6, label=r.name)
+            ax.plot(r.spectrum_after.flatten().sort(descending=True).values, ls="--", color=line.get_color())
+        ax.set(yscale="log", xlabel="index", ylabel="singular value", title=f"FIRE {key}: before (—), after (--)")
+        if len(records) <= 12:
+            ax.legend(fontsize=6)
+        save_figure(fig, trainer, f"fire_spectra_{key.replace(':', '_')}")
+
+    # ------------------------------------------------------------------------------ LR re-warmup
+
+    def _warmup_factor(self, global_step: int) -> float:
+        if self.warmup_start is None:
+            return 1.0
+        offset = global_step - self.warmup_start
+        return (offset + 1) / self.rewarmup_steps if 0 <= offset < self.rewarmup_steps else 1.0
+
+    def _install_rewarmup_hooks(self, trainer: L.Trainer) -> None:
+        self._remove_rewarmup_hooks()
+        for optimizer in leaf_optimizers(trainer.optimizers):
+            saved: list[float] = []
+
+            def scale_lr(opt, args, kwargs, saved=saved):
+                factor = self._warmup_factor(trainer.global_step)
+                saved[:] = [group["lr"] for group in opt.param_groups]
+                if factor != 1.0:
+                    for group in opt.param_groups:
+                        group["lr"] = group["lr"] * factor
+
+            def restore_lr(opt, args, kwargs, saved=saved):
+                for group, lr in zip(opt.param_groups, saved):
+                    group["lr"] = lr  # exact value back, before any scheduler reads or writes it
+
+            self._hook_handles += [optimizer.register_step_pre_hook(scale_lr),
+                                   optimizer.register_step_post_hook(restore_lr)]
+
+    def _remove_rewarmup_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _int_list(name: str, values) -> list[int]:
+    if values is None:
+        return []
+    values = list(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{name}={values!r} must be a list of non-negative integers")
+    return sorted(set(values))
+
+
+def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (" or None" if optional else ""))

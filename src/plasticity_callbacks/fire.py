@@ -1,0 +1,180 @@
+"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No Lightning.
+
+Each selected weight is replaced by ``scale · polar(W)`` (conv kernels: one polar factor per
+spatial tap, as the reference code does), then the optimizer state of exactly those weights
+is dropped. Weights are processed one at a time, so the extra memory is that of one matrix's
+iteration (about 3× the largest matrix), not of the model.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .optim_state import reset_optimizer_state
+from .spectral import deviation_from_isometry, orthogonalize, singular_values, squared_frobenius_error
+from .targets import Target, select_targets
+
+SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
+
+
+@dataclass
+class FireRecord:
+    """What FIRE did to one parameter. DfI is measured against the target scale (0 = isometry at that scale)."""
+
+    name: str
+    shape: tuple[int, ...]
+    scale: float = float("nan")
+    dfi_before: float = float("nan")
+    dfi_after: float = float("nan")
+    sfe: float = float("nan")  # ‖W − W̃‖²_F
+    sfe_normalized: float = float("nan")  # SFE / ‖W‖²_F
+    iterations: int = 0
+    matmuls: int = 0
+    fell_back: int = 0  # slices solved by SVD after missing tol
+    seconds: float = 0.0
+    skipped: str | None = None  # why the parameter was left unchanged, if it was
+    spectrum_before: torch.Tensor | None = field(default=None, repr=False)
+    spectrum_after: torch.Tensor | None = field(default=None, repr=False)
+
+
+def as_matrices(param: torch.Tensor) -> torch.Tensor:
+    """A view of a weight as a batch of matrices: ``(d_out, d_in)`` stays; a conv kernel
+    ``(C_out, C_in, *k)`` becomes ``(*k, C_out, C_in)``, one matrix per spatial tap."""
+    if param.dim() == 2:
+        return param
+    return param.permute(*range(2, param.dim()), 0, 1)
+
+
+def target_scale(param: torch.Tensor, rule: str | float) -> float:
+    """``sqrt_dout_din``: ``√(d_out/d_in)`` (conv: ``√(C_out/C_in)/(k_h·k_w)``, the reference's);
+    ``unit``: 1 (a pure isometry); ``preserve_norm``: keep ``‖W‖_F``; a number: that scale."""
+    if not isinstance(rule, str):
+        return float(rule)
+    d_out, d_in = param.shape[0], param.shape[1]
+    taps = math.prod(param.shape[2:])
+    if rule == "sqrt_dout_din":
+        return math.sqrt(d_out / d_in) / taps
+    if rule == "unit":
+        return 1.0
+    rank = min(d_out, d_in) * taps  # ‖scale·Q‖_F² = scale²·rank
+    return float(torch.linalg.vector_norm(param.detach().float())) / math.sqrt(rank)
+
+
+def validate_fire_options(method: str, scale, on_degenerate: str) -> None:
+    from .spectral import METHODS, ON_DEGENERATE
+
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    if isinstance(scale, str) and scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive number")
+    if not isinstance(scale, str) and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive number")
+    if on_degenerate not in ON_DEGENERATE:
+        raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
+
+
+def apply_fire(
+    module: nn.Module,
+    optimizers=None,
+    scope: str = "all",
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    include_conv: bool = True,
+    include_head: bool = False,
+    method: str = "polar_express",
+    normalize: str | None = None,
+    iters: int | None = None,
+    tol: float | None = 1e-5,
+    check_every: int = 2,
+    dtype: torch.dtype = torch.float32,
+    scale: str | float = "sqrt_dout_din",
+    on_degenerate: str = "skip",
+    reset_optimizer: bool = True,
+    record_spectra: bool = False,
+    targets: list[Target] | None = None,
+) -> list[FireRecord]:
+    """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
+
+    Targets come from :func:`plasticity_callbacks.targets.select_targets` (``scope``, ``include``,
+    ``exclude``, ``include_conv``, ``include_head``) unless ``targets`` is given. ``method``,
+    ``normalize``, ``iters``, ``tol``, ``check_every``, ``dtype``, ``on_degenerate``: see
+    :func:`plasticity_callbacks.spectral.orthogonalize`. A parameter with NaN/Inf, or all zero
+    (nanochat's zero-initialized ``c_proj``), is skipped with a warning (or raises). Returns one
+    :class:`FireRecord` per target.
+
+    Example:
+        >>> records = apply_fire(model, optimizer, scope="attention", method="polar_express")
+        >>> sum(r.dfi_after for r in records)
+    """
+    validate_fire_options(method, scale, on_degenerate)
+    if targets is None:
+        targets = select_targets(module, scope, include, exclude, include_conv, include_head)
+    records, fired = [], []
+    for target in targets:
+        with torch.no_grad():
+            record = _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate,
+                               record_spectra)
+        records.append(record)
+        if record.skipped is None:
+            fired.append(target.param)
+    if reset_optimizer and optimizers is not None and fired:
+        reset_optimizer_state(optimizers, fired)
+    return records
+
+
+def _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate, record_spectra):
+    param = target.param
+    record = FireRecord(target.name, tuple(param.shape))
+    if param.dim() < 2:
+        record.skipped = f"{param.dim()}-D parameter"
+        return record
+    if param.is_cuda:
+        torch.cuda.synchronize(param.device)
+    started = time.perf_counter()
+    if not bool(torch.isfinite(param).all()):
+        message = f"FIRE: {target.name} contains NaN/Inf"
+        if on_degenerate == "raise":
+            from .spectral import DegenerateMatrixError
+
+            raise DegenerateMatrixError(message)
+        warnings.warn(message + "; left unchanged", stacklevel=3)
+        record.skipped = "non-finite"
+        return record
+    matrices = as_matrices(param)  # a view: writing into it writes the parameter
+    if not bool(matrices.any()):
+        message = f"FIRE: {target.name} is all zero (no polar factor)"
+        if on_degenerate == "raise":
+            from .spectral import DegenerateMatrixError
+
+            raise DegenerateMatrixError(message)
+        warnings.warn(message + "; left unchanged", stacklevel=3)
+        record.skipped = "zero"
+        return record
+    s = target_scale(param, scale)
+    record.scale = s
+    record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
+    if record_spectra:
+        record.spectrum_before = singular_values(matrices).cpu()
+    with warnings.catch_warnings():  # an all-zero conv tap stays zero; that is expected, not news
+        warnings.simplefilter("ignore")
+        polar, info = orthogonalize(matrices, method, normalize, iters, tol, check_every, dtype,
+                                    on_degenerate="skip", return_info=True)
+    polar.mul_(s)
+    record.sfe = float(squared_frobenius_error(matrices, polar))
+    record.sfe_normalized = float(squared_frobenius_error(matrices, polar, normalized=True))
+    matrices.copy_(polar)
+    del polar
+    if param.is_cuda:
+        torch.cuda.synchronize(param.device)
+    record.seconds = time.perf_counter() - started
+    record.dfi_after = float(deviation_from_isometry(matrices, s, dtype).sum())
+    if record_spectra:
+        record.spectrum_after = singular_values(matrices).cpu()
+    record.iterations, record.matmuls, record.fell_back = info.iterations, info.matmuls, info.fell_back
+    return record

@@ -1,0 +1,282 @@
+"""spectral.orthogonalize, the diagnostics and fire.apply_fire against float64 SVD and hand-built cases."""
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from plasticity_callbacks.fire import apply_fire
+from plasticity_callbacks.optim_state import leaf_optimizers
+from plasticity_callbacks.spectral import (
+    DegenerateMatrixError, deviation_from_isometry, effective_rank, orthogonalize, singular_value_summary,
+    squared_frobenius_error, stable_rank,
+)
+from tiny import TinyMLPModule, make_optimizer
+
+
+def exact_polar(W: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """U_r V_rᵀ from a float64 SVD (the first ``rank`` components, all if None)."""
+    U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    r = rank or S.shape[-1]
+    return U[..., :r] @ Vh[..., :r, :]
+
+
+def with_spectrum(m: int, n: int, sigmas: torch.Tensor) -> torch.Tensor:
+    U, _ = torch.linalg.qr(torch.randn(m, m, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64))
+    k = sigmas.numel()
+    return (U[:, :k] * sigmas) @ V[:, :k].T
+
+
+def rel(a, b):
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+MATRICES = {
+    "square": lambda: torch.randn(64, 64),
+    "tall": lambda: torch.randn(96, 40),
+    "wide": lambda: torch.randn(40, 96),
+    "ill_conditioned": lambda: with_spectrum(64, 48, torch.logspace(0, -4, 48, dtype=torch.float64)).float(),
+}
+METHOD_CONFIGS = {  # method, normalize, accepted relative error vs the exact polar factor (tol=1e-5)
+    "ns_frobenius": ("newton_schulz", "frobenius", 5e-5),
+    "ns_spectral": ("newton_schulz", "spectral", 5e-5),
+    "ns_gram": ("newton_schulz", "gram", 5e-5),
+    "pe_frobenius": ("polar_express", "frobenius", 5e-5),
+    "pe_gram": ("polar_express", "gram", 5e-5),
+    "svd": ("svd", None, 1e-5),
+}
+
+
+@pytest.mark.parametrize("kind", list(MATRICES))
+@pytest.mark.parametrize("config", list(METHOD_CONFIGS))
+def test_each_method_matches_the_exact_polar_factor(kind, config):
+    method, normalize, accepted = METHOD_CONFIGS[config]
+    W = MATRICES[kind]()
+    Q, info = orthogonalize(W, method, normalize, return_info=True)
+    assert Q.shape == W.shape and Q.dtype == W.dtype
+    if kind == "ill_conditioned":  # float32 rounding alone moves the polar factor by ~eps·κ (κ = 1e4)
+        accepted = 4e-4
+    assert rel(Q, exact_polar(W)) < accepted
+    assert float(deviation_from_isometry(Q)) < 1e-6 * min(W.shape)  # DfI ≈ 0 (Σ over min(m,n) σ's)
+    if method != "svd":
+        assert info.fell_back == 0 and 0 < info.iterations < 60 and info.error < 1e-5
+
+
+def test_float64_compute_is_near_exact_and_casts_back():
+    W = torch.randn(50, 30, dtype=torch.float32)
+    Q = orthogonalize(W, "polar_express", tol=1e-12, dtype=torch.float64)
+    assert Q.dtype == torch.float32
+    Q64 = orthogonalize(W.double(), "newton_schulz", tol=1e-12, dtype=torch.float64)
+    assert rel(Q64, exact_polar(W)) < 1e-11
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
+def test_rank_deficient_gives_the_partial_isometry(method):
+    W = (torch.randn(64, 10, dtype=torch.float64) @ torch.randn(10, 48, dtype=torch.float64)).float()
+    Q, info = orthogonalize(W, method, return_info=True)
+    expected = exact_polar(W, rank=10)
+    assert rel(Q, expected) < 1e-4
+    assert torch.allclose(Q @ Q.T @ Q, Q, atol=1e-4)  # partial isometry: σ ∈ {0, 1}
+    assert torch.linalg.matrix_rank(Q.double(), rtol=1e-3) == 10
+    if method != "svd":
+        assert info.fell_back == 1  # the iteration cannot reach tol; the exact path took over
+
+
+def test_exact_zero_rows_stay_zero_in_the_iteration():
+    W = torch.randn(40, 24)
+    W[[3, 17, 30]] = 0.0  # dead neurons: zero is a fixed point of every odd polynomial
+    Q = orthogonalize(W, "polar_express", tol=None, iters=20)
+    assert torch.equal(Q[[3, 17, 30]], torch.zeros(3, 24))
+    assert rel(Q, exact_polar(W)) < 1e-4
+
+
+def test_fixed_iteration_newton_schulz_is_the_reference_code():
+    W = torch.randn(80, 32)
+    X = W / W.norm()
+    for _ in range(5):  # isaac7778/FIRE: Frobenius normalization, cubic step, no epsilon
+        X = 1.5 * X - 0.5 * X @ (X.T @ X)
+    Q, info = orthogonalize(W, "newton_schulz", "frobenius", iters=5, tol=None, return_info=True)
+    assert torch.allclose(Q, X, atol=1e-6) and info.iterations == 5
+    assert float(deviation_from_isometry(Q)) > 1e-3  # 5 steps do not reach an isometry (spec §1)
+
+
+def test_batched_equals_one_matrix_at_a_time():
+    W = torch.randn(3, 2, 20, 12)
+    Q = orthogonalize(W, "polar_express")
+    for i in range(3):
+        for j in range(2):
+            assert rel(Q[i, j], exact_polar(W[i, j])) < 5e-5
+
+
+def test_zero_matrix_is_skipped_with_a_warning_or_raises():
+    with pytest.warns(UserWarning, match="all zero"):
+        Q = orthogonalize(torch.zeros(16, 8))
+    assert torch.equal(Q, torch.zeros(16, 8))
+    with pytest.raises(DegenerateMatrixError):
+        orthogonalize(torch.zeros(16, 8), on_degenerate="raise")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_slices_are_untouched_and_others_solved(bad):
+    W = torch.randn(3, 16, 8)
+    W[1, 2, 3] = bad
+    with pytest.warns(UserWarning, match="NaN/Inf"):
+        Q, info = orthogonalize(W, "polar_express", return_info=True)
+    assert info.skipped == 1
+    assert torch.equal(Q[1].isnan(), W[1].isnan()) and torch.isfinite(Q[[0, 2]]).all()
+    assert rel(Q[0], exact_polar(W[0])) < 5e-5
+
+
+def test_invalid_arguments_name_the_argument():
+    W = torch.randn(8, 4)
+    for kwargs, name in [({"method": "qr"}, "method"), ({"normalize": "l1"}, "normalize"),
+                         ({"method": "polar_express", "normalize": "spectral"}, "spectral"),
+                         ({"tol": 0}, "tol"), ({"check_every": 0}, "check_every"),
+                         ({"dtype": torch.float16}, "dtype"), ({"on_degenerate": "ignore"}, "on_degenerate")]:
+        with pytest.raises(ValueError, match=name):
+            orthogonalize(W, **kwargs)
+    with pytest.raises(ValueError, match="matrix"):
+        orthogonalize(torch.randn(5))
+
+
+def test_diagnostics_match_their_svd_definitions():
+    sigmas = torch.tensor([3.0, 2.0, 0.5, 0.1], dtype=torch.float64)
+    W = with_spectrum(10, 4, sigmas)
+    s = 1.7
+    assert math.isclose(float(deviation_from_isometry(W, s, torch.float64)), float(((sigmas**2 - s**2) ** 2).sum()),
+                        rel_tol=1e-9)
+    assert math.isclose(float(deviation_from_isometry(W.T, s, torch.float64)),
+                        float(((sigmas**2 - s**2) ** 2).sum()), rel_tol=1e-9)  # wide: WWᵀ
+    assert math.isclose(float(stable_rank(W)), float((sigmas**2).sum() / 9.0), rel_tol=1e-9)
+    p = sigmas / sigmas.sum()
+    assert math.isclose(float(effective_rank(W)), float(torch.exp(-(p * p.log()).sum())), rel_tol=1e-9)
+    summary = singular_value_summary(W)
+    assert math.isclose(summary["condition"], 30.0, rel_tol=1e-6) and math.isclose(summary["sigma_min"], 0.1,
+                                                                                    rel_tol=1e-6)
+    V = torch.randn(7, 5)
+    assert math.isclose(float(squared_frobenius_error(W[:7, :4], V[:, :4])),
+                        float((W[:7, :4] - V[:, :4].double()).square().sum()), rel_tol=1e-9)
+    assert math.isclose(float(squared_frobenius_error(V, 2 * V, normalized=True)), 1.0, rel_tol=1e-9)
+
+
+def test_polar_factor_is_the_closest_isometry_and_fire_moves_less_than_a_reinit():
+    layer = nn.Linear(48, 32)
+    with torch.no_grad():  # a "trained" layer: init plus a low-rank drift
+        layer.weight += 0.3 * torch.randn(32, 3) @ torch.randn(3, 48) / math.sqrt(48)
+    W = layer.weight.detach().clone()
+    Q = orthogonalize(W)
+    for _ in range(5):  # orthogonal Procrustes: no other isometry is closer
+        R = exact_polar(torch.randn(32, 48)).float()
+        assert float(squared_frobenius_error(W, Q)) < float(squared_frobenius_error(W, R))
+    model = nn.Sequential(layer, nn.ReLU(), nn.Linear(32, 2))
+    record = apply_fire(model)[0]
+    fresh = nn.Linear(48, 32)
+    assert record.name == "0.weight" and record.sfe < float(squared_frobenius_error(W, fresh.weight))
+    assert math.isclose(record.sfe, float(squared_frobenius_error(W, layer.weight)), rel_tol=1e-6)
+    assert record.dfi_after < 1e-6 < record.dfi_before
+
+
+def test_apply_fire_scales_skips_and_touches_only_weights():
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model[2].weight.zero_()
+    with pytest.warns(UserWarning, match="all zero"):
+        records = apply_fire(model, method="svd")
+    assert [r.name for r in records] == ["0.weight", "2.weight"]
+    assert records[1].skipped == "zero" and torch.equal(model[2].weight, torch.zeros(16, 32))
+    W = model[0].weight.double()
+    assert torch.allclose(W.T @ W, 4.0 * torch.eye(8, dtype=torch.float64), atol=1e-5)  # √(32/8)² = 4
+    for name in ("0.bias", "2.bias", "4.weight", "4.bias"):  # biases and the head untouched
+        assert torch.equal(dict(model.named_parameters())[name], before[name])
+    one_d = nn.Parameter(torch.randn(5))
+    from plasticity_callbacks.targets import Target
+    assert apply_fire(model, targets=[Target("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
+
+
+def test_apply_fire_on_nan_weight_warns_and_writes_nothing():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    before = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match="NaN/Inf"):
+        record = apply_fire(model)[0]
+    assert record.skipped == "non-finite" and torch.equal(model[0].weight.isnan(), before.isnan())
+    with pytest.raises(DegenerateMatrixError):
+        apply_fire(model, on_degenerate="raise")
+
+
+def test_conv_kernels_are_orthogonalized_per_tap_with_the_reference_scale():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+    kernels = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    records = apply_fire(model)
+    assert [r.name for r in records] == ["0.weight", "2.weight"]
+    for conv, W in zip((model[0], model[2]), kernels):
+        c_out, c_in = W.shape[:2]
+        scale = math.sqrt(c_out / c_in) / 9
+        for i in range(3):
+            for j in range(3):
+                assert rel(conv.weight[:, :, i, j] / scale, exact_polar(W[:, :, i, j])) < 5e-5
+    assert all(r.dfi_after < 1e-8 for r in records)
+
+
+def test_bf16_weights_stay_bf16_and_close_to_the_polar_factor():
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 2)).to(torch.bfloat16)
+    W = model[0].weight.detach().clone()
+    record = apply_fire(model)[0]
+    assert model[0].weight.dtype == torch.bfloat16 and torch.isfinite(model[0].weight).all()
+    assert rel(model[0].weight.float() / record.scale, exact_polar(W.float())) < 1e-2
+
+
+def test_gpt_at_init_skips_zero_projections_without_nan():
+    from plasticity_callbacks.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, n_kv_head=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = apply_fire(model, scope="attention")
+    skipped = sorted(r.name for r in records if r.skipped)
+    assert skipped == ["blocks.0.attn.c_proj.weight", "blocks.1.attn.c_proj.weight"]
+    assert sum("all zero" in str(w.message) for w in caught) == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(r.dfi_after < 1e-8 for r in records if not r.skipped)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "sgd"])
+def test_optimizer_reset_touches_exactly_the_fired_parameters(optimizer):
+    module = TinyMLPModule(optimizer=optimizer)
+    opt = make_optimizer(module, optimizer, lr=1e-2)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(module(x), y).backward()
+        opt.step()
+    leaves = list(leaf_optimizers(opt))
+    states = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in o.state[p].items()}
+              for o in leaves for p in o.state}
+    assert len(states) == len(list(module.parameters()))
+    records = apply_fire(module, opt)
+    fired = {id(t) for t in (module.net[0].weight, module.net[2].weight)}
+    assert {r.name for r in records} == {"net.0.weight", "net.2.weight"}
+    for p, old in states.items():
+        owner = next(o for o in leaves if any(q is p for g in o.param_groups for q in g["params"]))
+        if id(p) in fired:
+            assert p not in owner.state
+        else:
+            assert set(owner.state[p]) == set(old)
+            assert all(torch.equal(owner.state[p][k], v) if torch.is_tensor(v) else owner.state[p][k] == v
+                       for k, v in old.items())
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(module(x), y).backward()
+    opt.step()  # the optimizer takes the reset parameters as new
+    assert all(p in o.state for o in leaves for g in o.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
+@pytest.mark.parametrize("magnitude", [1e-15, 1e15])
+def test_polar_factor_is_scale_invariant_at_extreme_magnitudes(method, magnitude):
+    W = torch.randn(48, 32)
+    Q = orthogonalize(W * magnitude, method, normalize="gram" if method != "svd" else None)
+    assert torch.isfinite(Q).all() and rel(Q, exact_polar(W)) < 5e-5
