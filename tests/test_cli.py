@@ -89,3 +89,18 @@ def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
                    env={"PYTHONPATH": str(site)}, module=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run2" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_resume_in_the_same_run_directory_keeps_earlier_metric_rows(tmp_path):
+    run = tmp_path / "run"
+    first = run_cli(["experiment=smoke", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(["experiment=smoke", "trainer.max_steps=9", "ckpt_path=last", f"hydra.run.dir={run}"],
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = (run / "logs" / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    steps = [int(line.split(",")[header.index("step")]) for line in lines[1:]]
+    assert set(range(9)) <= set(steps)  # rows of steps 0-5 from the first run survive the resume
+    train_steps = [s for s, line in zip(steps, lines[1:]) if line.split(",")[header.index("train/loss")]]
+    assert len(train_steps) == len(set(train_steps)), "a step was logged twice"

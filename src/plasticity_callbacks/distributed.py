@@ -4,12 +4,19 @@ Under DDP every rank holds the full, identical parameters and gradients are alre
 all-reduced when ``on_before_optimizer_step`` runs, so a deterministic computation gives
 identical weights everywhere. Randomness (re-sampled neurons, fresh inits) must come from a
 generator seeded the same way on every rank. Sharded strategies (FSDP, DeepSpeed, model
-parallel) hold only shards, and an SVD or polar factor needs the whole matrix: until a
-gather path exists for a strategy, callbacks refuse it at setup rather than act on shards.
+parallel) hold only shards, and an SVD or polar factor needs the whole matrix. The gather path:
+``full_parameters(module)`` makes every weight whole inside a ``with`` block and writes changes
+back to the shards (FSDP1: ``summon_full_params``; FSDP2 / DTensor: ``full_tensor()`` and a
+local re-slice). A callback that uses it declares so with ``require_full_parameters(...,
+gather=True)``; every other callback refuses sharded strategies at setup rather than act on shards.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
+from torch import nn
 
 try:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -17,19 +24,90 @@ except ImportError:  # pragma: no cover - Lightning is a dependency, but keep th
     MisconfigurationException = RuntimeError  # type: ignore[misc,assignment]
 
 _SHARDED = ("FSDP", "DeepSpeed", "ModelParallel")
+_GATHERABLE = ("FSDP", "ModelParallel")  # FSDP1 (summon_full_params) and FSDP2 / DTensor (full_tensor)
 
 
 def is_sharded(trainer) -> bool:
     return any(name in type(trainer.strategy).__name__ for name in _SHARDED)
 
 
-def require_full_parameters(trainer, owner: str) -> None:
-    """Raise a clear error under a strategy whose parameters are sharded."""
-    if is_sharded(trainer):
-        raise MisconfigurationException(
-            f"{owner} needs each weight matrix whole, but strategy {type(trainer.strategy).__name__} shards "
-            "parameters and no gather path is implemented for it yet. Use strategy='ddp' (or a single device)."
-        )
+def require_full_parameters(trainer, owner: str, gather: bool = False) -> None:
+    """Raise a clear error under a strategy whose parameters are sharded.
+
+    ``gather=True``: the caller reads and writes weights only inside :func:`full_parameters`, so
+    FSDP (1 and 2) is fine; DeepSpeed is still refused (its ZeRO-3 partitions have no gather here).
+    """
+    name = type(trainer.strategy).__name__
+    if not is_sharded(trainer) or (gather and any(g in name for g in _GATHERABLE)):
+        return
+    how = ("DeepSpeed partitions have no gather path here" if gather else
+           "this callback does not gather full weights (plasticity_callbacks.distributed.full_parameters)")
+    raise MisconfigurationException(
+        f"{owner} needs each weight matrix whole, but strategy {name} shards parameters and {how}. "
+        "Use strategy='ddp' (or a single device)."
+    )
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
+
+
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank: ``full_tensor()`` of a DTensor (a collective: call it on
+    every rank), else the tensor itself, detached."""
+    return tensor.full_tensor().detach() if is_dtensor(tensor) else tensor.detach()
+
+
+@torch.no_grad()
+def write_full_(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the whole tensor ``full`` into ``tensor``: for a DTensor, each rank copies its own slice
+    (``full`` must be identical on every rank, as a deterministic update of gathered weights is)."""
+    if not is_dtensor(tensor):
+        tensor.copy_(full)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    # src_data_rank=None: slice the local copy, no communication (and no trust in rank 0's copy).
+    local = distribute_tensor(full.to(tensor.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None)
+    tensor.to_local().copy_(local.to_local())
+
+
+@contextmanager
+def full_parameters(module: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
+    """Inside the block every parameter of ``module`` is whole on every rank; on exit, changes
+    go back to the shards (``writeback``). Enter it on every rank: gathering is a collective.
+
+    FSDP1 (``FullyShardedDataParallel`` anywhere in ``module``): ``summon_full_params``.
+    FSDP2 / DTensor parameters: each is swapped for a full-tensor Parameter and re-sliced on exit,
+    then the original (sharded) Parameter object is put back, so optimizers still own it.
+    Optimizer state stays sharded: a callback that edits moments must handle DTensor state itself.
+    Anything else (single device, DDP): a no-op.
+
+    Example:
+        >>> with full_parameters(pl_module):
+        ...     layer.weight.copy_(orthogonalize(layer.weight))   # the whole matrix on every rank
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        with FullyShardedDataParallel.summon_full_params(module, writeback=writeback, recurse=True):
+            yield module
+        return
+    swapped = []
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if is_dtensor(param):
+                full = nn.Parameter(gather_full(param).clone(), requires_grad=param.requires_grad)
+                owner._parameters[name] = full  # bypasses FSDP2's registration hooks: no forward runs inside
+                swapped.append((owner, name, param, full))
+    try:
+        yield module
+    finally:  # the sharded Parameter objects go back even after an error; its half-done changes do not
+        for owner, name, param, _ in swapped:
+            owner._parameters[name] = param
+    if writeback:
+        for _, _, param, full in swapped:
+            write_full_(param, full.detach())
 
 
 def rank_identical_generator(seed: int, *parts: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -1,6 +1,8 @@
 """``plasticity-train``: the Hydra entry point (``python -m plasticity_callbacks.train`` does the same).
 
-Compose the config, instantiate data, model, callbacks, logger and trainer, fit, print a summary.
+Compose the config; with ``phases:`` (the default, ``experiment=pretrain_sft``) run the
+multi-phase pipeline (``pipeline.py``), else one fit: instantiate data, model, callbacks,
+logger and trainer, fit, print a summary.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .models.lightning_module import GPTLightningModule, check_data_fits_model
 from .models.registry import ConfigError
+from .pipeline import Pipeline, prepend_metrics, read_metrics
 
 
 def config_dir() -> str:
@@ -37,21 +41,29 @@ def build_module(cfg: DictConfig) -> GPTLightningModule:
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing."""
-    callbacks = [instantiate(spec) for spec in (cfg.get("callbacks") or {}).values() if spec is not None]
+    callbacks = [instantiate(spec, _convert_="all") for spec in (cfg.get("callbacks") or {}).values() if spec is not None]
     return callbacks + [instantiate(cfg.checkpoint)]
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
+    # _convert_="all": plain lists/dicts, so checkpoints hold no OmegaConf objects and load with weights_only.
+    datamodule = instantiate(cfg.data, _convert_="all")
     module = build_module(cfg)
     check_data_fits_model(datamodule, module.config)
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg), logger=instantiate(cfg.logger))
+    logger = instantiate(cfg.logger)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg), logger=logger)
     started = time.perf_counter()
     before = None
     if cfg.validate_before_fit and cfg.ckpt_path is None:
         before = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
+    # Resuming in the same run directory: CSVLogger deletes the metrics file it reopens, so keep the
+    # rows logged before the interruption and put them back in front of the resumed run's rows.
+    earlier_rows = read_metrics(logger) if cfg.ckpt_path is not None else []
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if earlier_rows:
+        resumed_at = min((int(r["step"]) for r in read_metrics(logger)), default=trainer.global_step)
+        prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at])
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     summary = {
         "parameters": sum(p.numel() for p in module.parameters()),
@@ -80,8 +92,11 @@ def format_summary(summary: dict[str, Any]) -> str:
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_main(cfg: DictConfig) -> float | None:
     try:
+        if cfg.get("phases"):
+            phases = Pipeline(cfg).run()["phases"]
+            return list(phases.values())[-1].get("val_loss") if phases else None
         return fit(cfg).get("val_loss_final")
-    except (ConfigError, InstantiationException) as err:
+    except (ConfigError, InstantiationException, OmegaConfBaseException) as err:
         # Bad config values: one readable line, not a traceback from deep inside.
         message = str(err).strip().splitlines()
         print(f"plasticity-train: configuration error: {' '.join(line.strip() for line in message)}", file=sys.stderr)

@@ -9,6 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from .corpus import glob_files, read_text, split_files, stdlib_dir, stdlib_files
+from .sampler import ResumableDataLoader
 from .tokenizer import ByteTokenizer
 
 SOURCES = ("stdlib", "files")
@@ -124,8 +125,12 @@ class CodeCorpusDataModule(L.LightningDataModule):
                        f"{len(val_files)} val files ({len(val):,} tokens)")
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        # Shuffled from (run seed, epoch) and split over ranks; its position is saved in checkpoints,
+        # so a mid-epoch resume sees exactly the batches the uninterrupted run would have.
+        trainer = self.trainer
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
+                                   num_replicas=replicas, rank=rank, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -1,0 +1,339 @@
+"""Multi-phase training from one Hydra config: pretrain → SFT, continual pretraining, ...
+
+A phase is a block under ``phases:`` (in order)::
+
+    phases:
+      pretrain: {steps: 600, data: {...}, optimizer: {lr: 3e-3}}
+      sft:      {steps: 300, data: {_target_: ...SFTDataModule}, optimizer: {lr: 1.5e-3}}
+
+Each phase gets its own ``Trainer``, optimizer and LR schedule; the weights always carry over,
+the optimizer's moments only with ``carry_optimizer: true``. A phase's ``data`` / ``optimizer``
+/ ``trainer`` blocks are merged onto the top-level ones (a ``data`` block naming another
+``_target_`` replaces it). The plasticity *method* (``+method=fire``, else ``default_method``)
+acts at every boundary: its callbacks join every phase after the first, and it may reset the
+optimizer or the whole model there. Later phases also validate on earlier phases' validation
+sets, logged as ``retention/<phase>/loss``.
+
+Run directory::
+
+    checkpoints/<phase>/last.ckpt    mid-phase (every checkpoint.every_n_train_steps)
+    checkpoints/<phase>/final.ckpt   end of the phase (weights, optimizer, callbacks)
+    logs/<phase>/metrics.csv         the phase's metrics (steps count from 0 in every phase)
+    pipeline.json                    per-phase summary, step offsets, method and seed
+
+Resuming: ``pipeline.resume=true hydra.run.dir=<run>`` skips completed phases and continues an
+interrupted one from its ``last.ckpt``; ``pipeline.start_phase=sft`` re-runs from a completed
+phase's checkpoint (``pipeline.init_from=<ckpt>`` takes the weights from another run).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from .data.sft import MultiValidationDataModule
+from .data.tokenizer import IGNORE_INDEX
+from .models.lightning_module import GPTLightningModule, check_data_fits_model
+from .models.registry import ConfigError
+
+PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights"}
+STATE_FILE = "pipeline.json"
+
+
+@dataclass
+class Phase:
+    name: str
+    index: int
+    data: DictConfig
+    steps: int
+    optimizer: dict[str, Any]
+    trainer: DictConfig
+    callbacks: dict[str, Any]
+    carry_optimizer: bool
+    retention: list[str] = field(default_factory=list)  # earlier phases whose validation sets are measured
+
+
+def resolve_method(cfg: DictConfig) -> DictConfig:
+    """``+method=X`` if given, else ``default_method``; an empty method (no callbacks) when neither exists."""
+    method = cfg.get("method") or cfg.get("default_method") or OmegaConf.create({"name": "warm"})
+    unknown = set(method) - METHOD_KEYS
+    if unknown:
+        raise ConfigError(f"method has unknown keys {sorted(unknown)}; allowed: {sorted(METHOD_KEYS)}")
+    return method
+
+
+def build_phases(cfg: DictConfig, method: DictConfig) -> list[Phase]:
+    if not cfg.get("phases"):
+        raise ConfigError("no phases: set `phases:` (e.g. experiment=pretrain_sft)")
+    phases = []
+    for index, (name, block) in enumerate(cfg.phases.items()):
+        block = block or {}
+        unknown = set(block) - PHASE_KEYS
+        if unknown:
+            raise ConfigError(f"phases.{name} has unknown keys {sorted(unknown)}; allowed: {sorted(PHASE_KEYS)}")
+        steps = block.get("steps")
+        if not isinstance(steps, int) or steps <= 0:
+            raise ConfigError(f"phases.{name}.steps must be a positive integer, got {steps!r}")
+        data = block.get("data") or {}
+        if data.get("_target_", cfg.data._target_) == cfg.data._target_:
+            data = OmegaConf.merge(cfg.data, data)
+        callbacks = dict(cfg.get("callbacks") or {})
+        callbacks.update(block.get("callbacks") or {})
+        carry = bool(block.get("carry_optimizer", False))
+        if index > 0:  # the method acts at the boundary into this phase
+            callbacks.update(method.get("callbacks") or {})
+            if method.get("carry_optimizer") is not None:
+                carry = bool(method.carry_optimizer)
+        earlier = [p.name for p in phases]
+        retention = block.get("retention", True)
+        retention = earlier if retention is True else [] if not retention else list(retention)
+        if set(retention) - set(earlier):
+            raise ConfigError(f"phases.{name}.retention={retention} names phases that do not come before it: {earlier}")
+        optimizer = OmegaConf.to_container(OmegaConf.merge(cfg.optimizer, block.get("optimizer") or {}), resolve=True)
+        trainer = OmegaConf.merge(cfg.trainer, block.get("trainer") or {})
+        phases.append(Phase(name, index, data, steps, optimizer, trainer, callbacks, carry, retention))
+    return phases
+
+
+class PhaseModule(GPTLightningModule):
+    """The GPT module, validating on several sets: dataloader 0 logs ``val/loss``, dataloader k
+    logs ``retention/<name>/loss`` (weighted by supervised tokens, like ``val/loss``)."""
+
+    def __init__(self, *args, retention_names: list[str] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        from torchmetrics import MeanMetric
+
+        self.retention_names = list(retention_names)
+        self.retention_loss = torch.nn.ModuleList(MeanMetric() for _ in self.retention_names)
+
+    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if dataloader_idx == 0 and not self.retention_names:
+            return super().validation_step(batch, batch_idx)
+        x, y = batch
+        logits = self.model(x)
+        loss, weight = self.loss(logits, y), (y != IGNORE_INDEX).sum()
+        if dataloader_idx == 0:
+            self.val_loss.update(loss, weight=weight)
+            self.val_ppl.update(logits, y)
+            self.log("val/loss", self.val_loss, prog_bar=True, add_dataloader_idx=False)
+            self.log("val/ppl", self.val_ppl, add_dataloader_idx=False)
+        else:
+            metric = self.retention_loss[dataloader_idx - 1]
+            metric.update(loss, weight=weight)
+            self.log(f"retention/{self.retention_names[dataloader_idx - 1]}/loss", metric, add_dataloader_idx=False)
+
+
+class CarryOptimizerState(L.Callback):
+    """At fit start, loads the previous phase's optimizer moments into this phase's fresh optimizer,
+    keeping this phase's learning rates and schedule. Listed first, so that a method acting in
+    ``on_fit_start`` (e.g. FIRE resetting the state of the weights it treated) acts after it."""
+
+    def __init__(self, optimizer_states: list[dict]):
+        self.optimizer_states = optimizer_states
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if len(trainer.optimizers) != len(self.optimizer_states):
+            raise ConfigError(f"carry_optimizer: the previous phase had {len(self.optimizer_states)} optimizers, "
+                              f"this one has {len(trainer.optimizers)}")
+        for optimizer, saved in zip(trainer.optimizers, self.optimizer_states):
+            optimizer.load_state_dict(with_saved_moments(optimizer.state_dict(), saved))
+
+
+def with_saved_moments(current: dict, saved: dict) -> dict:
+    """``current`` (fresh param groups: LRs, schedule) with ``saved``'s per-parameter state."""
+    if "optimizers" in current:  # optim.CombinedOptimizer (Muon + AdamW)
+        if len(saved.get("optimizers", [])) != len(current["optimizers"]):
+            raise ConfigError("carry_optimizer: the previous phase used a different optimizer")
+        return {"optimizers": [with_saved_moments(c, s) for c, s in zip(current["optimizers"], saved["optimizers"])]}
+    if "param_groups" not in saved:
+        raise ConfigError("carry_optimizer: the previous phase used a different optimizer")
+    if [len(g["params"]) for g in current["param_groups"]] != [len(g["params"]) for g in saved["param_groups"]]:
+        raise ConfigError("carry_optimizer: the previous phase's optimizer has different parameter groups")
+    return {**current, "state": saved["state"]}
+
+
+def load_checkpoint(path: Path) -> dict:
+    # Our own phase checkpoints: they hold optimizer and callback state, not only tensors.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+class Pipeline:
+    """Runs ``cfg.phases`` in order; see the module docstring."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.method = resolve_method(cfg)
+        self.phases = build_phases(cfg, self.method)
+        self.run_dir = Path(cfg.paths.output_dir)
+        self.options = cfg.get("pipeline") or {}
+        names = [p.name for p in self.phases]
+        for key in ("start_phase", "stop_phase"):
+            if self.options.get(key) is not None and self.options[key] not in names:
+                raise ConfigError(f"pipeline.{key}={self.options[key]!r} is not one of the phases {names}")
+        state_path = self.run_dir / STATE_FILE
+        old = json.loads(state_path.read_text()) if state_path.is_file() else {}
+        self.state = {"method": str(self.method.get("name", "custom")), "seed": int(cfg.seed), "phase_order": names,
+                      "phases": {p: old["phases"][p] for p in names if p in old.get("phases", {})}}
+
+    def checkpoint_dir(self, phase: Phase) -> Path:
+        return self.run_dir / "checkpoints" / phase.name
+
+    def final_checkpoint(self, phase: Phase) -> Path:
+        return self.checkpoint_dir(phase) / "final.ckpt"
+
+    def run(self) -> dict[str, Any]:
+        names = [p.name for p in self.phases]
+        start = names.index(self.options.get("start_phase") or names[0])
+        stop = names.index(self.options.get("stop_phase") or names[-1])
+        previous = self.options.get("init_from")
+        if previous is None and start > 0:
+            previous = self.final_checkpoint(self.phases[start - 1])
+        if previous is not None and not Path(previous).is_file():
+            raise ConfigError(f"cannot start at phase {names[start]!r}: no checkpoint {previous} "
+                              "(run the earlier phase first or set pipeline.init_from)")
+        offset = sum(self.phases[i].steps for i in range(start))
+        for phase in self.phases[start : stop + 1]:
+            final = self.final_checkpoint(phase)
+            if self.options.get("resume") and final.is_file() and phase.name in self.state["phases"]:
+                rank_zero_info(f"phase {phase.name}: already complete, skipped")
+            else:
+                self.state["phases"][phase.name] = self.run_phase(phase, previous, offset)
+                self.save_state()
+            previous, offset = final, offset + phase.steps
+        rank_zero_info(format_table(self.state))
+        return self.state
+
+    def save_state(self) -> None:
+        if rank_zero_only.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / STATE_FILE).write_text(json.dumps(self.state, indent=2))
+
+    def build_data(self, phase: Phase) -> L.LightningDataModule:
+        main = instantiate(phase.data)
+        if not phase.retention:
+            return main
+        earlier = {p.name: p for p in self.phases}
+        return MultiValidationDataModule(main, {name: instantiate(earlier[name].data) for name in phase.retention})
+
+    def build_module(self, phase: Phase) -> PhaseModule:
+        optimizer = dict(phase.optimizer)
+        name = optimizer.pop("name")
+        model = OmegaConf.to_container(self.cfg.model, resolve=True)
+        return PhaseModule(model, optimizer=name, retention_names=phase.retention, **optimizer)
+
+    def run_phase(self, phase: Phase, previous: Path | str | None, offset: int) -> dict[str, Any]:
+        cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
+        resume_from = ckpt_dir / "last.ckpt" if self.options.get("resume") else None
+        resume_from = resume_from if resume_from is not None and resume_from.is_file() else None
+        L.seed_everything(cfg.seed + phase.index, workers=True)
+        datamodule, module = self.build_data(phase), self.build_module(phase)
+        check_data_fits_model(datamodule, module.config)
+        callbacks = [instantiate(spec) for spec in phase.callbacks.values() if spec is not None]
+        reinit = phase.index > 0 and bool(self.method.get("reinit_weights", False))
+        if previous is not None and resume_from is None:
+            saved = load_checkpoint(Path(previous))
+            if not reinit:
+                module.load_state_dict(saved["state_dict"])
+            if phase.carry_optimizer and not reinit:
+                callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
+        checkpoint = instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))
+        logger = instantiate(cfg.logger, version=phase.name)
+        trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, callbacks=[*callbacks, checkpoint],
+                                         logger=logger)
+        rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
+                       f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
+        started = time.perf_counter()
+        earlier_rows = read_metrics(logger) if resume_from is not None else []
+        before = {}
+        if resume_from is None and cfg.get("validate_before_fit", True):
+            before = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+        train_loss = trainer.callback_metrics.get("train/loss")
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
+        trainer.save_checkpoint(self.final_checkpoint(phase))
+        if earlier_rows:
+            resumed_at = int(load_checkpoint(resume_from)["global_step"])
+            # rows up to the checkpoint (validation at its step ran before the interruption)
+            prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at
+                                     or (int(r["step"]) == resumed_at and not r.get("train/loss"))])
+        metrics.update({k: float(v) for k, v in after.items()})
+        first = self.phases[0].name
+        return {
+            "index": phase.index, "steps": phase.steps, "step_offset": offset,
+            "train_loss": None if train_loss is None else float(train_loss),
+            "val_loss_before": before.get("val/loss"), "val_loss": after.get("val/loss"),
+            "retention_loss": after.get("val/loss") if phase.index == 0 else after.get(f"retention/{first}/loss"),
+            "dormant_fraction": metrics.get("redo/dormant"),
+            "dfi_before": first_metric(metrics, "fire/dfi_before"), "dfi_after": first_metric(metrics, "fire/dfi_after"),
+            "minutes": (time.perf_counter() - started) / 60,
+            "metrics": metrics, "log_dir": logger.log_dir if hasattr(logger, "log_dir") else None,
+            "checkpoint": str(self.final_checkpoint(phase)),
+        }
+
+
+def metrics_file(logger) -> Path | None:
+    log_dir = getattr(logger, "log_dir", None)
+    return Path(log_dir) / "metrics.csv" if log_dir else None
+
+
+def read_metrics(logger) -> list[dict[str, str]]:
+    """The rows a CSV logger wrote before an interruption (a new CSVLogger would delete them)."""
+    path = metrics_file(logger)
+    if path is None or not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return [row for row in csv.DictReader(f) if row.get("step")]
+
+
+def prepend_metrics(logger, rows: list[dict[str, str]]) -> None:
+    """Put the rows from before a mid-phase resume back in front of the resumed run's rows."""
+    path = metrics_file(logger)
+    if path is None or rank_zero_only.rank != 0:
+        return
+    new_rows = read_metrics(logger)
+    fields = list(dict.fromkeys(k for row in rows + new_rows for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows + new_rows)
+
+
+def merged(results: list[dict[str, float]]) -> dict[str, float]:
+    """``trainer.validate`` returns one dict per validation dataloader; one dict of all."""
+    return {key: float(value) for result in results for key, value in result.items()}
+
+
+def first_metric(metrics: dict[str, float], prefix: str) -> float | None:
+    """The metric named ``prefix`` or, failing that, its ``/mean`` variant."""
+    for key in (prefix, f"{prefix}/mean", f"{prefix}_mean"):
+        if key in metrics:
+            return metrics[key]
+    return None
+
+
+def format_table(state: dict[str, Any]) -> str:
+    """The end-of-run table: one row per phase."""
+    columns = [("phase", None), ("steps", "steps"), ("train loss", "train_loss"), ("val loss", "val_loss"),
+               ("retention", "retention_loss"), ("dormant", "dormant_fraction"), ("DfI before", "dfi_before"),
+               ("DfI after", "dfi_after"), ("minutes", "minutes")]
+
+    def cell(value) -> str:
+        return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    rows = [[name] + [cell(row.get(key)) for _, key in columns[1:]] for name, row in state["phases"].items()]
+    widths = [max(len(c[0]), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(h.ljust(w) for (h, _), w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    retention = "retention = loss on the first phase's validation set"
+    return "\n".join(["", f"pipeline summary (method {state['method']}, seed {state['seed']}; {retention})", *lines])

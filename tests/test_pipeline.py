@@ -1,0 +1,122 @@
+"""The multi-phase pipeline: CLI run with per-phase checkpoints and metrics, restart from a
+completed phase, resume mid-phase, optimizer carry-over, and config errors."""
+import csv
+import json
+import subprocess
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from plasticity_callbacks.models.registry import ConfigError
+from plasticity_callbacks.pipeline import Pipeline, with_saved_moments
+from plasticity_callbacks.train import config_dir
+
+
+def compose_pipeline(run_dir, *overrides):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("config", overrides=["experiment=pipeline_smoke", f"paths.output_dir={run_dir}", *overrides])
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """Pretrain → SFT with Shrink & Perturb at the boundary, from the command line."""
+    run = tmp_path_factory.mktemp("pipeline") / "run"
+    proc = subprocess.run(["plasticity-train", "experiment=pipeline_smoke", "+method=sp", f"hydra.run.dir={run}"],
+                          cwd=run.parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run, proc.stdout + proc.stderr
+
+
+def test_cli_writes_checkpoints_metrics_and_summary(cli_run):
+    run, output = cli_run
+    for phase in ("pretrain", "sft"):
+        assert (run / "checkpoints" / phase / "final.ckpt").is_file()
+        assert (run / "checkpoints" / phase / "last.ckpt").is_file()
+    state = json.loads((run / "pipeline.json").read_text())
+    assert state["method"] == "sp" and list(state["phases"]) == ["pretrain", "sft"]
+    pretrain, sft = state["phases"].values()
+    assert sft["step_offset"] == pretrain["steps"] == 4
+    assert pretrain["retention_loss"] == pretrain["val_loss"]
+    assert sft["retention_loss"] is not None and sft["retention_loss"] != sft["val_loss"]
+    assert sft["dormant_fraction"] is not None
+    sft_rows = rows(run / "logs" / "sft" / "metrics.csv")
+    assert any(r["retention/pretrain/loss"] for r in sft_rows) and any(r["val/loss"] for r in sft_rows)
+    assert sum(bool(r.get("shrink_perturb/norm_ratio")) for r in sft_rows) == 1  # applied once, at the boundary
+    assert "shrink_perturb/norm_ratio" not in rows(run / "logs" / "pretrain" / "metrics.csv")[0]
+    assert "pipeline summary (method sp" in output and "retention" in output
+    # the final checkpoint of phase 1 is what phase 2 started from: same validation loss before the method
+    saved = torch.load(run / "checkpoints" / "pretrain" / "final.ckpt", weights_only=False)
+    assert saved["global_step"] == 4 and "optimizer_states" in saved
+
+
+def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path):
+    run, _ = cli_run
+    first = json.loads((run / "pipeline.json").read_text())["phases"]
+    # re-run phase 2 with another method, in a new run dir, from phase 1's checkpoint
+    other = tmp_path / "other"
+    cfg = compose_pipeline(other, "+method=warm", "pipeline.start_phase=sft",
+                           f"pipeline.init_from={run}/checkpoints/pretrain/final.ckpt")
+    state = Pipeline(cfg).run()
+    assert list(state["phases"]) == ["sft"] and state["phases"]["sft"]["step_offset"] == 4
+    # the weights came from phase 1: the same validation loss before the boundary as in the first run
+    assert state["phases"]["sft"]["val_loss_before"] == pytest.approx(first["sft"]["val_loss_before"], rel=1e-6)
+    assert not (other / "checkpoints" / "pretrain").exists()
+
+    # interrupted phase 2: only its mid-phase last.ckpt (step 4) is left; resume and extend it to 6 steps
+    (other / "checkpoints" / "sft" / "final.ckpt").unlink()
+    cfg = compose_pipeline(other, "+method=warm", "pipeline.start_phase=sft", "pipeline.resume=true",
+                           f"pipeline.init_from={run}/checkpoints/pretrain/final.ckpt", "phases.sft.steps=6")
+    state = Pipeline(cfg).run()
+    sft = state["phases"]["sft"]
+    assert sft["steps"] == 6 and sft["val_loss_before"] is None  # resumed, not restarted
+    assert torch.load(other / "checkpoints" / "sft" / "final.ckpt", weights_only=False)["global_step"] == 6
+    train_steps = [int(r["step"]) for r in rows(other / "logs" / "sft" / "metrics.csv") if r["train/loss"]]
+    assert train_steps == list(range(6))  # the log of steps 0-3 survived the resume
+
+
+def test_carried_optimizer_state_keeps_new_learning_rates():
+    model = torch.nn.Linear(3, 2)
+    old = torch.optim.AdamW(model.parameters(), lr=1.0)
+    model(torch.randn(4, 3)).sum().backward()
+    old.step()
+    new = torch.optim.AdamW(model.parameters(), lr=0.25)
+    new.load_state_dict(with_saved_moments(new.state_dict(), old.state_dict()))
+    assert new.param_groups[0]["lr"] == 0.25
+    for p in model.parameters():
+        assert torch.equal(new.state[p]["exp_avg"], old.state[p]["exp_avg"])
+    with pytest.raises(ConfigError, match="carry_optimizer"):
+        with_saved_moments(new.state_dict(), {"optimizers": [old.state_dict()]})
+
+
+@pytest.mark.parametrize("override,message", [
+    ("phases.sft.steps=0", "phases.sft.steps"),
+    ("+phases.sft.learning_rate=1", "phases.sft has unknown keys"),
+    ("pipeline.start_phase=finetune", "pipeline.start_phase='finetune'"),
+    ("+phases.pretrain.retention=[sft]", "retention"),
+])
+def test_config_errors_name_the_field(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        Pipeline(compose_pipeline(tmp_path, override))
+
+
+def test_missing_checkpoint_for_start_phase_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="run the earlier phase first"):
+        Pipeline(compose_pipeline(tmp_path, "pipeline.start_phase=sft", "+method=warm")).run()
+
+
+def test_every_method_composes_into_boundary_callbacks(tmp_path):
+    from pathlib import Path
+
+    for path in sorted(Path(config_dir(), "method").glob("*.yaml")):
+        cfg = compose_pipeline(tmp_path, f"+method={path.stem}")
+        pipeline = Pipeline(cfg)
+        first, second = pipeline.phases
+        assert set(pipeline.method.callbacks or {}) <= set(second.callbacks)
+        assert set(first.callbacks) == set(OmegaConf.to_container(cfg.callbacks))  # the method is not in phase 1

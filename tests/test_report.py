@@ -1,0 +1,78 @@
+"""plasticity-report on a small fake sweep: the table's numbers and the figure files."""
+import csv
+import json
+import statistics
+import subprocess
+
+import pytest
+
+from plasticity_callbacks.report import build_report, main
+
+METHODS = {"warm": 2.0, "fire": 1.8}  # new-phase final val loss of seed 0; seed s adds 0.1·s
+
+
+def fake_run(job_dir, method, seed, with_spectra=False):
+    """What one pipeline job leaves behind: pipeline.json, per-phase metrics.csv, Hydra overrides."""
+    (job_dir / ".hydra").mkdir(parents=True)
+    (job_dir / ".hydra" / "overrides.yaml").write_text(
+        f"- experiment=continual_pretrain\n- +method={method}\n- seed={seed}\n")
+    final = METHODS[method] + 0.1 * seed
+    phases = {}
+    for index, name in enumerate(["pretrain", "sft"]):
+        log_dir = job_dir / "logs" / name
+        log_dir.mkdir(parents=True)
+        fields = ["epoch", "step", "train/loss", "val/loss", "redo/dormant"] + (["retention/pretrain/loss"] if index else [])
+        with (log_dir / "metrics.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            for step in range(0, 11, 5):
+                row = {"epoch": 0, "step": step, "train/loss": 3 - step / 10, "val/loss": final + (10 - step) / 10,
+                       "redo/dormant": 0.01 * step}
+                if index:
+                    row["retention/pretrain/loss"] = 2.5 + step / 100
+                writer.writerow(row)
+        phases[name] = {"index": index, "steps": 10, "step_offset": 10 * index, "val_loss": final if index else 2.4,
+                        "retention_loss": (2.6 + seed / 100) if index else 2.4, "dormant_fraction": 0.1 * (seed + 1),
+                        "minutes": 1.0 + seed}
+        if with_spectra and index:
+            (log_dir / "figures").mkdir()
+            (log_dir / "figures" / "fire_spectra_fit_start.png").write_bytes(b"\x89PNG fake")
+    state = {"method": method, "seed": seed, "phase_order": ["pretrain", "sft"], "phases": phases}
+    (job_dir / "pipeline.json").write_text(json.dumps(state))
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    job = 0
+    for method in METHODS:
+        for seed in range(3):
+            fake_run(tmp_path / "multirun" / str(job), method, seed, with_spectra=(method == "fire"))
+            job += 1
+    return tmp_path / "multirun"
+
+
+def test_table_has_mean_and_std_over_seeds(sweep):
+    text, figures = build_report(sweep)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "seeds" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["fire", "warm"]  # best new-phase loss first
+    fire = [c.strip() for c in rows[0].split("|")[1:-1]]
+    finals = [1.8, 1.9, 2.0]
+    assert fire[1] == "3"
+    assert fire[2] == f"{statistics.fmean(finals):.4f} ± {statistics.stdev(finals):.4f}"
+    assert fire[3] == f"{statistics.fmean([2.6, 2.61, 2.62]):.4f} ± {statistics.stdev([2.6, 2.61, 2.62]):.4f}"
+    assert fire[4] == f"{0.2:.4f} ± {0.1:.4f}"
+    assert fire[5] == f"{statistics.fmean([2, 4, 6]):.2f} ± {statistics.stdev([2, 4, 6]):.2f}"  # both phases' minutes
+    names = sorted(p.name for p in figures)
+    assert names == ["dormant_fraction.png", "loss_curves.png", "spectra_fire.png"]
+    for path in figures[:2]:
+        assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 10_000
+    assert (sweep / "report" / "report.md").read_text() == text
+
+
+def test_command_line(sweep, tmp_path, capsys):
+    out = tmp_path / "elsewhere"
+    main([str(sweep), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| fire | 3 |" in printed and (out / "loss_curves.png").is_file()
+    proc = subprocess.run(["plasticity-report", str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no pipeline runs" in proc.stderr
