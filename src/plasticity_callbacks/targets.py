@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -110,16 +110,21 @@ def select_targets(
     return targets
 
 
+def validate_patterns(**patterns) -> None:
+    """Each keyword (``include=``, ``exclude=``) must be None or a list of ``fnmatch`` patterns."""
+    for name, value in patterns.items():
+        if value is None:
+            continue
+        # A bare string would be iterated character by character: demand a list of patterns.
+        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
+            raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
+
+
 def validate_selection(scope: str, include=None, exclude=None) -> None:
     """Check selection arguments at construction time, so a typo fails before training starts."""
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
-    for name, value in (("include", include), ("exclude", exclude)):
-        if value is None:
-            continue
-        # A bare string would be iterated character by character: demand a list of patterns.
-        if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-            raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
+    validate_patterns(include=include, exclude=exclude)
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

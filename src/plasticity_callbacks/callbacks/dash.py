@@ -17,7 +17,7 @@ from torch import nn
 from ..distributed import all_reduce_mean, require_full_parameters
 from ..optim_state import owning_optimizer
 from ..shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
-from ..targets import SCOPES, require_targets, select_targets
+from ..targets import require_targets, select_targets, validate_selection
 
 RULES = ("periodic", "dash")
 
@@ -97,8 +97,7 @@ class DASHShrink(L.Callback):
     ):
         if rule not in RULES:
             raise ValueError(f"rule={rule!r} is not one of {RULES}")
-        if scope not in SCOPES:
-            raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+        validate_selection(scope, include, exclude)
         _check_int("every_n_steps", every_n_steps)
         if n_batches is not None:
             _check_int("n_batches", n_batches, "or None (one full pass)")
@@ -114,11 +113,6 @@ class DASHShrink(L.Callback):
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
-        for name, patterns in (("include", include), ("exclude", exclude)):
-            if patterns is not None and (isinstance(patterns, str) or not isinstance(patterns, Sequence)
-                                         or not all(isinstance(p, str) for p in patterns)):
-                raise ValueError(f"{name}={patterns!r} must be a list of fnmatch patterns (e.g. ['blocks.0.*']) "
-                                 "or None")
         if at_epochs is not None and (isinstance(at_epochs, str) or not isinstance(at_epochs, Sequence) or not all(
                 isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in at_epochs)):
             raise ValueError(f"at_epochs={at_epochs!r} must be a list of non-negative epoch numbers or None")

@@ -11,7 +11,7 @@ from ..distributed import all_reduce_mean, require_full_parameters
 from ..fire import FireRecord, apply_fire, validate_fire_options
 from ..optim_state import leaf_optimizers
 from ..spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
-from ..targets import SCOPES, require_targets, select_targets
+from ..targets import require_targets, select_targets, validate_selection
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -77,9 +77,6 @@ class FIREReinit(L.Callback):
         save_spectra: bool = False,
     ):
         super().__init__()
-        for name, patterns in (("include", include), ("exclude", exclude)):
-            if patterns is not None and (isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns)):
-                raise ValueError(f"{name}={patterns!r} must be a list of fnmatch patterns, e.g. ['blocks.0.*']")
         self.epochs = _int_list("epochs", epochs)
         self.steps = _int_list("steps", steps)
         _check_int("every_n_epochs", every_n_epochs, minimum=1, optional=True)
@@ -91,8 +88,7 @@ class FIREReinit(L.Callback):
             raise ValueError(f"mode={mode!r} is not one of ('min', 'max')")
         if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
             raise ValueError(f"min_delta={min_delta!r} must be a non-negative number")
-        if scope not in SCOPES:
-            raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+        validate_selection(scope, include, exclude)
         if normalize is not None and normalize not in NORMALIZATIONS:
             raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZATIONS} or None "
                              f"(default per method: {DEFAULT_NORMALIZE})")

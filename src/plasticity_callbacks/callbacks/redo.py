@@ -12,7 +12,7 @@ from torch import nn
 
 from ..distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
 from ..dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
-from ..targets import output_head, select_targets
+from ..targets import output_head, select_targets, validate_patterns
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _LAYER = (nn.Linear, *_CONV)
@@ -205,8 +205,7 @@ class ReDoMonitor(L.Callback):
             raise ValueError(f"init={init!r} is not one of {CALLBACK_INITS}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an integer")
-        if exclude is not None and (isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude)):
-            raise ValueError(f"exclude={exclude!r} must be a list of fnmatch patterns on parameter names")
+        validate_patterns(exclude=exclude)
         self.layer_map = _validate_layer_map(layer_map)
         self.tau, self.ema_decay, self.init = float(tau), float(ema_decay), init
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps

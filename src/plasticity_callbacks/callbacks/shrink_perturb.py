@@ -12,6 +12,7 @@ from torch import nn
 
 from ..distributed import rank_identical_generator, require_full_parameters
 from ..optim_state import reset_optimizer_state
+from ..targets import validate_patterns
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -84,9 +85,7 @@ class ShrinkPerturb(L.Callback):
             raise ValueError(f"ShrinkPerturb shrink={shrink!r} must be in [0, 1] (paper: 0.4)")
         if perturb < 0:
             raise ValueError(f"ShrinkPerturb perturb={perturb!r} must be >= 0 (paper: 0.1)")
-        for arg, value in (("include", include), ("exclude", exclude)):
-            if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
-                raise ValueError(f"ShrinkPerturb {arg}={value!r} must be null or a list of fnmatch patterns")
+        validate_patterns(include=include, exclude=exclude)
         if not isinstance(reset_optimizer, bool):
             raise ValueError(f"ShrinkPerturb reset_optimizer={reset_optimizer!r} must be true or false")
         if isinstance(seed, bool) or not isinstance(seed, int):
