@@ -17,7 +17,15 @@ import torch
 from torch import nn
 
 from .optim_state import reset_optimizer_state
-from .spectral import deviation_from_isometry, orthogonalize, singular_values, squared_frobenius_error
+from .spectral import (
+    METHODS,
+    ON_DEGENERATE,
+    DegenerateMatrixError,
+    deviation_from_isometry,
+    orthogonalize,
+    singular_values,
+    squared_frobenius_error,
+)
 from .targets import Target, select_targets
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
@@ -67,13 +75,11 @@ def target_scale(param: torch.Tensor, rule: str | float) -> float:
 
 
 def validate_fire_options(method: str, scale, on_degenerate: str) -> None:
-    from .spectral import METHODS, ON_DEGENERATE
-
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
-    if isinstance(scale, str) and scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive number")
-    if not isinstance(scale, str) and not (isinstance(scale, (int, float)) and scale > 0):
+    known_rule = isinstance(scale, str) and scale in SCALES
+    positive_number = isinstance(scale, (int, float)) and scale > 0
+    if not (known_rule or positive_number):
         raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive number")
     if on_degenerate not in ON_DEGENERATE:
         raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
@@ -128,6 +134,15 @@ def apply_fire(
     return records
 
 
+def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerate: str) -> FireRecord:
+    """A matrix with no polar factor is never written: raise, or warn and record why it was skipped."""
+    if on_degenerate == "raise":
+        raise DegenerateMatrixError(message)
+    warnings.warn(message + "; left unchanged", stacklevel=4)  # point at apply_fire's caller, as before
+    record.skipped = reason
+    return record
+
+
 def _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate, record_spectra):
     param = target.param
     record = FireRecord(target.name, tuple(param.shape))
@@ -138,24 +153,10 @@ def _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, 
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()
     if not bool(torch.isfinite(param).all()):
-        message = f"FIRE: {target.name} contains NaN/Inf"
-        if on_degenerate == "raise":
-            from .spectral import DegenerateMatrixError
-
-            raise DegenerateMatrixError(message)
-        warnings.warn(message + "; left unchanged", stacklevel=3)
-        record.skipped = "non-finite"
-        return record
+        return _skip_degenerate(record, f"FIRE: {target.name} contains NaN/Inf", "non-finite", on_degenerate)
     matrices = as_matrices(param)  # a view: writing into it writes the parameter
     if not bool(matrices.any()):
-        message = f"FIRE: {target.name} is all zero (no polar factor)"
-        if on_degenerate == "raise":
-            from .spectral import DegenerateMatrixError
-
-            raise DegenerateMatrixError(message)
-        warnings.warn(message + "; left unchanged", stacklevel=3)
-        record.skipped = "zero"
-        return record
+        return _skip_degenerate(record, f"FIRE: {target.name} is all zero (no polar factor)", "zero", on_degenerate)
     s = target_scale(param, scale)
     record.scale = s
     record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
