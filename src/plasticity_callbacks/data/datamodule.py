@@ -44,7 +44,23 @@ def pack_files(files: list[Path], tokenizer: ByteTokenizer, max_tokens: int | No
     return stream[:max_tokens] if max_tokens is not None else stream
 
 
-class CodeCorpusDataModule(L.LightningDataModule):
+class TrainValDataModule(L.LightningDataModule):
+    """Loaders shared by the data modules here: subclasses set ``train_set``, ``val_set``,
+    ``batch_size`` and ``num_workers`` in ``__init__``/``setup``."""
+
+    def train_dataloader(self) -> DataLoader:
+        # Shuffled from (run seed, epoch) and split over ranks; its position is saved in checkpoints,
+        # so a mid-epoch resume sees exactly the batches the uninterrupted run would have.
+        trainer = self.trainer
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
+                                   num_replicas=replicas, rank=rank, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+class CodeCorpusDataModule(TrainValDataModule):
     """Next-token windows over the standard library's source (default) or your own files.
 
     Args:
@@ -124,13 +140,3 @@ class CodeCorpusDataModule(L.LightningDataModule):
         rank_zero_info(f"corpus: {len(train_files)} train files ({len(train):,} tokens), "
                        f"{len(val_files)} val files ({len(val):,} tokens)")
 
-    def train_dataloader(self) -> DataLoader:
-        # Shuffled from (run seed, epoch) and split over ranks; its position is saved in checkpoints,
-        # so a mid-epoch resume sees exactly the batches the uninterrupted run would have.
-        trainer = self.trainer
-        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
-                                   num_replicas=replicas, rank=rank, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

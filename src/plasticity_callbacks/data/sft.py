@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, TensorDataset
 
 from .corpus import read_text, split_files, stdlib_dir, stdlib_files
-from .sampler import ResumableDataLoader
+from .datamodule import TrainValDataModule
 from .tokenizer import IGNORE_INDEX, ByteTokenizer
 
 PROMPT_TEMPLATE = "Write a Python function with the signature `{signature}` that does this: {summary}"
@@ -137,7 +137,7 @@ def pack_rows(examples: list[tuple[list[int], list[bool]]], sequence_len: int, p
     return x, y
 
 
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(TrainValDataModule):
     """Supervised fine-tuning on instruction/response pairs built from the standard library.
 
     Args:
@@ -197,16 +197,6 @@ class SFTDataModule(L.LightningDataModule):
                              f"{self.packages}; widen data.packages or raise data.sequence_len")
         rank_zero_info(f"sft: {len(train)} train pairs in {len(self.train_set)} rows, "
                        f"{len(val)} val pairs in {len(self.val_set)} rows")
-
-    def train_dataloader(self) -> DataLoader:
-        # Same resumable, rank-split shuffling as the code corpus: a mid-phase resume sees the same batches.
-        trainer = self.trainer
-        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, drop_last=True,
-                                   num_replicas=replicas, rank=rank, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
 
 
 class MultiValidationDataModule(L.LightningDataModule):
