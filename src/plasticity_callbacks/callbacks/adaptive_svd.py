@@ -15,10 +15,8 @@ from ..distributed import MisconfigurationException, require_full_parameters
 from ..figures import save_figure
 from ..subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from ..targets import Target, require_targets, select_targets, validate_selection
+from ..validation import check_int, check_number
 
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -89,21 +87,16 @@ class AdaptiveSVDSwitch(L.Callback):
         super().__init__()
         if mode not in lowrank.LOWRANK_MODES:
             raise ValueError(f"mode={mode!r} is not one of {lowrank.LOWRANK_MODES}")
-        for name, value in (("svd_interval", svd_interval), ("r_min", r_min)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name, value in (("warmup_steps", warmup_steps), ("svd_niter", svd_niter)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer")
-        if initial_rank is not None and (not isinstance(initial_rank, int) or initial_rank < 1):
-            raise ValueError(f"initial_rank={initial_rank!r} must be None or a positive integer")
+        check_int("svd_interval", svd_interval)
+        check_int("r_min", r_min)
+        check_int("warmup_steps", warmup_steps, minimum=0)
+        check_int("svd_niter", svd_niter, minimum=0)
+        check_int("initial_rank", initial_rank, optional=True)
         validate_selection(scope, include, exclude)
         for name, value in (("clobber_alignment", clobber_alignment), ("safe_minor_alignment", safe_minor_alignment),
                             ("max_reconstruction_error", max_reconstruction_error)):
-            if not _is_number(value) or not 0 <= value <= 1:
-                raise ValueError(f"{name}={value!r} must be a number in [0, 1]")
-        if not _is_number(stable_angle) or not 0 <= stable_angle <= math.pi / 2:
-            raise ValueError(f"stable_angle={stable_angle!r} must be in [0, pi/2] radians")
+            check_number(name, value, 0.0, 1.0)
+        check_number("stable_angle", stable_angle, 0.0, math.pi / 2, "(radians)")
         if svd_method not in SVD_METHODS:
             raise ValueError(f"svd_method={svd_method!r} is not one of {SVD_METHODS}")
         if svd_dtype not in _DTYPES:

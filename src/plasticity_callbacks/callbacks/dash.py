@@ -18,6 +18,7 @@ from ..distributed import all_reduce_mean, require_full_parameters
 from ..optim_state import owning_optimizer
 from ..shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
 from ..targets import require_targets, select_targets, validate_selection
+from ..validation import check_int, check_number
 
 RULES = ("periodic", "dash")
 
@@ -98,14 +99,13 @@ class DASHShrink(L.Callback):
         if rule not in RULES:
             raise ValueError(f"rule={rule!r} is not one of {RULES}")
         validate_selection(scope, include, exclude)
-        _check_int("every_n_steps", every_n_steps)
-        if n_batches is not None:
-            _check_int("n_batches", n_batches, "or None (one full pass)")
-        _check_number("alpha", alpha, -1.0, 1.0, "(a cosine threshold)")
-        _check_number("rate", rate, 0.0, math.inf)
-        _check_number("floor", floor, 0.0, 1.0)
-        _check_number("lam", lam, 0.0, 1.0)
-        _check_number("ema_alpha", ema_alpha, 0.0, 1.0)
+        check_int("every_n_steps", every_n_steps)
+        check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
+        check_number("alpha", alpha, -1.0, 1.0, "(a cosine threshold)")
+        check_number("rate", rate, 0.0)
+        check_number("floor", floor, 0.0, 1.0)
+        check_number("lam", lam, 0.0, 1.0)
+        check_number("ema_alpha", ema_alpha, 0.0, 1.0)
         if ema_alpha == 0:
             raise ValueError("ema_alpha=0 must lie in (0, 1]: the EMA would never see a gradient")
         for name, value in (("at_start", at_start), ("include_conv", include_conv), ("include_head", include_head),
@@ -310,17 +310,6 @@ class DASHShrink(L.Callback):
             return None
         chunks = flat[:-1].split([g.numel() for g in ema])
         return {p: c.view_as(p) for p, c in zip(tracked, chunks)}
-
-
-def _check_int(name: str, value, extra: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer {extra}".rstrip())
-
-
-def _check_number(name: str, value, low: float, high: float, extra: str = "") -> None:
-    # Hydra hands over "abc" for alpha=abc: a clear message beats a TypeError from the comparison.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} must be a number in [{low}, {high}] {extra}".rstrip())
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

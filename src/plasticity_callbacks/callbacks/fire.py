@@ -12,6 +12,7 @@ from ..fire import FireRecord, apply_fire, validate_fire_options
 from ..optim_state import leaf_optimizers
 from ..spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
 from ..targets import require_targets, select_targets, validate_selection
+from ..validation import check_int
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -79,11 +80,11 @@ class FIREReinit(L.Callback):
         super().__init__()
         self.epochs = _int_list("epochs", epochs)
         self.steps = _int_list("steps", steps)
-        _check_int("every_n_epochs", every_n_epochs, minimum=1, optional=True)
-        _check_int("patience", patience, minimum=1)
-        _check_int("cooldown", cooldown, minimum=0)
-        _check_int("max_plateau_applications", max_plateau_applications, minimum=1, optional=True)
-        _check_int("rewarmup_steps", rewarmup_steps, minimum=0)
+        check_int("every_n_epochs", every_n_epochs, minimum=1, optional=True)
+        check_int("patience", patience, minimum=1)
+        check_int("cooldown", cooldown, minimum=0)
+        check_int("max_plateau_applications", max_plateau_applications, minimum=1, optional=True)
+        check_int("rewarmup_steps", rewarmup_steps, minimum=0)
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is not one of ('min', 'max')")
         if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
@@ -98,8 +99,8 @@ class FIREReinit(L.Callback):
             raise ValueError(f"dtype={dtype!r} is not one of {tuple(_DTYPES)}")
         if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
             raise ValueError(f"tol={tol!r} must be a positive number or None")
-        _check_int("iters", iters, minimum=1, optional=True)
-        _check_int("check_every", check_every, minimum=1)
+        check_int("iters", iters, minimum=1, optional=True)
+        check_int("check_every", check_every, minimum=1)
         validate_fire_options(method, scale, on_degenerate)
         if not (at_fit_start or self.epochs or every_n_epochs or self.steps or monitor):
             raise ValueError("FIREReinit has no trigger: set at_fit_start, epochs, every_n_epochs, steps or monitor")
@@ -295,9 +296,3 @@ def _int_list(name: str, values) -> list[int]:
         raise ValueError(f"{name}={values!r} must be a list of non-negative integers")
     return sorted(set(values))
 
-
-def _check_int(name: str, value, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (" or None" if optional else ""))

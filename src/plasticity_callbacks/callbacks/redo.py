@@ -13,6 +13,7 @@ from torch import nn
 from ..distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
 from ..dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
 from ..targets import output_head, select_targets, validate_patterns
+from ..validation import check_int, check_number
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _LAYER = (nn.Linear, *_CONV)
@@ -186,21 +187,14 @@ class ReDoMonitor(L.Callback):
         seed: int = 0,
     ):
         super().__init__()
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau <= 1:
-            raise ValueError(f"tau={tau!r} must be a number in [0, 1] (0 = exactly dead; ReDo uses 0.025 or 0.1)")
-        for arg, value in (("collect_every_n_steps", collect_every_n_steps), ("log_every_n_steps", log_every_n_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{arg}={value!r} must be an integer >= 1")
+        check_number("tau", tau, 0.0, 1.0, "(0 = exactly dead; ReDo uses 0.025 or 0.1)")
+        check_int("collect_every_n_steps", collect_every_n_steps)
+        check_int("log_every_n_steps", log_every_n_steps)
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
             raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1)")
-        if recycle_every_n_steps is not None and (
-                isinstance(recycle_every_n_steps, bool) or not isinstance(recycle_every_n_steps, int)
-                or recycle_every_n_steps < 1):
-            raise ValueError(f"recycle_every_n_steps={recycle_every_n_steps!r} must be None (off) or an integer >= 1")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step={start_step!r} must be an integer >= 0")
-        if end_step is not None and (isinstance(end_step, bool) or not isinstance(end_step, int) or end_step < start_step):
-            raise ValueError(f"end_step={end_step!r} must be None or an integer >= start_step={start_step}")
+        check_int("recycle_every_n_steps", recycle_every_n_steps, optional=True, hint="(None = no recycling)")
+        check_int("start_step", start_step, minimum=0)
+        check_int("end_step", end_step, minimum=start_step, optional=True, hint="(start_step)")
         if init not in CALLBACK_INITS:
             raise ValueError(f"init={init!r} is not one of {CALLBACK_INITS}")
         if not isinstance(seed, int) or isinstance(seed, bool):

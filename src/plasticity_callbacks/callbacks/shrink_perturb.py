@@ -13,6 +13,7 @@ from torch import nn
 from ..distributed import rank_identical_generator, require_full_parameters
 from ..optim_state import reset_optimizer_state
 from ..targets import validate_patterns
+from ..validation import check_number
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -78,13 +79,8 @@ class ShrinkPerturb(L.Callback):
 
     def __init__(self, shrink: float = 0.4, perturb: float = 0.1, include: list[str] | None = None,
                  exclude: list[str] | None = None, reset_optimizer: bool = False, seed: int = 0):
-        for arg, value in (("shrink", shrink), ("perturb", perturb)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"ShrinkPerturb {arg}={value!r} must be a number")
-        if not 0 <= shrink <= 1:
-            raise ValueError(f"ShrinkPerturb shrink={shrink!r} must be in [0, 1] (paper: 0.4)")
-        if perturb < 0:
-            raise ValueError(f"ShrinkPerturb perturb={perturb!r} must be >= 0 (paper: 0.1)")
+        check_number("shrink", shrink, 0.0, 1.0, "(paper: 0.4)")
+        check_number("perturb", perturb, 0.0, hint="(paper: 0.1)")
         validate_patterns(include=include, exclude=exclude)
         if not isinstance(reset_optimizer, bool):
             raise ValueError(f"ShrinkPerturb reset_optimizer={reset_optimizer!r} must be true or false")

@@ -1,0 +1,23 @@
+"""Constructor-argument checks shared by the callbacks: each error names the argument and what is allowed.
+
+Hydra hands over whatever the command line said (``alpha=abc`` arrives as a string, ``every=true``
+as a bool), so types are checked before ranges: a clear message beats a TypeError from a comparison.
+"""
+from __future__ import annotations
+
+import math
+
+
+def check_int(name: str, value, minimum: int = 1, optional: bool = False, hint: str = "") -> None:
+    """``value`` must be an int (not a bool) ``>= minimum``, or None when ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an integer >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"{name}={value!r} must be {allowed} {hint}".rstrip())
+
+
+def check_number(name: str, value, low: float = -math.inf, high: float = math.inf, hint: str = "") -> None:
+    """``value`` must be an int or float (not a bool) in the closed interval ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be a number in [{low:g}, {high:g}] {hint}".rstrip())
