@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import importlib
-import os
 import signal
 import shutil
 import time

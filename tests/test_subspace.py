@@ -152,7 +152,6 @@ def test_decide_mode_on_constructed_matrices():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_svd_triplets_lowrank_matches_full_and_keeps_global_rng(device):
-    g = torch.Generator().manual_seed(10)
     U0, V0 = orthonormal(40, 30, 11), orthonormal(30, 30, 12)
     S0 = torch.cat([torch.linspace(20, 10, 10), torch.linspace(1, 0.1, 20)]).double()
     W = ((U0 * S0) @ V0.mT).float().to(device)

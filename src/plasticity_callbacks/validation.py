@@ -6,6 +6,7 @@ as a bool), so types are checked before ranges: a clear message beats a TypeErro
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 
 def check_int(name: str, value, minimum: int = 1, optional: bool = False, hint: str = "") -> None:
@@ -21,3 +22,13 @@ def check_number(name: str, value, low: float = -math.inf, high: float = math.in
     """``value`` must be an int or float (not a bool) in the closed interval ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ValueError(f"{name}={value!r} must be a number in [{low:g}, {high:g}] {hint}".rstrip())
+
+
+def sorted_int_list(name: str, values) -> list[int]:
+    """``values`` (None, or a list of integers >= 0, e.g. epochs or steps) as a sorted list without repeats."""
+    if values is None:
+        return []
+    if isinstance(values, str) or not isinstance(values, Sequence) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{name}={values!r} must be a list of non-negative integers or None")
+    return sorted(set(values))

@@ -18,7 +18,7 @@ from ..distributed import all_reduce_mean, require_full_parameters
 from ..optim_state import owning_optimizer
 from ..shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
 from ..targets import require_targets, select_targets, validate_selection
-from ..validation import check_int, check_number
+from ..validation import check_int, check_number, sorted_int_list
 
 RULES = ("periodic", "dash")
 
@@ -113,10 +113,7 @@ class DASHShrink(L.Callback):
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
-        if at_epochs is not None and (isinstance(at_epochs, str) or not isinstance(at_epochs, Sequence) or not all(
-                isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in at_epochs)):
-            raise ValueError(f"at_epochs={at_epochs!r} must be a list of non-negative epoch numbers or None")
-        at_epochs = sorted(set(at_epochs)) if at_epochs is not None else []
+        at_epochs = sorted_int_list("at_epochs", at_epochs)
         if rule == "periodic" and at_epochs:
             raise ValueError("at_epochs applies to rule='dash'; rule='periodic' acts every every_n_steps steps")
         if rule == "dash" and not at_start and not at_epochs:

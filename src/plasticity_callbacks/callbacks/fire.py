@@ -12,7 +12,7 @@ from ..fire import FireRecord, apply_fire, validate_fire_options
 from ..optim_state import leaf_optimizers
 from ..spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
 from ..targets import require_targets, select_targets, validate_selection
-from ..validation import check_int
+from ..validation import check_int, sorted_int_list
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -78,8 +78,8 @@ class FIREReinit(L.Callback):
         save_spectra: bool = False,
     ):
         super().__init__()
-        self.epochs = _int_list("epochs", epochs)
-        self.steps = _int_list("steps", steps)
+        self.epochs = sorted_int_list("epochs", epochs)
+        self.steps = sorted_int_list("steps", steps)
         check_int("every_n_epochs", every_n_epochs, minimum=1, optional=True)
         check_int("patience", patience, minimum=1)
         check_int("cooldown", cooldown, minimum=0)
@@ -288,11 +288,4 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _int_list(name: str, values) -> list[int]:
-    if values is None:
-        return []
-    values = list(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ValueError(f"{name}={values!r} must be a list of non-negative integers")
-    return sorted(set(values))
 
