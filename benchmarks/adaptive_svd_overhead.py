@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import cpu_trainer, token_loader  # noqa: E402
 
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
-from plasticity_callbacks.optim_state import leaf_optimizers  # noqa: E402
+from plasticity_callbacks.core.optimizer_state import leaf_optimizers  # noqa: E402
 
 VARIANTS = ("none", "full", "lowrank")
 

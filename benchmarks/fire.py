@@ -28,9 +28,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from plasticity_callbacks.fire import apply_fire
+from plasticity_callbacks.functional.isometry import apply_fire
 from plasticity_callbacks.models import GPT, GPTConfig
-from plasticity_callbacks.spectral import orthogonalize
+from plasticity_callbacks.functional.spectral import orthogonalize
 
 METHODS = [  # label, method, normalize
     ("cubic NS, frobenius", "newton_schulz", "frobenius"),

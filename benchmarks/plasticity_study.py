@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from plasticity_callbacks.pipeline import Pipeline
-from plasticity_callbacks.report import build_report
-from plasticity_callbacks.train import config_dir
+from plasticity_callbacks.app.pipeline import Pipeline
+from plasticity_callbacks.app.report import build_report
+from plasticity_callbacks.app.train import config_dir
 
 METHODS = ["warm", "warm_reset", "reset", "sp", "fire", "fire_exact", "dash", "redo"]
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import lightning as L
 
 from plasticity_callbacks import FIREReinit, ReDoMonitor
 from plasticity_callbacks.data import CodeCorpusDataModule, MultiValidationDataModule, SFTDataModule
-from plasticity_callbacks.pipeline import PhaseModule
+from plasticity_callbacks.app.pipeline import PhaseModule
 
 MODEL = dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=2, sequence_len=192)
 

@@ -48,7 +48,7 @@ def project_logger(out: Path):
     test checks that config, not a test-only setting."""
     from omegaconf import OmegaConf
 
-    from plasticity_callbacks.train import config_dir
+    from plasticity_callbacks.app.train import config_dir
 
     cfg = OmegaConf.load(Path(config_dir()) / "logger" / "csv.yaml")
     cfg.save_dir = str(out)
@@ -67,8 +67,8 @@ def run_pipeline(spec: dict) -> None:
     ``stop_at``, phase ``stop_phase`` is interrupted at that step; ``resume`` sets pipeline.resume."""
     from hydra import compose, initialize_config_dir
 
-    from plasticity_callbacks.pipeline import Pipeline
-    from plasticity_callbacks.train import config_dir
+    from plasticity_callbacks.app.pipeline import Pipeline
+    from plasticity_callbacks.app.train import config_dir
 
     out = Path(spec["out"])
     overrides = [*spec["overrides"], f"paths.output_dir={out}", f"pipeline.resume={bool(spec.get('resume'))}"]

@@ -10,8 +10,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
-from plasticity_callbacks import AdaptiveSVDSwitch, lowrank
-from plasticity_callbacks.subspace import as_matrix, svd_triplets
+from plasticity_callbacks import AdaptiveSVDSwitch
+from plasticity_callbacks.functional import factorization
+from plasticity_callbacks.functional.subspace import as_matrix, svd_triplets
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
 
 ALWAYS_LOWRANK = dict(clobber_alignment=0.0, r_min=2, save_figure=False)  # any principal gradient share > 0
@@ -19,8 +20,8 @@ ALWAYS_LOWRANK = dict(clobber_alignment=0.0, r_min=2, save_figure=False)  # any 
 
 def split(module, attr, r):
     svd = svd_triplets(as_matrix(getattr(module, attr).detach()))
-    B, A = lowrank.minor_factors(svd, r, torch.float32)
-    return lowrank.factorize(module, attr, B, A), svd
+    B, A = factorization.minor_factors(svd, r, torch.float32)
+    return factorization.factorize(module, attr, B, A), svd
 
 
 @pytest.mark.parametrize("layer,x", [
@@ -37,8 +38,8 @@ def test_factorize_keeps_the_output_and_fold_back_is_exact(layer, x):
     minor = (svd.U[:, k:] * svd.S[k:]) @ svd.V[:, k:].mT
     assert torch.allclose(parts.B @ parts.A, minor, atol=1e-5)
     effective = layer.weight.detach().clone()
-    assert lowrank.fold(layer, "weight") is weight
-    assert torch.equal(weight, effective) and weight.requires_grad and not lowrank.is_factorized(layer, "weight")
+    assert factorization.fold(layer, "weight") is weight
+    assert torch.equal(weight, effective) and weight.requires_grad and not factorization.is_factorized(layer, "weight")
 
 
 def test_transferred_gradient_is_the_chain_rule():
@@ -60,8 +61,8 @@ class Spy(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         row = {"step": trainer.global_step}
         for m in self.switch.matrices:
-            if lowrank.is_factorized(m.target.module, m.attr):
-                parts = lowrank.components(m.target.module, m.attr)
+            if factorization.is_factorized(m.target.module, m.attr):
+                parts = factorization.components(m.target.module, m.attr)
                 row[m.target.name] = (m.target.param.detach().clone(), (parts.B @ parts.A).detach().clone())
         self.records.append(row)
 
@@ -79,8 +80,8 @@ def test_factorize_freezes_w_p_and_trains_only_the_minor_part():
         assert not torch.equal(BA, after_switch[0][1])  # the minor part trains
     optimizer = module.trainer.optimizers[0]
     m = next(m for m in switch.matrices if m.target.name == name)
-    parts = lowrank.components(m.target.module, m.attr)
-    group = lowrank.param_group_of([optimizer], m.target.param)
+    parts = factorization.components(m.target.module, m.attr)
+    group = factorization.param_group_of([optimizer], m.target.param)
     assert any(p is parts.B for p in group["params"]) and any(p is parts.A for p in group["params"])
     assert m.target.param not in optimizer.state and parts.B in optimizer.state  # W_p holds no moments
     assert switch.matrices[0].r <= 7 and all(m.mode == "lowrank" for m in switch.matrices)
@@ -107,7 +108,7 @@ def test_switch_back_to_full_folds_and_trains_the_whole_matrix_again():
     assert "lowrank" in modes and all(mode == "full" for step, _, mode, _ in switch.history if step >= 4)
     muon_params = optimizer.optimizers[0].param_groups[0]["params"]
     for m in switch.matrices:
-        assert not lowrank.is_factorized(m.target.module, m.attr) and m.target.param.requires_grad
+        assert not factorization.is_factorized(m.target.module, m.attr) and m.target.param.requires_grad
         assert m.target.param in optimizer.state  # stepped again as a whole matrix
     assert len(muon_params) == len({id(p) for p in muon_params}) == sum(1 for _ in switch.matrices)
 
@@ -138,7 +139,7 @@ def test_factorized_checkpoint_resumes_into_the_same_run(tmp_path):
         assert torch.equal(resumed_weights[name], weights[name]), name
     for a, b in zip(resumed_module.parameters(), module.parameters()):
         assert torch.equal(a, b)
-    assert all(lowrank.is_factorized(m.target.module, m.attr) for m in resumed.matrices)
+    assert all(factorization.is_factorized(m.target.module, m.attr) for m in resumed.matrices)
 
 
 class GradientSpy(L.Callback):

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from plasticity_callbacks import dormancy, lowrank, shrink, spectral, subspace
+from plasticity_callbacks.functional import dormancy, factorization, shrink, spectral, subspace
+
 from tiny import TinyMLPModule
 
 FAST = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -248,11 +249,11 @@ def test_minor_projection_is_an_idempotent_projector(W, r):
     r = min(r, min(W.shape) - 1)
     U_minor = svd.U[:, -r:]
     T = torch.randn(W.shape)
-    lowrank.project_onto(T, U_minor)
+    factorization.project_onto(T, U_minor)
     again = T.clone()
-    lowrank.project_onto(again, U_minor)
+    factorization.project_onto(again, U_minor)
     assert finite(T) and torch.allclose(again, T, atol=1e-5)
-    B, A = lowrank.minor_factors(svd, r, torch.float32)
+    B, A = factorization.minor_factors(svd, r, torch.float32)
     assert finite(B, A) and B.shape == (W.shape[0], r) and A.shape == (r, W.shape[1])
 
 

@@ -14,7 +14,7 @@ from plasticity_callbacks.callbacks.gate_logger import GateLogger
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, ConfigError, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.reciprocal_attention import fold_reciprocal, reciprocal_dim_mask
-from plasticity_callbacks.train import build_module, config_dir
+from plasticity_callbacks.app.train import build_module, config_dir
 
 SMALL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, sequence_len=16)  # head_dim 16
 

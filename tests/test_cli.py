@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from plasticity_callbacks.train import build_module, config_dir
+from plasticity_callbacks.app.train import build_module, config_dir
 
 CONFIGS = Path(config_dir())
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_every_config_composes(group, option):
 
 
 def run_cli(args, cwd, env=None, module=False):
-    cmd = [sys.executable, "-m", "plasticity_callbacks.train"] if module else ["plasticity-train"]
+    cmd = [sys.executable, "-m", "plasticity_callbacks.app.train"] if module else ["plasticity-train"]
     env = dict(os.environ, **(env or {}))
     return subprocess.run(cmd + args, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
@@ -78,7 +78,7 @@ def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
     assert (site / "plasticity_callbacks" / "configs" / "config.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("from plasticity_callbacks.train import config_dir; import plasticity_callbacks, sys; "
+    code = ("from plasticity_callbacks.app.train import config_dir; import plasticity_callbacks, sys; "
             "print(config_dir()); print(plasticity_callbacks.__file__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(site)), timeout=120)

@@ -65,7 +65,7 @@ def test_conv_callbacks_on_cnn_with_sgd_keep_ranks_identical(tmp_path):
 def test_sharded_strategies_are_refused_unless_the_callback_gathers(strategy):
     from types import SimpleNamespace
 
-    from plasticity_callbacks.distributed import MisconfigurationException, require_full_parameters
+    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type(strategy, (), {})())
     with pytest.raises(MisconfigurationException, match=f"Owner needs each weight matrix whole.*{strategy}.*ddp"):
@@ -86,8 +86,8 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from plasticity_callbacks.distributed import full_parameters, gather_full, is_dtensor
-    from plasticity_callbacks.spectral import orthogonalize
+    from plasticity_callbacks.core.distributed import full_parameters, gather_full, is_dtensor
+    from plasticity_callbacks.functional.spectral import orthogonalize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

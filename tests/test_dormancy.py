@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plasticity_callbacks.dormancy import (dormancy_scores, dormant_fraction, dormant_mask, fresh_weights,
+from plasticity_callbacks.functional.dormancy import (dormancy_scores, dormant_fraction, dormant_mask, fresh_weights,
                                            mean_abs_activation, recycle_neurons)
 from tiny import OPTIMIZERS, make_optimizer
 

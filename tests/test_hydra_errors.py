@@ -1,6 +1,6 @@
 """A wrong Hydra config is explained in a line or two, never with a traceback into Hydra's internals.
 
-All cases run the real entry point (``plasticity_callbacks.train.main``, what ``plasticity-train``
+All cases run the real entry point (``plasticity_callbacks.app.train.main``, what ``plasticity-train``
 calls) with their own ``sys.argv``, in one subprocess to pay the imports once; each case stops at
 composition or instantiation, before any training. (test_cli.py runs the installed console script.)
 """
@@ -15,7 +15,7 @@ import pytest
 
 DRIVER = r'''
 import contextlib, io, json, sys, traceback
-from plasticity_callbacks.train import main
+from plasticity_callbacks.app.train import main
 results = []
 for argv in json.loads(sys.argv[1]):
     sys.argv = ["plasticity-train", *argv]

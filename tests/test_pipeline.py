@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from plasticity_callbacks.models.registry import ConfigError
-from plasticity_callbacks.pipeline import Pipeline, with_saved_moments
-from plasticity_callbacks.train import config_dir
+from plasticity_callbacks.app.pipeline import Pipeline, with_saved_moments
+from plasticity_callbacks.app.train import config_dir
 
 
 def compose_pipeline(run_dir, *overrides):

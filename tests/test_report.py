@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from plasticity_callbacks.report import build_report, main
+from plasticity_callbacks.app.report import build_report, main
 
 METHODS = {"warm": 2.0, "fire": 1.8}  # new-phase final val loss of seed 0; seed s adds 0.1·s
 

@@ -63,7 +63,7 @@ SIGNAL_RUN = dict(model="mlp", steps=12, ckpt_every=5, stop_at=7, how="wait")  #
 def available(spec: dict) -> bool:
     """Callbacks are written in parallel with this file: a scenario runs once its module exists."""
     if spec.get("kind") == "pipeline":
-        return importlib.util.find_spec("plasticity_callbacks.pipeline") is not None
+        return importlib.util.find_spec("plasticity_callbacks.app.pipeline") is not None
     names = [c["_target_"].rsplit(".", 1)[-1] for c in spec.get("callbacks", [])]
     return all(importlib.util.find_spec(f"plasticity_callbacks.callbacks.{MODULES[n]}") for n in names)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plasticity_callbacks.shrink import apply_shrink_, dash_shrink_factors, group_cosine, penalty_shrink_factors
+from plasticity_callbacks.functional.shrink import apply_shrink_, dash_shrink_factors, group_cosine, penalty_shrink_factors
 
 # Rows: aligned, orthogonal, opposite, zero weight row, 45 degrees.
 W = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0], [0.0, 0.0], [1.0, 1.0]])

@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyCNNModule, TinyMLPModule, build, cpu_trainer
 
 from plasticity_callbacks import ShrinkPerturb
-from plasticity_callbacks.distributed import rank_identical_generator
+from plasticity_callbacks.core.distributed import rank_identical_generator
 
 
 class Snapshot(L.Callback):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.fire import apply_fire
-from plasticity_callbacks.optim_state import leaf_optimizers
-from plasticity_callbacks.spectral import (
+from plasticity_callbacks.functional.isometry import apply_fire
+from plasticity_callbacks.core.optimizer_state import leaf_optimizers
+from plasticity_callbacks.functional.spectral import (
     DegenerateMatrixError, deviation_from_isometry, effective_rank, orthogonalize, singular_value_summary,
     squared_frobenius_error, stable_rank,
 )
@@ -192,7 +192,7 @@ def test_apply_fire_scales_skips_and_touches_only_weights():
     for name in ("0.bias", "2.bias", "4.weight", "4.bias"):  # biases and the head untouched
         assert torch.equal(dict(model.named_parameters())[name], before[name])
     one_d = nn.Parameter(torch.randn(5))
-    from plasticity_callbacks.targets import Target
+    from plasticity_callbacks.core.targets import Target
     assert apply_fire(model, targets=[Target("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
 
 

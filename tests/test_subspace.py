@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from plasticity_callbacks.subspace import (
+from plasticity_callbacks.functional.subspace import (
     SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, mode_rule, next_rank,
     reconstruction_error, subspace_angle, svd_triplets,
 )

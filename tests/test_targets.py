@@ -3,9 +3,9 @@ import torch
 from torch import nn
 
 from plasticity_callbacks.models import GPT, GPTConfig
-from plasticity_callbacks.optim import CombinedOptimizer
-from plasticity_callbacks.optim_state import reset_optimizer_state, zero_optimizer_state_slices
-from plasticity_callbacks.targets import require_targets, select_targets
+from plasticity_callbacks.models.optimizers import CombinedOptimizer
+from plasticity_callbacks.core.optimizer_state import reset_optimizer_state, zero_optimizer_state_slices
+from plasticity_callbacks.core.targets import require_targets, select_targets
 from tiny import TinyCNNModule, TinyMLPModule, make_optimizer
 
 

@@ -4,7 +4,7 @@ import torch
 
 from plasticity_callbacks.data import CodeCorpusDataModule
 from plasticity_callbacks.models import GPTLightningModule
-from plasticity_callbacks.optim import CombinedOptimizer, build_optimizer, lr_lambda
+from plasticity_callbacks.models.optimizers import CombinedOptimizer, build_optimizer, lr_lambda
 from tiny import cpu_trainer
 
 TINY = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=64, sequence_len=64)

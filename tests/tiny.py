@@ -21,7 +21,7 @@ def make_optimizer(module: nn.Module, name: str, lr: float):
     if name == "sgd":
         return torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
     if name == "muon":  # Muon for matrices, AdamW for the rest, stepped as one
-        from plasticity_callbacks.optim import CombinedOptimizer
+        from plasticity_callbacks.models.optimizers import CombinedOptimizer
 
         matrices = [p for p in module.parameters() if p.dim() == 2]
         rest = [p for p in module.parameters() if p.dim() != 2]

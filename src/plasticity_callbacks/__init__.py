@@ -16,7 +16,7 @@ _LAZY = {
     "GPTLightningModule": "plasticity_callbacks.models",
     "CodeCorpusDataModule": "plasticity_callbacks.data",
     "ByteTokenizer": "plasticity_callbacks.data",
-    "select_targets": "plasticity_callbacks.targets",
+    "select_targets": "plasticity_callbacks.core.targets",
     "FIREReinit": "plasticity_callbacks.callbacks.fire",
     "ReDoMonitor": "plasticity_callbacks.callbacks.redo",
     "DASHShrink": "plasticity_callbacks.callbacks.dash",

@@ -10,12 +10,12 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from .. import lowrank
-from ..distributed import MisconfigurationException, require_full_parameters
-from ..figures import save_figure
-from ..subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
-from ..targets import Target, require_targets, select_targets, validate_selection
-from ..validation import check_int, check_number
+from ..functional import factorization
+from ..core.distributed import MisconfigurationException, require_full_parameters
+from ..core.figures import save_figure
+from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
+from ..core.targets import Target, require_targets, select_targets, validate_selection
+from ..core.arguments import check_int, check_number
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -50,7 +50,7 @@ class AdaptiveSVDSwitch(L.Callback):
     Changes: ``mode="project"`` replaces the gradients of low-rank matrices by ``U_m U_mᵀ ∇W``
     (and projects their linear momentum at each cycle). ``mode="factorize"`` re-parametrizes
     low-rank matrices as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
-    optimizer param group (see :mod:`plasticity_callbacks.lowrank`); every cycle folds ``BA`` back
+    optimizer param group (see :mod:`plasticity_callbacks.functional.factorization`); every cycle folds ``BA`` back
     and re-splits with the new ``r``. Factorize runs on a single device only.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
@@ -85,8 +85,8 @@ class AdaptiveSVDSwitch(L.Callback):
         save_figure: bool = True,
     ):
         super().__init__()
-        if mode not in lowrank.LOWRANK_MODES:
-            raise ValueError(f"mode={mode!r} is not one of {lowrank.LOWRANK_MODES}")
+        if mode not in factorization.LOWRANK_MODES:
+            raise ValueError(f"mode={mode!r} is not one of {factorization.LOWRANK_MODES}")
         check_int("svd_interval", svd_interval)
         check_int("r_min", r_min)
         check_int("warmup_steps", warmup_steps, minimum=0)
@@ -143,8 +143,8 @@ class AdaptiveSVDSwitch(L.Callback):
         matrices = {}
         for m in self.matrices:
             entry = {"mode": m.mode, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
-            if lowrank.is_factorized(m.target.module, m.attr):
-                parts = lowrank.components(m.target.module, m.attr)
+            if factorization.is_factorized(m.target.module, m.attr):
+                parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
             matrices[m.target.name] = entry
@@ -172,11 +172,11 @@ class AdaptiveSVDSwitch(L.Callback):
         saved = self._pending["matrices"]
         for m in self.matrices:
             entry = saved.get(m.target.name, {})
-            if "B" in entry and not lowrank.is_factorized(m.target.module, m.attr):
+            if "B" in entry and not factorization.is_factorized(m.target.module, m.attr):
                 device = m.target.param.device
-                parts = lowrank.factorize(m.target.module, m.attr, entry["B"].to(device), entry["A"].to(device),
+                parts = factorization.factorize(m.target.module, m.attr, entry["B"].to(device), entry["A"].to(device),
                                           frozen=entry["W_p"].to(device))
-                lowrank.attach(trainer.optimizers, m.target.param, [parts.B, parts.A])
+                factorization.attach(trainer.optimizers, m.target.param, [parts.B, parts.A])
         self._pending = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -185,7 +185,7 @@ class AdaptiveSVDSwitch(L.Callback):
         if state is None:
             return
         for m in self.matrices:
-            if lowrank.is_factorized(m.target.module, m.attr):
+            if factorization.is_factorized(m.target.module, m.attr):
                 prefix = m.target.name[: -len(m.attr)]
                 for key in [k for k in state if k.startswith(f"{prefix}parametrizations.{m.attr}.")]:
                     del state[key]
@@ -198,8 +198,8 @@ class AdaptiveSVDSwitch(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         capture = self._is_svd_step(trainer.global_step)
         for m in self.matrices:
-            if lowrank.is_factorized(m.target.module, m.attr):
-                lowrank.components(m.target.module, m.attr).capture = capture
+            if factorization.is_factorized(m.target.module, m.attr):
+                factorization.components(m.target.module, m.attr).capture = capture
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._is_svd_step(trainer.global_step):
@@ -207,16 +207,16 @@ class AdaptiveSVDSwitch(L.Callback):
         elif self.mode == "project":
             for m in self.matrices:
                 if m.mode == "lowrank":
-                    lowrank.project_gradient(m.target.param, m.U_minor)
+                    factorization.project_gradient(m.target.param, m.U_minor)
 
     @torch.no_grad()
     def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         step, logged = trainer.global_step, []
         for m in self.matrices:
             module, weight = m.target.module, m.target.param
-            factorized = lowrank.is_factorized(module, m.attr)
+            factorized = factorization.is_factorized(module, m.attr)
             W = as_matrix(getattr(module, m.attr).detach())  # the effective weight in either structure
-            grad = lowrank.components(module, m.attr).captured if factorized else weight.grad
+            grad = factorization.components(module, m.attr).captured if factorized else weight.grad
             r = m.r if m.r is not None else self._initial_r(W, m.g)
             svd = svd_triplets(W, self.svd_method, top=m.g - r, niter=self.svd_niter, dtype=self.svd_dtype,
                                seed=step)
@@ -227,8 +227,8 @@ class AdaptiveSVDSwitch(L.Callback):
             m.mode, m.r, m.U_prev, m.S_prev = new_mode, r_next, svd.U, svd.S
             if self.mode == "project":
                 if new_mode == "lowrank":
-                    lowrank.project_gradient(weight, m.U_minor)
-                    lowrank.project_optimizer_state(trainer.optimizers, weight, m.U_minor)
+                    factorization.project_gradient(weight, m.U_minor)
+                    factorization.project_optimizer_state(trainer.optimizers, weight, m.U_minor)
             else:
                 self._resplit(trainer, m, svd, grad, factorized)
             self.history.append((step, m.target.name, new_mode, r_next))
@@ -248,16 +248,16 @@ class AdaptiveSVDSwitch(L.Callback):
         rule (``∇B = G Aᵀ``, ``∇A = Bᵀ G``), so the coming optimizer step is not lost."""
         module, weight = m.target.module, m.target.param
         if factorized:
-            parts = lowrank.components(module, m.attr)
-            lowrank.detach(trainer.optimizers, [parts.B, parts.A])
-            lowrank.fold(module, m.attr)
+            parts = factorization.components(module, m.attr)
+            factorization.detach(trainer.optimizers, [parts.B, parts.A])
+            factorization.fold(module, m.attr)
         if m.mode == "lowrank":
-            B, A = lowrank.minor_factors(svd, m.r, weight.dtype)
-            parts = lowrank.factorize(module, m.attr, B, A)
+            B, A = factorization.minor_factors(svd, m.r, weight.dtype)
+            parts = factorization.factorize(module, m.attr, B, A)
             if grad is not None:
                 G = as_matrix(grad).to(B.dtype)
                 parts.B.grad, parts.A.grad = G @ parts.A.mT, parts.B.mT @ G
-            lowrank.attach(trainer.optimizers, weight, [parts.B, parts.A])
+            factorization.attach(trainer.optimizers, weight, [parts.B, parts.A])
         else:
             weight.grad = grad.reshape(weight.shape).to(weight.dtype) if grad is not None else None
 

@@ -1,6 +1,6 @@
 """``DASHShrink``: shrink neurons whose weights point against the descent direction (DASH).
 
-The math lives in :mod:`plasticity_callbacks.shrink`; this file decides when and on what.
+The math lives in :mod:`plasticity_callbacks.functional.shrink`; this file decides when and on what.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from ..distributed import all_reduce_mean, require_full_parameters
-from ..optim_state import owning_optimizer
-from ..shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
-from ..targets import require_targets, select_targets, validate_selection
-from ..validation import check_int, check_number, sorted_int_list
+from ..core.distributed import all_reduce_mean, require_full_parameters
+from ..core.optimizer_state import owning_optimizer
+from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
+from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.arguments import check_int, check_number, sorted_int_list
 
 RULES = ("periodic", "dash")
 
@@ -54,7 +54,7 @@ class DASHShrink(L.Callback):
     that returns the loss (or a dict with ``"loss"``). A fit resumed with ``ckpt_path`` counts as
     the same phase; a new ``trainer.fit`` in the same process (a new phase) shrinks again.
 
-    Targets: :func:`plasticity_callbacks.targets.select_targets` (``scope``/``include``/``exclude``
+    Targets: :func:`plasticity_callbacks.core.targets.select_targets` (``scope``/``include``/``exclude``
     as in FIREReinit). With ``shrink_bias=True`` a selected layer's bias is shrunk too, by one
     factor computed from the whole bias vector (the paper does this; the seed had no biases).
 

@@ -7,12 +7,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..distributed import all_reduce_mean, require_full_parameters
-from ..fire import FireRecord, apply_fire, validate_fire_options
-from ..optim_state import leaf_optimizers
-from ..spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
-from ..targets import require_targets, select_targets, validate_selection
-from ..validation import check_int, sorted_int_list
+from ..core.distributed import all_reduce_mean, require_full_parameters
+from ..functional.isometry import FireRecord, apply_fire, validate_fire_options
+from ..core.optimizer_state import leaf_optimizers
+from ..functional.spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
+from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.arguments import check_int, sorted_int_list
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -30,7 +30,7 @@ class FIREReinit(L.Callback):
         ``min_delta`` for ``patience`` validations (EarlyStopping's rule); then ``cooldown`` validations
         pass before counting again, and the best value restarts from the post-FIRE loss.
 
-    What changes: the target weights (see :func:`plasticity_callbacks.fire.apply_fire`) and the
+    What changes: the target weights (see :func:`plasticity_callbacks.functional.isometry.apply_fire`) and the
     optimizer state of exactly those weights (``reset_optimizer``). With ``rewarmup_steps = K`` the
     learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
     each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
@@ -239,7 +239,7 @@ class FIREReinit(L.Callback):
         return True
 
     def _save_spectra(self, trainer: L.Trainer, key: str, records: list[FireRecord]) -> None:
-        from ..figures import plt, save_figure
+        from ..core.figures import plt, save_figure
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in records:

@@ -10,10 +10,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
-from ..targets import output_head, select_targets, validate_patterns
-from ..validation import check_int, check_number
+from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
+from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
+from ..core.targets import output_head, select_targets, validate_patterns
+from ..core.arguments import check_int, check_number
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _LAYER = (nn.Linear, *_CONV)
@@ -348,7 +348,7 @@ class ReDoMonitor(L.Callback):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:
-            from ..figures import save_figure
+            from ..core.figures import save_figure
             import matplotlib.pyplot as plt
 
             fig, axes = plt.subplots(len(scores), 1, figsize=(6, 1.8 * len(scores)), squeeze=False)

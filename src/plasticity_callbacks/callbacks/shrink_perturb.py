@@ -10,10 +10,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..distributed import rank_identical_generator, require_full_parameters
-from ..optim_state import reset_optimizer_state
-from ..targets import validate_patterns
-from ..validation import check_number
+from ..core.distributed import rank_identical_generator, require_full_parameters
+from ..core.optimizer_state import reset_optimizer_state
+from ..core.targets import validate_patterns
+from ..core.arguments import check_number
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:

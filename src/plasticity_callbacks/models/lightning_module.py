@@ -11,7 +11,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from ..data.tokenizer import IGNORE_INDEX
-from ..optim import build_optimizer, lr_lambda
+from .optimizers import build_optimizer, lr_lambda
 from .gpt import GPT, GPTConfig
 from .registry import ConfigError
 

@@ -1,5 +1,10 @@
 """Model blocks; importing this package registers every block under its config name."""
-from . import attention, mlp, position, position_bias, reciprocal_attention, reciprocal_mlp  # noqa: F401
+from . import attention
+from . import mlp
+from . import position
+from . import position_bias
+from . import reciprocal_attention
+from . import reciprocal_mlp  # noqa: F401
 from .attention import CausalSelfAttention, KVCache, rms_norm
 from .mlp import GatedMLP, GeGLUMLP, MLPBlock, NeuronLayout, ReluSquaredMLP, SwiGLUMLP
 from .position import NoPosition, PositionBlock, Rotary

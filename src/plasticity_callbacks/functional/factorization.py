@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .optim_state import leaf_optimizers, reset_optimizer_state
+from ..core.optimizer_state import leaf_optimizers, reset_optimizer_state
 from .subspace import SVD, as_matrix
 
 LOWRANK_MODES = ("factorize", "project")

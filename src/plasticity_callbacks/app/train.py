@@ -1,4 +1,4 @@
-"""``plasticity-train``: the Hydra entry point (``python -m plasticity_callbacks.train`` does the same).
+"""``plasticity-train``: the Hydra entry point (``python -m plasticity_callbacks.app.train`` does the same).
 
 Compose the config; with ``phases:`` (the default, ``experiment=pretrain_sft``) run the
 multi-phase pipeline (``pipeline.py``), else one fit: instantiate data, model, callbacks,
@@ -19,18 +19,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .models.lightning_module import GPTLightningModule, check_data_fits_model
-from .models.registry import ConfigError
+from ..models.lightning_module import GPTLightningModule, check_data_fits_model
+from ..models.registry import ConfigError
 from .pipeline import Pipeline, prepend_metrics, read_metrics
 
 
 def config_dir() -> str:
     """The ``configs/`` folder: inside the installed wheel, or at the top of a source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "configs", here.parents[1] / "configs"):
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "configs", package.parents[1] / "configs"):
         if (candidate / "config.yaml").is_file():
             return str(candidate)
-    raise FileNotFoundError(f"no Hydra configs found next to {here}; reinstall the package")
+    raise FileNotFoundError(f"no Hydra configs found next to {package}; reinstall the package")
 
 
 def build_module(cfg: DictConfig) -> GPTLightningModule:

@@ -20,7 +20,7 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
-from .optim_state import zero_optimizer_state_slices
+from ..core.optimizer_state import zero_optimizer_state_slices
 
 INITS = ("weight_std", "default", "xavier_uniform")
 Init = Union[str, float, torch.Tensor]  # a name in INITS, or the std of a normal

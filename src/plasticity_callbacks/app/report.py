@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .figures import plt
+from ..core.figures import plt
 
 COLUMNS = [("new-phase val loss", "val_loss"), ("retention loss", "retention_loss"),
            ("dormant fraction", "dormant_fraction"), ("minutes", "minutes")]

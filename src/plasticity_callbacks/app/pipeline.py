@@ -40,10 +40,10 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from .data.sft import MultiValidationDataModule
-from .data.tokenizer import IGNORE_INDEX
-from .models.lightning_module import GPTLightningModule, check_data_fits_model
-from .models.registry import ConfigError
+from ..data.sft import MultiValidationDataModule
+from ..data.tokenizer import IGNORE_INDEX
+from ..models.lightning_module import GPTLightningModule, check_data_fits_model
+from ..models.registry import ConfigError
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
 METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights"}

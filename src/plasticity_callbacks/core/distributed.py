@@ -41,7 +41,7 @@ def require_full_parameters(trainer, owner: str, gather: bool = False) -> None:
     if not is_sharded(trainer) or (gather and any(g in name for g in _GATHERABLE)):
         return
     how = ("DeepSpeed partitions have no gather path here" if gather else
-           "this callback does not gather full weights (plasticity_callbacks.distributed.full_parameters)")
+           "this callback does not gather full weights (plasticity_callbacks.core.distributed.full_parameters)")
     raise MisconfigurationException(
         f"{owner} needs each weight matrix whole, but strategy {name} shards parameters and {how}. "
         "Use strategy='ddp' (or a single device)."

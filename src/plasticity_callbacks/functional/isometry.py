@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .optim_state import reset_optimizer_state
+from ..core.optimizer_state import reset_optimizer_state
 from .spectral import (
     METHODS,
     ON_DEGENERATE,
@@ -26,7 +26,7 @@ from .spectral import (
     singular_values,
     squared_frobenius_error,
 )
-from .targets import Target, select_targets
+from ..core.targets import Target, select_targets
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
 
@@ -107,10 +107,10 @@ def apply_fire(
 ) -> list[FireRecord]:
     """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
 
-    Targets come from :func:`plasticity_callbacks.targets.select_targets` (``scope``, ``include``,
+    Targets come from :func:`plasticity_callbacks.core.targets.select_targets` (``scope``, ``include``,
     ``exclude``, ``include_conv``, ``include_head``) unless ``targets`` is given. ``method``,
     ``normalize``, ``iters``, ``tol``, ``check_every``, ``dtype``, ``on_degenerate``: see
-    :func:`plasticity_callbacks.spectral.orthogonalize`. A parameter with NaN/Inf, or all zero
+    :func:`plasticity_callbacks.functional.spectral.orthogonalize`. A parameter with NaN/Inf, or all zero
     (nanochat's zero-initialized ``c_proj``), is skipped with a warning (or raises). Returns one
     :class:`FireRecord` per target.
 

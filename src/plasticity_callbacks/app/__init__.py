@@ -1,0 +1,2 @@
+"""The application: the Hydra entry point (``plasticity-train``), the multi-phase pipeline and
+the sweep report (``plasticity-report``)."""
