@@ -236,9 +236,9 @@ def test_bad_input_names_the_field(kwargs, match):
 
 
 def test_build_refuses_unknown_fields_and_other_types():
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['at_start'\]"):
+    with pytest.raises(ValueError, match=r"FIREReinit schedule: unknown field\(s\) \['at_start'\]"):
         Schedule.build({"at_start": True}, "FIREReinit")
-    with pytest.raises(ValueError, match="must be a Schedule or a mapping"):
+    with pytest.raises(ValueError, match="schedule=True must be a Schedule or a mapping"):
         Schedule.build(True, "FIREReinit")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.functional.isometry import apply_fire
+from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
     DegenerateMatrixError, deviation_from_isometry, effective_rank, orthogonalize, singular_value_summary,
@@ -184,7 +184,7 @@ def test_apply_fire_scales_skips_and_touches_only_weights():
     with torch.no_grad():
         model[2].weight.zero_()
     with pytest.warns(UserWarning, match="all zero"):
-        records = apply_fire(model, method="svd")
+        records = apply_fire(model, options=FIREOptions(method="svd"))
     assert [r.name for r in records] == ["0.weight", "2.weight"]
     assert records[1].skipped == "zero" and torch.equal(model[2].weight, torch.zeros(16, 32))
     W = model[0].weight.double()
@@ -205,7 +205,7 @@ def test_apply_fire_on_nan_weight_warns_and_writes_nothing():
         record = apply_fire(model)[0]
     assert record.skipped == "non-finite" and torch.equal(model[0].weight.isnan(), before.isnan())
     with pytest.raises(DegenerateMatrixError):
-        apply_fire(model, on_degenerate="raise")
+        apply_fire(model, options=FIREOptions(on_degenerate="raise"))
 
 
 def test_conv_kernels_are_orthogonalized_per_tap_with_the_reference_scale():

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .arguments import check_int, check_number, sorted_int_list
+from .arguments import build_options, check_int, check_number, sorted_int_list
 from .distributed import all_reduce_mean
 
 MODES = ("min", "max")
@@ -124,16 +124,7 @@ class Schedule:
     @classmethod
     def build(cls, value: Schedule | Mapping, owner: str) -> Schedule:
         """``value`` as a Schedule: a Schedule is kept, a mapping (dict, Hydra DictConfig) becomes one."""
-        if isinstance(value, Schedule):
-            return value
-        if isinstance(value, Mapping):
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known - {"_target_"})
-            if unknown:
-                raise ValueError(f"{owner} schedule: unknown field(s) {unknown}; known: {sorted(known)}")
-            return cls(**{k: v for k, v in value.items() if k != "_target_"})
-        raise ValueError(f"{owner} schedule={value!r} must be a Schedule or a mapping of its fields, "
-                         "e.g. {'at_fit_start': True}")
+        return build_options(cls, value, owner, "schedule")
 
     def describe(self) -> str:
         """The non-default fields, e.g. ``"at_fit_start=True, every_n_steps=1000"`` (for state keys and logs)."""
