@@ -26,7 +26,8 @@ def callbacks_for(model: str) -> list[dict]:
     specs = [
         {"_target_": CB + "ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
          "schedule": {"every_n_steps": 2}},
-        {"_target_": CB + "AdaptiveSVDSwitch", "mode": "project", "svd_interval": 2, "warmup_steps": 2, "r_min": 2,
+        {"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
+         "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2,
          "clobber_alignment": 0.0, "save_figure": False},
     ]
     if model == "gpt":  # Muon owns the block matrices: DASH must be told to shrink them too
@@ -43,7 +44,7 @@ def callbacks_for(model: str) -> list[dict]:
 
 def assert_acted(metrics: dict, model: str) -> None:
     assert float(metrics["redo/recycled"]) > 0
-    assert float(metrics["adaptive_svd/n_lowrank"]) > 0
+    assert float(metrics["adaptive_svd/n_minor"]) > 0
     prefix = "dash_periodic" if model == "gpt" else "dash"
     assert float(metrics[f"{prefix}/shrunk"]) > 0
     if "fire/applications" in metrics or _exists("fire"):

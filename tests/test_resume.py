@@ -37,11 +37,11 @@ SCENARIOS = {
     "dash_paper": dict(stop_at=10, ckpt_every=10, callbacks=[{"_target_": CB + "DASHShrink", "rule": "dash",
                                                               "schedule": {"at_fit_start": True, "epochs": [1]},
                                                               "n_batches": 2}]),
-    "adaptive_svd_project": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "mode": "project",
-                                                        "svd_interval": 3, "warmup_steps": 2, "r_min": 2,
+    "adaptive_svd_project": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
+                                                        "schedule": {"every_n_steps": 3, "start_step": 2}, "r_min": 2,
                                                         "save_figure": False}]),
-    "adaptive_svd_factorize": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "mode": "factorize",
-                                                          "svd_interval": 3, "warmup_steps": 2, "r_min": 2,
+    "adaptive_svd_factorize": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "factorize",
+                                                          "schedule": {"every_n_steps": 3, "start_step": 2}, "r_min": 2,
                                                           "save_figure": False}]),
     "shrink_perturb": dict(stop_at=5, callbacks=[{"_target_": CB + "ShrinkPerturb", "shrink": 0.5, "perturb": 0.1,
                                                   "reset_optimizer": True}]),
@@ -124,7 +124,7 @@ def acted(name: str, state: list[dict]) -> bool:
     if name.startswith("dash"):
         return s["shrinks"] == (3 if name == "dash_periodic" else 2)  # periodic: steps 3, 6, 9; paper: start, epoch 1
     if name.startswith("adaptive_svd"):
-        return any(mode == "lowrank" for _, _, mode, _ in s["history"])
+        return any(state == "minor" for _, _, state, _ in s["history"])
     if name == "shrink_perturb":
         return s["applications"] == 1
     if name.startswith("pipeline"):  # the pipeline's boundary method is Shrink & Perturb

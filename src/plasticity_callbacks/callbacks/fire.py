@@ -168,9 +168,10 @@ class FIREReinit(L.Callback):
             self._save_spectra(trainer, name, done)
 
     def _save_spectra(self, trainer: L.Trainer, key: str, records: list[FireRecord]) -> None:
-        from ..core.figures import plt, save_figure
+        from ..core.figures import new_figure, save_figure
 
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = new_figure(figsize=(6, 4))
+        ax = fig.subplots()
         for r in records:
             line, = ax.plot(r.spectrum_before.flatten().sort(descending=True).values, alpha=0.6, label=r.name)
             ax.plot(r.spectrum_after.flatten().sort(descending=True).values, ls="--", color=line.get_color())

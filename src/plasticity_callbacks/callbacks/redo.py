@@ -382,10 +382,10 @@ class ReDoMonitor(L.Callback):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:
-            from ..core.figures import save_figure
-            import matplotlib.pyplot as plt
+            from ..core.figures import new_figure, save_figure
 
-            fig, axes = plt.subplots(len(scores), 1, figsize=(6, 1.8 * len(scores)), squeeze=False)
+            fig = new_figure(figsize=(6, 1.8 * len(scores)))
+            axes = fig.subplots(len(scores), 1, squeeze=False)
             for ax, (name, s) in zip(axes[:, 0], scores.items()):
                 ax.hist(s.cpu().numpy(), bins=50)
                 ax.axvline(self.tau, color="red", linestyle="--", label=f"tau={self.tau}")

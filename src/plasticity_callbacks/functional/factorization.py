@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from ..core.optimizer_state import leaf_optimizers, reset_optimizer_state
 from .subspace import SVD, as_matrix
 
-LOWRANK_MODES = ("factorize", "project")
+MINOR_TRAINING = ("project", "factorize")  # how a matrix in the "minor" state trains
 _LINEAR_STATE = ("exp_avg", "momentum_buffer")  # moments that are linear in the gradient (projectable)
 
 

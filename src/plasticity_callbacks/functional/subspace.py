@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-MODES = ("full", "lowrank")
-SVD_METHODS = ("full", "lowrank")
+MODES = ("full", "minor")  # train the whole matrix, or only its r minor components
+SVD_METHODS = ("full", "randomized")
+RENAMED = {"lowrank": "minor"}  # old mode name -> new, refused with a hint
 
 
 class SVD(NamedTuple):
@@ -33,7 +34,7 @@ def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, 
     """All ``g`` singular triplets of ``W``.
 
     ``method="full"``: ``torch.linalg.svd`` (LAPACK / cuSOLVER), exact.
-    ``method="lowrank"``: two randomized ``torch.svd_lowrank`` blocks built from matmuls and small
+    ``method="randomized"``: two randomized ``torch.svd_lowrank`` blocks built from matmuls and small
     SVDs: the top ``top`` triplets of ``W``, then the ``g − top`` triplets of the remainder
     ``W − U_top S_top V_topᵀ``. Its accuracy depends on the spectral gap at ``top`` and on ``niter``
     power iterations; a low-rank split built from it stays exact because ``W_p = W − BA`` absorbs
@@ -41,7 +42,8 @@ def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, 
     is untouched and every rank draws the same sketch.
     """
     if method not in SVD_METHODS:
-        raise ValueError(f"method={method!r} is not one of {SVD_METHODS}")
+        hint = " ('lowrank' is now called 'randomized')" if method == "lowrank" else ""
+        raise ValueError(f"method={method!r} is not one of {SVD_METHODS}{hint}")
     W = W.to(dtype)
     if method == "full":
         U, S, Vh = torch.linalg.svd(W, full_matrices=False)
@@ -171,9 +173,9 @@ def mode_rule(angle: float, principal: float, minor: float, error: float, mode: 
               max_reconstruction_error: float = 0.01) -> tuple[str, str]:
     """The seed's decision on already measured metrics: ``(mode, reason)``; see :func:`decide_mode`."""
     if principal > clobber_alignment:
-        return "lowrank", "gradient_clobbering_risk"
+        return "minor", "gradient_clobbering_risk"
     if angle < stable_angle and minor > safe_minor_alignment and error < max_reconstruction_error:
-        return "lowrank", "optimal_lowrank_conditions"
+        return "minor", "optimal_minor_conditions"
     if not error < max_reconstruction_error:
         return "full", "reconstruction_unsafe"
     return mode, "continue_current_mode"
@@ -197,16 +199,17 @@ def decide_mode(
     """The seed's rule: train the full matrix or only its ``r`` minor components next?
 
     With metrics measured at the current ``r`` (``k = g − r`` principal components):
-    1. principal alignment > ``clobber_alignment`` → ``lowrank`` (the gradient would clobber the principal subspace);
+    1. principal alignment > ``clobber_alignment`` → ``minor`` (the gradient would clobber the principal subspace);
     2. angle to the previous SVD < ``stable_angle`` and minor alignment > ``safe_minor_alignment``
-       and reconstruction error < ``max_reconstruction_error`` → ``lowrank``;
+       and reconstruction error < ``max_reconstruction_error`` → ``minor``;
     3. reconstruction error ≥ ``max_reconstruction_error`` → ``full``;
     4. otherwise keep ``mode``.
     Without a previous SVD the angle is unknown (NaN) and rule 2 cannot fire; without a gradient
     both alignments are 0. Returns ``(mode, r_next, diagnostics)``; ``r_next`` comes from :func:`next_rank`.
     """
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        hint = f" ({mode!r} is now called {RENAMED[mode]!r})" if mode in RENAMED else ""
+        raise ValueError(f"mode={mode!r} is not one of {MODES}{hint}")
     U, S, V = svd
     k = S.numel() - r
     angle = subspace_angle(U_prev, U, k, dtype) if U_prev is not None else math.nan
