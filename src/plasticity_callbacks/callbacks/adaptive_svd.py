@@ -263,7 +263,7 @@ class AdaptiveSVDSwitch(L.Callback):
             new_state, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
                                                   dtype=self.svd_dtype, **self.thresholds)
             if m.r is None and self.initial_rank is not None:
-                r_next = r  # a given initial_rank replaces the seed's spectral first guess for the first phase
+                r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
             m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
             if self.minor_training == "project":
                 if new_state == "minor":
@@ -280,10 +280,10 @@ class AdaptiveSVDSwitch(L.Callback):
             lo, hi = rank_bounds(g, self.r_min)
             return max(lo, min(self.initial_rank, hi))
         S = torch.linalg.svdvals(W.to(self.svd_dtype))
-        return next_rank(S, None, g // 2, self.r_min)[0]  # the seed's "initial r from spectral structure"
+        return next_rank(S, None, g // 2, self.r_min)[0]  # the initial r from the spectral structure
 
     def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:
-        """Fold ``BA`` back if factorized, then split again with the new ``r`` if low-rank. The
+        """Fold ``BA`` back if factorized, then split again with the new ``r`` if "minor". The
         step's gradient ``G`` w.r.t. the effective weight moves to the new structure by the chain
         rule (``∇B = G Aᵀ``, ``∇A = Bᵀ G``), so the coming optimizer step is not lost."""
         module, weight = m.target.module, m.target.param

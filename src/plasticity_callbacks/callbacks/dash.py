@@ -137,7 +137,7 @@ class DASHShrink(L.Callback):
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
-        include = list(include) if include is not None else None  # Hydra ListConfig -> plain list (pickles)
+        include = list(include) if include is not None else None  # any Sequence -> a plain list (pickles)
         exclude = list(exclude) if exclude is not None else None
         self.rule = rule
         self.alpha, self.rate, self.floor = alpha, rate, floor

@@ -15,7 +15,7 @@ class GateLogger(L.Callback):
     """Logs each gated block's ``sigmoid(skip)`` gates, pathway weights and ``α`` as
     ``gates/<module>/<name>`` (e.g. ``gates/model.blocks.0.attn/gate_rec``), plus the binary
     decision ``gates/<module>/<pathway>_on`` (gate > 0.5). The forward pass always gates softly;
-    the decisions exist only here, as in seed 002.
+    the decisions exist only here, for reading.
 
     Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps; changes nothing.
     Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank.

@@ -143,8 +143,7 @@ class ReDoMonitor(L.Callback):
     ``collect_every_n_steps``-th training step (never in validation): a forward pre-hook on
     each ``down`` layer reads the neuron values as they enter it — ``relu(c_fc x)²`` for relu²,
     ``act(c_gate x) * c_fc x`` for SwiGLU/GeGLU, the activation's output in a plain MLP/CNN — so
-    no activation is re-implemented in the hook (the seed hooked ``c_fc``'s output and applied
-    relu² itself; the input of ``c_proj`` is the same tensor). The mean ``|h|`` over batch and
+    no activation is re-implemented in the hook. The mean ``|h|`` over batch and
     time/space updates an EMA per neuron (``lerp_``, weight ``1 - ema_decay``; a neuron's first
     observation, and its first after recycling, replaces the EMA). No host sync on this path.
 
@@ -435,7 +434,7 @@ def _init_stds(layer: NeuronLayer) -> torch.Tensor:
 
 
 def _validate_layer_map(layer_map) -> dict | None:
-    """``{name: (up | [gate, up], down)}`` with module names; Hydra's DictConfig/ListConfig accepted."""
+    """``{name: (up | [gate, up], down)}`` with module names; any Mapping / Sequence types accepted."""
     if layer_map is None:
         return None
     error = ValueError(f"layer_map={layer_map!r} must map a name to (up_name | [gate_name, up_name], down_name)")

@@ -1,6 +1,6 @@
 """Constructor-argument checks shared by the callbacks: each error names the argument and what is allowed.
 
-Hydra hands over whatever the command line said (``alpha=abc`` arrives as a string, ``every=true``
+A config system hands over whatever the command line said (``alpha=abc`` arrives as a string, ``every=true``
 as a bool), so types are checked before ranges: a clear message beats a TypeError from a comparison.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ def sorted_int_list(name: str, values) -> list[int]:
 
 
 def build_options(cls, value, owner: str, field_name: str):
-    """``value`` as an instance of the options dataclass ``cls``: an instance is kept; a mapping (a dict,
-    Hydra's DictConfig, with or without ``_target_``) becomes one; anything else is refused by name."""
+    """``value`` as an instance of the options dataclass ``cls``: an instance is kept; a mapping (a dict or
+    a config system's mapping type, with or without ``_target_``) becomes one; anything else is refused by name."""
     if isinstance(value, cls):
         return value
     if isinstance(value, Mapping):

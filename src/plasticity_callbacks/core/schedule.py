@@ -88,7 +88,7 @@ class Schedule:
         for name in ("at_fit_start", "at_task_boundaries"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Schedule {name}={getattr(self, name)!r} must be true or false")
-        # Hydra hands over ListConfig: store plain sorted tuples (hashable, picklable).
+        # Any sequence (a config system's list type too) is stored as a plain sorted tuple: hashable, picklable.
         object.__setattr__(self, "epochs", tuple(sorted_int_list("Schedule epochs", _listed(self.epochs))))
         object.__setattr__(self, "steps", tuple(sorted_int_list("Schedule steps", _listed(self.steps))))
         check_int("Schedule every_n_epochs", self.every_n_epochs, minimum=1, optional=True)
@@ -123,7 +123,7 @@ class Schedule:
 
     @classmethod
     def build(cls, value: Schedule | Mapping, owner: str) -> Schedule:
-        """``value`` as a Schedule: a Schedule is kept, a mapping (dict, Hydra DictConfig) becomes one."""
+        """``value`` as a Schedule: a Schedule is kept, a mapping of its fields becomes one."""
         return build_options(cls, value, owner, "schedule")
 
     def describe(self) -> str:

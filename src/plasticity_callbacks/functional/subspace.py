@@ -1,4 +1,4 @@
-"""SVD comparison metrics and the adaptive full / minor-component decision (seed 004, ALGORITHMS.md §5).
+"""SVD comparison metrics and the adaptive full / minor-component decision.
 
 A weight ``W (d_out, d_in)`` with ``g = min(d_out, d_in)`` has the reduced SVD ``W = U diag(S) Vᵀ``
 (``U (d_out, g)``, ``V (d_in, g)``, ``S`` descending). With ``r`` minor components, the top
@@ -19,7 +19,7 @@ RENAMED = {"lowrank": "minor"}  # old mode name -> new, refused with a hint
 
 
 class SVD(NamedTuple):
-    U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis the seed tracks
+    U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis that is tracked
     S: torch.Tensor  # (g,) singular values, descending
     V: torch.Tensor  # (d_in, g) right singular vectors (columns, not Vᵀ)
 
@@ -135,14 +135,14 @@ def rank_bounds(g: int, r_min: int) -> tuple[int, int]:
 
 def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int = 8,
               change_threshold: float = 0.1, grow: float = 1.2, shrink: float = 0.8) -> tuple[int, str]:
-    """The seed's ``determine_next_r``: the number of minor components for the next phase, and why.
+    """The number of minor components for the next phase, and why.
 
     First call (no comparable ``S_prev``): the smallest of the spectral-gap cut (the components
     after the largest ``σ_i/σ_{i+1}``), the 99.9%-energy cut and ``g // 2``. Later calls: if the
     bottom ``min(r, g // 4)`` singular values moved by more than ``change_threshold`` (relative
     norm), keep or grow ``r`` by ``grow``, else shrink it by ``shrink``. Bounded by
-    :func:`rank_bounds`. (The seed's gap cut is ``g − i`` for the gap after index ``i``; that keeps
-    one component too few in the principal part, so it is ``g − i − 1`` here.)
+    :func:`rank_bounds`. The gap cut after index ``i`` is ``g − i − 1``: the ``i + 1`` components
+    above the gap stay principal.
     """
     g = S.numel()
     lo, hi = rank_bounds(g, r_min)
@@ -171,7 +171,7 @@ def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int =
 def mode_rule(angle: float, principal: float, minor: float, error: float, mode: str,
               clobber_alignment: float = 0.4, stable_angle: float = 0.1, safe_minor_alignment: float = 0.6,
               max_reconstruction_error: float = 0.01) -> tuple[str, str]:
-    """The seed's decision on already measured metrics: ``(mode, reason)``; see :func:`decide_mode`."""
+    """The decision on already measured metrics: ``(mode, reason)``; see :func:`decide_mode`."""
     if principal > clobber_alignment:
         return "minor", "gradient_clobbering_risk"
     if angle < stable_angle and minor > safe_minor_alignment and error < max_reconstruction_error:
@@ -196,7 +196,7 @@ def decide_mode(
     max_reconstruction_error: float = 0.01,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[str, int, dict]:
-    """The seed's rule: train the full matrix or only its ``r`` minor components next?
+    """The switching rule: train the full matrix or only its ``r`` minor components next?
 
     With metrics measured at the current ``r`` (``k = g − r`` principal components):
     1. principal alignment > ``clobber_alignment`` → ``minor`` (the gradient would clobber the principal subspace);
