@@ -94,6 +94,33 @@ def test_gradient_accumulation_counts_optimizer_steps_and_fires_once():
     assert events == [(2, "step 2"), (3, "step 3"), (6, "step 6")]
 
 
+class TwoOptimizers(TinyMLPModule):
+    """Manual optimization with two optimizers, each stepping every batch: global_step advances by 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+            optimizer.step()
+
+    def configure_optimizers(self):
+        first, rest = list(self.net[0].parameters()), list(self.net[2:].parameters())
+        return [torch.optim.SGD(first, lr=0.01), torch.optim.SGD(rest, lr=0.01)]
+
+
+def test_several_optimizers_count_every_step_and_a_jumped_over_trigger_fires_late():
+    recorder = Recorder(Schedule(steps=[3, 4], every_n_steps=5))
+    cpu_trainer(max_steps=12, callbacks=[recorder]).fit(TwoOptimizers(), regression_loader())
+    # batch starts see global_step 0, 2, 4, ...: step 3 is jumped over and fires at 4 with step 4;
+    # every_n_steps=5 fires at 6 (5 jumped over) and 10
+    assert recorder.events == [(4, "step 4"), (6, "step 6"), (10, "step 10")]
+
+
 def test_triggers_on_the_same_step_act_once():
     events = fit(Schedule(at_fit_start=True, epochs=[0], steps=[0], every_n_steps=2), max_steps=5)
     assert events == [(0, "fit start"), (2, "step 2"), (4, "step 4")]
