@@ -40,7 +40,7 @@ CASES = {
     "misspelled_callback_argument": (["+callbacks=redo", "callbacks.redo.taux=0.1"], ["taux"], 8),
     "missing_required_field": (["data=files"], ["data.paths"], 2),
     "type_error_in_callback": (["+callbacks=redo", "callbacks.redo.tau=abc"], ["tau='abc'", "[0, 1]"], 1),
-    "type_error_in_dash": (["+callbacks=dash", "callbacks.dash.alpha=abc"], ["alpha='abc'"], 1),
+    "type_error_in_dash": (["+callbacks=dash", "+callbacks.dash.alpha=abc"], ["alpha='abc'"], 1),
     "type_error_in_trainer": (["trainer.max_steps=abc"], ["Trainer"], 1),
 }
 

@@ -161,8 +161,8 @@ class AdaptiveSVDSwitch(L.Callback):
             raise MisconfigurationException(
                 f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
                 f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (gradients of the new "
-                "factors would not be synchronized). Use minor_training='project' (same minor-subspace training by gradient "
-                "projection, DDP-safe) or a single device."
+                "factors would not be synchronized). Use minor_training='project' (same minor-subspace training by "
+                "gradient projection, DDP-safe) or a single device."
             )
         if self.matrices:
             return

@@ -151,8 +151,8 @@ class ShrinkPerturb(L.Callback):
         if self.reset_optimizer:
             reset_optimizer_state(trainer.optimizers, [p for _, p in chosen])
         self.applications += 1
-        rank_zero_info(f"ShrinkPerturb ({reason}): θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on {len(chosen)} "
-                       f"parameters at step {trainer.global_step}; norm {float(norm_before):.4g} → "
+        rank_zero_info(f"ShrinkPerturb ({reason}): θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on "
+                       f"{len(chosen)} parameters at step {trainer.global_step}; norm {float(norm_before):.4g} → "
                        f"{float(norm_after):.4g}")
         if trainer.logger is not None:
             trainer.logger.log_metrics({"shrink_perturb/norm_ratio": float(norm_after / norm_before.clamp_min(1e-12))},

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def new_figure(**kwargs) -> Figure:
-    """A matplotlib ``Figure`` (keyword arguments as ``Figure``'s, e.g. ``figsize``); add axes with ``fig.subplots()``."""
+    """A matplotlib ``Figure`` (keyword arguments as ``Figure``'s, e.g. ``figsize``); axes: ``fig.subplots()``."""
     from matplotlib.figure import Figure
 
     return Figure(**kwargs)

@@ -4,11 +4,11 @@ A :class:`Schedule` says *when* (fit start, epochs, steps, task boundaries, a me
 a :class:`ScheduleState` remembers what already fired, so a resumed fit neither repeats nor
 skips a trigger. A callback owns one state per schedule and asks it from its own hooks::
 
-    def setup(self, trainer, pl_module, stage):          self.firing.begin_fit(stage)
-    def on_train_start(self, trainer, pl_module):          reason = self.firing.due_at_train_start(trainer)
-    def on_train_epoch_start(self, trainer, pl_module):    reason = self.firing.due_at_epoch_start(trainer)
-    def on_train_batch_start(self, trainer, pl_module, *a): reason = self.firing.due_at_step(trainer)
-    def on_validation_end(self, trainer, pl_module):       reason = self.firing.due_at_validation_end(trainer, pl_module)
+    setup                 -> self.firing.begin_fit(stage)
+    on_train_start        -> reason = self.firing.due_at_train_start(trainer)
+    on_train_epoch_start  -> reason = self.firing.due_at_epoch_start(trainer)
+    a step hook           -> reason = self.firing.due_at_step(trainer)
+    on_validation_end     -> reason = self.firing.due_at_validation_end(trainer, pl_module)
 
 Each ``due_*`` returns a short reason (``"epoch 3"``, ``"step 100"``) when the callback should act
 now, else ``None``.
@@ -259,7 +259,7 @@ class ScheduleState:
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"{self.owner}: the checkpoint's schedule state lacks {missing}; it was written by "
-                             "another version of this callback. Resume without it (a new fit) or from a newer checkpoint")
+                             "another version of this callback. Start a new fit, or resume a newer checkpoint")
         self.fit_start_fired = bool(state["fit_start_fired"])
         self.last_epoch, self.last_step = state["last_epoch"], state["last_step"]
         self.last_fired_step = state["last_fired_step"]
