@@ -112,6 +112,7 @@ FIRE_CASES = [
     ("FIREReinit", dict(options={"check_every": True}), "check_every"),
     ("FIREReinit", dict(options={"reset_optimizer": "yes"}), "reset_optimizer"),
     ("FIREReinit", dict(options=5), "options"),
+    ("FIREReinit", dict(options={"scale": float("inf")}), "scale"),
     ("FIREReinit", dict(rewarmup_steps=-1), "rewarmup_steps"),
     ("FIREReinit", dict(include="blocks.*"), "include"),
     ("ShrinkPerturb", dict(schedule={"every_n_steps": 0}), "every_n_steps"),

@@ -116,9 +116,9 @@ class FIREOptions:
                             self.on_degenerate)
         known_rule = isinstance(self.scale, str) and self.scale in SCALES
         positive_number = (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
-                           and self.scale > 0)
+                           and 0 < self.scale < math.inf)
         if not (known_rule or positive_number):
-            raise ValueError(f"scale={self.scale!r} is not one of {SCALES} or a positive number")
+            raise ValueError(f"scale={self.scale!r} is not one of {SCALES} or a positive finite number")
         if not isinstance(self.reset_optimizer, bool):
             raise ValueError(f"reset_optimizer={self.reset_optimizer!r} must be true or false")
 
