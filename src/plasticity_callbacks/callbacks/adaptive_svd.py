@@ -117,10 +117,7 @@ class AdaptiveSVDSwitch(L.Callback):
             raise ValueError(f"minor_training={minor_training!r} is not one of {factorization.MINOR_TRAINING}")
         self.schedule = (Schedule(every_n_steps=100, start_step=100) if schedule is None
                          else Schedule.build(schedule, "AdaptiveSVDSwitch"))
-        if self.schedule.at_fit_start or self.schedule.acts_on_epochs or self.schedule.monitor:
-            raise ValueError(f"AdaptiveSVDSwitch decides on the step's gradient, so only at steps: "
-                             f"schedule=({self.schedule.describe()}) may set steps, every_n_steps, start_step, "
-                             "end_step or at_task_boundaries")
+        self.schedule.require_step_triggers("AdaptiveSVDSwitch", "decides on the step's gradient")
         check_int("r_min", r_min)
         check_int("svd_niter", svd_niter, minimum=0)
         check_int("initial_rank", initial_rank, optional=True)

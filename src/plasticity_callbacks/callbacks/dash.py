@@ -118,11 +118,9 @@ class DASHShrink(L.Callback):
         if schedule is None:
             schedule = Schedule(every_n_steps=2000) if rule == "periodic" else Schedule(at_fit_start=True)
         self.schedule = Schedule.build(schedule, "DASHShrink")
-        if rule == "periodic" and (self.schedule.at_fit_start or self.schedule.acts_on_epochs
-                                   or self.schedule.monitor):
-            raise ValueError(f"DASHShrink(rule='periodic') acts on the current gradient, so only at steps: "
-                             f"schedule=({self.schedule.describe()}) may set steps, every_n_steps or "
-                             "at_task_boundaries; use rule='dash' for fit start, epochs or plateaus")
+        if rule == "periodic":
+            self.schedule.require_step_triggers("DASHShrink(rule='periodic')",
+                                                "uses the step's gradient (rule='dash' acts at any trigger)")
         validate_selection(scope, include, exclude)
         check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
         check_number("alpha", alpha, -1.0, 1.0, "(a cosine threshold)")

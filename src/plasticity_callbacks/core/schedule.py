@@ -121,6 +121,12 @@ class Schedule:
     def acts_on_epochs(self) -> bool:
         return bool(self.epochs or self.every_n_epochs)
 
+    def require_step_triggers(self, owner: str, why: str) -> None:
+        """Refuse fit-start, epoch and plateau triggers for a callback that can only act inside a step."""
+        if self.at_fit_start or self.acts_on_epochs or self.monitor:
+            raise ValueError(f"{owner} {why}, so it acts only at steps: schedule=({self.describe()}) may set steps, "
+                             "every_n_steps, at_task_boundaries, start_step and end_step")
+
     @classmethod
     def build(cls, value: Schedule | Mapping, owner: str) -> Schedule:
         """``value`` as a Schedule: a Schedule is kept, a mapping of its fields becomes one."""
