@@ -1,18 +1,16 @@
 """``ShrinkPerturb``: Ash & Adams' warm-starting fix, ``θ ← λ·θ + p·θ_fresh``, once at fit start."""
 from __future__ import annotations
 
-import copy
 import fnmatch
-from typing import Iterator
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..core.distributed import rank_identical_generator, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
-from ..core.targets import validate_patterns
+from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
 
 
@@ -23,47 +21,19 @@ def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrin
             p.mul_(shrink).add_(f.to(device=p.device, dtype=p.dtype), alpha=perturb)
 
 
-def _initializers(module: nn.Module) -> Iterator[nn.Module]:
-    """The outermost submodules that define ``init_weights`` (a model's own init, e.g. our GPT),
-    and every other module with ``reset_parameters`` (PyTorch layers' default init)."""
-    if callable(getattr(module, "init_weights", None)):
-        yield module
-        return
-    if callable(getattr(module, "reset_parameters", None)):
-        yield module
-    for child in module.children():
-        yield from _initializers(child)
-
-
-def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """A fresh initialization of ``model``'s parameters by the model's own init code, drawn from
-    ``seed`` (so every rank gets the same draw), without touching ``model`` or the global RNG."""
-    devices = sorted({p.device.index for p in model.parameters() if p.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        fresh = {}
-        for name, child in model.named_children():
-            if not any(True for _ in child.parameters()):
-                continue  # metrics and other parameter-free children
-            clone = copy.deepcopy(child)
-            for initializer in _initializers(clone):
-                (initializer.init_weights if callable(getattr(initializer, "init_weights", None))
-                 else initializer.reset_parameters)()
-            fresh.update({f"{name}.{k}": v.detach() for k, v in clone.named_parameters()})
-        fresh.update({k: v.detach().clone() for k, v in model.named_parameters(recurse=False)})
-    return fresh
-
-
 class ShrinkPerturb(L.Callback):
     """Shrink & Perturb (Ash & Adams, NeurIPS 2020): ``θ ← shrink·θ + perturb·θ_fresh``.
 
     Acts once, in ``on_fit_start`` (after a checkpoint is restored, before the first step), on
     every selected parameter; ``θ_fresh`` is a fresh initialization of the same model by its
-    own init code (``init_weights`` where a module has one, else each layer's
+    own init code (:func:`plasticity_callbacks.core.model_map.fresh_parameters`: Hugging Face
+    ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
     ``reset_parameters``), drawn from a generator seeded identically on every rank. A resumed
-    run does not apply it again. Parameters with no init of their own (bare ``nn.Parameter``s
-    of the LightningModule itself) keep their value as ``θ_fresh`` and are only rescaled by
-    ``shrink + perturb``.
+    run does not apply it again. A selected parameter that no init reaches (a bare
+    ``nn.Parameter`` of the LightningModule) and a matrix whose fresh draw equals its current
+    value are named: the first is an error (exclude it or give its module ``reset_parameters()``),
+    the second a warning.
+    Weights factorized by ``AdaptiveSVDSwitch(mode="factorize")`` are refused.
 
     Args:
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
@@ -117,7 +87,7 @@ class ShrinkPerturb(L.Callback):
             return  # restored from a checkpoint written after the application
         chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
-        fresh = fresh_parameters(pl_module, seed)
+        fresh = _checked_fresh(pl_module, chosen, seed)
         norm_before = torch.sqrt(sum(p.detach().float().pow(2).sum() for _, p in chosen))
         shrink_perturb_([p for _, p in chosen], [fresh[n] for n, _ in chosen], self.shrink, self.perturb)
         norm_after = torch.sqrt(sum(p.detach().float().pow(2).sum() for _, p in chosen))
@@ -135,3 +105,22 @@ class ShrinkPerturb(L.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.applied = bool(state_dict["applied"])
+
+
+def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:
+    """The fresh draw of every chosen parameter, or a clear error: never a silent copy of the current value."""
+    factorized = [name for name, _ in chosen if ".parametrizations." in name]
+    if factorized:
+        raise RuntimeError(f"ShrinkPerturb: {factorized[:3]} belong to weights factorized by "
+                           "AdaptiveSVDSwitch(mode='factorize'); use mode='project' or exclude them")
+    fresh = fresh_parameters(pl_module, seed)
+    missing = [name for name, _ in chosen if name not in fresh]
+    if missing:
+        raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
+                           "reset_parameters() (or init_weights()), or exclude them, e.g. exclude="
+                           f"{[missing[0]]}")
+    unchanged = [name for name, p in chosen if p.dim() >= 2 and torch.equal(fresh[name].to(p.device), p.detach())]
+    if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale
+        rank_zero_warn(f"ShrinkPerturb: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
+                       "only rescales them; pass another seed=, or fix their init code if it copies instead of drawing")
+    return fresh
