@@ -17,7 +17,7 @@ from torch import nn
 from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..core.optimizer_state import owning_optimizer
 from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
-from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.model_map import WeightView, refuse_factorized, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number, sorted_int_list
 
 RULES = ("periodic", "dash")
@@ -26,8 +26,12 @@ RULES = ("periodic", "dash")
 @dataclass(frozen=True)
 class _Layer:
     name: str  # module name, e.g. "net.0" (metric names use it)
-    weight: nn.Parameter
+    view: WeightView  # the weight in (out, in) orientation: one factor per output neuron (row)
     bias: nn.Parameter | None  # shrunk with one scalar factor when shrink_bias=True
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.view.param
 
 
 class DASHShrink(L.Callback):
@@ -172,12 +176,10 @@ class DASHShrink(L.Callback):
             self.skipped_nonfinite += 1
             return
 
-        def factors(param: torch.Tensor) -> torch.Tensor | None:
-            if param.grad is None:
-                return None
-            return penalty_shrink_factors(param, param.grad, self.alpha, self.rate, self.floor)
+        def factors(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            return penalty_shrink_factors(weight, grad, self.alpha, self.rate, self.floor)
 
-        self._shrink(trainer, pl_module, factors, on_step=True)
+        self._shrink(trainer, pl_module, lambda param: param.grad, factors, on_step=True)
 
     def state_dict(self) -> dict:
         return {"shrinks": self.shrinks, "skipped_nonfinite": self.skipped_nonfinite,
@@ -210,20 +212,28 @@ class DASHShrink(L.Callback):
         for t in targets:
             bias = getattr(t.module, "bias", None) if t.kind in ("linear", "conv") and self.shrink_bias else None
             bias = bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
-            layers.append(_Layer(module_names[id(t.module)] if t.kind != "matrix" else t.name, t.param, bias))
+            layers.append(_Layer(module_names[id(t.module)] if t.kind != "matrix" else t.name, t, bias))
         return layers
 
-    def _shrink(self, trainer, pl_module, factor_fn, on_step: bool) -> None:
-        """Shrink every selected layer in place with ``factor_fn(param)`` and log the factors."""
+    def _shrink(self, trainer, pl_module, direction_of, factor_fn, on_step: bool) -> None:
+        """Shrink every selected layer in place by ``factor_fn(weight, direction)`` and log the factors.
+
+        ``direction_of(param)`` gives the gradient-like tensor stored like ``param`` (or None to skip);
+        weights and directions are compared in ``(out, in)`` orientation, one factor per output neuron.
+        """
+        refuse_factorized([layer.view for layer in self._layers], "DASHShrink",
+                          "DASH needs the gradient of the effective weight")
         stats = []
         with torch.no_grad():
             for layer in self._layers:
-                weight_factors = factor_fn(layer.weight)
-                if weight_factors is None:
+                direction = direction_of(layer.weight)
+                if direction is None:
                     continue
-                apply_shrink_(layer.weight, weight_factors)
-                if layer.bias is not None and (bias_factor := factor_fn(layer.bias)) is not None:
-                    apply_shrink_(layer.bias, bias_factor)
+                weight = layer.view.read()  # a view: shrinking it shrinks the parameter
+                weight_factors = factor_fn(weight, layer.view.oriented(direction))
+                apply_shrink_(weight, weight_factors)
+                if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
+                    apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
                 stats.append((layer.name, weight_factors.detach().flatten()))
         self.shrinks += 1
         self.last_shrink_step = trainer.global_step
@@ -250,10 +260,10 @@ class DASHShrink(L.Callback):
         if directions is None:
             return
 
-        def factors(param: torch.Tensor) -> torch.Tensor:
-            return dash_shrink_factors(param, directions[param], self.lam)
+        def factors(weight: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+            return dash_shrink_factors(weight, direction, self.lam)
 
-        self._shrink(trainer, pl_module, factors, on_step=False)
+        self._shrink(trainer, pl_module, directions.get, factors, on_step=False)
 
     def _negative_gradient_ema(self, trainer, pl_module) -> dict[torch.Tensor, torch.Tensor] | None:
         """EMA of −grad over ``n_batches`` training batches, mean over ranks; ``None`` if no batch was finite."""
