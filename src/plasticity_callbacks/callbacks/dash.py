@@ -55,7 +55,9 @@ class DASHShrink(L.Callback):
     (conv: each (out, in) kernel slice) by ``clamp(cos(G, W), lam, 1)``. Gradients, train/eval
     modes, buffers (BatchNorm statistics) and the RNG state are restored afterwards; optimizer
     state is left alone, as in the paper. It needs one training dataloader and a ``training_step``
-    that returns the loss (or a dict with ``"loss"``). A fit resumed with ``ckpt_path`` counts as
+    that returns the loss (or a dict with ``"loss"``); under manual optimization ``training_step``
+    runs as written, with every optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for
+    the pass (a closure passed to ``step`` still runs), and its ``manual_backward`` gives the gradient. A fit resumed with ``ckpt_path`` counts as
     the same phase; a new ``trainer.fit`` in the same process (a new phase) shrinks again.
 
     Targets: :func:`plasticity_callbacks.core.targets.select_targets` (``scope``/``include``/``exclude``
@@ -279,20 +281,27 @@ class DASHShrink(L.Callback):
         buffers = [b.detach().clone() for b in pl_module.buffers()]
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: scale the loss so small grads survive
         used = 0
+        manual = not pl_module.automatic_optimization
         rng_devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module):
+            with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module), _frozen_optimizers(trainer):
                 pl_module.train()
                 for batch_idx, batch in enumerate(loader):
                     if self.n_batches is not None and batch_idx >= self.n_batches:
                         break
                     for p in params:
                         p.grad = None
-                    batch = trainer.strategy.batch_to_device(batch)
+                    # as the training loop does: to the device, then to the precision's dtype (bf16-true)
+                    batch = trainer.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
                     with trainer.precision_plugin.train_step_context():
                         out = pl_module.training_step(batch, batch_idx)
-                    loss = out["loss"] if isinstance(out, Mapping) else out
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    if manual:  # training_step called self.manual_backward; its optimizer steps were no-ops
+                        if not any(p.grad is not None for p in tracked):
+                            raise RuntimeError("DASHShrink(rule='dash'): under manual optimization training_step left no "
+                                               "gradient on the selected weights; it must call self.manual_backward(loss)")
+                    else:
+                        loss = out["loss"] if isinstance(out, Mapping) else out
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
                     if not _all_finite(grads):
                         continue  # an fp16 overflow batch would poison the average
@@ -324,6 +333,31 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return True
     return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+
+
+@contextmanager
+def _frozen_optimizers(trainer):
+    """Optimizer and scheduler ``step``/``zero_grad`` become no-ops (a closure still runs): under manual
+    optimization ``training_step`` steps the user's optimizer itself, which the gradient pass must not do."""
+    optimizers = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+
+    def step(closure=None, **kwargs):
+        return closure() if closure is not None else None
+
+    def nothing(*args, **kwargs):
+        return None
+
+    patched = [(opt, "step", step) for opt in optimizers] + [(opt, "zero_grad", nothing) for opt in optimizers]
+    patched += [(scheduler, "step", nothing) for scheduler in schedulers]
+    for obj, name, replacement in patched:
+        setattr(obj, name, replacement)  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for obj, name, _ in patched:
+            if name in vars(obj):
+                delattr(obj, name)
 
 
 @contextmanager

@@ -167,7 +167,8 @@ class ReDoMonitor(L.Callback):
             return
         layer = self.layers[index]
         h, unit = layer.unit_activity(args[0].detach())  # this layer's units, whatever down's input layout
-        weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0)  # a first observation replaces
+        # A first observation replaces. Explicit float32: under bf16-true the default dtype is bf16.
+        weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0).to(self._ema.dtype)
         self._ema[view].lerp_(mean_abs_activation(h, unit), weight)
         self._observed[view].fill_(True)
 
