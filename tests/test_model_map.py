@@ -1,0 +1,159 @@
+"""The model map beyond the family matrix: heads, declarations, factorized weights, settings."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from model_zoo import Wrapped
+from plasticity_callbacks.callbacks.dash import DASHShrink
+from plasticity_callbacks.callbacks.redo import ReDoMonitor
+from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
+from plasticity_callbacks.core.model_map import (declare_plasticity, find_neuron_layers, output_heads,
+                                                 refuse_factorized, select_targets)
+from plasticity_callbacks.functional import factorization
+from plasticity_callbacks.functional.isometry import apply_fire
+
+pytest.importorskip("transformers")
+
+
+def fit(module, callbacks, steps=1, **kwargs):
+    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs)
+    trainer.fit(module)
+    return trainer
+
+
+class LitGPTStyle(nn.Module):
+    """An untied LM head registered before the blocks (the last Linear is not the head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(8, 20, bias=False)
+        self.wte = nn.Embedding(20, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, idx):
+        return self.lm_head(self.mlp(self.wte(idx)))
+
+
+def test_heads_are_found_tied_untied_and_registered_first():
+    model = LitGPTStyle()
+    assert output_heads(model) == {"lm_head"}
+    assert "lm_head.weight" not in [t.name for t in select_targets(model)]
+    gpt2 = Wrapped("gpt2")
+    assert gpt2.model.lm_head.weight is gpt2.model.transformer.wte.weight
+    assert output_heads(gpt2) == {"model.lm_head"}
+    assert not any("wte" in t.name or "lm_head" in t.name for t in select_targets(gpt2))
+
+
+class Custom(nn.Module):
+    """A fused projection under a name no adapter knows, a gated MLP and a head, all declared."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16, bias=False)  # rows: q (8), k (4), v (4)
+        self.a, self.b, self.c = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
+        self.out = nn.Linear(8, 2)
+        self.spare = nn.Linear(2, 2)  # registered last: without the declaration it would be taken for the head
+
+
+def test_declaration_is_read_by_every_selection():
+    model = declare_plasticity(Custom(), fused={"proj.weight": {"q": 8, "k": 4, "v": 4}},
+                               neurons={"ffn": (["a", "b"], "c")}, head="out", roles={"a": "mlp", "b": "mlp"})
+    views = {t.name: t for t in select_targets(model)}
+    assert "out.weight" not in views and "spare.weight" in views
+    assert [(b.label, b.start, b.stop) for b in views["proj.weight"].blocks] == [("q", 0, 8), ("k", 8, 12),
+                                                                                 ("v", 12, 16)]
+    assert {t.name for t in select_targets(model, scope="mlp")} == {"a.weight", "b.weight", "c.weight"}
+    [layer] = [layer for layer in find_neuron_layers(model) if layer.name == "ffn"]
+    assert layer.gate is model.a and layer.up is model.b and layer.down is model.c
+    apply_fire(model, method="svd", include=["proj.weight"])
+    for start, stop in ((0, 8), (8, 12), (12, 16)):
+        s = torch.linalg.svdvals(model.proj.weight[start:stop].double())
+        torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 8) ** 0.5), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="add up to 15 rows"):
+        select_targets(declare_plasticity(Custom(), fused={"proj.weight": [8, 4, 3]}))
+    with pytest.raises(ValueError, match="no submodule 'nope'"):
+        declare_plasticity(Custom(), head="nope")
+
+
+def test_factorized_weights_are_seen_through_or_refused():
+    layer = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    W = layer[0].weight.detach()
+    U, S, Vh = torch.linalg.svd(W)
+    B, A = U[:, 4:] * S[4:].sqrt(), S[4:].sqrt()[:, None] * Vh[4:]
+    factorization.factorize(layer[0], "weight", B.contiguous(), A.contiguous())
+    views = select_targets(layer)
+    assert [v.name for v in views] == ["0.weight", "2.weight"] and views[0].factorized
+    apply_fire(layer, method="svd")
+    s = torch.linalg.svdvals(layer[0].weight.detach().double())  # the effective weight W_p + BA
+    torch.testing.assert_close(s, torch.ones_like(s), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="DASHShrink.*mode='project'"):
+        refuse_factorized(views, "DASHShrink", "DASH needs the gradient of the effective weight")
+
+
+class BareParameter(Wrapped):
+    def __init__(self):
+        super().__init__("mlp")
+        self.temperature = nn.Parameter(torch.ones(()))
+
+
+def test_shrink_perturb_refuses_a_parameter_no_init_reaches():
+    with pytest.raises(RuntimeError, match="ShrinkPerturb: no init code draws a fresh value for \\['temperature'\\]"):
+        fit(BareParameter(), [ShrinkPerturb()])
+    fit(BareParameter(), [ShrinkPerturb(exclude=["temperature"])])  # the fix the message names
+
+
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_bf16_true_redo_and_dash_act(family):
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1, end_step=1)
+    module = Wrapped(family)
+    fit(module, [redo], steps=2, precision="bf16-true")
+    assert redo.collections > 0 and bool(redo._observed.all()) and int(redo._recycled.sum()) > 0
+    module = Wrapped(family)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    fit(module, [DASHShrink(rule="dash", n_batches=1)], precision="bf16-true")
+    assert any(not torch.equal(before[n], p) for n, p in module.named_parameters())
+
+
+class Manual(Wrapped):
+    """Manual optimization: training_step steps its optimizer and scheduler itself."""
+
+    def __init__(self):
+        super().__init__("mlp", lr=0.1)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+
+
+class AfterDash(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.state, self.lr, self.step = len(opt.state), opt.param_groups[0]["lr"], trainer.global_step
+        self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def test_dash_gradient_pass_never_steps_a_manual_optimizer():
+    module = Manual()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    after = AfterDash()
+    fit(module, [DASHShrink(rule="dash", n_batches=2), after], steps=1)
+    assert after.state == 0 and after.lr == 0.1 and after.step == 0  # no optimizer or scheduler step
+    # The head is no DASH target; the hidden layers moved by one factor in [lam, 1] per row
+    assert torch.equal(after.params["model.4.weight"], before["model.4.weight"])
+    for name in ("model.0.weight", "model.2.weight"):
+        ratio = after.params[name] / before[name]
+        assert torch.all((ratio >= 0.3 - 1e-6) & (ratio <= 1 + 1e-6))
+        torch.testing.assert_close(ratio, ratio[:, :1].expand_as(ratio))  # one factor per row
