@@ -157,3 +157,17 @@ def test_dash_gradient_pass_never_steps_a_manual_optimizer():
         ratio = after.params[name] / before[name]
         assert torch.all((ratio >= 0.3 - 1e-6) & (ratio <= 1 + 1e-6))
         torch.testing.assert_close(ratio, ratio[:, :1].expand_as(ratio))  # one factor per row
+
+
+class Bypass(Wrapped):
+    """A second MLP the training forward never runs: ReDo cannot observe it."""
+
+    def __init__(self):
+        super().__init__("mlp")
+        self.unused = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))
+
+
+def test_redo_warns_about_layers_it_never_observes():
+    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1)
+    with pytest.warns(UserWarning, match=r"ReDoMonitor observed no activation of \['unused.0'\]"):
+        fit(Bypass(), [redo], steps=2)

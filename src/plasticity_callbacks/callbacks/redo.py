@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -107,6 +107,7 @@ class ReDoMonitor(L.Callback):
         self._pending_state: dict | None = None
         self._hooks: list = []
         self._collecting = False
+        self._warned_unobserved = False
 
     @property
     def state_key(self) -> str:
@@ -183,6 +184,7 @@ class ReDoMonitor(L.Callback):
         if self.collections == 0 or not (log_now or recycle_now) or step == 0:
             return
         scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
+        self._warn_unobserved()
         if log_now:
             self.last_logged_step = step
             self._log_fractions(pl_module, scores)
@@ -197,6 +199,20 @@ class ReDoMonitor(L.Callback):
             return {}
         self._ema.copy_(all_reduce_mean(trainer, self._ema.clone()))
         return {layer.name: dormancy_scores(part) for layer, part in zip(self.layers, self._split(self._ema))}
+
+    def _warn_unobserved(self) -> None:
+        """Layers whose ``down`` never ran in a collected training step have no statistics: say so, once
+        per fit, instead of logging them as 0 % dormant (a compiled model or another forward path)."""
+        if self._warned_unobserved or bool(self._observed.all()):
+            return
+        silent = [layer.name for layer, seen in zip(self.layers, self._split(self._observed)) if not bool(seen.any())]
+        if silent:
+            self._warned_unobserved = True
+            rank_zero_warn(f"ReDoMonitor observed no activation of {silent} after {self.collections} collected "
+                           "steps: their forward hooks never ran in training (a model compiled before the hooks were "
+                           "attached, or a forward path that bypasses these modules); their dormancy is unknown and "
+                           "they are not recycled. Attach ReDoMonitor before compiling, or pass layer_map= for the "
+                           "modules that do run.")
 
     def dormant_masks(self, scores: dict[str, torch.Tensor], tau: float) -> dict[str, torch.Tensor]:
         """τ-dormant neurons per layer, among those observed since fit start or their recycling
