@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 VOCAB, SEQ, WIDTH = 40, 8, 16
-FAMILIES = ("gpt2", "llama", "bert", "torch_encoder", "resnet", "mlp")
+FAMILIES = ("gpt2", "llama", "mistral", "bert", "torch_encoder", "resnet", "mlp")
 
 
 def _quiet(fn):
@@ -37,6 +37,15 @@ def llama() -> nn.Module:
                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
                          eos_token_id=0, pad_token_id=0)
     return _quiet(lambda: LlamaForCausalLM(config))
+
+
+def mistral() -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ, sliding_window=None,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _quiet(lambda: MistralForCausalLM(config))
 
 
 def bert() -> nn.Module:
@@ -98,12 +107,12 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "torch_encoder": TorchEncoder, "resnet": TinyResNet, "mlp": mlp}
+MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert, "torch_encoder": TorchEncoder, "resnet": TinyResNet, "mlp": mlp}
 
 
 def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    if family in ("gpt2", "llama", "bert"):
+    if family in ("gpt2", "llama", "mistral", "bert"):
         ids = torch.randint(1, VOCAB, (n * batch, SEQ), generator=g)
         return TensorDataset(ids, ids.clone())
     x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,)}[family]
@@ -112,7 +121,7 @@ def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDat
 
 def loss_of(family: str, model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    if family in ("gpt2", "llama", "bert"):
+    if family in ("gpt2", "llama", "mistral", "bert"):
         return model(input_ids=x, labels=y).loss
     return F.cross_entropy(model(x), y)
 

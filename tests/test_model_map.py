@@ -171,3 +171,45 @@ def test_redo_warns_about_layers_it_never_observes():
     redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1)
     with pytest.warns(UserWarning, match=r"ReDoMonitor observed no activation of \['unused.0'\]"):
         fit(Bypass(), [redo], steps=2)
+
+
+class GQAAttention(nn.Module):
+    """A fused QKV projection with grouped K/V heads (4 query heads, 1 key/value head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 1, 4
+        self.qkv = nn.Linear(16, 16 + 4 + 4, bias=False)
+        self.proj = nn.Linear(16, 16)
+
+
+def test_fused_qkv_with_grouped_heads_splits_by_head_counts():
+    model = nn.Sequential(GQAAttention(), nn.Linear(16, 3))
+    [qkv] = [t for t in select_targets(model) if t.name == "0.qkv.weight"]
+    assert qkv.role == "attention"
+    assert [(b.label, b.stop - b.start) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
+    apply_fire(model, method="svd", include=["0.qkv.weight"])
+    for start, stop in ((0, 16), (16, 20), (20, 24)):
+        s = torch.linalg.svdvals(model[0].qkv.weight[start:stop].double())
+        torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 16) ** 0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_dash_periodic_uses_the_accumulated_gradient():
+    from model_zoo import batches, loss_of
+
+    module = Wrapped("gpt2")
+    loader = torch.utils.data.DataLoader(batches("gpt2"), batch_size=4)
+    micro = [b for _, b in zip(range(2), loader)]
+    for batch in micro:  # the accumulated gradient: sum of the micro-batch gradients (scale does not matter)
+        loss_of("gpt2", module.model, batch).backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    dash = DASHShrink(rule="periodic", every_n_steps=1, alpha=-1.0, rate=1.0, floor=0.5, shrink_bias=False)
+    fit(module, [dash], steps=1, accumulate_grad_batches=2)
+    assert dash.shrinks == 1  # once per optimizer step, not per micro-batch
+    for name in ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_fc.weight"):
+        W, G = before[name].mT.double(), grads[name].mT.double()  # Conv1D: rows of the transpose
+        factor = (-torch.nn.functional.cosine_similarity(W, G, dim=1)).clamp(0.5, 1.0)
+        torch.testing.assert_close(dict(module.named_parameters())[name].detach().mT.double(), W * factor[:, None],
+                                   rtol=1e-4, atol=1e-6)

@@ -24,7 +24,7 @@ from plasticity_callbacks.core.model_map import fresh_parameters
 
 pytest.importorskip("transformers")
 
-HEADS = {"gpt2": "model.lm_head", "llama": "model.lm_head", "bert": "model.cls.predictions.decoder",
+HEADS = {"gpt2": "model.lm_head", "llama": "model.lm_head", "mistral": "model.lm_head", "bert": "model.cls.predictions.decoder",
          "torch_encoder": "model.head", "resnet": "model.head", "mlp": "model.4"}
 # Expected neuron layers: (up, gate, down, down inputs per unit, BatchNorm) by module name.
 NEURONS = {
@@ -32,6 +32,8 @@ NEURONS = {
              for i in range(2)],
     "llama": [(f"model.model.layers.{i}.mlp.up_proj", f"model.model.layers.{i}.mlp.gate_proj",
                f"model.model.layers.{i}.mlp.down_proj", 1, None) for i in range(2)],
+    "mistral": [("model.model.layers.0.mlp.up_proj", "model.model.layers.0.mlp.gate_proj",
+                 "model.model.layers.0.mlp.down_proj", 1, None)],
     "bert": [(f"model.bert.encoder.layer.{i}.intermediate.dense", None, f"model.bert.encoder.layer.{i}.output.dense",
               1, None) for i in range(2)],
     "torch_encoder": [(f"model.encoder.layers.{i}.linear1", None, f"model.encoder.layers.{i}.linear2", 1, None)

@@ -165,3 +165,28 @@ def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None
     if factorized:
         raise RuntimeError(f"{owner}: {factorized} are factorized by AdaptiveSVDSwitch(mode='factorize') and {why}; "
                            "use AdaptiveSVDSwitch(mode='project') (same minor-subspace training) or exclude them")
+
+
+def describe(model: nn.Module) -> str:
+    """A readable summary of what the callbacks see in ``model``: heads, weight views, neuron layers.
+
+    Example:
+        >>> print(describe(model))   # check the map before a long run
+    """
+    heads = output_heads(model)
+    lines = [f"output heads (never treated by default): {sorted(heads)}", "weights (out, in) orientation:"]
+    for module_name, view in weight_views(model):
+        blocks = ", ".join(f"{b.label}={b.stop - b.start}" for b in view.blocks)
+        flags = [f for f, on in (("head", module_name in heads), ("stored (in, out)", view.transposed),
+                                 ("factorized", view.factorized)) if on]
+        lines.append(f"  {view.name} {tuple(view.shape)} role={view.role} kind={view.kind}"
+                     + (f" blocks[{blocks}]" if blocks else "") + (f" ({', '.join(flags)})" if flags else ""))
+    names = {id(m): n for n, m in model.named_modules()}
+    lines.append("neuron layers (ReDo):")
+    for layer in find_neuron_layers(model):
+        gate = f"gate={names[id(layer.gate)]} " if layer.gate is not None else ""
+        extra = (f" group={layer.group}" if layer.group > 1 else "") + (
+            f" norm={names[id(layer.norm)]}" if layer.norm is not None else "")
+        lines.append(f"  {layer.name}: {gate}up={names[id(layer.up)]} -> down={names[id(layer.down)]} "
+                     f"width={layer.width}{extra}")
+    return "\n".join(lines)
