@@ -213,3 +213,33 @@ def test_gradient_accumulation_dash_periodic_uses_the_accumulated_gradient():
         factor = (-torch.nn.functional.cosine_similarity(W, G, dim=1)).clamp(0.5, 1.0)
         torch.testing.assert_close(dict(module.named_parameters())[name].detach().mT.double(), W * factor[:, None],
                                    rtol=1e-4, atol=1e-6)
+
+
+def _factorize_first_layer(module):
+    layer = module.model[0]
+    U, S, Vh = torch.linalg.svd(layer.weight.detach(), full_matrices=False)  # (16, 8), (8,), (8, 8)
+    B, A = (U[:, 6:] * S[6:].sqrt()).contiguous(), (S[6:].sqrt()[:, None] * Vh[6:]).contiguous()
+    factorization.factorize(layer, "weight", B, A)
+    return layer
+
+
+def test_shrink_perturb_treats_a_factorized_weight_as_its_effective_weight():
+    from plasticity_callbacks.core.distributed import rank_identical_generator
+    from plasticity_callbacks.core.model_map import fresh_parameters
+
+    module = Wrapped("mlp")
+    layer = _factorize_first_layer(module)
+    effective = layer.weight.detach().clone()
+    B = factorization.components(layer, "weight").B.detach().clone()
+    fit(module, [ShrinkPerturb(shrink=0.5, perturb=0.3, seed=5)])
+    fresh = fresh_parameters(module, rank_identical_generator(5, 0).initial_seed())["model.0.weight"]
+    torch.testing.assert_close(layer.weight.detach(), 0.5 * effective + 0.3 * fresh)
+    assert torch.equal(factorization.components(layer, "weight").B.detach(), B)  # B, A kept, W_p absorbed it
+
+
+def test_redo_refuses_a_factorized_layer_before_recycling():
+    module = Wrapped("mlp")
+    _factorize_first_layer(module)
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1)
+    with pytest.raises(RuntimeError, match=r"ReDoMonitor: layers \['model.0'\] are factorized"):
+        fit(module, [redo], steps=2)

@@ -60,7 +60,7 @@ class DASHShrink(L.Callback):
     the pass (a closure passed to ``step`` still runs), and its ``manual_backward`` gives the gradient. A fit resumed with ``ckpt_path`` counts as
     the same phase; a new ``trainer.fit`` in the same process (a new phase) shrinks again.
 
-    Targets: :func:`plasticity_callbacks.core.targets.select_targets` (``scope``/``include``/``exclude``
+    Targets: :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``/``include``/``exclude``
     as in FIREReinit). With ``shrink_bias=True`` a selected layer's bias is shrunk too, by one
     factor computed from the whole bias vector (the paper does this; the seed had no biases).
 

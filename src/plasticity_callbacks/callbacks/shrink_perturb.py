@@ -12,6 +12,7 @@ from ..core.distributed import rank_identical_generator, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
+from ..functional import factorization
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -33,7 +34,8 @@ class ShrinkPerturb(L.Callback):
     ``nn.Parameter`` of the LightningModule) and a matrix whose fresh draw equals its current
     value are named: the first is an error (exclude it or give its module ``reset_parameters()``),
     the second a warning.
-    Weights factorized by ``AdaptiveSVDSwitch(mode="factorize")`` are refused.
+    A weight factorized by ``AdaptiveSVDSwitch(mode="factorize")`` is treated as its effective
+    weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
 
     Args:
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
@@ -68,8 +70,14 @@ class ShrinkPerturb(L.Callback):
                                         exclude=self.exclude)
 
     def selected(self, pl_module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` pairs to treat. A factorized weight (``W_p + BA``) appears once, under its
+        plain name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it."""
         chosen = []
         for name, param in pl_module.named_parameters():
+            if ".parametrizations." in name:
+                if not name.endswith(".original"):
+                    continue  # B, A: inside the effective weight
+                name = name.replace(".parametrizations.", ".").removesuffix(".original")
             if self.include is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
                 continue
             if self.exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
@@ -88,11 +96,22 @@ class ShrinkPerturb(L.Callback):
         chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
         fresh = _checked_fresh(pl_module, chosen, seed)
-        norm_before = torch.sqrt(sum(p.detach().float().pow(2).sum() for _, p in chosen))
-        shrink_perturb_([p for _, p in chosen], [fresh[n] for n, _ in chosen], self.shrink, self.perturb)
-        norm_after = torch.sqrt(sum(p.detach().float().pow(2).sum() for _, p in chosen))
+        factorized = {n: p for n, p in chosen if _factorized(pl_module, n)}
+        plain = [(n, p) for n, p in chosen if n not in factorized]
+        norm_before = _norm(pl_module, chosen)
+        shrink_perturb_([p for _, p in plain], [fresh[n] for n, _ in plain], self.shrink, self.perturb)
+        for name, frozen in factorized.items():  # on the effective weight: W_p ← λ(W_p + BA) + p·fresh − BA
+            module, attr = _owner(pl_module, name)
+            with torch.no_grad():
+                parts = factorization.components(module, attr)
+                effective = getattr(module, attr).detach()
+                new = self.shrink * effective + self.perturb * fresh[name].to(effective)
+                frozen.copy_(new - parts.delta(frozen))
+        norm_after = _norm(pl_module, chosen)
         if self.reset_optimizer:
-            reset_optimizer_state(trainer.optimizers, [p for _, p in chosen])
+            trainable = [p for n, p in plain] + [q for n in factorized
+                                                 for q in factorization.components(*_owner(pl_module, n)).parameters()]
+            reset_optimizer_state(trainer.optimizers, trainable)
         self.applied = True
         rank_zero_info(f"ShrinkPerturb: θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on {len(chosen)} parameters; "
                        f"norm {float(norm_before):.4g} → {float(norm_after):.4g}")
@@ -109,18 +128,38 @@ class ShrinkPerturb(L.Callback):
 
 def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:
     """The fresh draw of every chosen parameter, or a clear error: never a silent copy of the current value."""
-    factorized = [name for name, _ in chosen if ".parametrizations." in name]
-    if factorized:
-        raise RuntimeError(f"ShrinkPerturb: {factorized[:3]} belong to weights factorized by "
-                           "AdaptiveSVDSwitch(mode='factorize'); use mode='project' or exclude them")
     fresh = fresh_parameters(pl_module, seed)
     missing = [name for name, _ in chosen if name not in fresh]
     if missing:
         raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
                            "reset_parameters() (or init_weights()), or exclude them, e.g. exclude="
                            f"{[missing[0]]}")
-    unchanged = [name for name, p in chosen if p.dim() >= 2 and torch.equal(fresh[name].to(p.device), p.detach())]
+    unchanged = [name for name, p in chosen
+                 if p.dim() >= 2 and torch.equal(fresh[name].to(p.device), _value(pl_module, name, p))]
     if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale
         rank_zero_warn(f"ShrinkPerturb: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
                        "only rescales them; pass another seed=, or fix their init code if it copies instead of drawing")
     return fresh
+
+
+def _owner(pl_module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, attr = name.rsplit(".", 1) if "." in name else ("", name)
+    return pl_module.get_submodule(path), attr
+
+
+def _factorized(pl_module: nn.Module, name: str) -> bool:
+    module, attr = _owner(pl_module, name)
+    return factorization.is_factorized(module, attr)
+
+
+def _value(pl_module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The parameter's value as the model uses it: the effective ``W_p + BA`` for a factorized weight."""
+    if _factorized(pl_module, name):
+        module, attr = _owner(pl_module, name)
+        return getattr(module, attr).detach()
+    return param.detach()
+
+
+def _norm(pl_module: nn.Module, chosen) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.sqrt(sum(_value(pl_module, n, p).float().pow(2).sum() for n, p in chosen))

@@ -109,7 +109,7 @@ def apply_fire(
 ) -> list[FireRecord]:
     """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
 
-    Targets come from :func:`plasticity_callbacks.core.targets.select_targets` (``scope``, ``include``,
+    Targets come from :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``, ``include``,
     ``exclude``, ``include_conv``, ``include_head``) unless ``targets`` is given. ``method``,
     ``normalize``, ``iters``, ``tol``, ``check_every``, ``dtype``, ``on_degenerate``: see
     :func:`plasticity_callbacks.functional.spectral.orthogonalize`. A parameter with NaN/Inf, or all zero

@@ -53,8 +53,13 @@ def _plain_copy(module: nn.Module) -> nn.Module:
     """A deep copy without parametrizations: inits write the real weight (``W_p`` stands in for it)."""
     clone = copy.deepcopy(module)
     for sub in clone.modules():
-        for attr in list(getattr(sub, "parametrizations", {}) or {}):
-            parametrize.remove_parametrizations(sub, attr, leave_parametrized=False)
+        if parametrize.is_parametrized(sub):
+            # deepcopy shares the injected class, and removing a parametrization deletes its property from
+            # that class: give the copy its own class first, or the original would lose its weight.
+            cls = type(sub)
+            sub.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
+            for attr in list(sub.parametrizations):
+                parametrize.remove_parametrizations(sub, attr, leave_parametrized=False)
     return clone
 
 
