@@ -137,6 +137,9 @@ class AdaptiveSVDSwitch(L.Callback):
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split
                 self.matrices.append(_Matrix(t, t.name.rsplit(".", 1)[-1], g))
+        if not self.matrices:
+            raise ValueError(f"AdaptiveSVDSwitch: every selected weight ({[t.name for t in targets]}) has rank 1 at "
+                             "most, so there is no minor subspace to switch to; select larger matrices")
         self._apply_pending()
 
     def state_dict(self) -> dict:

@@ -237,6 +237,9 @@ class DASHShrink(L.Callback):
                 if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
                     apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
                 stats.append((layer.name, weight_factors.detach().flatten()))
+        if not stats:  # never a silent no-op: no selected weight had a gradient
+            rank_zero_warn(f"DASHShrink: no selected weight had a gradient at step {trainer.global_step}, nothing was "
+                           "shrunk; are they frozen (requires_grad=False) or unused in training_step?")
         self.shrinks += 1
         self.last_shrink_step = trainer.global_step
         self._log(pl_module, stats, on_step)
