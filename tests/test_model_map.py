@@ -42,6 +42,9 @@ def test_heads_are_found_tied_untied_and_registered_first():
     model = LitGPTStyle()
     assert output_heads(model) == {"lm_head"}
     assert "lm_head.weight" not in [t.name for t in select_targets(model)]
+    collision = nn.ModuleDict(dict(tok=nn.Embedding(50, 8), pos=nn.Embedding(16, 8), up=nn.Linear(8, 16),
+                                   down=nn.Linear(16, 8), head=nn.Linear(8, 50)))
+    assert output_heads(collision) == {"head"}  # a layer as wide as the position table is no head
     gpt2 = Wrapped("gpt2")
     assert gpt2.model.lm_head.weight is gpt2.model.transformer.wte.weight
     assert output_heads(gpt2) == {"model.lm_head"}
@@ -243,3 +246,19 @@ def test_redo_refuses_a_factorized_layer_before_recycling():
     redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1)
     with pytest.raises(RuntimeError, match=r"ReDoMonitor: layers \['model.0'\] are factorized"):
         fit(module, [redo], steps=2)
+
+
+def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
+    from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
+
+    module = Wrapped("gpt2")
+    before = {n: m.weight.detach().clone() for n, m in module.named_modules() if type(m).__name__ == "Conv1D"}
+    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=1, warmup_steps=0, clobber_alignment=0.0, r_min=2,
+                               initial_rank=3, save_figure=False, log_per_matrix=False)
+    fit(module, [switch], steps=1)
+    for name, W in before.items():
+        layer = module.get_submodule(name)
+        assert factorization.is_factorized(layer, "weight")
+        parts = factorization.components(layer, "weight")
+        assert parts.B.shape == (W.shape[1], 3) and parts.A.shape == (3, W.shape[0])  # (out, r), (r, in)
+        torch.testing.assert_close(layer.weight.detach(), W, rtol=1e-4, atol=1e-5)  # lr=0: W_p + BA is W

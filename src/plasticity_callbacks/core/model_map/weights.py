@@ -145,10 +145,11 @@ def module_roles(model: nn.Module, mlp_modules: dict[int, str] | None = None) ->
 def output_heads(model: nn.Module) -> set[str]:
     """Module names of the model's output layers.
 
-    Found, in order: declared (``output_head_name`` attributes, :func:`declare_plasticity` ``head=``),
-    Hugging Face's ``get_output_embeddings()``, layers whose weight *is* an embedding's (tied),
-    Linear layers with as many outputs as an embedding has rows (an untied LM head). When none of
-    these exists, the last Linear/conv layer registered (the classifier of an ordinary network).
+    Declared heads (``output_head_name`` attributes, :func:`declare_plasticity` ``head=``), Hugging
+    Face's ``get_output_embeddings()`` and layers whose weight *is* an embedding's (tied) come first;
+    without any, Linear layers with as many outputs as the token (largest) embedding has rows (an
+    untied LM head, wherever it is registered); without those, the last Linear/conv layer
+    registered (the classifier of an ordinary network).
     """
     names = {id(m): n for n, m in model.named_modules()}
     heads: set[str] = set()
@@ -169,19 +170,15 @@ def output_heads(model: nn.Module) -> set[str]:
         heads.update(prefix + h for h in declaration.heads)
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     embedding_weights = {id(m.weight) for m in embeddings}
-    vocab_sizes = {m.num_embeddings for m in embeddings if m.num_embeddings > 1}
-    last = None
-    for name, module in model.named_modules():
-        if not is_layer(module):
-            continue
-        last = name
-        weight = stored_param(module, "weight")
-        if weight is not None and id(weight) in embedding_weights:
-            heads.add(name)  # tied to an input embedding
-        elif isinstance(module, nn.Linear) and module.out_features in vocab_sizes:
-            heads.add(name)
-    if not heads and last is not None:
-        heads.add(last)
+    layers = [(name, module) for name, module in model.named_modules() if is_layer(module)]
+    heads |= {name for name, module in layers if id(stored_param(module, "weight")) in embedding_weights}  # tied
+    if heads:
+        return heads
+    # An untied LM head: as many outputs as the token embedding (the largest one) has rows.
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    heads = {name for name, module in layers if isinstance(module, nn.Linear) and module.out_features == vocab}
+    if not heads and layers:
+        heads.add(layers[-1][0])  # an ordinary network's classifier
     return heads
 
 
