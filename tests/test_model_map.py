@@ -262,3 +262,15 @@ def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
         parts = factorization.components(layer, "weight")
         assert parts.B.shape == (W.shape[1], 3) and parts.A.shape == (3, W.shape[0])  # (out, r), (r, in)
         torch.testing.assert_close(layer.weight.detach(), W, rtol=1e-4, atol=1e-5)  # lr=0: W_p + BA is W
+
+
+def test_fresh_parameters_of_a_bare_hugging_face_model_draws_it_whole():
+    from model_zoo import gpt2
+    from plasticity_callbacks.core.model_map import fresh_parameters
+
+    model = gpt2()
+    flags = {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}
+    fresh = fresh_parameters(model, seed=1)
+    assert set(fresh) == {n for n, _ in model.named_parameters()}  # the tied head is drawn once, with wte
+    assert all(not torch.equal(fresh[n], p) for n, p in model.named_parameters() if p.dim() >= 2)
+    assert flags == {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}  # untouched

@@ -78,7 +78,11 @@ def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     fresh: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
-        for name, child in model.named_children():
+        # A model with its own init is drawn whole (its init may treat parts jointly: tied heads, scaled
+        # projections); otherwise child by child, which also skips a LightningModule's trainer references.
+        whole = _is_hf_model(model) or callable(getattr(model, "init_weights", None))
+        units = [("", model)] if whole else list(model.named_children())
+        for name, child in units:
             if not any(True for _ in child.parameters()):
                 continue  # metrics and other parameter-free children
             clone = _plain_copy(child)
@@ -88,5 +92,5 @@ def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
                 initialize()
             for key, value in clone.named_parameters():
                 if not bool(torch.isnan(value).any()):
-                    fresh[f"{name}.{key}"] = value.detach()
+                    fresh[f"{name}.{key}" if name else key] = value.detach()
     return fresh
