@@ -274,3 +274,22 @@ def test_fresh_parameters_of_a_bare_hugging_face_model_draws_it_whole():
     assert set(fresh) == {n for n, _ in model.named_parameters()}  # the tied head is drawn once, with wte
     assert all(not torch.equal(fresh[n], p) for n, p in model.named_parameters() if p.dim() >= 2)
     assert flags == {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}  # untouched
+
+
+class CachingForward(nn.Module):
+    """A forward that stores something on the module: a trace must not leave a proxy behind."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.last = nn.Linear(4, 8), nn.Linear(8, 4), None
+
+    def forward(self, x):
+        self.last = x
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_finding_layers_by_tracing_leaves_the_model_as_it_was():
+    model = nn.Sequential(CachingForward(), nn.Linear(4, 2))
+    [layer] = find_neuron_layers(model)
+    assert layer.up is model[0].fc1 and layer.down is model[0].fc2
+    assert model[0].last is None

@@ -20,6 +20,7 @@ Found, first match wins per ``up`` layer:
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -189,10 +190,23 @@ def traced_layers(model: nn.Module) -> list[NeuronLayer]:
 def _trace(module: nn.Module):
     if sum(is_layer(m) for m in module.modules()) < 2 or hasattr(module, "config"):  # HF models use adapters
         return None
+    # Tracing runs the forward's Python code on proxies; whatever it assigns to a module (a cache, a
+    # counter) is put back afterwards, so a failed or successful trace leaves the model as it was.
+    saved = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")})
+             for m in module.modules()]
     try:
-        return torch.fx.Tracer().trace(module)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.fx.Tracer().trace(module)
     except Exception:  # noqa: BLE001 - any untraceable forward just means "look at the children"
         return None
+    finally:
+        for m, attributes, registries in saved:
+            vars(m).clear()
+            vars(m).update(attributes)
+            for key, entries in registries.items():
+                vars(m)[key].clear()
+                vars(m)[key].update(entries)
 
 
 def _chains(graph, modules):
