@@ -98,6 +98,10 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
     ``layer_map`` (``{name: (up | [gate, up], down)}`` by module names) is used as given. Otherwise
     every layer found whose incoming weights :func:`select_targets` accepts (no positional blocks,
     no output head, minus ``exclude`` patterns on parameter names). The output layer is never an ``up``.
+
+    Example:
+        >>> [(layer.name, layer.width, layer.gate is not None) for layer in find_neuron_layers(model)]
+        >>> find_neuron_layers(model, layer_map={"ffn": (["w_gate", "w_up"], "w_down")})
     """
     heads = output_heads(model)
     names = {id(m): n for n, m in model.named_modules()}

@@ -100,7 +100,7 @@ class WeightView:
         return [self.param]
 
 
-# Kept under its former name: callbacks and tests built before the model map call it Target.
+# What a callback acts on; selection code calls a weight view a target.
 Target = WeightView
 
 
