@@ -107,7 +107,8 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert, "torch_encoder": TorchEncoder, "resnet": TinyResNet, "mlp": mlp}
+MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert, "torch_encoder": TorchEncoder,
+          "resnet": TinyResNet, "mlp": mlp}
 
 
 def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDataset:

@@ -24,7 +24,8 @@ from plasticity_callbacks.core.model_map import fresh_parameters
 
 pytest.importorskip("transformers")
 
-HEADS = {"gpt2": "model.lm_head", "llama": "model.lm_head", "mistral": "model.lm_head", "bert": "model.cls.predictions.decoder",
+HEADS = {"gpt2": "model.lm_head", "llama": "model.lm_head", "mistral": "model.lm_head",
+         "bert": "model.cls.predictions.decoder",
          "torch_encoder": "model.head", "resnet": "model.head", "mlp": "model.4"}
 # Expected neuron layers: (up, gate, down, down inputs per unit, BatchNorm) by module name.
 NEURONS = {

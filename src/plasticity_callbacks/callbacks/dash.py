@@ -57,7 +57,8 @@ class DASHShrink(L.Callback):
     state is left alone, as in the paper. It needs one training dataloader and a ``training_step``
     that returns the loss (or a dict with ``"loss"``); under manual optimization ``training_step``
     runs as written, with every optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for
-    the pass (a closure passed to ``step`` still runs), and its ``manual_backward`` gives the gradient. A fit resumed with ``ckpt_path`` counts as
+    the pass (a closure passed to ``step`` still runs), and its ``manual_backward`` gives the gradient.
+    A fit resumed with ``ckpt_path`` counts as
     the same phase; a new ``trainer.fit`` in the same process (a new phase) shrinks again.
 
     Targets: :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``/``include``/``exclude``
@@ -300,8 +301,9 @@ class DASHShrink(L.Callback):
                         out = pl_module.training_step(batch, batch_idx)
                     if manual:  # training_step called self.manual_backward; its optimizer steps were no-ops
                         if not any(p.grad is not None for p in tracked):
-                            raise RuntimeError("DASHShrink(rule='dash'): under manual optimization training_step left no "
-                                               "gradient on the selected weights; it must call self.manual_backward(loss)")
+                            raise RuntimeError("DASHShrink(rule='dash'): under manual optimization training_step "
+                                               "left no gradient on the selected weights; it must call "
+                                               "self.manual_backward(loss)")
                     else:
                         loss = out["loss"] if isinstance(out, Mapping) else out
                         (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -120,8 +120,8 @@ class ReDoMonitor(L.Callback):
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
             raise ValueError(
-                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch MLP "
-                "blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, linear1/linear2) and "
+                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch "
+                "MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, linear1/linear2) and "
                 "Linear/conv → [BatchNorm] → activation → [pool/flatten] → Linear/conv chains outside the output head. "
                 "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
                 "for other architectures.")
@@ -236,8 +236,8 @@ class ReDoMonitor(L.Callback):
                       if any(m is not None and parametrize.is_parametrized(m, "weight")
                              for m in (layer.up, layer.gate, layer.down))]
         if factorized:
-            raise RuntimeError(f"ReDoMonitor: layers {factorized} are factorized by AdaptiveSVDSwitch(mode='factorize'), "
-                               "so recycled rows and columns would not reach the effective weight; use "
+            raise RuntimeError(f"ReDoMonitor: layers {factorized} are factorized by "
+                               "AdaptiveSVDSwitch(mode='factorize'), so recycled rows and columns would not reach the effective weight; use "
                                "AdaptiveSVDSwitch(mode='project') or exclude them from one of the two callbacks")
         offset, counts = 0, []
         for index, layer in enumerate(self.layers):

@@ -1,11 +1,13 @@
-"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No Lightning.
+"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No
+Lightning.
 
 Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
 ``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
-code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the
-reference code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is
-dropped. A factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a time, so the extra memory is that of one matrix's
-iteration (about 3× the largest matrix), not of the model.
+code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the reference
+code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
+factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
+time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
+the model.
 """
 from __future__ import annotations
 

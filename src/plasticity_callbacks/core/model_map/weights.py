@@ -84,7 +84,7 @@ class WeightView:
         stored = value.mT if self.transposed else value
         if self.factorized:
             parts = getattr(self.module.parametrizations, self.attribute)[0]
-            delta = parts.delta(self.param) if hasattr(parts, "delta") else (parts.B @ parts.A).reshape(self.param.shape)
+            delta = parts.delta(self.param)
             self.param.copy_(stored.to(self.param.dtype) - delta.to(self.param.dtype))
         elif stored.data_ptr() != self.param.data_ptr() or stored.stride() != self.param.stride():
             self.param.copy_(stored)
