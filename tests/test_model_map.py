@@ -293,3 +293,25 @@ def test_finding_layers_by_tracing_leaves_the_model_as_it_was():
     [layer] = find_neuron_layers(model)
     assert layer.up is model[0].fc1 and layer.down is model[0].fc2
     assert model[0].last is None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_redo_model_init_redraws_rows_by_the_hugging_face_init(family):
+    module = Wrapped(family)
+    with torch.no_grad():  # grown weights: a draw at the recorded std would be 3x the model's init scale
+        for p in module.parameters():
+            p.mul_(3.0)
+    redo = ReDoMonitor(tau=1.0, init="model", collect_every_n_steps=1, log_every_n_steps=1,
+                       recycle_every_n_steps=1, end_step=1)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    fit(module, [redo], steps=2)
+    std = module.model.config.initializer_range
+    for layer in redo.layers:
+        for m in (layer.up, layer.gate):
+            if m is None:
+                continue
+            name = next(n for n, x in module.named_modules() if x is m)
+            W, W0 = m.weight.detach(), before[f"{name}.weight"]
+            rows = (W != W0).any(0) if type(m).__name__ == "Conv1D" else (W != W0).any(1)
+            new = W[:, rows].mT if type(m).__name__ == "Conv1D" else W[rows]
+            assert rows.any() and abs(float(new.std()) / std - 1) < 0.35  # N(0, initializer_range) rows

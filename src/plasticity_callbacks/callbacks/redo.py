@@ -12,10 +12,11 @@ from torch.nn.utils import parametrize
 
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
 from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
-from ..core.model_map import NeuronLayer, find_neuron_layers, validate_patterns
+from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d,
+                              validate_patterns)
 from ..core.arguments import check_int, check_number
 
-CALLBACK_INITS = ("init_std", *INITS)
+CALLBACK_INITS = ("init_std", "model", *INITS)
 
 
 class ReDoMonitor(L.Callback):
@@ -45,7 +46,8 @@ class ReDoMonitor(L.Callback):
     **Recycles** (off unless ``recycle_every_n_steps`` is set) in ``on_train_batch_end`` at optimizer
     steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.recycle_neurons``
     re-samples the τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
-    layer's weight std recorded at the start of fit, i.e. its own init scale), zeroes their biases,
+    layer's weight std recorded at the start of fit, i.e. its own init scale; ``init="model"``: rows of
+    a fresh draw by the layer's own init code, Hugging Face ``_init_weights`` included), zeroes their biases,
     outgoing columns and the optimizer moments of exactly those slices, and logs
     ``redo/recycled[/layer]``. The output head's units are never recycled.
 
@@ -242,8 +244,14 @@ class ReDoMonitor(L.Callback):
         offset, counts = 0, []
         for index, layer in enumerate(self.layers):
             mask = masks[layer.name]
-            init = (self._init_std[index, 0], self._init_std[index, 1]) if self.init == "init_std" else self.init
             generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
+            if self.init == "init_std":
+                init = (self._init_std[index, 0], self._init_std[index, 1])
+            elif self.init == "model":  # the layers' own init code (HF _init_weights, else reset_parameters)
+                init = [_model_draw(pl_module, m, generator.initial_seed() + i)
+                        for i, m in enumerate((layer.up, layer.gate or layer.up))]
+            else:
+                init = self.init
             count = recycle_neurons(layer.up, layer.down, mask, layer.gate, init, trainer.optimizers, generator,
                                     layer.down_offset, group=layer.group, norm=layer.norm)
             # A recycled neuron is a new neuron: its next observation replaces its EMA.
@@ -328,3 +336,9 @@ def _validate_layer_map(layer_map) -> dict | None:
             raise error
         clean[str(name)] = (incoming[0] if len(incoming) == 1 else incoming, down)
     return clean
+
+
+def _model_draw(pl_module: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
+    """A fresh weight of ``layer`` by its model's init, in ``(out, in)`` orientation (recycling's rows)."""
+    weight = fresh_layer_weight(pl_module, layer, seed)
+    return weight.mT if is_conv1d(layer) else weight

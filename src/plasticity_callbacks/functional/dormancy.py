@@ -85,8 +85,14 @@ def fresh_weights(weight: torch.Tensor, init: Init, generator: torch.Generator |
     - ``"weight_std"``: ``N(0, σ)`` with σ the std of ``weight`` itself (a 0-D device tensor, no host sync);
     - ``"default"``: PyTorch's Linear/conv default, ``U(±1/√fan_in)``;
     - ``"xavier_uniform"``: ``U(±√(6/(fan_in+fan_out)))``, the ReDo reference code's choice;
-    - a number or 0-D tensor: ``N(0, init)``.
+    - a number or 0-D tensor: ``N(0, init)``;
+    - a tensor shaped like ``weight``: that draw, as is (e.g. the model's own init of the layer).
     """
+    if torch.is_tensor(init) and init.dim() > 0:
+        if init.shape != weight.shape:
+            raise ValueError(f"an init tensor of shape {tuple(init.shape)} does not fit a weight of "
+                             f"{tuple(weight.shape)}")
+        return init.to(device=weight.device, dtype=weight.dtype)
     fan_in, fan_out = _fan_in_out(weight)
     if isinstance(init, str):
         if init not in INITS:

@@ -12,7 +12,7 @@ Built in: ``nn.Linear``, conv, HF ``Conv1D``, ``nn.MultiheadAttention``/``Transf
 Hugging Face GPT-2, Llama/Mistral (gated MLP, GQA) and BERT-style encoders, and this package's GPT.
 """
 from .declaration import Declaration, declare_plasticity
-from .fresh import fresh_parameters
+from .fresh import fresh_layer_weight, fresh_parameters
 from .neurons import NeuronLayer
 from .select import (
     SCOPES,
@@ -28,6 +28,6 @@ from .weights import Block, Target, WeightView, is_conv1d, output_head, output_h
 
 __all__ = [
     "Block", "Declaration", "NeuronLayer", "SCOPES", "Target", "WeightView", "declare_plasticity", "describe",
-    "find_neuron_layers", "fresh_parameters", "is_conv1d", "output_head", "output_heads", "refuse_factorized",
+    "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "is_conv1d", "output_head", "output_heads", "refuse_factorized",
     "require_targets", "select_targets", "validate_patterns", "validate_selection",
 ]

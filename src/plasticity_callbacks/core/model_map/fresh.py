@@ -94,3 +94,31 @@ def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
                 if not bool(torch.isnan(value).any()):
                     fresh[f"{name}.{key}" if name else key] = value.detach()
     return fresh
+
+
+def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
+    """A fresh ``layer.weight`` (stored orientation) drawn by the init code that initializes it in ``model``.
+
+    Inside a Hugging Face model: that model's ``_init_weights`` applied to a copy of the layer (flags
+    cleared). Elsewhere: the layer's own ``reset_parameters()``. Raises when neither draws the weight.
+
+    Example:
+        >>> new_rows = fresh_layer_weight(model, model.mlp.up_proj, seed=0)[mask]
+    """
+    owners = [m for m in model.modules() if _is_hf_model(m) and any(sub is layer for sub in m.modules())]
+    devices = [layer.weight.device.index] if layer.weight.is_cuda else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        clone = _plain_copy(layer)
+        clone.weight.fill_(float("nan"))
+        if owners:  # the innermost Hugging Face model owning the layer
+            for tensor in (clone, *clone.parameters()):
+                if getattr(tensor, "_is_hf_initialized", False):
+                    tensor._is_hf_initialized = False
+            owners[-1]._init_weights(clone)
+        elif callable(getattr(clone, "reset_parameters", None)):
+            clone.reset_parameters()
+    if bool(torch.isnan(clone.weight).any()):
+        raise RuntimeError(f"no init code draws a fresh weight for a {type(layer).__name__}; give it "
+                           "reset_parameters() or use another init")
+    return clone.weight.detach()
