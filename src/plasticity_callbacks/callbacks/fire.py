@@ -6,13 +6,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..functional.isometry import FIREOptions, FireRecord, apply_fire
 from ..core.optimizer_state import leaf_optimizers
 from ..core.schedule import Schedule, ScheduleState
-from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.model_map import require_targets, select_targets, validate_selection
 from ..core.arguments import build_options, check_int
 
 
@@ -160,6 +160,10 @@ class FIREReinit(L.Callback):
                              "dfi_before": summary["fire/dfi_before"], "dfi_after": summary["fire/dfi_after"],
                              "layers": len(done)})
         skipped = [f"{r.name} ({r.skipped})" for r in records if r.skipped is not None]
+        if not done:  # never a silent no-op: every selected weight was zero, non-finite or 1-D
+            rank_zero_warn(f"FIREReinit ({reason}): no weight was orthogonalized; skipped "
+                           f"{', '.join(skipped) or 'none'}. Check the selection (scope/include/exclude) or the "
+                           "weights themselves.")
         rank_zero_info(f"FIREReinit ({reason}): {len(done)} weights orthogonalized at step {trainer.global_step} in "
                        f"{seconds:.3f}s, mean DfI {summary['fire/dfi_before']:.3g} -> {summary['fire/dfi_after']:.3g}"
                        + (f"; skipped {', '.join(skipped)}" if skipped else ""))

@@ -1,9 +1,13 @@
-"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No Lightning.
+"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No
+Lightning.
 
-Each selected weight is replaced by ``scale · polar(W)`` (conv kernels: one polar factor per
-spatial tap, as the reference code does), then the optimizer state of exactly those weights
-is dropped. Weights are processed one at a time, so the extra memory is that of one matrix's
-iteration (about 3× the largest matrix), not of the model.
+Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
+``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
+code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the reference
+code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
+factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
+time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
+the model.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from .spectral import (
     singular_values,
     squared_frobenius_error,
 )
-from ..core.targets import Target, select_targets
+from ..core.model_map import Target, select_targets
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
 
@@ -146,7 +150,7 @@ def apply_fire(
         optimizers: an optimizer or a list of them (None: no optimizer state to reset).
         options: how to orthogonalize and rescale (:class:`FIREOptions`; None: its defaults).
         scope, include, exclude, include_conv, include_head: which weights, see
-            :func:`plasticity_callbacks.core.targets.select_targets`; ignored when ``targets`` is given.
+            :func:`plasticity_callbacks.core.model_map.select_targets`; ignored when ``targets`` is given.
         record_spectra: keep singular values before/after in each record.
         targets: the exact weights to change.
 
@@ -164,11 +168,17 @@ def apply_fire(
         targets = select_targets(module, scope, include, exclude, include_conv, include_head)
     records, fired = [], []
     for target in targets:
+        blocks, changed = target.block_list(), False
         with torch.no_grad():
-            record = _fire_one(target, options, record_spectra)
-        records.append(record)
-        if record.skipped is None:
-            fired.append(target.param)
+            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
+            for block in blocks:
+                name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
+                record = _fire_one(name, weight[block.start:block.stop], options, record_spectra)
+                records.append(record)
+                changed |= record.skipped is None
+            target.write(weight)
+        if changed:
+            fired.extend(target.trainable())
     if options.reset_optimizer and optimizers is not None and fired:
         reset_optimizer_state(optimizers, fired)
     return records
@@ -183,9 +193,10 @@ def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerat
     return record
 
 
-def _fire_one(target: Target, options: FIREOptions, record_spectra: bool) -> FireRecord:
-    param, dtype, on_degenerate = target.param, options.torch_dtype, options.on_degenerate
-    record = FireRecord(target.name, tuple(param.shape))
+def _fire_one(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool) -> FireRecord:
+    """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place."""
+    dtype, on_degenerate = options.torch_dtype, options.on_degenerate
+    record = FireRecord(name, tuple(param.shape))
     if param.dim() < 2:
         record.skipped = f"{param.dim()}-D parameter"
         return record
@@ -193,10 +204,10 @@ def _fire_one(target: Target, options: FIREOptions, record_spectra: bool) -> Fir
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()
     if not bool(torch.isfinite(param).all()):
-        return _skip_degenerate(record, f"FIRE: {target.name} contains NaN/Inf", "non-finite", on_degenerate)
+        return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
     matrices = as_matrices(param)  # a view: writing into it writes the parameter
     if not bool(matrices.any()):
-        return _skip_degenerate(record, f"FIRE: {target.name} is all zero (no polar factor)", "zero", on_degenerate)
+        return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
     s = target_scale(param, options.scale)
     record.scale = s
     record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
