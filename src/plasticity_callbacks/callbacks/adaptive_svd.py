@@ -16,6 +16,7 @@ from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from ..core.targets import Target, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number
+from ..core.callback_state import check_state
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -151,6 +152,7 @@ class AdaptiveSVDSwitch(L.Callback):
         return {"matrices": matrices, "history": list(self.history)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"matrices": dict, "history": list})
         self._pending = state_dict
         self._apply_pending()
 
@@ -216,6 +218,10 @@ class AdaptiveSVDSwitch(L.Callback):
             module, weight = m.target.module, m.target.param
             factorized = factorization.is_factorized(module, m.attr)
             W = as_matrix(getattr(module, m.attr).detach())  # the effective weight in either structure
+            if not bool(torch.isfinite(W).all()):  # one sync per SVD cycle, which syncs anyway
+                raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
+                                         f"{step}; no subspace can be computed from it (lower the learning rate or "
+                                         "clip gradients, then resume from an earlier checkpoint)")
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
             r = m.r if m.r is not None else self._initial_r(W, m.g)
             svd = svd_triplets(W, self.svd_method, top=m.g - r, niter=self.svd_niter, dtype=self.svd_dtype,

@@ -14,6 +14,7 @@ from ..core.distributed import rank_identical_generator, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.targets import validate_patterns
 from ..core.arguments import check_number
+from ..core.callback_state import check_state
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -134,4 +135,5 @@ class ShrinkPerturb(L.Callback):
         return {"applied": self.applied}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.applied = bool(state_dict["applied"])
+        check_state(self, state_dict, {"applied": bool})
+        self.applied = state_dict["applied"]
