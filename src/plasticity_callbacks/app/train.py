@@ -48,13 +48,13 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
+    ckpt_path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)  # before anything runs
     L.seed_everything(cfg.seed, workers=True)
     # _convert_="all": plain lists/dicts, so checkpoints hold no OmegaConf objects and load with weights_only.
     datamodule = instantiate(cfg.data, _convert_="all")
     module = build_module(cfg)
     check_data_fits_model(datamodule, module.config)
     logger = instantiate(cfg.logger)
-    ckpt_path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[guard, *build_callbacks(cfg)], logger=logger,
                                      plugins=[VerifiedCheckpointIO()])

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +118,12 @@ def verify_file(path: str | Path) -> Path:
     return path
 
 
-_UNREADABLE = (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, AttributeError,
-               ImportError, IndexError, KeyError)
-
-
 def read_checkpoint(path: str | Path, map_location: Any = "cpu", **load_kwargs) -> dict:
     """``torch.load`` of a verified checkpoint; an unreadable file is a one-line :class:`CheckpointError`."""
     path = verify_file(path)
     try:
         checkpoint = torch.load(path, map_location=map_location, **{"weights_only": False, **load_kwargs})
-    except _UNREADABLE as err:
+    except Exception as err:  # EOFError, OSError, UnpicklingError, RuntimeError ...: whatever a damaged file raises
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
                               f"{first[:200]}") from err
@@ -149,11 +143,17 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     ``save_checkpoint`` serializes, writes through :func:`write_verified` and raises
     :class:`CheckpointError` when the file on disk is not what was meant (Lightning's own atomic
     save ignores a ``PermissionError``). ``load_checkpoint`` checks the checksum beside the file and
-    turns an empty, truncated, altered or foreign file into a one-line :class:`CheckpointError`.
+    turns an empty, truncated, altered or foreign file into a one-line :class:`CheckpointError`;
+    then ``inspect_on_load(checkpoint, path)``, when set (``ResumeGuard`` sets it), may refuse the
+    checkpoint before Lightning restores anything from it.
 
     Example:
         >>> trainer = L.Trainer(plugins=[VerifiedCheckpointIO()], ...)
     """
+
+    def __init__(self):
+        super().__init__()
+        self.inspect_on_load = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -166,8 +166,11 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        return read_checkpoint(path, map_location=map_location,
-                               **({} if weights_only is None else {"weights_only": weights_only}))
+        checkpoint = read_checkpoint(path, map_location=map_location,
+                                     **({} if weights_only is None else {"weights_only": weights_only}))
+        if self.inspect_on_load is not None:
+            self.inspect_on_load(checkpoint, str(path))
+        return checkpoint
 
     def remove_checkpoint(self, path) -> None:
         remove_with_checksum(path)

@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from .checkpoints import read_checkpoint
+from .checkpoints import VerifiedCheckpointIO
 
 # Keys a resume may always change: where files go, how the resume itself is asked for, and how long
 # training runs (extending a run is what resuming is for). Everything else must match.
@@ -70,15 +70,26 @@ def _matches(key: str, patterns: Sequence[str]) -> bool:
 
 def changed_keys(stored: Mapping[str, Any], current: Mapping[str, Any],
                  allow: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
-    """``(key, stored value, current value)`` for every key that differs and no ``allow`` pattern covers."""
+    """``(key, stored value, current value)`` for every key that differs and no ``allow`` pattern covers;
+    changed values first, then whole blocks added or removed, each named once by its outermost key
+    (``callbacks.redo`` rather than each of its arguments)."""
     keys = sorted(set(stored) | set(current))
-    return [(k, stored.get(k, _ABSENT), current.get(k, _ABSENT)) for k in keys
-            if stored.get(k, _ABSENT) != current.get(k, _ABSENT) and not _matches(k, [*ALWAYS_ALLOWED, *allow])]
+    changed = [k for k in keys if stored.get(k, _ABSENT) != current.get(k, _ABSENT)
+               and not _matches(k, [*ALWAYS_ALLOWED, *allow])]
+    values = [(k, stored[k], current[k]) for k in changed if k in stored and k in current]
+    blocks: dict[str, tuple[Any, Any]] = {}
+    for key in (k for k in changed if (k in stored) != (k in current)):
+        side = stored if key not in stored else current  # the side without the key
+        prefixes = [".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 2)]
+        outside = [p for p in prefixes if not any(k == p or k.startswith(p + ".") for k in side)]
+        block = outside[0] if outside else key  # none: a leaf on one side, a block on the other
+        blocks[block] = (_ABSENT, "<added>") if side is stored else ("<present>", _ABSENT)
+    return values + [(k, old, new) for k, (old, new) in blocks.items()]
 
 
 def describe_changes(changes: list[tuple[str, Any, Any]], limit: int = 8) -> str:
     def short(value) -> str:
-        text = value if value == _ABSENT else repr(value)
+        text = value if value in (_ABSENT, "<added>", "<present>") else repr(value)
         return text if len(text) <= 40 else text[:37] + "..."
 
     parts = [f"{key} {short(old)} -> {short(new)}" for key, old, new in changes[:limit]]
@@ -147,8 +158,8 @@ class RunLock:
 
 
 class ResumeGuard(L.Callback):
-    """Checks, in ``setup`` of a fit resumed with ``ckpt_path`` (before Lightning restores anything),
-    that the checkpoint belongs to this run:
+    """Checks that the checkpoint a fit resumes from (``ckpt_path``) belongs to this run, as the
+    trainer's ``VerifiedCheckpointIO`` loads it and before Lightning restores anything from it:
 
     * the configuration stored in it (``config``, saved in this callback's state) equals this run's,
       except keys matched by ``allow_changes`` (fnmatch patterns on dotted keys) or ``ALWAYS_ALLOWED``;
@@ -156,7 +167,9 @@ class ResumeGuard(L.Callback):
     * every callback state in it has a callback in this run to go to (a removed callback, or one with
       changed arguments and so another ``state_key``, would silently lose its state).
 
-    With ``run_dir`` it also holds a :class:`RunLock` on that directory from ``setup`` to ``teardown``.
+    With another checkpoint IO plugin the checks run in ``on_load_checkpoint``, after the model's
+    weights were restored (a changed shape is then Lightning's own error). With ``run_dir`` it also
+    holds a :class:`RunLock` on that directory from ``setup`` to ``teardown``.
 
     Args:
         config: the run's configuration, flat or nested (e.g. :func:`run_fingerprint`); None: not checked.
@@ -179,20 +192,27 @@ class ResumeGuard(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass  # compared in setup, before anything is restored
-
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.lock is not None:
             self.lock.acquire()
-        if stage == "fit" and trainer.ckpt_path:
-            self.check(read_checkpoint(trainer.ckpt_path, mmap=True), trainer, pl_module, str(trainer.ckpt_path))
+        self._checked = False
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        if stage == "fit" and isinstance(io, VerifiedCheckpointIO):
+            io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer, pl_module, path)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if not getattr(self, "_checked", False):
+            self.check(checkpoint, trainer, pl_module, str(trainer.ckpt_path))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        if isinstance(io, VerifiedCheckpointIO):
+            io.inspect_on_load = None
         if self.lock is not None:
             self.lock.release()
 
     def check(self, checkpoint: dict, trainer, pl_module, where: str) -> None:
+        self._checked = True
         saved_callbacks = checkpoint.get("callbacks") or {}
         stored = (saved_callbacks.get(self.state_key) or {}).get("config")
         if self.config is not None and stored is not None:
