@@ -26,7 +26,7 @@ from torch import nn
 import plasticity_callbacks as pc
 from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.train import config_dir
-from plasticity_callbacks.core.checkpoints import CheckpointError, VerifiedCheckpointIO
+from plasticity_callbacks.core.checkpoints import CheckpointError, VerifiedCheckpointIO, verify_file, write_verified
 from plasticity_callbacks.core.resume import ResumeError, ResumeGuard, RunLock
 from plasticity_callbacks.functional.dormancy import recycle_neurons
 
@@ -68,6 +68,41 @@ def finished_pipeline(tmp_path_factory):
     run = tmp_path_factory.mktemp("finished") / "run"
     Pipeline(compose_pipeline(run)).run()
     return run
+
+
+# ------------------------------------------------------------------ 1. checkpoint after its validation
+def plateau_fit(tmp_path, interrupt_at=None, resume=False):
+    """MLP, validation and checkpoint every 2 steps, FIRE on a plateau at every second validation."""
+    from lightning.pytorch import seed_everything
+    from plasticity_callbacks.core.checkpoints import ModelCheckpointAfterValidation
+    from plasticity_callbacks.data.sampler import ResumableDataLoader
+    from resume_worker import Interrupt, Interrupted
+
+    seed_everything(0)
+    module = TinyMLPModule()
+    fire = pc.FIREReinit(at_fit_start=False, monitor="val/loss", patience=1, min_delta=100.0)
+    callbacks = [fire, ModelCheckpointAfterValidation(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
+                                                      save_last=True, save_top_k=0)]
+    if interrupt_at is not None:
+        callbacks.append(Interrupt(interrupt_at, "raise", tmp_path, at="validation"))
+    trainer = cpu_trainer(max_steps=8, callbacks=callbacks, val_check_interval=2, check_val_every_n_epoch=None,
+                          plugins=[VerifiedCheckpointIO()], enable_checkpointing=True, deterministic=True)
+    with contextlib.suppress(Interrupted):
+        train = ResumableDataLoader(regression_loader().dataset, batch_size=8, seed=0)  # restarts mid-epoch
+        trainer.fit(module, train, regression_loader(n=16, seed=1),
+                    ckpt_path=tmp_path / "ckpt" / "last.ckpt" if resume else None)
+    return module, fire
+
+
+def test_hand_built_plateau_run_interrupted_before_a_validation_resumes_bit_identical(tmp_path):
+    reference, fire = plateau_fit(tmp_path / "reference")
+    assert fire.applied == ["plateau:4", "plateau:8"]
+    plateau_fit(tmp_path / "run", interrupt_at=4)  # killed as the validation of step 4 starts
+    assert torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 2
+    resumed, fire = plateau_fit(tmp_path / "run", resume=True)
+    assert fire.applied == ["plateau:4", "plateau:8"]
+    for (name, p), q in zip(reference.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
 
 
 # ------------------------------------------------------------------ 2. nothing to resume
@@ -187,6 +222,18 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, how, message):
         with pytest.raises(CheckpointError, match="last.ckpt") as err:
             fit_mlp(tmp_path, 4, ckpt_path=last)
         assert "\n" not in str(err.value)
+
+
+def test_a_write_interrupted_between_its_checksum_and_its_rename_is_completed_on_load(tmp_path):
+    """The checksum is recorded before the new file replaces the old one; a kill in between leaves the
+    new bytes in ``last.ckpt.writing``, and loading finishes the rename instead of refusing both."""
+    path = tmp_path / "last.ckpt"
+    write_verified(b"old", path)
+    write_verified(b"new", tmp_path / "next.ckpt")
+    (tmp_path / "next.ckpt").rename(tmp_path / "last.ckpt.writing")  # the state a kill leaves
+    (tmp_path / "next.ckpt.sha256").replace(tmp_path / "last.ckpt.sha256")
+    assert verify_file(path) == path and path.read_bytes() == b"new"
+    assert not (tmp_path / "last.ckpt.writing").exists()
 
 
 def test_a_truncated_pipeline_json_is_a_one_line_error(finished_pipeline, tmp_path):

@@ -19,7 +19,9 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,14 @@ class CheckpointError(ValueError):
 
 def sha256_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_of_file(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):  # 16 MiB at a time: a large checkpoint is never held twice in memory
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def checksum_path(path: Path) -> Path:
@@ -76,19 +86,24 @@ def write_verified(data: bytes, path: str | Path) -> None:
     """
     path = Path(path)
     digest = sha256_of(data)
-    pending = _pending_path(path)
+    pending, side = _pending_path(path), checksum_path(path)
+    side_pending = _pending_path(side)
+    recorded = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_synced(pending, data)
-        if sha256_of(pending.read_bytes()) != digest:
+        if sha256_of_file(pending) != digest:
             raise OSError("the bytes read back differ from the bytes written")
-        side = checksum_path(path)
-        _write_synced(side.with_name(side.name + PENDING_SUFFIX), f"{digest}  {len(data)}  {path.name}\n".encode())
-        os.replace(side.with_name(side.name + PENDING_SUFFIX), side)
+        _write_synced(side_pending, f"{digest}  {len(data)}  {path.name}\n".encode())
+        os.replace(side_pending, side)
+        recorded = True
         os.replace(pending, path)
         if path.stat().st_size != len(data):
             raise OSError(f"{path.stat().st_size} bytes on disk, {len(data)} written")
     except OSError as err:
+        for leftover in ([side_pending] if recorded else [side_pending, pending]):  # keep what recovery needs
+            with contextlib.suppress(OSError):
+                leftover.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {path}: {err.strerror or err}; the run stops here so that "
                               "it does not go on without checkpoints (free space or fix permissions, then resume)") from err
 
@@ -98,7 +113,7 @@ def verify_file(path: str | Path) -> Path:
     path = Path(path)
     pending = _pending_path(path)
     recorded = recorded_checksum(path) if path.is_file() or pending.is_file() else None
-    if recorded is not None and pending.is_file() and sha256_of(pending.read_bytes()) == recorded[0]:
+    if recorded is not None and pending.is_file() and sha256_of_file(pending) == recorded[0]:
         os.replace(pending, path)  # finish a write interrupted between its checksum and its rename
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
@@ -112,7 +127,7 @@ def verify_file(path: str | Path) -> Path:
     if size != expected:
         raise CheckpointError(f"checkpoint {path} has {size} bytes, its checksum file records {expected}: "
                               "truncated or replaced; use an earlier checkpoint")
-    if sha256_of(path.read_bytes()) != digest:
+    if sha256_of_file(path) != digest:
         raise CheckpointError(f"checkpoint {path} does not match its recorded SHA-256: the file was altered or "
                               "damaged on disk; use an earlier checkpoint")
     return path
@@ -158,8 +173,6 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("VerifiedCheckpointIO.save_checkpoint takes no storage_options")
-        import io
-
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         write_verified(buffer.getvalue(), path)
