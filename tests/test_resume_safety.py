@@ -297,6 +297,11 @@ def test_a_nan_batch_does_not_blind_redo(tmp_path):
     assert bool(redo.dormant_masks(scores, 0.0)["net.0"][:4].all())
     assert float(trainer.callback_metrics["redo/nonfinite_batches"]) == 2.0
     assert float(trainer.callback_metrics["redo/dead"]) > 0
+    poisoned = redo.state_dict()  # as a checkpoint of the old code holds it
+    poisoned["ema"][5] = float("nan")
+    redo.load_state_dict(poisoned)
+    healed = redo.state_dict()
+    assert torch.isfinite(healed["ema"]).all() and not bool(healed["observed"][5]) and bool(healed["observed"][6])
 
 
 def test_weight_std_recycling_next_to_a_nan_row_is_finite():

@@ -308,18 +308,21 @@ class Pipeline:
                 module.load_state_dict(saved["state_dict"])
             if phase.carry_optimizer and not reinit:
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
-        checkpoint = instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))
+        # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
+        # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
+        callbacks = [ResumeGuard(), *callbacks, instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
+        resumed_at = 0  # the step the resume starts from, read now: by the end of the fit last.ckpt is a later one
+        if resume_from is not None:
+            interrupted = read_checkpoint(resume_from, mmap=True)
+            callbacks[0].check(interrupted, callbacks, module, str(resume_from))
+            resumed_at = int(interrupted["global_step"])
         logger = instantiate(cfg.logger, version=phase.name)
-        # The configuration was compared when the pipeline started; the guard checks shapes and callback states.
-        trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, logger=logger,
-                                         callbacks=[ResumeGuard(), *callbacks, checkpoint],
+        trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, logger=logger, callbacks=callbacks,
                                          plugins=[VerifiedCheckpointIO()])
         rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
         started = time.perf_counter()
         earlier_rows = read_metrics(logger) if resume_from is not None else []
-        # The step the resume starts from, read now: by the end of the fit last.ckpt is a later one.
-        resumed_at = int(read_checkpoint(resume_from, mmap=True)["global_step"]) if resume_from is not None else 0
         before = {}
         if resume_from is None and cfg.get("validate_before_fit", True):
             before = merged(trainer.validate(module, datamodule=datamodule, verbose=False))

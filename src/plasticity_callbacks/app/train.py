@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO
+from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint
 from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..models.registry import ConfigError
@@ -54,10 +54,12 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(cfg.data, _convert_="all")
     module = build_module(cfg)
     check_data_fits_model(datamodule, module.config)
-    logger = instantiate(cfg.logger)
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[guard, *build_callbacks(cfg)], logger=logger,
-                                     plugins=[VerifiedCheckpointIO()])
+    callbacks = [guard, *build_callbacks(cfg)]
+    if ckpt_path is not None:  # refuse before the logger empties the run's metrics file
+        guard.check(read_checkpoint(ckpt_path, mmap=True), callbacks, module, ckpt_path)
+    logger = instantiate(cfg.logger)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
     started = time.perf_counter()
     before = None
     if cfg.validate_before_fit and ckpt_path is None:

@@ -399,8 +399,11 @@ class ReDoMonitor(L.Callback):
         if state["layers"] != names or state["widths"] != widths:
             raise ValueError(f"ReDoMonitor checkpoint watched layers {list(zip(state['layers'], state['widths']))}, "
                              f"this model has {list(zip(names, widths))}")
-        self._ema.copy_(state["ema"])
-        self._observed.copy_(state["observed"])
+        # A checkpoint written before non-finite batches were skipped may hold NaN scores: those neurons
+        # count as not yet observed, so their next batch replaces the value instead of keeping it NaN.
+        finite = torch.isfinite(state["ema"]).to(self._ema.device)
+        self._ema.copy_(torch.where(finite, state["ema"].to(self._ema.device), 0.0))
+        self._observed.copy_(state["observed"].to(self._observed.device) & finite)
         self._recycled.copy_(state["recycled"])
         self._nonfinite.copy_(state.get("nonfinite_batches", torch.zeros_like(self._nonfinite)))
         self._init_std = state["init_std"].to(self._ema.device)

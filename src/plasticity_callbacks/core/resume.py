@@ -82,8 +82,9 @@ def changed_keys(stored: Mapping[str, Any], current: Mapping[str, Any],
         side = stored if key not in stored else current  # the side without the key
         prefixes = [".".join(key.split(".")[:i]) for i in range(1, key.count(".") + 2)]
         outside = [p for p in prefixes if not any(k == p or k.startswith(p + ".") for k in side)]
-        block = outside[0] if outside else key  # none: a leaf on one side, a block on the other
-        blocks[block] = (_ABSENT, "<added>") if side is stored else ("<present>", _ABSENT)
+        if not outside:  # an empty block (``callbacks: {}``) on one side, filled on the other: named below
+            continue
+        blocks[outside[0]] = (_ABSENT, "<added>") if side is stored else ("<present>", _ABSENT)
     return values + [(k, old, new) for k, (old, new) in blocks.items()]
 
 
@@ -198,11 +199,11 @@ class ResumeGuard(L.Callback):
         self._checked = False
         io = getattr(trainer.strategy, "checkpoint_io", None)
         if stage == "fit" and isinstance(io, VerifiedCheckpointIO):
-            io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer, pl_module, path)
+            io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer.callbacks, pl_module, path)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if not getattr(self, "_checked", False):
-            self.check(checkpoint, trainer, pl_module, str(trainer.ckpt_path))
+            self.check(checkpoint, trainer.callbacks, pl_module, str(trainer.ckpt_path))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         io = getattr(trainer.strategy, "checkpoint_io", None)
@@ -211,14 +212,16 @@ class ResumeGuard(L.Callback):
         if self.lock is not None:
             self.lock.release()
 
-    def check(self, checkpoint: dict, trainer, pl_module, where: str) -> None:
+    def check(self, checkpoint: dict, callbacks: Sequence[L.Callback], pl_module, where: str) -> None:
+        """Raise ResumeError unless ``checkpoint`` fits this run (its ``callbacks`` and ``pl_module``).
+        Call it before building the trainer to refuse before a logger touches the run directory."""
         self._checked = True
         saved_callbacks = checkpoint.get("callbacks") or {}
         stored = (saved_callbacks.get(self.state_key) or {}).get("config")
         if self.config is not None and stored is not None:
             refuse_changes(where, changed_keys(stored, self.config, self.allow_changes))
         check_shapes(checkpoint.get("state_dict") or {}, pl_module, where)
-        present = {callback.state_key for callback in trainer.callbacks}
+        present = {callback.state_key for callback in callbacks}
         dropped = [key for key in saved_callbacks if key not in present and not key.split("{")[0].endswith("Checkpoint")]
         if dropped:
             raise ResumeError(f"cannot resume {where}: it holds state of callbacks this run does not have: "
