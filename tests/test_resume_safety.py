@@ -90,7 +90,7 @@ def plateau_fit(tmp_path, interrupt_at=None, resume=False):
     with contextlib.suppress(Interrupted):
         train = ResumableDataLoader(regression_loader().dataset, batch_size=8, seed=0)  # restarts mid-epoch
         trainer.fit(module, train, regression_loader(n=16, seed=1),
-                    ckpt_path=tmp_path / "ckpt" / "last.ckpt" if resume else None)
+                    ckpt_path="last" if resume == "last" else tmp_path / "ckpt" / "last.ckpt" if resume else None)
     return module, fire
 
 
@@ -115,6 +115,8 @@ def test_resuming_a_missing_run_is_a_one_line_error_not_a_fresh_start(tmp_path):
         Pipeline(compose_pipeline(typo, "pipeline.resume=true")).run()
     assert "\n" not in str(err.value)
     assert not (typo / "checkpoints").exists() and not (typo / "logs").exists()
+    with pytest.raises(ResumeError, match='ckpt_path="last" but .*holds no last checkpoint'):  # hand-built Trainer
+        plateau_fit(tmp_path / "never_ran", resume="last")
 
 
 # ------------------------------------------------------------------ 3. changed configuration

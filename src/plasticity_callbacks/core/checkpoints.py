@@ -39,6 +39,10 @@ class CheckpointError(ValueError):
     """A checkpoint (or run-state file) that cannot be written or trusted; the message is one line."""
 
 
+class ResumeError(RuntimeError):
+    """A resume (or a second run) that would not continue the interrupted run faithfully; one-line message."""
+
+
 def sha256_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -210,7 +214,9 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
     same save rule is applied in ``on_validation_end`` instead (after every other callback's
     ``on_validation_end``: Lightning runs checkpoint callbacks last), and Lightning's loop restores
     such a checkpoint without repeating the validation. The saved checkpoint can also rank by
-    ``val/loss`` (``monitor``) at that step. Same arguments as ``ModelCheckpoint``.
+    ``val/loss`` (``monitor``) at that step. ``fit(ckpt_path="last")`` with no last checkpoint in
+    ``dirpath`` is a :class:`ResumeError` (Lightning would warn and start a fresh run). Same
+    arguments as ``ModelCheckpoint``.
 
     Example:
         >>> checkpoint = ModelCheckpointAfterValidation(dirpath="ckpt", every_n_train_steps=100, save_last=True)
@@ -226,6 +232,14 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
             self._save_after_validation = True
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        # Lightning asks this only to resolve ckpt_path="last": a resume with nothing to resume from.
+        found = super()._find_last_checkpoints(trainer)
+        if not any(Path(path).is_file() for path in found):
+            raise ResumeError(f'cannot resume: ckpt_path="last" but {self.dirpath} holds no last checkpoint; check '
+                              "the directory, or pass ckpt_path=None to start a new run")
+        return found
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._save_after_validation and not trainer.sanity_checking:

@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from .checkpoints import VerifiedCheckpointIO
+from .checkpoints import ResumeError, VerifiedCheckpointIO
 
 # Keys a resume may always change: where files go, how the resume itself is asked for, and how long
 # training runs (extending a run is what resuming is for). Everything else must match.
@@ -37,10 +37,6 @@ ALWAYS_ALLOWED = ("hydra.*", "paths.*", "pipeline.*", "ckpt_path", "resume_allow
                   "logger.save_dir", "trainer.enable_progress_bar")
 LOCK_FILE = ".run.lock"
 _ABSENT = "<absent>"
-
-
-class ResumeError(RuntimeError):
-    """A resume (or a second run) that would not continue the interrupted run faithfully; one-line message."""
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
