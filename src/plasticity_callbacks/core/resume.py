@@ -185,6 +185,7 @@ class ResumeGuard(L.Callback):
         self.config = None if config is None else json.loads(json.dumps(flatten(dict(config)), default=str))
         self.allow_changes = list(allow_changes)
         self.lock = RunLock(run_dir) if run_dir is not None else None
+        self._checked = False  # this fit's checkpoint was already checked (as it was loaded, or before the fit)
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config}
@@ -198,7 +199,7 @@ class ResumeGuard(L.Callback):
             io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer.callbacks, pl_module, path)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
-        if not getattr(self, "_checked", False):
+        if not self._checked:
             self.check(checkpoint, trainer.callbacks, pl_module, str(trainer.ckpt_path))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
