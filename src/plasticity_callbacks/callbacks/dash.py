@@ -19,6 +19,7 @@ from ..core.optimizer_state import owning_optimizer
 from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
 from ..core.model_map import WeightView, refuse_factorized, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number
+from ..core.callback_state import check_state
 from ..core.schedule import Schedule, ScheduleState
 
 RULES = ("periodic", "dash")
@@ -206,6 +207,8 @@ class DASHShrink(L.Callback):
                 "skipped_nonfinite": self.skipped_nonfinite, "last_shrink_step": self.last_shrink_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"schedule": dict, "shrinks": int, "skipped_nonfinite": int,
+                                       "last_shrink_step": int})
         self.firing.load_state_dict(state_dict["schedule"])
         self.shrinks = state_dict["shrinks"]
         self.skipped_nonfinite = state_dict["skipped_nonfinite"]

@@ -14,6 +14,7 @@ from ..core.optimizer_state import leaf_optimizers
 from ..core.schedule import Schedule, ScheduleState
 from ..core.model_map import require_targets, select_targets, validate_selection
 from ..core.arguments import build_options, check_int
+from ..core.callback_state import OPTIONAL_INT, check_state
 
 
 class FIREReinit(L.Callback):
@@ -127,6 +128,7 @@ class FIREReinit(L.Callback):
                 "warmup_start": self.warmup_start}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state(self, state_dict, {"schedule": dict, "history": list, "warmup_start": OPTIONAL_INT})
         self.firing.load_state_dict(state_dict["schedule"])
         self.history = list(state_dict["history"])
         self.warmup_start = state_dict["warmup_start"]

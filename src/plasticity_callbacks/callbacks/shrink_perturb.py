@@ -15,6 +15,7 @@ from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
 from ..core.schedule import Schedule, ScheduleState
 from ..functional import factorization
+from ..core.callback_state import check_state
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -151,6 +152,7 @@ class ShrinkPerturb(L.Callback):
         return {"schedule": self.firing.state_dict(), "applications": self.applications}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"schedule": dict, "applications": int})
         self.firing.load_state_dict(state_dict["schedule"])
         self.applications = int(state_dict["applications"])
 

@@ -33,11 +33,13 @@ from typing import Any
 import torch
 
 from .arguments import build_options, check_int, check_number, sorted_int_list
+from .callback_state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
 from .distributed import all_reduce_mean
 
 MODES = ("min", "max")
-_STATE_KEYS = ("fit_start_fired", "last_epoch", "last_step", "last_fired_step", "fired", "best", "wait",
-               "cooldown_left", "plateau_fires")
+_STATE_TYPES = {"fit_start_fired": bool, "last_epoch": OPTIONAL_INT, "last_step": OPTIONAL_INT,
+                "last_fired_step": OPTIONAL_INT, "fired": list, "best": OPTIONAL_NUMBER, "wait": int,
+                "cooldown_left": int, "plateau_fires": int}
 
 
 @dataclass(frozen=True)
@@ -262,10 +264,7 @@ class ScheduleState:
                 "wait": self.wait, "cooldown_left": self.cooldown_left, "plateau_fires": self.plateau_fires}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"{self.owner}: the checkpoint's schedule state lacks {missing}; it was written by "
-                             "another version of this callback. Start a new fit, or resume a newer checkpoint")
+        check_state(f"{self.owner} schedule", state, _STATE_TYPES)
         self.fit_start_fired = bool(state["fit_start_fired"])
         self.last_epoch, self.last_step = state["last_epoch"], state["last_step"]
         self.last_fired_step = state["last_fired_step"]
