@@ -248,8 +248,9 @@ class Pipeline:
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
         checkpoint = instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))
         logger = instantiate(cfg.logger, version=phase.name)
+        quiet = {"enable_model_summary": False} if phase.index > 0 else {}  # the same model: summarized once
         trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, callbacks=[*callbacks, checkpoint],
-                                         logger=logger)
+                                         logger=logger, **quiet)
         rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
         started = time.perf_counter()
@@ -261,7 +262,7 @@ class Pipeline:
         train_loss = trainer.callback_metrics.get("train/loss")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
-        trainer.save_checkpoint(self.final_checkpoint(phase))
+        trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
         if earlier_rows:
             resumed_at = int(load_checkpoint(resume_from)["global_step"])
             # rows up to the checkpoint (validation at its step ran before the interruption)
