@@ -325,7 +325,11 @@ def plot_curves(runs: list[Run], out: Path) -> list[Path]:
     def series(name: str) -> dict[str, list[dict[int, float]]]:
         return {label: [r.curves.get(name, {}) for r in members] for label, members in groups.items()}
 
-    loss_panels = [Panel("validation loss, current phase's data", LOSS_UNIT, series("val"), xlabel, edges)]
+    if pipeline:
+        loss_panels = [Panel("validation loss, current phase's data", LOSS_UNIT, series("val"), xlabel, edges)]
+    else:
+        loss_panels = [Panel("training loss", LOSS_UNIT, series("train"), xlabel),
+                       Panel("validation loss", LOSS_UNIT, series("val"), xlabel)]
     if any(r.curves.get("retention") for r in runs):
         first = (runs[0].state.get("phase_order") or list(runs[0].state["phases"]))[0]
         loss_panels.append(Panel(f"retention: validation loss on {first!r} data", LOSS_UNIT, series("retention"),
