@@ -70,9 +70,38 @@ def check_command_line(argv: list[str], config_dir: str) -> None:
         for option in option_values(override):
             if not (root / group / f"{option}.yaml").is_file():
                 raise ConfigError(unknown_option_message(root / group, group, option))
+    check_composition(args, overrides, config_dir)
     run_dir_key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
     check_writable(str(given.get(run_dir_key, DEFAULT_RUN_ROOT[bool(args.multirun)])), run_dir_key)
+
+
+def check_composition(args, overrides: list, config_dir: str) -> None:
+    """Compose once as Hydra will (a sweep: its first values), so that a key the config does not
+    have (``callbacks.redo.taux=0.1``) is one line, not Hydra's block."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if args.config_dir or GlobalHydra.instance().is_initialized():
+        return  # another search path, or inside a running Hydra app: let Hydra compose
+    first_values = []
+    for override in overrides:
+        if override.is_sweep_override():
+            values = option_values(override)
+            if not values:
+                return  # a range or interval sweep: nothing simple to stand in for it
+            first_values.append(f"{override.input_line.split('=', 1)[0]}={values[0]}")
+        else:
+            first_values.append(override.input_line)
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            compose(args.config_name or "config", overrides=first_values)
+    except (HydraException, OmegaConfBaseException) as err:
+        lines = [line.strip() for line in str(err).splitlines()
+                 if line.strip() and not line.strip().startswith(("full_key:", "object_type="))]
+        raise ConfigError(" ".join(lines)) from None
 
 
 def option_values(override) -> Iterable[str]:

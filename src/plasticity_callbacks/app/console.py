@@ -27,23 +27,25 @@ FOREIGN_DEPRECATIONS = (r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",)
 
 
 class LightningNoticesOnce(logging.Filter):
-    """Drops a message that Lightning's own code logged before (in an earlier phase)."""
+    """Drops a message that Lightning's own code logged before (in an earlier phase or sweep job).
+
+    One instance per handler, sharing one record of first sightings: the same record reaches
+    the console and ``train.log``, a repeat is a later record with the same text.
+    """
+
+    first_seen: dict[str, float] = {}  # message -> creation time of the record that first carried it
 
     def __init__(self) -> None:
         super().__init__()
         import lightning
 
         self.package = str(Path(lightning.__file__).resolve().parent)
-        self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.pathname.startswith(self.package):
             return True  # ours (rank_zero_info points at its caller): always shown
-        message = record.getMessage()
-        if message in self.seen:
-            return False
-        self.seen.add(message)
-        return True
+        first = self.first_seen.setdefault(record.getMessage(), record.created)
+        return first == record.created
 
 
 def configure_run_output() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 COLUMNS = [("new-phase val loss", "val_loss"), ("retention loss", "retention_loss"),
            ("dormant fraction", "dormant_fraction"), ("minutes", "minutes")]
+SINGLE_FIT_COLUMNS = [("final val loss", "val_loss"), ("dormant fraction", "dormant_fraction")]
 LOSS_UNIT = "loss (nats per byte)"
 # Overrides that say how a run was launched or resumed, not what it studies: never a group label.
 MECHANICS = ("seed", "hydra", "pipeline.", "paths.", "ckpt_path")
@@ -171,12 +172,12 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarize(runs: list[Run]) -> dict[str, dict[str, tuple[float, float, int]]]:
+def summarize(runs: list[Run], columns=COLUMNS) -> dict[str, dict[str, tuple[float, float, int]]]:
     """label -> column -> (mean, std, number of seeds with a value)."""
     table = {}
     for label, members in groups_of(runs).items():
         row = {}
-        for _, key in COLUMNS:
+        for _, key in columns:
             if key == "minutes":
                 values = [sum(p["minutes"] for p in r.state["phases"].values()) for r in members
                           if all(p.get("minutes") is not None for p in r.state["phases"].values())]
@@ -190,7 +191,7 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, tuple[float, float, int]]]
 
 
 def markdown_table(table: dict[str, dict[str, tuple[float, float, int]]], columns=COLUMNS,
-                   first_column: str = "method") -> str:
+                   first_column: str = "runs (what varies)") -> str:
     """Rows sorted by the first column's mean (best first); cells ``mean ± std``, ``-`` where not logged."""
     header = f"| {first_column} | seeds | " + " | ".join(name for name, _ in columns) + " |"
     lines = [header, "|" + "---|" * (len(columns) + 2)]
@@ -358,16 +359,18 @@ def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     shared = label_runs(runs)
     out = out or root / "report"
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(summarize(runs))
+    single = all(r.state.get("single_fit") for r in runs)
+    columns = SINGLE_FIT_COLUMNS if single else COLUMNS
+    table = markdown_table(summarize(runs, columns), columns)
     figures = plot_curves(runs, out)
     phases = " → ".join(runs[0].state.get("phase_order") or runs[0].state["phases"])
-    kind = "single fits" if all(r.state.get("single_fit") for r in runs) else f"phases {phases}"
+    kind = "single fits" if single else f"phases {phases}"
     settings = ", ".join(shared) or "nothing but the defaults"
     text = "\n".join([
         f"# Plasticity study: {len(runs)} runs under {root}", "",
-        f"Runs: {kind}. Shared by every run: {settings}. Mean ± std over seeds; losses in nats per byte; "
-        "retention = loss on the first phase's validation set after the last phase; minutes = the phases "
-        "each run trained.", "",
+        f"Runs: {kind}. Shared by every run: {settings}. Mean ± std over seeds; losses in nats per byte"
+        + ("." if single else "; retention = loss on the first phase's validation set after the last phase; "
+           "minutes = the phases each run trained."), "",
         table, "", *[f"![{p.stem}]({p.name})" for p in figures], "",
     ])
     (out / "report.md").write_text(text)
