@@ -256,10 +256,13 @@ def ignored_by(cfg: DictConfig, phase: str, block: DictConfig | None, group: str
     own = (block or {}).get(group)
     if not own:
         return None
-    if OmegaConf.select(own, dotted, default=None) is not None:
+    raw = OmegaConf.to_container(own, resolve=False)
+    for part in dotted.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    if raw == f"${{{group}.{dotted}}}":
+        return None  # the phase reads the top-level value
+    if raw is not None:
         return f"phases.{phase}.{group}.{dotted}={OmegaConf.select(own, dotted)}"
     if group == "data" and own.get("_target_", cfg.data.get("_target_")) != cfg.data.get("_target_"):
-        # a data block with another _target_ replaces the top-level one, except what it reads by ${data.<key>}
-        text = str(OmegaConf.to_container(own, resolve=False))
-        return None if f"${{data.{dotted}}}" in text else f"phases.{phase}.data has its own _target_"
+        return f"phases.{phase}.data has its own _target_"  # it replaces the top-level data block
     return None
