@@ -108,9 +108,14 @@ def test_sweep_of_single_fits_is_reported_and_labelled_by_what_varies(tmp_path):
     assert [p.name for p in figures] == ["loss_curves.png"]
 
 
-def test_identical_groups_are_drawn_once_under_both_names():
-    from plasticity_callbacks.app.report import merge_identical
+def test_identical_groups_are_drawn_once_under_both_names(tmp_path):
+    from plasticity_callbacks.app.report import Run, merge_identical
 
-    same = ([0, 5], [2.0, 1.5], [0.0, 0.0])
-    merged = merge_identical({"redo": same, "warm": same, "fire": ([0, 5], [2.0, 1.6], [0.0, 0.0])})
+    def run(label, final):
+        return Run(tmp_path, label, 0, {}, label=label, curves={"val": {0: 2.0, 5: final}, "train": {0: 3.0}})
+
+    merged = merge_identical({"fire": [run("fire", 1.6)], "redo": [run("redo", 1.5)], "warm": [run("warm", 1.5)]})
     assert sorted(merged) == ["fire", "redo = warm"]
+    differs_elsewhere = run("warm", 1.5)
+    differs_elsewhere.curves["train"] = {0: 3.1}  # same validation curve, another training curve: both drawn
+    assert sorted(merge_identical({"redo": [run("redo", 1.5)], "warm": [differs_elsewhere]})) == ["redo", "warm"]

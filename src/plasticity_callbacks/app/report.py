@@ -39,6 +39,7 @@ LOSS_UNIT = "loss (nats per byte)"
 # Overrides that say how a run was launched or resumed, not what it studies: never a group label.
 MECHANICS = ("seed", "hydra", "pipeline.", "paths.", "ckpt_path")
 LINE_STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
 @dataclass
@@ -94,7 +95,7 @@ def read_curves(run: Run) -> dict[str, dict[int, float]]:
                                    ("train", "train/loss")):
                     if row.get(key):
                         curves[curve][step] = float(row[key])
-    if len(state["phases"]) == 1:
+    if state.get("single_fit"):
         curves.pop("retention", None)  # the same numbers as "val"
     return dict(curves)
 
@@ -225,34 +226,63 @@ def mean_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], l
     return steps, means, stds
 
 
-def merge_identical(lines: dict[str, tuple[list[int], list[float], list[float]]]) -> dict[str, tuple]:
-    """Curves equal at every step are drawn once, labelled ``a = b``, so none hides another unseen."""
-    merged: dict[str, tuple] = {}
-    for label, line in lines.items():
-        twin = next((other for other, seen in merged.items() if seen[0] == line[0]
-                     and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(seen[1], line[1]))), None)
+def merge_identical(groups: dict[str, list[Run]]) -> dict[str, list[Run]]:
+    """Groups whose mean curves are equal at every step, for every metric, are drawn once and
+    labelled ``a = b``, so that no curve hides another unseen (ReDo that never recycled = warm start)."""
+    def means(members: list[Run]) -> dict[str, tuple]:
+        names = sorted({name for r in members for name in r.curves})
+        return {name: mean_band([r.curves.get(name, {}) for r in members])[:2] for name in names}
+
+    merged: dict[str, list[Run]] = {}
+    seen: dict[str, dict[str, tuple]] = {}
+    for label, members in groups.items():
+        mine = means(members)
+        twin = next((other for other, theirs in seen.items() if same_curves(mine, theirs)), None)
         if twin is None:
-            merged[label] = line
+            merged[label], seen[label] = members, mine
         else:
             merged[f"{twin} = {label}"] = merged.pop(twin)
+            seen[f"{twin} = {label}"] = seen.pop(twin)
     return merged
 
 
-def plot_series(ax, series_by_label: dict[str, list[dict[int, float]]], boundaries: list[int] = ()) -> list[float]:
+def same_curves(a: dict[str, tuple], b: dict[str, tuple]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a[k][1], b[k][1]))
+        for k in a)
+
+
+@dataclass
+class Style:
+    color: str
+    linestyle: str
+    marker: str
+
+
+def styles_for(labels: list[str]) -> dict[str, Style]:
+    """One colour, line style and marker per label, the same in every panel of every figure."""
+    return {label: Style(f"C{i % 10}", LINE_STYLES[i % len(LINE_STYLES)], MARKERS[i % len(MARKERS)])
+            for i, label in enumerate(labels)}
+
+
+def plot_series(ax, series_by_label: dict[str, list[dict[int, float]]], styles: dict[str, Style] | None = None,
+                boundaries: list[int] = ()) -> list[float]:
     """Mean line per label (its seed count in the legend) and a ± std band where n ≥ 2; returns all
-    plotted values (for the y-limits)."""
-    lines = {label: mean_band(series) for label, series in series_by_label.items() if any(series)}
-    counts = {label: len([s for s in series if s]) for label, series in series_by_label.items()}
+    plotted values (for the y-limits). Markers differ per label, so overlapping curves stay apart."""
+    styles = styles or styles_for(list(series_by_label))
     shown: list[float] = []
-    for i, (label, (steps, means, stds)) in enumerate(merge_identical(lines).items()):
-        n = counts[label.split(" = ")[0]]
-        color, style = f"C{i % 10}", LINE_STYLES[(i // 10 + i) % len(LINE_STYLES)]
-        ax.plot(steps, means, color=color, linestyle=style, marker="." if len(steps) < 30 else None,
-                label=f"{label} (n={n})" if n > 1 else label)
-        if n > 1 and any(stds):
+    for label, series in series_by_label.items():
+        series = [curve for curve in series if curve]
+        if not series:
+            continue
+        steps, means, stds = mean_band(series)
+        style = styles[label]
+        ax.plot(steps, means, color=style.color, linestyle=style.linestyle, marker=style.marker, markersize=4,
+                markevery=max(1, len(steps) // 12), label=f"{label} (n={len(series)})" if len(series) > 1 else label)
+        if len(series) > 1 and any(stds):
             low = [m - s for m, s in zip(means, stds)]
             high = [m + s for m, s in zip(means, stds)]
-            ax.fill_between(steps, low, high, color=color, alpha=0.18, linewidth=0)
+            ax.fill_between(steps, low, high, color=style.color, alpha=0.15, linewidth=0)
             shown += low + high
         shown += means
     for step in boundaries:
@@ -260,24 +290,50 @@ def plot_series(ax, series_by_label: dict[str, list[dict[int, float]]], boundari
     return shown
 
 
+def wide_range(values: list[float]) -> bool:
+    """Positive values spanning more than a factor 2: a full reset starts far above the others."""
+    finite = [v for v in values if math.isfinite(v)]
+    return bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 2
+
+
 def fit_y_axis(ax, values: list[float]) -> None:
-    """Every curve stays inside the axes; when the values span more than a factor 2 (a full reset
-    starts far above the others), a log scale keeps the close curves apart."""
-    positive = [v for v in values if v > 0 and math.isfinite(v)]
-    if not positive or len(positive) < len(values):
+    """Every curve stays inside the axes; over a wide range a log scale keeps the close curves apart."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
         return
-    low, high = min(positive), max(positive)
-    if high / low > 2:
-        from matplotlib.ticker import LogLocator, ScalarFormatter
+    low, high = min(finite), max(finite)
+    if wide_range(finite):
+        from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
         ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylim(low / 1.03, high * 1.03)
     else:
         pad = 0.04 * (high - low or abs(high) or 1.0)
         ax.set_ylim(low - pad, high + pad)
+
+
+def zoom_on_the_best(ax, series_by_label: dict[str, list[dict[int, float]]]) -> bool:
+    """Limit ``ax`` to the second half of the steps and to the curves that end within 10% of the
+    best final value (the comparison a wide log scale squeezes); False when nothing to zoom on."""
+    lines = {label: mean_band([c for c in series if c]) for label, series in series_by_label.items()
+             if any(series)}
+    if not lines:
+        return False
+    first = min(steps[0] for steps, _, _ in lines.values())
+    last = max(steps[-1] for steps, _, _ in lines.values())
+    middle = (first + last) / 2
+    best = min(means[-1] for _, means, _ in lines.values())
+    values = [v for steps, means, stds in lines.values() if means[-1] <= 1.1 * best
+              for step, m, sd in zip(steps, means, stds) if step >= middle for v in (m - sd, m + sd)]
+    if not values:
+        return False
+    low, high = min(values), max(values)
+    pad = 0.05 * (high - low or abs(high) or 1.0)
+    ax.set(xlim=(middle, last + 0.02 * (last - first)), ylim=(low - pad, high + pad))
+    return True
 
 
 @dataclass
@@ -293,15 +349,29 @@ def metric_figure(path: Path, panels: list[Panel], title: str | None = None) -> 
     """Panels side by side, one legend to their right (outside the data), saved as a PNG."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.5 * len(panels) + 2.5, 4.2), layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    values = {panel.title: [v for series in panel.series.values() for curve in series for v in curve.values()]
+              for panel in panels}
+    zoom = any(wide_range(v) for v in values.values())  # a second row: the close curves, on a linear scale
+    fig = Figure(figsize=(5.5 * len(panels) + 2.5, 4.2 * (2 if zoom else 1)), layout="constrained")
+    grid = fig.subplots(2 if zoom else 1, len(panels), squeeze=False)
     handles: dict[str, object] = {}
-    for ax, panel in zip(axes, panels):
-        fit_y_axis(ax, plot_series(ax, panel.series, panel.boundaries))
+    styles = styles_for(list(dict.fromkeys(label for panel in panels for label in panel.series)))
+    for column, panel in enumerate(panels):
+        ax = grid[0, column]
+        fit_y_axis(ax, plot_series(ax, panel.series, styles, panel.boundaries))
         ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
         ax.grid(alpha=0.3)
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
+        if zoom:
+            below = grid[1, column]
+            plot_series(below, panel.series, styles, panel.boundaries)
+            if wide_range(values[panel.title]) and zoom_on_the_best(below, panel.series):
+                below.set(title=f"zoom: second half, curves ending within 10% of the best", xlabel=panel.xlabel,
+                          ylabel=panel.ylabel)
+                below.grid(alpha=0.3)
+            else:
+                below.set_visible(False)
     if any(p.boundaries for p in panels):
         from matplotlib.lines import Line2D
 
@@ -318,9 +388,9 @@ def boundaries(runs: list[Run]) -> list[int]:
 
 
 def plot_curves(runs: list[Run], out: Path) -> list[Path]:
-    groups = groups_of(runs)
+    groups = merge_identical(groups_of(runs))
     edges = boundaries(runs)
-    pipeline = any(len(r.state["phases"]) > 1 for r in runs)
+    pipeline = not all(r.state.get("single_fit") for r in runs)
     xlabel = "optimizer step (whole pipeline)" if pipeline else "optimizer step"
 
     def series(name: str) -> dict[str, list[dict[int, float]]]:
