@@ -111,10 +111,13 @@ def report_outputs(run_dir: Path) -> None:
     lines += [f"  checkpoints  {p}" for p in sorted(run_dir.glob("checkpoints/**/*.ckpt"))]
     try:
         _, figures = build_report(run_dir)
-        lines += [f"  figures      {p}" for p in [run_dir / "report" / "report.md", *figures]]
+        lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
         lines += [f"  figures      {p}" for p in sorted(run_dir.glob("logs/**/figures/*.png"))]
     except FileNotFoundError as err:  # nothing logged (e.g. zero steps): no figures to draw
         lines.append(f"  figures      none ({err})")
+    except Exception as err:  # the run's results are saved; a figure that fails must not hide them
+        log.warning(f"could not draw the run's figures ({type(err).__name__}: {err}); "
+                    f"plasticity-report {run_dir} retries")
     rank_zero_info("\n".join(lines))
 
 
