@@ -80,3 +80,13 @@ def test_lightning_messages_reach_the_root_handlers_once(tmp_path):
     text = (tmp_path / "train.log").read_text()
     assert "our own message" in text
     assert text.count("GPU available") == 1, text
+
+
+def test_a_sweep_ends_by_saying_where_its_runs_are(caplog, tmp_path):
+    from omegaconf import OmegaConf
+
+    from plasticity_callbacks.app.console import SweepOutputs
+
+    with caplog.at_level(logging.INFO):
+        SweepOutputs().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
+    assert f"plasticity-report {tmp_path / 'sweep'}" in caplog.text
