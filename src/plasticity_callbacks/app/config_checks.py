@@ -84,7 +84,7 @@ def check_composition(args, overrides: list, config_dir: str) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if args.config_dir or GlobalHydra.instance().is_initialized():
+    if args.config_dir or args.config_path or GlobalHydra.instance().is_initialized():
         return  # another search path, or inside a running Hydra app: let Hydra compose
     first_values = []
     for override in overrides:
