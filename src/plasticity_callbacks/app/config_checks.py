@@ -2,9 +2,10 @@
 
 Two moments:
 
-- :func:`check_command_line` runs before Hydra composes anything: a misspelled config group option
-  (``+callbacks=fier``, ``model/mlp=swiglo``) and a run directory that cannot be written
-  (a read-only working directory) are one line each instead of Hydra's block or traceback.
+- :func:`check_command_line` runs before Hydra starts the job: a misspelled config group option
+  (``+callbacks=fier``, ``model/mlp=swiglo``) or key (``callbacks.redo.taux=0.1``) and a run
+  directory that cannot be written (a read-only working directory) are one line each instead of
+  Hydra's block or traceback.
 - :func:`check_config` runs on the composed config, before any data is read: value types
   (``seed=abc``, ``optimizer.lr=abc``), file globs that match nothing (``data.paths``) and
   command-line settings that the run would ignore (``optimizer.lr=...`` when every phase sets
@@ -49,8 +50,8 @@ def check_command_line(argv: list[str], config_dir: str) -> None:
         config_dir: the primary config folder (``configs/``).
 
     Raises:
-        ConfigError: a group option that has no ``<group>/<option>.yaml``, or a run directory
-            that cannot be created.
+        ConfigError: a group option that has no ``<group>/<option>.yaml``, a key the composed
+            config does not have, or a run directory that cannot be created.
     """
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -58,7 +59,7 @@ def check_command_line(argv: list[str], config_dir: str) -> None:
     if any(arg in PRINT_ONLY_FLAGS or arg.startswith(("--cfg=", "--info=")) for arg in argv):
         return
     try:
-        args = get_args_parser().parse_args(argv)
+        args, _ = get_args_parser().parse_known_args(argv)  # what it cannot parse, Hydra reports itself
         overrides = OverridesParser.create().parse_overrides(args.overrides)
     except (Exception, SystemExit):  # a syntax error: Hydra's own message says where it is
         return
