@@ -21,6 +21,7 @@ The same runs as a Hydra sweep (one process per run):
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from plasticity_callbacks.app.console import configure_run_output
 from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.report import build_report
 from plasticity_callbacks.app.train import config_dir
@@ -56,6 +58,8 @@ def main() -> None:
                                                          "such as a longer phase 2 reuses the phase-1 checkpoints)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # what plasticity-train's console shows
+    configure_run_output()  # Lightning's notices once, not once per run
     steps = [f"phases.pretrain.steps={args.phase1_steps}"] if args.phase1_steps else []
     steps += [f"phases.sft.steps={args.phase2_steps}"] if args.phase2_steps else []
     started = time.perf_counter()
