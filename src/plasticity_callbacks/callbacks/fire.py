@@ -246,7 +246,8 @@ class FIREReinit(L.Callback):
     def _save_spectra(self, trainer: L.Trainer, key: str, records: list[FireRecord]) -> None:
         from ..core.figures import save_figure
 
-        save_figure(spectra_figure(records, f"FIRE at {key}: singular values of each treated weight"), trainer, f"fire_spectra_{key.replace(':', '_')}")
+        fig = spectra_figure(records, f"FIRE at {key}: singular values of each treated weight")
+        save_figure(fig, trainer, f"fire_spectra_{key.replace(':', '_')}")
 
     # ------------------------------------------------------------------------------ LR re-warmup
 
