@@ -89,7 +89,8 @@ def fake_single_fit(job_dir, seed, lr):
         writer = csv.DictWriter(f, fieldnames=["epoch", "step", "train/loss", "val/loss"])
         writer.writeheader()
         for step in (0, 5, 10):
-            writer.writerow({"epoch": 0, "step": step, "train/loss": 3.0, "val/loss": 2.0 + lr - step / 100 + seed / 50})
+            val = 2.0 + lr - step / 100 + seed / 50
+            writer.writerow({"epoch": 0, "step": step, "train/loss": 3.0, "val/loss": val})
 
 
 def test_sweep_of_single_fits_is_reported_and_labelled_by_what_varies(tmp_path):
