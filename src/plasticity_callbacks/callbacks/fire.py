@@ -6,13 +6,13 @@ from typing import Any, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..functional.isometry import FireRecord, apply_fire, validate_fire_options
 from ..core.optimizer_state import leaf_optimizers
 from ..functional.spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
-from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.model_map import require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, sorted_int_list
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -236,10 +236,13 @@ class FIREReinit(L.Callback):
         self._pending_logs.update(summary)
         self.history.append({"key": key, "global_step": trainer.global_step, "dfi_before": summary["fire/dfi_before"],
                              "dfi_after": summary["fire/dfi_after"], "layers": len(done)})
+        if not done:  # never a silent no-op: every selected weight was zero, non-finite or 1-D
+            rank_zero_warn(f"FIREReinit[{key}]: no weight was orthogonalized{_skipped_summary(records)}. "
+                           "Check the selection (scope/include/exclude) or the weights themselves.")
         rank_zero_info(f"FIREReinit[{key}]: {len(done)} weights orthogonalized at step {trainer.global_step} in "
                        f"{seconds:.3f}s, mean DfI {summary['fire/dfi_before']:.3g} -> {summary['fire/dfi_after']:.3g}"
                        + _skipped_summary(records))
-        if self.save_spectra:
+        if self.save_spectra and done:
             self._save_spectra(trainer, key, done)
         return True
 
