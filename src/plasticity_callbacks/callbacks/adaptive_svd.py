@@ -16,6 +16,7 @@ from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from ..core.model_map import Target, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number
+from ..core.callback_state import check_state
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -154,6 +155,7 @@ class AdaptiveSVDSwitch(L.Callback):
         return {"matrices": matrices, "history": list(self.history)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"matrices": dict, "history": list})
         self._pending = state_dict
         self._apply_pending()
 
@@ -219,6 +221,10 @@ class AdaptiveSVDSwitch(L.Callback):
             module, weight = m.target.module, m.target.param
             factorized = factorization.is_factorized(module, m.attr)
             W = as_matrix(m.target.read())  # the effective weight in either structure, (out, in) orientation
+            if not bool(torch.isfinite(W).all()):  # one sync per SVD cycle, which syncs anyway
+                raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
+                                         f"{step}; no subspace can be computed from it (lower the learning rate or "
+                                         "clip gradients, then resume from an earlier checkpoint)")
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
             grad = m.target.oriented(grad) if grad is not None else None
             r = m.r if m.r is not None else self._initial_r(W, m.g)

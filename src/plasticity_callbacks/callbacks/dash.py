@@ -19,6 +19,7 @@ from ..core.optimizer_state import owning_optimizer
 from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
 from ..core.model_map import WeightView, refuse_factorized, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number, sorted_int_list
+from ..core.callback_state import check_state
 
 RULES = ("periodic", "dash")
 
@@ -190,6 +191,8 @@ class DASHShrink(L.Callback):
                 "epochs_done": list(self.epochs_done)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"shrinks": int, "skipped_nonfinite": int, "last_shrink_step": int,
+                                       "start_done": bool, "epochs_done": list})
         self.shrinks = state_dict["shrinks"]
         self.skipped_nonfinite = state_dict["skipped_nonfinite"]
         self.last_shrink_step = state_dict["last_shrink_step"]

@@ -14,6 +14,7 @@ from ..core.optimizer_state import leaf_optimizers
 from ..functional.spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
 from ..core.model_map import require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, sorted_int_list
+from ..core.callback_state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -193,6 +194,8 @@ class FIREReinit(L.Callback):
                 "cooldown_left": self.cooldown_left, "warmup_start": self.warmup_start}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state(self, state_dict, {"applied": list, "history": list, "best": OPTIONAL_NUMBER, "wait": int,
+                                       "cooldown_left": int, "warmup_start": OPTIONAL_INT})
         self.applied = list(state_dict["applied"])
         self.history = list(state_dict["history"])
         self.best, self.wait = state_dict["best"], state_dict["wait"]

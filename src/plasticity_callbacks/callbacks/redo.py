@@ -11,10 +11,12 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
+from ..functional.dormancy import (INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation,
+                                   recycle_neurons)
 from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d,
                               validate_patterns)
 from ..core.arguments import check_int, check_number
+from ..core.callback_state import check_state
 
 CALLBACK_INITS = ("init_std", "model", *INITS)
 
@@ -106,6 +108,7 @@ class ReDoMonitor(L.Callback):
         self._observed: torch.Tensor | None = None  # per neuron: seen since fit start or its recycling
         self._recycled: torch.Tensor | None = None  # neurons recycled so far, per layer
         self._init_std: torch.Tensor | None = None  # (layers, 2): weight std of up and gate at fit start
+        self._nonfinite: torch.Tensor | None = None  # per layer: collected batches skipped for NaN/Inf activations
         self._pending_state: dict | None = None
         self._hooks: list = []
         self._collecting = False
@@ -135,6 +138,7 @@ class ReDoMonitor(L.Callback):
             self._ema = torch.zeros(total, device=device)
             self._observed = torch.zeros(total, dtype=torch.bool, device=device)
             self._recycled = torch.zeros(len(self.layers), dtype=torch.long, device=device)
+            self._nonfinite = torch.zeros(len(self.layers), dtype=torch.long, device=device)
             with torch.no_grad():  # the layers' own init scale, unless a checkpoint restores the one recorded
                 self._init_std = torch.stack([_init_stds(layer) for layer in self.layers])
         if self._pending_state is not None:
@@ -170,10 +174,16 @@ class ReDoMonitor(L.Callback):
             return
         layer = self.layers[index]
         h, unit = layer.unit_activity(args[0].detach())  # this layer's units, whatever down's input layout
+        activity = mean_abs_activation(h, unit)
+        # A batch with NaN/Inf activations (e.g. one the training step skips) must not enter the EMA: a single
+        # NaN would make every score NaN, and nothing dormant, for the rest of training. Skip and count it,
+        # with masks rather than an `if`, so the hot path never waits for the device.
+        finite = torch.isfinite(activity).all()
         # A first observation replaces. Explicit float32: under bf16-true the default dtype is bf16.
         weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0).to(self._ema.dtype)
-        self._ema[view].lerp_(mean_abs_activation(h, unit), weight)
-        self._observed[view].fill_(True)
+        self._ema[view].lerp_(torch.where(finite, activity.to(self._ema.dtype), self._ema[view]), weight)
+        self._observed[view] |= finite
+        self._nonfinite[index] += (~finite).long()
 
     # ------------------------------------------------------------------ decisions
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -232,6 +242,7 @@ class ReDoMonitor(L.Callback):
             for layer in self.layers:
                 pl_module.log(f"redo/{key}/{layer.name}", counts[layer.name] / layer.width, on_step=True, on_epoch=False)
             pl_module.log(f"redo/{key}", sum(counts.values()) / total, on_step=True, on_epoch=False)
+        pl_module.log("redo/nonfinite_batches", self._nonfinite.sum().float(), on_step=True, on_epoch=False)
 
     def _recycle(self, trainer, pl_module, masks: dict[str, torch.Tensor], step: int) -> None:
         factorized = [layer.name for layer in self.layers
@@ -289,12 +300,17 @@ class ReDoMonitor(L.Callback):
         return {"layers": [l.name for l in self.layers], "widths": [l.width for l in self.layers],
                 "ema": self._ema.detach().cpu().clone(), "observed": self._observed.cpu().clone(),
                 "recycled": self._recycled.cpu().clone(), "init_std": self._init_std.cpu().clone(),
+                "nonfinite_batches": self._nonfinite.cpu().clone(),
                 "collections": self.collections, "last_logged_step": self.last_logged_step,
                 "last_recycled_step": self.last_recycled_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
             return
+        check_state(self, state_dict, {"layers": list, "widths": list, "ema": torch.Tensor, "observed": torch.Tensor,
+                                       "recycled": torch.Tensor, "init_std": torch.Tensor, "collections": int,
+                                       "last_logged_step": int, "last_recycled_step": int},
+                    optional={"nonfinite_batches": torch.Tensor})
         self._pending_state = dict(state_dict)
         if self._ema is not None:  # strategies that restore after on_fit_start
             self._apply_state(self._pending_state)
@@ -304,9 +320,13 @@ class ReDoMonitor(L.Callback):
         if state["layers"] != names or state["widths"] != widths:
             raise ValueError(f"ReDoMonitor checkpoint watched layers {list(zip(state['layers'], state['widths']))}, "
                              f"this model has {list(zip(names, widths))}")
-        self._ema.copy_(state["ema"])
-        self._observed.copy_(state["observed"])
+        # A checkpoint written before non-finite batches were skipped may hold NaN scores: those neurons
+        # count as not yet observed, so their next batch replaces the value instead of keeping it NaN.
+        finite = torch.isfinite(state["ema"]).to(self._ema.device)
+        self._ema.copy_(torch.where(finite, state["ema"].to(self._ema.device), 0.0))
+        self._observed.copy_(state["observed"].to(self._observed.device) & finite)
         self._recycled.copy_(state["recycled"])
+        self._nonfinite.copy_(state.get("nonfinite_batches", torch.zeros_like(self._nonfinite)))
         self._init_std = state["init_std"].to(self._ema.device)
         self.collections = state["collections"]
         self.last_logged_step, self.last_recycled_step = state["last_logged_step"], state["last_recycled_step"]
@@ -316,7 +336,7 @@ class ReDoMonitor(L.Callback):
 def _init_stds(layer: NeuronLayer) -> torch.Tensor:
     """``[std(up.weight), std(gate.weight)]`` (the gate's is up's when there is no gate), on device."""
     gate = layer.up if layer.gate is None else layer.gate
-    return torch.stack([layer.up.weight.detach().float().std(), gate.weight.detach().float().std()])
+    return torch.stack([finite_std(layer.up.weight), finite_std(gate.weight)])
 
 
 def _validate_layer_map(layer_map) -> dict | None:

@@ -13,6 +13,7 @@ from ..core.optimizer_state import reset_optimizer_state
 from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
 from ..functional import factorization
+from ..core.callback_state import check_state
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -123,7 +124,8 @@ class ShrinkPerturb(L.Callback):
         return {"applied": self.applied}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.applied = bool(state_dict["applied"])
+        check_state(self, state_dict, {"applied": bool})
+        self.applied = state_dict["applied"]
 
 
 def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:

@@ -79,10 +79,23 @@ def _fan_in_out(weight: torch.Tensor) -> tuple[int, int]:
     return weight.shape[1] * receptive, weight.shape[0] * receptive
 
 
+def finite_std(weight: torch.Tensor) -> torch.Tensor:
+    """Std (float32, 0-D, on device) of the finite entries of ``weight``; PyTorch's default scale
+    ``1/√fan_in`` when fewer than two are finite. One NaN row must not make every re-sampled row NaN."""
+    w = weight.detach().float()
+    finite = torch.isfinite(w)
+    count = finite.sum()
+    w = torch.where(finite, w, 0.0)
+    mean = w.sum() / count.clamp_min(1)
+    variance = torch.where(finite, (w - mean) ** 2, 0.0).sum() / (count - 1).clamp_min(1)
+    fallback = torch.tensor(1 / math.sqrt(_fan_in_out(weight)[0]), device=w.device)
+    return torch.where(count > 1, variance.sqrt(), fallback)
+
+
 def fresh_weights(weight: torch.Tensor, init: Init, generator: torch.Generator | None = None) -> torch.Tensor:
     """A new tensor shaped like ``weight``, drawn from ``init``:
 
-    - ``"weight_std"``: ``N(0, σ)`` with σ the std of ``weight`` itself (a 0-D device tensor, no host sync);
+    - ``"weight_std"``: ``N(0, σ)`` with σ the std of ``weight``'s finite entries (:func:`finite_std`, no host sync);
     - ``"default"``: PyTorch's Linear/conv default, ``U(±1/√fan_in)``;
     - ``"xavier_uniform"``: ``U(±√(6/(fan_in+fan_out)))``, the ReDo reference code's choice;
     - a number or 0-D tensor: ``N(0, init)``;
@@ -98,8 +111,7 @@ def fresh_weights(weight: torch.Tensor, init: Init, generator: torch.Generator |
         if init not in INITS:
             raise ValueError(f"init={init!r} is not one of {INITS} or a std (number / 0-D tensor)")
         if init == "weight_std":
-            # The std of a one-element weight is undefined (NaN): fall back to PyTorch's default scale.
-            std = weight.detach().float().std() if weight.numel() > 1 else torch.tensor(1 / math.sqrt(fan_in))
+            std = finite_std(weight)
         else:
             bound = 1 / math.sqrt(fan_in) if init == "default" else math.sqrt(6 / (fan_in + fan_out))
             uniform = torch.rand(weight.shape, generator=generator, device=weight.device, dtype=torch.float32)
