@@ -44,7 +44,12 @@ class MLPBlock(nn.Module):
     """
 
     plasticity_role = "mlp"
-    hidden_observer = None
+
+    def __init__(self):
+        super().__init__()
+        # Always an instance attribute, so a compiled graph guards on its value alone (set or None)
+        # and returns to the same graph once a monitor has detached.
+        self.hidden_observer = None
 
     def observe_hidden(self, h: torch.Tensor) -> None:
         if self.hidden_observer is not None:
