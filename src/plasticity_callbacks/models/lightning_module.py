@@ -24,10 +24,12 @@ class GPTLightningModule(L.LightningModule):
     With ``model.compile=True`` the training forward runs through ``torch.compile`` (static
     shapes); validation, generation and callbacks' own forwards stay eager, because a second
     (eval) graph costs more to compile than a few validation batches save. The compiled
-    callable wraps ``self.model.forward``, so parameter names, checkpoints and module hooks are
-    those of the eager model. Weight edits in place (FIRE, DASH, Shrink & Perturb, ReDo's
-    recycling) need no recompilation; a change of structure (AdaptiveSVD's factorize mode)
-    re-traces once.
+    callable wraps ``self.model.forward``, so parameter names and checkpoints are the eager
+    model's, and a new module (the next phase of a pipeline) reuses the graph. Weight edits in
+    place (FIRE, DASH, Shrink & Perturb, ReDo's recycling) need no re-trace; ReDo reads neurons
+    through the MLPs' ``hidden_observer`` (one extra graph for its collecting steps), since
+    module hooks added after the first compiled step are not seen; AdaptiveSVD's factorize mode
+    re-traces when the structure or a rank changes.
 
     Args:
         model: a ``GPTConfig`` or a dict of its fields.
