@@ -103,3 +103,19 @@ def test_resplit_keeps_the_effective_weight_and_the_parametrization():
     assert factorization.resplit(layer, "weight", B, A) is parts
     assert type(layer) is cls and torch.equal(parts.B.detach(), B) and torch.equal(parts.A.detach(), A)
     torch.testing.assert_close(layer.weight.detach(), before, rtol=1e-5, atol=1e-5)
+
+
+def test_hook_based_redo_on_a_model_compiled_before_it_attached_fails_loudly():
+    import pytest
+    from tiny import TinyMLPModule, regression_loader
+
+    torch._dynamo.reset()
+    module = TinyMLPModule()
+    module.forward = torch.compile(module.forward, backend="eager")  # Dynamo alone: seconds, not minutes
+    cpu_trainer(max_steps=2).fit(module, regression_loader())  # traced without hooks
+    with pytest.raises(RuntimeError, match="saw no activations.*compiled"):
+        cpu_trainer(max_steps=2, callbacks=[ReDoMonitor(collect_every_n_steps=1)]).fit(module, regression_loader())
+    torch._dynamo.reset()  # traced with the hooks in place, they run
+    redo = ReDoMonitor(collect_every_n_steps=1)
+    cpu_trainer(max_steps=2, callbacks=[redo]).fit(module, regression_loader())
+    assert redo.collections == 2 and bool(redo._observed.all())

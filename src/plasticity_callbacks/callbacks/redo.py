@@ -147,8 +147,8 @@ class ReDoMonitor(L.Callback):
     hook existed never calls: that case raises a RuntimeError at the first collecting step
     instead of logging nothing. The mean ``|h|`` over batch and time/space updates an EMA per
     neuron (``lerp_``, weight ``1 - ema_decay``; a neuron's first observation, and its first
-    after recycling, replaces the EMA). No host sync on this path; under ``torch.compile`` the
-    idle steps trace to the same graph as the model alone, plus one graph for collecting steps.
+    after recycling, replaces the EMA). No host sync on this path; under ``torch.compile`` it
+    adds two graphs, for collecting and for idle steps (the idle one runs no extra operation).
 
     **Logs** in ``on_train_batch_end`` every ``log_every_n_steps`` optimizer steps:
     ``redo/dormant[/layer]`` (fraction with score ≤ ``tau``) and ``redo/dead[/layer]`` (τ = 0).
@@ -313,10 +313,10 @@ class ReDoMonitor(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._collecting and not self._seen and pl_module.training:
             raise RuntimeError(
-                "ReDoMonitor saw no activations in a collecting training step: its forward hooks were not "
-                "called, which happens when the model was compiled (torch.compile) and traced before the hooks "
-                "were added. Attach ReDoMonitor before the first compiled forward, or give the blocks a "
-                "hidden_observer slot (see models/blocks/mlp.py).")
+                "ReDoMonitor saw no activations in a collecting training step: no watched layer ran in train "
+                "mode, or its forward hooks were not called, which happens when the model was compiled "
+                "(torch.compile) and traced before the hooks were added. Attach ReDoMonitor before the first "
+                "compiled forward, or give the blocks a hidden_observer slot (see models/blocks/mlp.py).")
         self._collecting = False
         step = trainer.global_step
         log_now = step % self.log_every_n_steps == 0 and step != self.last_logged_step
