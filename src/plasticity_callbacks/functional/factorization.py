@@ -50,11 +50,13 @@ class MinorComponents(nn.Module):
     compiled forward keeps one graph (a hook that writes module state is a graph break).
     """
 
-    def __init__(self, B: torch.Tensor, A: torch.Tensor, shape: torch.Size | None = None):
+    def __init__(self, B: torch.Tensor, A: torch.Tensor, transposed: bool = False, shape: torch.Size | None = None):
         super().__init__()
         self.B = nn.Parameter(B)  # (d_out, r)
         self.A = nn.Parameter(A)  # (r, d_in·∏k)
-        self.shape = torch.Size(shape if shape is not None else (B.shape[0], A.shape[1]))
+        self.transposed = transposed  # the weight is stored (in, out), as HF Conv1D: BA is added transposed
+        out_in = (A.shape[1], B.shape[0]) if transposed else (B.shape[0], A.shape[1])
+        self.shape = torch.Size(shape if shape is not None else out_in)  # the stored weight's shape
         self.probe: torch.Tensor | None = None
 
     @property
@@ -72,8 +74,13 @@ class MinorComponents(nn.Module):
     def captured(self) -> torch.Tensor | None:
         return None if self.probe is None else self.probe.grad
 
+    def delta(self, original: torch.Tensor) -> torch.Tensor:
+        """``BA`` shaped like the stored weight."""
+        product = self.B @ self.A
+        return (product.mT if self.transposed else product).reshape(original.shape)
+
     def forward(self, original: torch.Tensor) -> torch.Tensor:
-        weight = original + (self.B @ self.A).reshape(original.shape)
+        weight = original + self.delta(original)
         if self.probe is not None:
             weight = weight + self.probe  # adds zero; its gradient is ∇W
         return weight
@@ -96,17 +103,18 @@ def components(module: nn.Module, attr: str) -> MinorComponents:
 
 
 def factorize(module: nn.Module, attr: str, B: torch.Tensor, A: torch.Tensor,
-              frozen: torch.Tensor | None = None) -> MinorComponents:
+              frozen: torch.Tensor | None = None, transposed: bool = False) -> MinorComponents:
     """Split ``module.<attr>`` into frozen ``W_p = W − BA`` (or the given ``frozen``) plus trainable ``B, A``.
 
+    ``B, A`` factor the ``(out, in)`` matrix; ``transposed`` says the weight is stored ``(in, out)``.
     The module's output is unchanged up to rounding, since ``W_p + BA`` reproduces ``W``.
     """
     weight = getattr(module, attr)
+    parts = MinorComponents(B, A, transposed, weight.shape)
     with torch.no_grad():
-        weight.copy_(frozen if frozen is not None else weight - (B @ A).reshape(weight.shape))
+        weight.copy_(frozen if frozen is not None else weight - parts.delta(weight))
     weight.requires_grad_(False)
     weight.grad = None
-    parts = MinorComponents(B, A, weight.shape)
     parametrize.register_parametrization(module, attr, parts, unsafe=True)
     return parts
 
@@ -121,10 +129,10 @@ def resplit(module: nn.Module, attr: str, B: torch.Tensor, A: torch.Tensor) -> M
                          f"{tuple(parts.B.shape)}, {tuple(parts.A.shape)}; fold and factorize instead")
     original = getattr(module.parametrizations, attr).original
     with torch.no_grad():
-        effective = original + (parts.B @ parts.A).reshape(original.shape)
-        original.copy_(effective - (B @ A).reshape(original.shape))
+        effective = original + parts.delta(original)
         parts.B.copy_(B)
         parts.A.copy_(A)
+        original.copy_(effective - parts.delta(original))
     return parts
 
 
@@ -183,16 +191,17 @@ def project_onto(tensor: torch.Tensor, U_minor: torch.Tensor) -> None:
     tensor.copy_((U_minor @ (U_minor.mT @ T)).reshape(tensor.shape))
 
 
-def project_gradient(param: torch.Tensor, U_minor: torch.Tensor) -> None:
+def project_gradient(param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
+    """``∇W ← U_m U_mᵀ ∇W`` with ``∇W`` in ``(out, in)`` orientation (``transposed``: stored ``(in, out)``)."""
     if param.grad is not None:
-        project_onto(param.grad, U_minor)
+        project_onto(param.grad.mT if transposed else param.grad, U_minor)
 
 
-def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor) -> None:
+def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
     """Project the moments that are linear in the gradient (Adam's ``exp_avg``, SGD/Muon's momentum),
     so momentum gathered in full mode does not keep pushing principal directions."""
     for opt in leaf_optimizers(optimizers):
         state = opt.state.get(param)
         for key in _LINEAR_STATE:
             if state and torch.is_tensor(state.get(key)) and state[key].shape == param.shape:
-                project_onto(state[key], U_minor)
+                project_onto(state[key].mT if transposed else state[key], U_minor)
