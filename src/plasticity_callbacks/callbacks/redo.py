@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
+from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, reinit_incoming, zero_outgoing
 from ..core.targets import output_head, select_targets, validate_patterns
 from ..core.arguments import check_int, check_number
 
@@ -153,8 +153,9 @@ class ReDoMonitor(L.Callback):
     of the layer mean (≈ 175 collections at ``ema_decay=0.9``): a lagging indicator by design.
 
     **Recycles** (off unless ``recycle_every_n_steps`` is set) in ``on_train_batch_end`` at optimizer
-    steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.recycle_neurons``
-    re-samples the τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
+    steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.reinit_incoming``
+    (every layer first, then ``dormancy.zero_outgoing``, the reference's order) re-samples the
+    τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
     layer's weight std recorded at the start of fit, i.e. its own init scale), zeroes their biases,
     outgoing columns and the optimizer moments of exactly those slices, and logs
     ``redo/recycled[/layer]``. The output head's units are never recycled.
@@ -328,15 +329,17 @@ class ReDoMonitor(L.Callback):
     def _recycle(self, trainer, pl_module, masks: dict[str, torch.Tensor], step: int) -> None:
         offset, counts = 0, []
         for index, layer in enumerate(self.layers):
-            mask = masks[layer.name]
             init = (self._init_std[index, 0], self._init_std[index, 1]) if self.init == "init_std" else self.init
             generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
-            count = recycle_neurons(layer.up, layer.down, mask, layer.gate, init, trainer.optimizers, generator,
-                                    layer.down_offset)
+            counts.append(reinit_incoming(layer.up, masks[layer.name], layer.gate, init, trainer.optimizers, generator))
+        # Outgoing weights only after every re-initialization (the reference's order): where one layer's
+        # down is the next one's up, a weight joining two recycled neurons ends at 0, not re-sampled.
+        for index, layer in enumerate(self.layers):
+            mask, count = masks[layer.name], counts[index]
+            zero_outgoing(layer.down, mask, trainer.optimizers, layer.down_offset)
             # A recycled neuron is a new neuron: its next observation replaces its EMA.
             self._observed[offset:offset + layer.width].masked_fill_(mask, False)
             offset += layer.width
-            counts.append(count)
             pl_module.log(f"redo/recycled/{layer.name}", count.float(), on_step=True, on_epoch=False)
         counts = torch.stack(counts)
         self._recycled += counts

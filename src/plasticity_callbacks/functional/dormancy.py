@@ -49,15 +49,18 @@ def mean_abs_activation(h: torch.Tensor, unit_dim: int = -1) -> torch.Tensor:
     return total / count
 
 
-def dormancy_scores(mean_abs_activation: torch.Tensor) -> torch.Tensor:
-    """``E|h_i|`` per neuron (last dim) → score normalized by the layer mean (scores average 1).
+SCORE_EPS = 1e-9  # the references' divisor is ``mean + 1e-9``
 
-    A layer whose neurons are all dead has mean 0; clamping the divisor keeps its scores at 0
-    (all dead) instead of NaN.
+
+def dormancy_scores(mean_abs_activation: torch.Tensor) -> torch.Tensor:
+    """``E|h_i|`` per neuron (last dim) → score ``E|h_i| / (mean_k E|h_k| + 1e-9)`` (scores average ≈ 1).
+
+    The ``+ 1e-9`` is the ReDo reference code's (dopamine and its PyTorch port): it keeps an
+    all-dead layer at scores 0 instead of NaN, and it makes a layer whose activations are all
+    tiny (mean ≲ 1e-8) count as dormant, as the references do.
     """
     a = mean_abs_activation.float()
-    mean = a.mean(dim=-1, keepdim=True)
-    return a / mean.clamp_min(torch.finfo(a.dtype).tiny)
+    return a / (a.mean(dim=-1, keepdim=True) + SCORE_EPS)
 
 
 def dormant_mask(scores: torch.Tensor, tau: float) -> torch.Tensor:
@@ -131,6 +134,11 @@ def recycle_neurons(
     columns the network's output is unchanged by the recycling (up to the contribution the
     dormant neurons made before, which is zero for dead ones); ``down.bias`` is left alone.
 
+    When several layers are recycled at once and one layer's ``down`` is the next one's ``up``
+    (a plain MLP), call :func:`reinit_incoming` for every layer first and :func:`zero_outgoing`
+    after, as the ReDo reference does: a weight ``down[j, i]`` whose neuron ``i`` and neuron ``j``
+    are both recycled then ends at 0, not re-sampled.
+
     With ``optimizer`` (any ``torch.optim.Optimizer``, a list, a LightningOptimizer or our
     CombinedOptimizer), the optimizer moments of exactly those rows and columns are zeroed
     (Adam's ``exp_avg``/``exp_avg_sq``, SGD's and Muon's ``momentum_buffer``); all other entries
@@ -143,6 +151,22 @@ def recycle_neurons(
         >>> scores = dormancy_scores(mean_abs)                  # (H,)
         >>> recycle_neurons(fc1, fc2, dormant_mask(scores, 0.025), optimizer=opt)
     """
+    count = reinit_incoming(up, mask, gate, init, optimizer, generator)
+    zero_outgoing(down, mask, optimizer, down_offset)
+    return count
+
+
+@torch.no_grad()
+def reinit_incoming(
+    up: nn.Module,
+    mask: torch.Tensor,
+    gate: nn.Module | None = None,
+    init: Init | Sequence[Init] = "weight_std",
+    optimizer=None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The first half of :func:`recycle_neurons`: re-sample the masked rows of ``up`` (and
+    ``gate``), zero their biases and those rows' optimizer moments. Returns the count."""
     inits = list(init) if isinstance(init, (list, tuple)) else [init, init]
     if len(inits) != 2:
         raise ValueError(f"init must be one init or a pair (up_init, gate_init), got {init!r}")
@@ -154,10 +178,6 @@ def recycle_neurons(
     for layer, _ in incoming[1:]:
         if layer.weight.shape[0] != hidden:
             raise ValueError(f"gate has {layer.weight.shape[0]} outputs, up has {hidden}")
-    if down.weight.shape[1] < down_offset + hidden:
-        raise ValueError(f"down reads {down.weight.shape[1]} inputs, fewer than down_offset + up's "
-                         f"{hidden} = {down_offset + hidden}; groups/transposed convs are not supported")
-
     for layer, layer_init in incoming:
         w = layer.weight
         rows = _along(mask, w.dim(), 0)
@@ -166,10 +186,21 @@ def recycle_neurons(
         if getattr(layer, "bias", None) is not None:
             layer.bias.masked_fill_(mask, 0)
             zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
+    return mask.sum()
+
+
+@torch.no_grad()
+def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offset: int = 0) -> None:
+    """The second half of :func:`recycle_neurons`: zero the columns ``down_offset + i`` of
+    ``down.weight`` for the masked neurons ``i``, and those columns' optimizer moments."""
+    hidden = mask.shape[0]
+    mask = mask.to(device=down.weight.device, dtype=torch.bool)
+    if down.weight.shape[1] < down_offset + hidden:
+        raise ValueError(f"down reads {down.weight.shape[1]} inputs, fewer than down_offset + up's "
+                         f"{hidden} = {down_offset + hidden}; groups/transposed convs are not supported")
     down_mask = mask
     if down.weight.shape[1] != hidden:  # pad to down's width: a slice copy, still no host sync
         down_mask = torch.zeros(down.weight.shape[1], dtype=torch.bool, device=mask.device)
         down_mask[down_offset:down_offset + hidden] = mask
     down.weight.masked_fill_(_along(down_mask, down.weight.dim(), 1), 0)
     zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=1)
-    return mask.sum()

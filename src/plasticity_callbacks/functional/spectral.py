@@ -144,10 +144,10 @@ def orthogonalize(
     """
     normalize, iters = _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond)
     wide = W.shape[-2] < W.shape[-1]
-    X = (W.mT if wide else W).detach().to(dtype)  # iterate on the tall orientation: the Gram is the small one
+    tall = (W.mT if wide else W).detach()  # iterate on the tall orientation: the Gram is the small one
     # Divide by the largest entry first: the squares behind every norm and Gram matrix then neither
     # overflow (weights of 1e20) nor underflow (1e-25) in float32.
-    peak = X.abs().amax(dim=(-2, -1))
+    peak = tall.abs().amax(dim=(-2, -1)).to(dtype)
     bad = ~torch.isfinite(peak) | (peak == 0)
     info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
     if info.skipped:
@@ -156,17 +156,21 @@ def orthogonalize(
             raise DegenerateMatrixError(f"orthogonalize: {what}; they have no polar factor")
         warnings.warn(f"orthogonalize: {what}; left unchanged (no polar factor)", stacklevel=2)
         peak = torch.where(bad, torch.ones_like(peak), peak)
-    X = torch.where(bad[..., None, None], 0.0, X / peak[..., None, None])  # zero stays a fixed point
+
+    def scaled() -> torch.Tensor:  # a fresh copy each time, never held here: peak memory
+        X = tall.to(dtype) / peak[..., None, None]
+        return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
+
     if method == "svd":
-        Q = _svd_polar(X, rcond)
+        Q = _svd_polar(scaled(), rcond)
     else:
-        Q, converged = _iterate(X, bad, method, normalize, iters, tol, check_every, info)
+        Q, converged = _iterate(scaled(), bad, method, normalize, iters, tol, check_every, info)
         missed = ~(converged | bad)
         if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
             info.fell_back = int(missed.sum())
-            Q[missed] = _svd_polar(X[missed])
+            Q[missed] = _svd_polar(scaled()[missed])
     if info.skipped:
-        Q = torch.where(bad[..., None, None], (W.mT if wide else W).detach().to(dtype), Q)
+        Q = torch.where(bad[..., None, None], tall.to(dtype), Q)
     Q = (Q.mT if wide else Q).to(W.dtype).contiguous()
     return (Q, info) if return_info else Q
 
@@ -236,15 +240,15 @@ def _error_after_one_cubic_step(error: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _normalized(X, method, normalize, info):
-    """``X`` scaled so that every singular value lies in ``(0, 1]`` (up to 1.01 for Polar Express's
+    """``X`` scaled in place so that every singular value lies in ``(0, 1]`` (up to 1.01 for Polar Express's
     safety margin), with the Gram matrix ``A`` and ``A²`` where the normalization computed them."""
     A = A2 = None
     frobenius = torch.linalg.matrix_norm(X).clamp_min(torch.finfo(X.dtype).tiny)[..., None, None]
     if normalize == "frobenius":
-        return X / (frobenius * (_PE_SAFETY if method == "polar_express" else 1.0)), A, A2
+        return X.div_(frobenius * (_PE_SAFETY if method == "polar_express" else 1.0)), A, A2
     if normalize == "spectral":
-        return X / _power_iteration_norm(X)[..., None, None], A, A2
-    X = X / frobenius  # A² of unnormalized entries would overflow
+        return X.div_(_power_iteration_norm(X)[..., None, None]), A, A2
+    X.div_(frobenius)  # A² of unnormalized entries would overflow
     A = X.mT @ X
     info.matmuls += 1
     if method == "polar_express":  # (Σσ⁸)^(1/8) = ‖A²‖_F^(1/4), from the A² the first step needs anyway
@@ -254,7 +258,7 @@ def _normalized(X, method, normalize, info):
     else:  # (Σσ⁴)^(1/4) = ‖A‖_F^(1/2)
         bound = torch.linalg.matrix_norm(A).sqrt()
     bound = bound.clamp_min(torch.finfo(X.dtype).tiny)[..., None, None]
-    return X / bound, A.div_(bound**2), None if A2 is None else A2.div_(bound**4)
+    return X.div_(bound), A.div_(bound**2), None if A2 is None else A2.div_(bound**4)
 
 
 def _polynomial_step(X, A, A2, method, step, info):
