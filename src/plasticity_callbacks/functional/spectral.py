@@ -11,21 +11,24 @@ Iterative methods apply an odd polynomial ``p`` to every singular value at once,
 * ``newton_schulz`` — cubic ``p(σ) = 1.5σ − 0.5σ³``. Tiny singular values grow only 1.5× per
   step, so a Frobenius-normalized square Gaussian matrix needs ~30 steps (ALGORITHMS.md §1).
 * ``polar_express`` — the per-step optimal quintics of Amsel et al. (arXiv 2505.16932); they
-  grow tiny singular values up to 8× per step and need about a third of the steps.
+  grow tiny singular values up to 8× per step and need about a third of the steps
+  (coefficients: :func:`polar_express_coefficients`).
 * ``svd`` — exact, via ``torch.linalg.svd`` (``torch.linalg.polar`` does not exist).
 
 Normalization maps the singular values into the iteration's basin ``(0, 1]``:
 ``frobenius`` (the FIRE reference code), ``spectral`` (power-iteration estimate of ``‖W‖₂``;
 Newton–Schulz only, because an estimate from below is harmless for the cubic but not for
 the aggressive quintics) and ``gram`` (the upper bound ``‖(WᵀW)^k‖_F^(1/2k) ≥ ‖W‖₂``, read off
-the Gram powers the first step needs anyway: ``k = 1`` for Newton–Schulz, ``k = 4`` for Polar
-Express, where it is within 1.2× of ``‖W‖₂`` on a square Gaussian, ``‖W‖_F`` 14× off).
+the Gram powers the first step needs anyway: ``k = 1`` for Newton–Schulz, ``k = 2`` for Polar
+Express, far tighter than ``‖W‖_F``, which is 14× above ``‖W‖₂`` on a 768² Gaussian).
 
 The iteration runs at most ``iters`` steps. With ``tol`` it stops once the orthogonality error
 ``‖XᵀX − I‖_F / (2√n)`` (≈ the relative distance to the exact polar factor, read off the Gram
 matrix each step computes anyway) is below ``tol``, and a slice still above ``tol`` after ``iters``
 steps (exactly rank-deficient: zero singular values stay zero under an odd polynomial) gets the
-exact SVD answer, so the result is always a converged or an exact isometry. With ``tol=None``
+exact SVD answer, so the result is always a converged or an exact isometry. Once one cubic step
+provably lands below ``tol`` the iteration takes it and stops, without a Gram matrix to confirm
+(:func:`_error_after_one_cubic_step`). With ``tol=None``
 exactly ``iters`` steps run and the result is whatever they reach (the FIRE reference code).
 All-zero and non-finite slices are never touched.
 """
@@ -206,26 +209,24 @@ def _iterate(X, bad, method, normalize, iters, tol, check_every, info):
     """Up to ``iters`` polynomial steps on ``X`` (tall, largest entry 1; ``bad`` slices all zero);
     return the iterate and, per slice, whether it reached ``tol`` (all True when ``tol`` is None)."""
     X, A, A2 = _normalized(X, method, normalize, info)
-    converged = bad | (tol is None)
     for step in range(iters + 1):
-        if tol is None and step == iters:
-            break
+        if tol is None and step == iters:  # a fixed count: no Gram matrix to judge the last iterate
+            return X, bad | True
         if A is None:  # the Gram matrix: the step needs it, and the error is read off it for free
             A = X.mT @ X
             info.matmuls += 1
         if tol is not None and (step % check_every == 0 or step == iters):
             error = _isometry_error(A)
-            converged = bad | (error <= tol)
             info.error = float(torch.where(bad, 0.0, error).max())
+            converged = bad | (error <= tol)
             if bool(converged.all()) or step == iters:
-                break
+                return X, converged
             bound = _error_after_one_cubic_step(error, X.shape[-1])
             if bool((bad | (bound <= tol)).all()):  # finish with that step; no Gram needed to confirm it
                 info.error = float(torch.where(bad, 0.0, bound).max())  # a bound, not a measurement
                 return _polynomial_step(X, A, None, "newton_schulz", step, info), bad | True
         X = _polynomial_step(X, A, A2, method, step, info)
         A = A2 = None
-    return X, converged
 
 
 def _error_after_one_cubic_step(error: torch.Tensor, n: int) -> torch.Tensor:
