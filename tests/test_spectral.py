@@ -89,7 +89,9 @@ HARD_MATRICES = {  # the directions FIRE exists to restore are the weak ones: no
 @pytest.mark.parametrize("kind", list(HARD_MATRICES))
 @pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_always_a_full_isometry_and_a_nearest_one(kind, method, dtype):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_always_a_full_isometry_and_a_nearest_one(kind, method, dtype, seed):
+    torch.manual_seed(seed)
     W = HARD_MATRICES[kind]().to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-11
     Q = orthogonalize(W, method, tol=tol, dtype=dtype)
@@ -346,3 +348,19 @@ def test_apply_fire_really_orthogonalizes_tiny_and_huge_weights(magnitude):
 def test_apply_fire_refuses_a_scale_that_is_not_a_positive_finite_number(scale):
     with pytest.raises(ValueError, match="scale"):
         apply_fire(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), scale=scale)
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
+def test_apply_fire_restores_weak_directions_of_a_trained_like_layer(method):
+    """A Gaussian layer whose input directions were damped down to 1e-2 (condition number ~1e4):
+    every direction comes back at the target scale, and the result is the nearest isometry."""
+    layer = nn.Linear(256, 256, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(256, 256) * torch.logspace(0, -2, 256))
+    W = layer.weight.detach().clone()
+    record = apply_fire(nn.Sequential(layer, nn.ReLU(), nn.Linear(256, 2)), method=method)[0]
+    assert record.dfi_after < 1e-4 and record.fell_back == 0
+    S = torch.linalg.svdvals(layer.weight.double())
+    assert float((S - 1).abs().max()) < 1e-3  # no direction dropped or left short
+    exact = float(squared_frobenius_error(W.double(), exact_polar(W)))
+    assert abs(float(squared_frobenius_error(W, layer.weight)) - exact) <= 1e-4 * exact
