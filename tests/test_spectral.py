@@ -360,7 +360,7 @@ def test_apply_fire_restores_weak_directions_of_a_trained_like_layer(method):
     W = layer.weight.detach().clone()
     record = apply_fire(nn.Sequential(layer, nn.ReLU(), nn.Linear(256, 2)), method=method)[0]
     assert record.dfi_after < 1e-4 and record.fell_back == 0
-    S = torch.linalg.svdvals(layer.weight.double())
+    S = torch.linalg.svdvals(layer.weight.detach().double())
     assert float((S - 1).abs().max()) < 1e-3  # no direction dropped or left short
     exact = float(squared_frobenius_error(W.double(), exact_polar(W)))
     assert abs(float(squared_frobenius_error(W, layer.weight)) - exact) <= 1e-4 * exact
