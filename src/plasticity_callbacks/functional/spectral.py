@@ -55,9 +55,15 @@ def polar_express_coefficients(lower: float = 3e-4, steps: int = 10, safety: flo
     the interval to ``[1 − E, 1 + E]``, the next step's. Each ``(a, b, c)`` is then divided by
     ``(s, s³, s⁵)`` with ``s = safety`` so that σ up to ``safety`` (rounding in the normalization)
     stays in the basin; the last, repeated for further steps, is the construction's limit
-    ``(15/8, −10/8, 3/8)``, unscaled so that its fixed point is exactly 1. The paper publishes the schedule for ``lower = 1e-3``; a trained matrix
-    normalized by a bound on ``‖W‖₂`` sits lower (a heavy-tailed 768² spectrum starts near 4e-4),
-    and ``3e-4`` saves a step there at no cost on Gaussian matrices (benchmarks/fire.py).
+    ``(15/8, −10/8, 3/8)``, unscaled so that its fixed point is exactly 1. The paper publishes the
+    schedule for ``lower = 1e-3``; a trained matrix normalized by a bound on ``‖W‖₂`` sits lower
+    (a heavy-tailed 768² spectrum starts near 4e-4), and ``3e-4`` saves a step there at no cost on
+    Gaussian matrices (benchmarks/fire.py).
+
+    Args:
+        lower: the smallest normalized singular value the schedule is built for.
+        steps: most polynomials built before the repeated limit (fewer once the interval has converged).
+        safety: largest normalized singular value tolerated (rounding in the normalization).
 
     Example:
         >>> a, b, c = polar_express_coefficients()[0]   # ≈ (8.3, -23.5, 17.0)
@@ -129,9 +135,10 @@ def orthogonalize(
         normalize: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``; default:
             ``frobenius`` for Newton–Schulz (the reference), ``gram`` for Polar Express.
         iters: the most steps the iteration takes (default 60 Newton–Schulz, 30 Polar Express).
-        tol: stop once the orthogonality error ``‖XᵀX − I‖_F/(2√n)`` is below it (checked every
-            ``check_every`` steps); slices above it after ``iters`` steps are solved by SVD.
-            ``None``: run all ``iters`` steps, no check, no SVD (a partial orthogonalization).
+        tol: stop once the orthogonality error ``‖XᵀX − I‖_F/(2√n)`` is below it; slices above it
+            after ``iters`` steps are solved by SVD. ``None``: run all ``iters`` steps, no check,
+            no SVD (a partial orthogonalization).
+        check_every: steps between error checks (each costs a host sync, no matrix product).
         dtype: compute dtype (float32 or float64); the result is cast back to ``W.dtype``.
         on_degenerate: ``skip`` (warn, return all-zero / NaN / Inf slices unchanged) or ``raise``.
         rcond: ``svd`` only. ``None`` (default): the full isometry ``U Vᵀ``. A number: the partial
