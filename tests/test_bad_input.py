@@ -281,8 +281,10 @@ def test_dormancy_scores_are_finite_and_average_one(width, kind, seed, tau):
     a = {"zero": a * 0, "tiny": a * 1e-30, "huge": a * 1e30, "one_alive": torch.eye(width)[0]}.get(kind, a)
     scores = dormancy.dormancy_scores(a)
     assert finite(scores) and bool((scores >= 0).all())
-    if kind != "zero" and float(a.sum()) > 0:
+    if kind not in ("zero", "tiny") and float(a.sum()) > 0:
         assert abs(float(scores.double().mean()) - 1) < 1e-3
+    if kind == "tiny":  # the references' divisor mean + 1e-9: a nearly silent layer scores ~0 (dormant)
+        assert float(scores.max()) < 1e-12
     fraction = float(dormancy.dormant_fraction(scores, tau))
     assert 0 <= fraction <= 1
     if kind == "zero":
