@@ -83,6 +83,48 @@ def test_fire_config_reproduces_the_reference_gpt_loop(tied):
         assert module.model.wte.weight is module.model.lm_head.weight
 
 
+def reference_fire_gpt2(model: nn.Module, iterations: int = 5) -> None:
+    """The reference's loop translated to Hugging Face GPT-2, whose Linears are ``Conv1D`` stored
+    ``(in, out)``: each in ``(out, in)`` orientation, the fused ``c_attn`` as Q, K and V row blocks,
+    each ``√(d_out/d_in) · NS^k(W/‖W‖_F)``; the head is tied to the token embedding."""
+    def ns(W):
+        X = W.T if W.shape[1] > W.shape[0] else W
+        X = X / X.norm()
+        for _ in range(iterations):
+            X = 1.5 * X - 0.5 * X @ (X.T @ X)
+        X = X.T if W.shape[1] > W.shape[0] else X
+        return X * math.sqrt(W.shape[0] / W.shape[1])
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if type(module).__name__ == "Conv1D":
+                W = module.weight.T  # (out, in)
+                blocks = W.split(W.shape[1]) if name.endswith("c_attn") else (W,)
+                module.weight.copy_(torch.cat([ns(block.clone()) for block in blocks]).T)
+            elif isinstance(module, nn.Linear):
+                module.weight.copy_(ns(module.weight.detach().clone()))
+
+
+def test_fire_config_reproduces_the_reference_on_gpt2_with_fused_qkv_and_tied_head():
+    pytest.importorskip("transformers")
+    from model_zoo import Wrapped
+
+    module = Wrapped("gpt2")
+    assert module.model.lm_head.weight is module.model.transformer.wte.weight
+    expected = copy.deepcopy(module)
+    reference_fire_gpt2(expected)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    snapshot = Snapshot()
+    cpu_trainer(max_steps=1, callbacks=[method_callback("fire", "fire", save_spectra=False), snapshot]).fit(module)
+    changed = set()
+    for name, p in expected.named_parameters():
+        torch.testing.assert_close(snapshot.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        if not torch.equal(snapshot.params[name], before[name]):
+            changed.add(name)
+    assert "model.transformer.wte.weight" in changed  # orthogonalized through the tied head
+    assert {"model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_proj.weight"} <= changed
+
+
 # --------------------------------------------------------------------------------------- DASH
 
 
