@@ -161,7 +161,8 @@ def orthogonalize(
     bad = ~torch.isfinite(peak) | (peak == 0)
     info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
     if info.skipped:
-        what = f"{info.skipped} of {bad.numel()} slice(s) of shape {tuple(W.shape[-2:])} are all zero or contain NaN/Inf"
+        what = (f"{info.skipped} of {bad.numel()} slice(s) of shape {tuple(W.shape[-2:])} are all zero or "
+                "contain NaN/Inf")
         if on_degenerate == "raise":
             raise DegenerateMatrixError(f"orthogonalize: {what}; they have no polar factor")
         warnings.warn(f"orthogonalize: {what}; left unchanged (no polar factor)", stacklevel=2)
