@@ -23,6 +23,7 @@ from ..core.callback_state import check_state
 from ..core.schedule import Schedule, ScheduleState
 
 RULES = ("periodic", "dash")
+GRADIENT_MODES = ("eval", "train")  # the mode of the paper rule's gradient pass
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,17 @@ class DASHShrink(L.Callback):
     ``Schedule(at_fit_start=True)``): fit start in ``on_train_start``, epochs in
     ``on_train_epoch_start``, steps and task boundaries in ``on_train_batch_start``, plateaus in
     ``on_validation_end``. It accumulates ``G ← (1−ema_alpha)·G + ema_alpha·(−grad)`` over the first
-    ``n_batches`` of the training dataloader (the model's ``training_step`` in train mode, logging
-    muted, no optimizer step), averages ``G`` over ranks, and multiplies each row (conv: each
-    (out, in) kernel slice) by ``clamp(cos(G, W), lam, 1)``. Gradients, train/eval modes, buffers
-    (BatchNorm statistics) and the RNG state are restored afterwards; optimizer state is left
-    alone, as in the paper. It needs one training dataloader and a ``training_step`` that returns
-    the loss (or a dict with ``"loss"``); under manual optimization ``training_step`` runs as written,
-    with every optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for the pass (a closure
-    passed to ``step`` still runs), and its ``manual_backward`` gives the gradient.
+    ``n_batches`` of the training dataloader (the model's ``training_step``, logging muted, no
+    optimizer step), averages ``G`` over ranks, and multiplies each row (conv: each (out, in) kernel
+    slice) by ``clamp(cos(G, W), lam, 1)``. ``gradient_mode="eval"`` runs that pass with the model in
+    eval mode, as the reference code does (its pass follows an evaluation, which leaves the model in
+    eval mode: dropout off, BatchNorm on running statistics); ``"train"`` runs it in train mode
+    (BatchNorm on batch statistics). Gradients, train/eval modes, buffers (BatchNorm statistics)
+    and the RNG state are restored afterwards; optimizer state is left alone, as in the paper. It
+    needs one training dataloader and a ``training_step`` that returns the loss (or a dict with
+    ``"loss"``); under manual optimization ``training_step`` runs as written, with every
+    optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for the pass (a closure passed
+    to ``step`` still runs), and its ``manual_backward`` gives the gradient.
 
     Targets: :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``/``include``/``exclude``
     as in FIREReinit). With ``shrink_bias=True`` a selected layer's bias is shrunk too, by one
@@ -98,6 +102,7 @@ class DASHShrink(L.Callback):
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
         skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.
         log_per_layer: also log the factors per layer.
+        gradient_mode: dash: the gradient pass in ``eval`` mode (the reference code) or ``train`` mode.
 
     Example:
         >>> dash = DASHShrink(rule="periodic", schedule=Schedule(every_n_steps=2000))
@@ -123,6 +128,7 @@ class DASHShrink(L.Callback):
         shrink_bias: bool = True,
         skip_muon_params: bool = True,
         log_per_layer: bool = True,
+        gradient_mode: str = "eval",
     ):
         if rule not in RULES:
             raise ValueError(f"rule={rule!r} is not one of {RULES}")
@@ -146,6 +152,8 @@ class DASHShrink(L.Callback):
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
+        if gradient_mode not in GRADIENT_MODES:
+            raise ValueError(f"gradient_mode={gradient_mode!r} is not one of {GRADIENT_MODES}")
         include = list(include) if include is not None else None  # any Sequence -> a plain list (pickles)
         exclude = list(exclude) if exclude is not None else None
         self.rule = rule
@@ -154,6 +162,7 @@ class DASHShrink(L.Callback):
         self.scope, self.include, self.exclude = scope, include, exclude
         self.include_conv, self.include_head, self.shrink_bias = include_conv, include_head, shrink_bias
         self.skip_muon_params, self.log_per_layer = skip_muon_params, log_per_layer
+        self.gradient_mode = gradient_mode
         self.prefix = "dash_periodic" if rule == "periodic" else "dash"
         self.firing = ScheduleState(self.schedule, "DASHShrink")
         self._layers: list[_Layer] = []
@@ -310,7 +319,7 @@ class DASHShrink(L.Callback):
         rng_devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module), _frozen_optimizers(trainer):
-                pl_module.train()
+                pl_module.train(self.gradient_mode == "train")
                 for batch_idx, batch in enumerate(loader):
                     if self.n_batches is not None and batch_idx >= self.n_batches:
                         break

@@ -74,7 +74,8 @@ def target_scale(param: torch.Tensor, rule: str | float) -> float:
     if rule == "unit":
         return 1.0
     rank = min(d_out, d_in) * taps  # ‖scale·Q‖_F² = scale²·rank
-    return float(torch.linalg.vector_norm(param.detach().float())) / math.sqrt(rank)
+    peak = param.detach().abs().amax().double()  # divide first: squares of 1e20 or 1e-25 leave float32's range
+    return float(peak * torch.linalg.vector_norm(param.detach().double() / peak)) / math.sqrt(rank)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -87,10 +88,9 @@ class FIREOptions:
     Args:
         method: ``polar_express`` | ``newton_schulz`` | ``svd`` (exact polar factor).
         normalize: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``; None: per-method default.
-        iters: with ``tol``, the most iteration steps before the exact SVD answer is used instead
-            (None: 60 Newton–Schulz / 30 Polar Express); with ``tol=None``, exactly this many steps
-            (None: 15 / 10). Always >= 1.
-        tol: target orthogonality error ``‖XᵀX − I‖_F/(2√n)``; None runs a fixed ``iters``.
+        iters: the most iteration steps (None: 60 Newton–Schulz / 30 Polar Express); with ``tol``,
+            slices that miss it after ``iters`` steps get the exact SVD answer.
+        tol: target orthogonality error ``‖XᵀX − I‖_F/(2√n)``; None runs all ``iters`` steps.
         check_every: steps between two checks of ``tol``.
         dtype: compute dtype, ``"float32"`` or ``"float64"``.
         scale: ``sqrt_dout_din`` | ``unit`` | ``preserve_norm`` | a positive number (see :func:`target_scale`).
@@ -107,7 +107,7 @@ class FIREOptions:
     normalize: str | None = None
     iters: int | None = None
     tol: float | None = 1e-5
-    check_every: int = 2
+    check_every: int = 1
     dtype: str = "float32"
     scale: str | float = "sqrt_dout_din"
     on_degenerate: str = "skip"
