@@ -1,9 +1,9 @@
 """AdaptiveSVDSwitch overhead on the default GPT (``GPTConfig()``), measured side by side in one run.
 
 Time: one ``trainer.fit`` whose steps are cut into segments of ``--interval`` steps; segments
-rotate between no callback, the switch with ``svd_method="full"`` and with ``"lowrank"``, so each
+rotate between no callback, the switch with ``svd_method="full"`` and with ``"randomized"``, so each
 switch segment holds exactly one SVD cycle plus ``interval − 1`` projected steps (every matrix is
-forced into low-rank mode: the worst case for the per-step projection). Rotating keeps machine
+forced into the "minor" state: the worst case for the per-step projection). Rotating keeps machine
 noise common to all three; on a loaded machine the segment ratios still scatter by ±20%, so the
 time spent inside the callback's hook, as a share of its segments, is printed as well. Memory: AdamW state bytes with every matrix factorized at rank r vs full.
 
@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import cpu_trainer, token_loader  # noqa: E402
 
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
+from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers  # noqa: E402
 
-VARIANTS = ("none", "full", "lowrank")
+VARIANTS = ("none", "full", "randomized")
 
 
 class Rotation(L.Callback):
@@ -50,8 +51,15 @@ class Rotation(L.Callback):
         for s in self.switches.values():
             s.setup(trainer, pl_module, stage)
 
+    def on_train_start(self, trainer, pl_module):
+        for s in self.switches.values():
+            s.on_train_start(trainer, pl_module)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step
+        switch = self.switches.get(self.variant(step))
+        if switch is not None:  # the switch asks its schedule here
+            switch.on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if step % self.interval == 0:
             if self._started is not None:
                 self.times[self.variant(step - 1)].append(time.perf_counter() - self._started)
@@ -69,10 +77,10 @@ class Rotation(L.Callback):
 def time_overhead(rounds: int, interval: int, batch_size: int) -> None:
     L.seed_everything(0)
     module = GPTLightningModule({}, lr=1e-3, schedule="constant")
-    common = dict(mode="project", svd_interval=interval, warmup_steps=0, clobber_alignment=0.0, save_figure=False,
-                  log_per_matrix=False)
+    common = dict(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=interval), clobber_alignment=0.0,
+                  save_figure=False, log_per_matrix=False)
     switches = {"full": AdaptiveSVDSwitch(svd_method="full", **common),
-                "lowrank": AdaptiveSVDSwitch(svd_method="lowrank", **common)}
+                "randomized": AdaptiveSVDSwitch(svd_method="randomized", **common)}
     rotation = Rotation(switches, interval)
     steps = interval * len(VARIANTS) * rounds + 1  # the +1 closes the last segment
     n = steps * batch_size
@@ -86,7 +94,7 @@ def time_overhead(rounds: int, interval: int, batch_size: int) -> None:
     for v in VARIANTS:
         t = statistics.median(rotation.times[v])
         inside = rotation.inside[v] / sum(rotation.times[v])
-        print(f"  {v:8s} {t:8.2f} s   ratio vs none {t / base:6.3f}   time inside the callback {inside:6.2%}   "
+        print(f"  {v:10s} {t:6.2f} s   ratio vs none {t / base:6.3f}   time inside the callback {inside:6.2%}   "
               f"segments {[round(x, 2) for x in rotation.times[v]]}")
 
 
@@ -118,7 +126,8 @@ def amortized_overhead(batch_size: int, interval: int, cycles: int = 3, every: i
     Cycles run every ``every`` steps here so a short fit holds several; every matrix is forced low-rank."""
     L.seed_everything(0)
     module = GPTLightningModule({}, lr=1e-3, schedule="constant")
-    switch = AdaptiveSVDSwitch(mode="project", svd_interval=every, warmup_steps=every, clobber_alignment=0.0,
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
+                               clobber_alignment=0.0,
                                save_figure=False, log_per_matrix=False)
     clock = CostClock(switch)
     steps = every * (cycles + 1) + 1
@@ -132,7 +141,7 @@ def amortized_overhead(batch_size: int, interval: int, cycles: int = 3, every: i
     share = (cycle + (interval - 1) * project) / (interval * base)
     print(f"direct CPU-time cost, batch {batch_size}x{module.config.sequence_len}, {len(switch.matrices)} matrices: "
           f"step without the switch {1e3 * base:.0f} ms, SVD cycle {1e3 * cycle:.0f} ms, projection "
-          f"{1e3 * project:.1f} ms/step -> {100 * share:.2f}% of step time at svd_interval={interval} (goal <= 5%)")
+          f"{1e3 * project:.1f} ms/step -> {100 * share:.2f}% of step time every {interval} steps (goal <= 5%)")
 
 
 def state_bytes(optimizer) -> int:
@@ -150,12 +159,12 @@ def memory(ranks: list[int]) -> None:
         if r != "full":
             # head and output projections start at zero, so every block gradient is nonzero only from
             # step 2 on: split once at step 3, then take two steps so the factors' moments exist
-            callbacks = [AdaptiveSVDSwitch(mode="factorize", svd_interval=3, warmup_steps=3, clobber_alignment=0.0,
+            callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]), clobber_alignment=0.0,
                                            initial_rank=r, r_min=r, save_figure=False, log_per_matrix=False)]
         trainer = cpu_trainer(max_steps=5, callbacks=callbacks)
         trainer.fit(module, token_loader(n=5, sequence_len=module.config.sequence_len, vocab=256, batch_size=1))
         if callbacks:
-            assert callbacks[0].matrices and all(m.mode == "lowrank" for m in callbacks[0].matrices)
+            assert callbacks[0].matrices and all(m.state == "minor" for m in callbacks[0].matrices)
         label = "full" if r == "full" else f"r={r}"
         total = state_bytes(trainer.optimizers[0])
         full_total = full_total or total

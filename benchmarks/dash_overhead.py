@@ -1,7 +1,7 @@
 """Step-time overhead of DASHShrink's periodic rule on the default GPT (``GPTConfig()``).
 
 Three configurations are trained alternately, round after round, in one process: no callback,
-the periodic rule at every step (``every_n_steps=1``), and at the seed default (2000). A short
+the periodic rule at every step (``every_n_steps=1``), and at the default (2000). A short
 run never reaches step 2000, so the default-interval overhead is reported two ways: measured
 (the idle hook's cost per step) and amortized (one shrink event's cost / 2000, added to it).
 
@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks import DASHShrink, GPTConfig, GPTLightningModule
+from plasticity_callbacks.core.schedule import Schedule
 
 
 class StepTimer(L.Callback):
@@ -74,7 +75,7 @@ def main() -> None:
         for name, setting in configs.items():
             callbacks = [StepTimer(args.warmup)]
             if setting is not None:
-                dash = TimedDASH(every_n_steps=setting[0], log_per_layer=setting[1])
+                dash = TimedDASH(schedule=Schedule(every_n_steps=setting[0]), log_per_layer=setting[1])
                 dash.hook_times = hook_times[name]
                 callbacks.append(dash)
             trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps + args.warmup, logger=False,

@@ -11,11 +11,12 @@ from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import AdaptiveSVDSwitch
+from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.functional import factorization
 from plasticity_callbacks.functional.subspace import as_matrix, svd_triplets
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
 
-ALWAYS_LOWRANK = dict(clobber_alignment=0.0, r_min=2, save_figure=False)  # any principal gradient share > 0
+ALWAYS_MINOR = dict(clobber_alignment=0.0, r_min=2, save_figure=False)  # any principal gradient share > 0
 
 
 def split(module, attr, r):
@@ -69,7 +70,8 @@ class Spy(L.Callback):
 
 def test_factorize_freezes_w_p_and_trains_only_the_minor_part():
     module, loader = build("mlp")
-    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=4, warmup_steps=4, **ALWAYS_LOWRANK)
+    switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(every_n_steps=4, start_step=4),
+                               **ALWAYS_MINOR)
     spy = Spy(switch)
     cpu_trainer(max_steps=8, callbacks=[switch, spy]).fit(module, loader)
     name = "net.2.weight"
@@ -84,7 +86,7 @@ def test_factorize_freezes_w_p_and_trains_only_the_minor_part():
     group = factorization.param_group_of([optimizer], m.target.param)
     assert any(p is parts.B for p in group["params"]) and any(p is parts.A for p in group["params"])
     assert m.target.param not in optimizer.state and parts.B in optimizer.state  # W_p holds no moments
-    assert switch.matrices[0].r <= 7 and all(m.mode == "lowrank" for m in switch.matrices)
+    assert switch.matrices[0].r <= 7 and all(m.state == "minor" for m in switch.matrices)
 
 
 class FlipToFull(L.Callback):
@@ -100,12 +102,13 @@ class FlipToFull(L.Callback):
 
 def test_switch_back_to_full_folds_and_trains_the_whole_matrix_again():
     module, loader = build("gpt", optimizer="muon")  # B, A join Muon's group inside CombinedOptimizer
-    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=2, warmup_steps=2, **ALWAYS_LOWRANK)
+    switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(every_n_steps=2, start_step=2),
+                               **ALWAYS_MINOR)
     trainer = cpu_trainer(max_steps=7, callbacks=[switch, FlipToFull(switch, at=4)])
     trainer.fit(module, loader)
     optimizer = trainer.optimizers[0]
-    modes = [mode for step, _, mode, _ in switch.history]
-    assert "lowrank" in modes and all(mode == "full" for step, _, mode, _ in switch.history if step >= 4)
+    states = [state for step, _, state, _ in switch.history]
+    assert "minor" in states and all(state == "full" for step, _, state, _ in switch.history if step >= 4)
     muon_params = optimizer.optimizers[0].param_groups[0]["params"]
     for m in switch.matrices:
         assert not factorization.is_factorized(m.target.module, m.attr) and m.target.param.requires_grad
@@ -117,7 +120,8 @@ def test_factorized_checkpoint_resumes_into_the_same_run(tmp_path):
     def run(max_steps, ckpt_path=None, save=False):
         L.seed_everything(0)
         module = TinyMLPModule()
-        switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=4, warmup_steps=4, **ALWAYS_LOWRANK)
+        switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(every_n_steps=4, start_step=4),
+                               **ALWAYS_MINOR)
         callbacks = [switch]
         if save:
             callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1,
@@ -147,13 +151,14 @@ class GradientSpy(L.Callback):
         self.sink, self.switch = sink, switch
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.sink.append({m.target.name: (m.target.param.grad.clone(), m.mode, m.U_prev, m.r)
+        self.sink.append({m.target.name: (m.target.param.grad.clone(), m.state, m.U_prev, m.r)
                           for m in self.switch.matrices})
 
 
 def test_project_removes_the_principal_component_of_the_gradient_exactly():
     module, loader = build("cnn", optimizer="sgd")  # a non-GPT model with conv kernels
-    switch = AdaptiveSVDSwitch(mode="project", svd_interval=3, warmup_steps=3, **ALWAYS_LOWRANK)
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=3, start_step=3),
+                               **ALWAYS_MINOR)
     raw, projected = [], []
     trainer = cpu_trainer(max_steps=7, callbacks=[GradientSpy(raw, switch), switch, GradientSpy(projected, switch)])
     trainer.fit(module, loader)
@@ -161,7 +166,7 @@ def test_project_removes_the_principal_component_of_the_gradient_exactly():
     for before, after in zip(raw[3:], projected[3:]):
         for name, (grad, _, _, _) in before.items():
             projected_grad, mode, U, r = after[name]
-            assert mode == "lowrank"
+            assert mode == "minor"
             U = U.double()
             k = U.shape[1] - r
             G = as_matrix(grad).double()
@@ -174,19 +179,21 @@ def test_project_removes_the_principal_component_of_the_gradient_exactly():
 
 def test_logs_and_figure(tmp_path):
     module, loader = build("mlp")
-    switch = AdaptiveSVDSwitch(mode="project", svd_interval=2, warmup_steps=2, r_min=2, clobber_alignment=0.0)
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=2, start_step=2),
+                               r_min=2, clobber_alignment=0.0)
     trainer = cpu_trainer(max_steps=5, callbacks=[switch], default_root_dir=tmp_path)
     trainer.fit(module, loader)
     metrics = trainer.callback_metrics
-    assert metrics["adaptive_svd/n_lowrank"] == 2
+    assert metrics["adaptive_svd/n_minor"] == 2
     for key in ("angle", "principal_alignment", "minor_alignment", "reconstruction_error", "effective_rank", "r",
-                "lowrank"):
+                "minor"):
         assert f"adaptive_svd/net.0.weight/{key}" in metrics
     assert (tmp_path / "figures" / "adaptive_svd_modes.png").is_file()
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(mode="lora"), "mode"), (dict(svd_interval=0), "svd_interval"), (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(minor_training="lora"), "minor_training"), (dict(schedule={"every_n_steps": 0}), "every_n_steps"),
+    (dict(schedule={"epochs": [1]}), "only at steps"), (dict(svd_method="lowrank"), "now called 'randomized'"),
     (dict(r_min=0), "r_min"), (dict(scope="conv"), "scope"), (dict(stable_angle=2.0), "stable_angle"),
     (dict(clobber_alignment=1.5), "clobber_alignment"), (dict(svd_method="qr"), "svd_method"),
     (dict(svd_dtype="float16"), "svd_dtype"), (dict(initial_rank=0), "initial_rank"),
@@ -198,13 +205,14 @@ def test_arguments_are_validated(kwargs, match):
 
 def test_factorize_refuses_ddp_with_a_pointer_to_project():
     fake = SimpleNamespace(strategy=DDPStrategy())
-    with pytest.raises(MisconfigurationException, match="mode='project'"):
-        AdaptiveSVDSwitch(mode="factorize").setup(fake, TinyMLPModule(), "fit")
+    with pytest.raises(MisconfigurationException, match="minor_training='project'"):
+        AdaptiveSVDSwitch(minor_training="factorize").setup(fake, TinyMLPModule(), "fit")
 
 
 def test_project_mode_keeps_ddp_ranks_identical(tmp_path):
-    spec = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "mode": "project", "svd_interval": 2,
-            "warmup_steps": 2, "r_min": 2, "clobber_alignment": 0.0, "save_figure": False}
+    spec = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "minor_training": "project",
+            "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2, "clobber_alignment": 0.0,
+            "save_figure": False}
     results = run_ddp(tmp_path, spec, model="gpt", steps=6)
     assert_ranks_identical(results)
-    assert results[0]["metrics"]["adaptive_svd/n_lowrank"] == 12  # every matrix projected: the test is not vacuous
+    assert results[0]["metrics"]["adaptive_svd/n_minor"] == 12  # every matrix projected: the test is not vacuous

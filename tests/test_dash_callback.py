@@ -10,6 +10,7 @@ from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import DASHShrink
+from plasticity_callbacks.core.schedule import Schedule
 from tiny import TinyMLPModule, build, cpu_trainer, image_loader, regression_loader, tiny_gpt_module, token_loader
 
 VISIBLE = dict(alpha=-1.0, rate=0.5)  # every non-zero row shrinks by a visible amount (factor in [0.5, 1))
@@ -70,12 +71,12 @@ def fit_watched(module, loader, dash, max_steps, poison=None, **trainer_kw):
 @pytest.mark.parametrize("accumulate", [1, 4])
 def test_periodic_rule_fires_on_exactly_the_configured_optimizer_steps(accumulate):
     module, loader = build("mlp")
-    dash = DASHShrink(every_n_steps=3, **VISIBLE)
+    dash = DASHShrink(schedule=Schedule(every_n_steps=3), **VISIBLE)
     watch, trainer = fit_watched(module, loader, dash, max_steps=8, accumulate_grad_batches=accumulate)
     assert watch.calls == 8  # one hook call per real optimizer step, whatever the accumulation
-    assert sorted(watch.changed) == [2, 5]  # before the 3rd and 6th optimizer steps
-    assert watch.changed[2] == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}  # head untouched
-    assert dash.shrinks == 2 and dash.last_shrink_step == 5
+    assert sorted(watch.changed) == [3, 6]  # once 3 and 6 optimizer steps are done, before the next
+    assert watch.changed[3] == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}  # head untouched
+    assert dash.shrinks == 2 and dash.last_shrink_step == 6
     metrics = trainer.callback_metrics
     assert metrics["dash_periodic/shrinks"] == 2 and metrics["dash_periodic/shrunk"] == 32
     assert 0.5 <= metrics["dash_periodic/net.0/factor_min"] < metrics["dash_periodic/net.0/factor_mean"] < 1
@@ -83,9 +84,9 @@ def test_periodic_rule_fires_on_exactly_the_configured_optimizer_steps(accumulat
 
 def test_periodic_rule_skips_a_step_with_non_finite_gradients():
     module, loader = build("mlp")
-    dash = DASHShrink(every_n_steps=3, **VISIBLE)
-    watch, _ = fit_watched(module, loader, dash, max_steps=8, poison=PoisonGradient(step=2))
-    assert sorted(watch.changed) == [5]
+    dash = DASHShrink(schedule=Schedule(every_n_steps=3), **VISIBLE)
+    watch, _ = fit_watched(module, loader, dash, max_steps=8, poison=PoisonGradient(step=3))
+    assert sorted(watch.changed) == [6]
     assert dash.skipped_nonfinite == 1 and dash.shrinks == 1
 
 
@@ -104,7 +105,7 @@ def test_periodic_rule_matches_the_formula_on_a_cnn():
                 seen["grad"] = w.grad.detach().clone().double()
                 seen[self.key + "_head"] = pl_module.head.weight.detach().clone()
 
-    dash = DASHShrink(every_n_steps=2, alpha=0.0, rate=0.8, floor=0.6)
+    dash = DASHShrink(schedule=Schedule(steps=[1]), alpha=0.0, rate=0.8, floor=0.6)
     cpu_trainer(max_steps=2, callbacks=[Capture("before"), dash, Capture("after")]).fit(module, loader)
     w, g = seen["before"], seen["grad"]
     cos = F.cosine_similarity(w.flatten(2), g.flatten(2), dim=2)  # per (out, in) kernel slice
@@ -178,16 +179,17 @@ def test_paper_rule_shrinks_as_computed_independently_and_leaves_no_trace(kind):
     if kind == "mlp":
         assert probe.modes == modes_before
         assert all(torch.equal(probe.buffers[n], b) for n, b in buffers_before.items())
-    assert dash.start_done and dash.shrinks == 1
+    assert dash.firing.fit_start_fired and dash.shrinks == 1
     assert 0 < trainer.callback_metrics["dash/shrunk"] and trainer.callback_metrics["dash/factor_min"] >= 0.3
 
 
 def test_paper_rule_at_epochs_and_not_twice_at_the_same_point():
     module, loader = build("mlp")  # 8 batches per epoch
-    dash = DASHShrink(rule="dash", at_start=True, at_epochs=[0, 2], n_batches=2)
+    dash = DASHShrink(rule="dash", schedule=Schedule(at_fit_start=True, epochs=[0, 2]), n_batches=2)
     trainer = cpu_trainer(max_epochs=3, callbacks=[dash])
     trainer.fit(module, loader)
-    assert dash.shrinks == 2 and dash.epochs_done == [0, 2] and dash.last_shrink_step == 16
+    assert dash.shrinks == 2 and dash.last_shrink_step == 16  # fit start and epoch 0 are one moment
+    assert dash.firing.fired == [(0, "fit start"), (16, "epoch 2")]
 
 
 def test_paper_rule_shrinks_again_in_a_new_fit_of_the_same_process():
@@ -212,7 +214,7 @@ def test_paper_rule_on_the_gpt_touches_only_block_matrices():
 def test_skip_muon_params_is_honored():
     def changed_by_dash(skip):
         module = tiny_gpt_module(optimizer="muon")
-        dash = DASHShrink(every_n_steps=2, include_head=True, skip_muon_params=skip, **VISIBLE)
+        dash = DASHShrink(schedule=Schedule(steps=[1]), include_head=True, skip_muon_params=skip, **VISIBLE)
         watch, _ = fit_watched(module, token_loader(), dash, max_steps=2)
         return watch.changed[1]
 
@@ -226,21 +228,22 @@ def test_skip_muon_params_is_honored():
 
 def test_resume_neither_repeats_nor_skips(tmp_path):
     module, loader = build("mlp")
-    periodic, paper = DASHShrink(every_n_steps=3, **VISIBLE), DASHShrink(rule="dash", n_batches=2)
+    every_3 = Schedule(every_n_steps=3)
+    periodic, paper = DASHShrink(schedule=every_3, **VISIBLE), DASHShrink(rule="dash", n_batches=2)
     trainer = cpu_trainer(max_steps=4, callbacks=[periodic, paper])
     trainer.fit(module, loader)
     assert (periodic.shrinks, paper.shrinks) == (1, 1)
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
-    resumed_periodic, resumed_paper = DASHShrink(every_n_steps=3, **VISIBLE), DASHShrink(rule="dash", n_batches=2)
+    resumed_periodic, resumed_paper = DASHShrink(schedule=every_3, **VISIBLE), DASHShrink(rule="dash", n_batches=2)
     watch = WeightWatch()
     probe = AtTrainStart()
     module2, _ = build("mlp")
     trainer2 = cpu_trainer(max_steps=8, callbacks=[resumed_paper, probe, watch.before(), resumed_periodic, watch])
     trainer2.fit(module2, loader, ckpt_path=tmp_path / "mid.ckpt")
     assert all(torch.equal(p, probe.params[n]) for n, p in module.named_parameters())  # no second start shrink
-    assert sorted(watch.changed) == [5]  # step 2 happened before the checkpoint, step 5 after it
-    assert (resumed_periodic.shrinks, resumed_paper.shrinks) == (2, 1) and resumed_paper.start_done
+    assert sorted(watch.changed) == [6]  # step 3 happened before the checkpoint, step 6 after it
+    assert (resumed_periodic.shrinks, resumed_paper.shrinks) == (2, 1) and resumed_paper.firing.fit_start_fired
 
     fresh = DASHShrink(rule="dash")
     fresh.load_state_dict(resumed_paper.state_dict())
@@ -249,23 +252,24 @@ def test_resume_neither_repeats_nor_skips(tmp_path):
 
 
 def test_arguments_are_validated():
-    for kwargs, name in [(dict(rule="shrink"), "rule"), (dict(every_n_steps=0), "every_n_steps"),
+    for kwargs, name in [(dict(rule="shrink"), "rule"), (dict(schedule={"every_n_steps": 0}), "every_n_steps"),
                          (dict(alpha=1.5), "alpha"), (dict(rate=-0.1), "rate"), (dict(floor=2.0), "floor"),
                          (dict(lam=-0.1), "lam"), (dict(ema_alpha=0.0), "ema_alpha"),
                          (dict(n_batches=0), "n_batches"), (dict(scope="mpl"), "scope"),
-                         (dict(at_epochs=[3]), "at_epochs"), (dict(rule="dash", at_start=False), "at_start"),
-                         (dict(rule="dash", at_epochs=[-1]), "at_epochs")]:
+                         (dict(schedule={"epochs": [3]}), "only at steps"),
+                         (dict(rule="dash", schedule={"at_fit_start": False}), "no trigger"),
+                         (dict(rule="dash", schedule={"epochs": [-1]}), "epochs")]:
         with pytest.raises(ValueError, match=name):
             DASHShrink(**kwargs)
 
 
 def test_ddp_two_ranks_end_identical(tmp_path):
-    periodic = {"_target_": "plasticity_callbacks.DASHShrink", "every_n_steps": 2, **VISIBLE}
+    periodic = {"_target_": "plasticity_callbacks.DASHShrink", "schedule": {"every_n_steps": 2}, **VISIBLE}
     paper = {"_target_": "plasticity_callbacks.DASHShrink", "rule": "dash", "n_batches": 2}
     results = run_ddp(tmp_path, [periodic, paper], model="mlp", steps=6)
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
-    assert metrics["dash_periodic/shrinks"] == 3 and metrics["dash_periodic/shrunk"] > 0
+    assert metrics["dash_periodic/shrinks"] == 2 and metrics["dash_periodic/shrunk"] > 0  # steps 2 and 4
     assert metrics["dash/shrinks"] == 1 and metrics["dash/shrunk"] > 0
     assert not math.isnan(float(metrics["dash/factor_min"]))
 
@@ -286,7 +290,7 @@ def test_under_fp16_amp_the_hook_sees_unscaled_gradients():
                 seen["scale"] = trainer.precision_plugin.scaler.get_scale()
 
     paper = DASHShrink(rule="dash", n_batches=2)  # its data pass scales the loss with the same scaler
-    periodic = DASHShrink(every_n_steps=1, **VISIBLE)
+    periodic = DASHShrink(schedule=Schedule(steps=[0], every_n_steps=1), **VISIBLE)
     cpu_trainer(max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu")],
                 callbacks=[paper, Capture(), periodic]).fit(module, loader)
     assert seen["scale"] > 1 and paper.shrinks == 1 and periodic.shrinks == 2

@@ -25,24 +25,26 @@ def _exists(module: str) -> bool:
 def callbacks_for(model: str) -> list[dict]:
     specs = [
         {"_target_": CB + "ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
-         "recycle_every_n_steps": 2},
-        {"_target_": CB + "AdaptiveSVDSwitch", "mode": "project", "svd_interval": 2, "warmup_steps": 2, "r_min": 2,
+         "schedule": {"every_n_steps": 2}},
+        {"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
+         "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2,
          "clobber_alignment": 0.0, "save_figure": False},
     ]
     if model == "gpt":  # Muon owns the block matrices: DASH must be told to shrink them too
-        specs.append({"_target_": CB + "DASHShrink", "rule": "periodic", "every_n_steps": 2, "alpha": -1.0,
+        specs.append({"_target_": CB + "DASHShrink", "rule": "periodic", "schedule": {"every_n_steps": 2}, "alpha": -1.0,
                       "rate": 0.2, "skip_muon_params": False})
         specs.append({"_target_": CB + "ShrinkPerturb", "shrink": 0.5, "perturb": 0.1, "reset_optimizer": True})
     else:  # the paper rule's data pass reads each rank's DistributedSampler shard, then all-reduces
         specs.append({"_target_": CB + "DASHShrink", "rule": "dash", "n_batches": 2})
     if _exists("fire"):
-        specs.append({"_target_": CB + "FIREReinit", "at_fit_start": True, "steps": [2], "include_conv": True})
+        specs.append({"_target_": CB + "FIREReinit", "schedule": {"at_fit_start": True, "steps": [2]},
+                      "include_conv": True})
     return specs
 
 
 def assert_acted(metrics: dict, model: str) -> None:
     assert float(metrics["redo/recycled"]) > 0
-    assert float(metrics["adaptive_svd/n_lowrank"]) > 0
+    assert float(metrics["adaptive_svd/n_minor"]) > 0
     prefix = "dash_periodic" if model == "gpt" else "dash"
     assert float(metrics[f"{prefix}/shrunk"]) > 0
     if "fire/applications" in metrics or _exists("fire"):

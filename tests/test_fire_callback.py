@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import FIREReinit
+from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.functional.spectral import deviation_from_isometry
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
 
@@ -33,54 +35,59 @@ def quiet(trainer_fn):
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    ({"at_fit_start": False}, "trigger"), ({"epochs": [-1]}, "epochs"), ({"steps": [1.5]}, "steps"),
-    ({"every_n_epochs": 0}, "every_n_epochs"), ({"monitor": "val/loss", "patience": 0}, "patience"),
-    ({"mode": "up"}, "mode"), ({"cooldown": -1}, "cooldown"), ({"scope": "heads"}, "scope"),
-    ({"method": "qr"}, "method"), ({"normalize": "l1"}, "normalize"), ({"dtype": "float16"}, "dtype"),
-    ({"scale": "orthogonal"}, "scale"), ({"on_degenerate": "zero"}, "on_degenerate"), ({"tol": -1.0}, "tol"),
-    ({"rewarmup_steps": -2}, "rewarmup_steps"), ({"min_delta": -0.1}, "min_delta"),
-    ({"method": "polar_express", "normalize": "spectral"}, "spectral"),
+    ({"schedule": {"at_fit_start": False}}, "trigger"), ({"schedule": {"epochs": [-1]}}, "epochs"),
+    ({"schedule": {"at_start": True}}, "at_start"), ({"scope": "heads"}, "scope"),
+    ({"options": {"method": "qr"}}, "method"), ({"options": {"normalize": "l1"}}, "normalize"),
+    ({"options": {"dtype": "float16"}}, "dtype"), ({"options": {"scale": "orthogonal"}}, "scale"),
+    ({"options": {"on_degenerate": "zero"}}, "on_degenerate"), ({"options": {"tol": -1.0}}, "tol"),
+    ({"options": {"iters": -1}}, "iters=-1 must be"), ({"rewarmup_steps": -2}, "rewarmup_steps"),
+    ({"options": {"method": "polar_express", "normalize": "spectral"}}, "spectral"),
+    ({"options": {"iters": 5, "tolerance": 1}}, "tolerance"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
         FIREReinit(**kwargs)
 
 
+def fired(fire):
+    return [(h["global_step"], h["reason"]) for h in fire.history]
+
+
 def test_fit_start_epochs_every_n_and_steps_fire_exactly_once_each():
     module = TinyMLPModule()
     probe = WeightsAtTrainStart()
-    fire = FIREReinit(at_fit_start=True, epochs=[1], every_n_epochs=2, steps=[3, 2 * BATCHES], log_per_layer=True)
+    schedule = Schedule(at_fit_start=True, epochs=[1], every_n_epochs=2, steps=[3, 2 * BATCHES])
+    fire = FIREReinit(schedule=schedule, log_per_layer=True)
     trainer = cpu_trainer(max_epochs=5, callbacks=[fire, probe], accumulate_grad_batches=1)
     quiet(lambda: trainer.fit(module, regression_loader()))
-    # epoch 2 start and step 16 coincide: two distinct triggers, two applications
-    assert fire.applied == ["fit_start", "step:3", "epoch:1", "epoch:2", "step:16", "epoch:4"]
-    assert [h["global_step"] for h in fire.history] == [0, 3, 8, 16, 16, 32]
+    # epoch 2 start and step 16 coincide: one moment, one application
+    assert fired(fire) == [(0, "fit start"), (3, "step 3"), (8, "epoch 1"), (16, "epoch 2"), (32, "epoch 4")]
     assert probe.dfi < 1e-8  # the weights really were an isometry (at scale 1: 16×16) right after fit start
     metrics = trainer.callback_metrics
-    assert float(metrics["fire/applications"]) == 6 and float(metrics["fire/layers"]) == 2
+    assert float(metrics["fire/applications"]) == 5 and float(metrics["fire/layers"]) == 2
     assert float(metrics["fire/dfi_after"]) < 1e-8 and "fire/dfi_before/net.0.weight" in metrics
 
 
 def test_steps_under_gradient_accumulation_fire_once():
-    fire = FIREReinit(at_fit_start=False, steps=[2])
+    fire = FIREReinit(schedule=Schedule(steps=[2]))
     trainer = cpu_trainer(max_steps=4, callbacks=[fire], accumulate_grad_batches=2)
     quiet(lambda: trainer.fit(TinyMLPModule(), regression_loader()))
-    assert fire.applied == ["step:2"] and len(fire.history) == 1
+    assert fired(fire) == [(2, "step 2")]
 
 
 def test_plateau_follows_early_stopping_semantics_with_cooldown():
     module = TinyMLPModule(optimizer="sgd", lr=0.0)  # lr 0: the validation loss only moves when FIRE acts
-    fire = FIREReinit(at_fit_start=False, monitor="val/loss", patience=2, cooldown=1, min_delta=1e-6)
+    fire = FIREReinit(schedule=Schedule(monitor="val/loss", patience=2, cooldown=1, min_delta=1e-6))
     trainer = cpu_trainer(max_epochs=7, callbacks=[fire])
     quiet(lambda: trainer.fit(module, regression_loader(), regression_loader(seed=1)))
     # validations 0..6: v0 best; v1, v2 no gain -> FIRE at v2; v3 in cooldown (new best);
     # v4, v5 no gain -> FIRE at v5; v6 in cooldown again (sets the new best, no counting).
-    assert fire.applied == [f"plateau:{3 * BATCHES}", f"plateau:{6 * BATCHES}"]
-    assert fire.wait == 0 and fire.cooldown_left == 0 and fire.best is not None
+    assert fired(fire) == [(3 * BATCHES, "plateau of val/loss"), (6 * BATCHES, "plateau of val/loss")]
+    assert fire.firing.wait == 0 and fire.firing.cooldown_left == 0 and fire.firing.best is not None
 
 
 def test_plateau_needs_the_monitored_metric():
-    fire = FIREReinit(at_fit_start=False, monitor="val/accuracy")
+    fire = FIREReinit(schedule=Schedule(monitor="val/accuracy"))
     trainer = cpu_trainer(max_epochs=1, callbacks=[fire])
     with pytest.raises(RuntimeError, match="val/accuracy"):
         quiet(lambda: trainer.fit(TinyMLPModule(), regression_loader(), regression_loader(seed=1)))
@@ -88,21 +95,20 @@ def test_plateau_needs_the_monitored_metric():
 
 def test_resume_never_repeats_or_skips_an_application(tmp_path):
     def run(max_steps, ckpt_path=None):
-        fire = FIREReinit(at_fit_start=True, steps=[3, 5])
+        fire = FIREReinit(schedule=Schedule(at_fit_start=True, steps=[3, 5]))
         checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
         trainer = cpu_trainer(max_steps=max_steps, callbacks=[fire, checkpoint], enable_checkpointing=True)
         quiet(lambda: trainer.fit(TinyMLPModule(), regression_loader(), ckpt_path=ckpt_path))
         return fire
 
     first = run(6)
-    assert first.applied == ["fit_start", "step:3", "step:5"]
-    # Resumed after step 4: fit_start and step:3 already happened, step:5 did not yet.
+    assert fired(first) == [(0, "fit start"), (3, "step 3"), (5, "step 5")]
+    # Resumed after step 4: fit start and step 3 already happened, step 5 did not yet.
     resumed = run(7, tmp_path / "step=4.ckpt")
-    assert resumed.applied == ["fit_start", "step:3", "step:5"]
-    assert [h["key"] for h in resumed.history] == ["fit_start", "step:3", "step:5"]
-    assert len(resumed.last_records) > 0  # step:5 was applied in the resumed run ...
+    assert fired(resumed) == fired(first)
+    assert len(resumed.last_records) > 0  # step 5 was applied in the resumed run ...
     resumed_late = run(7, tmp_path / "step=6.ckpt")
-    assert resumed_late.applied == first.applied and resumed_late.last_records == []  # ... and nothing here
+    assert fired(resumed_late) == fired(first) and resumed_late.last_records == []  # ... and nothing here
 
 
 def test_rewarmup_scales_the_next_k_steps_and_leaves_the_scheduler_alone():
@@ -118,7 +124,7 @@ def test_rewarmup_scales_the_next_k_steps_and_leaves_the_scheduler_alone():
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
             return [opt], [{"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5), "interval": "step"}]
 
-    fire = FIREReinit(at_fit_start=False, steps=[2], rewarmup_steps=4)
+    fire = FIREReinit(schedule=Schedule(steps=[2]), rewarmup_steps=4)
     trainer = cpu_trainer(max_steps=8, callbacks=[fire, RecordLR()])
     quiet(lambda: trainer.fit(Scheduled(), regression_loader()))
     schedule = [0.1 * 0.5**s for s in range(8)]  # ExponentialLR multiplies the group's current lr
@@ -130,7 +136,7 @@ def test_rewarmup_scales_the_next_k_steps_and_leaves_the_scheduler_alone():
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "gpt"])
 def test_works_on_any_lightning_module(kind, tmp_path):
     module, loader = build(kind, "adamw")
-    fire = FIREReinit(at_fit_start=True, steps=[2], save_spectra=True)
+    fire = FIREReinit(schedule=Schedule(at_fit_start=True, steps=[2]), save_spectra=True)
     trainer = cpu_trainer(max_steps=3, callbacks=[fire], default_root_dir=tmp_path)
     quiet(lambda: trainer.fit(module, loader))
     expected_layers = {"mlp": 2, "cnn": 2, "gpt": 12}[kind]  # GPT: 2 layers × (q, k, v, proj, fc, proj)
@@ -146,24 +152,26 @@ def test_works_on_any_lightning_module(kind, tmp_path):
 
 
 def test_state_key_and_state_dict_round_trip():
-    fire = FIREReinit(steps=[4], monitor="val/loss")
-    fire.applied, fire.best, fire.wait, fire.warmup_start = ["fit_start"], 1.5, 2, 3
-    other = FIREReinit(steps=[4], monitor="val/loss")
+    schedule = Schedule(at_fit_start=True, steps=[4], monitor="val/loss")
+    fire = FIREReinit(schedule=schedule)
+    fire.firing.fit_start_fired, fire.firing.best, fire.firing.wait, fire.warmup_start = True, 1.5, 2, 3
+    other = FIREReinit(schedule=schedule)
     other.load_state_dict(fire.state_dict())
-    assert (other.applied, other.best, other.wait, other.warmup_start) == (["fit_start"], 1.5, 2, 3)
+    assert (other.firing.fit_start_fired, other.firing.best, other.firing.wait, other.warmup_start) == (True, 1.5, 2, 3)
     assert FIREReinit(scope="mlp").state_key != FIREReinit(scope="attention").state_key
 
 
 def test_hydra_config_instantiates_with_overrides():
     config = OmegaConf.load(Path(__file__).parents[1] / "configs" / "callbacks" / "fire.yaml")
-    config.fire.method = "svd"
+    config.fire.options.method = "svd"
     fire = instantiate(config.fire)
-    assert isinstance(fire, FIREReinit) and fire.fire_options["method"] == "svd"
+    assert isinstance(fire, FIREReinit) and fire.options == FIREOptions(method="svd")
+    assert fire.schedule == Schedule(at_fit_start=True)
 
 
 def test_ddp_two_ranks_end_identical_after_fire(tmp_path):
-    spec = {"_target_": "plasticity_callbacks.FIREReinit", "at_fit_start": True, "steps": [3], "rewarmup_steps": 2,
-            "log_per_layer": True}
+    spec = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"at_fit_start": True, "steps": [3]},
+            "rewarmup_steps": 2, "log_per_layer": True}
     results = run_ddp(tmp_path, spec, model="gpt", optimizer="muon", steps=5)
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]

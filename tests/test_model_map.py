@@ -13,7 +13,8 @@ from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.core.model_map import (declare_plasticity, find_neuron_layers, output_heads,
                                                  refuse_factorized, select_targets)
 from plasticity_callbacks.functional import factorization
-from plasticity_callbacks.functional.isometry import apply_fire
+from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
 
 pytest.importorskip("transformers")
 
@@ -72,7 +73,7 @@ def test_declaration_is_read_by_every_selection():
     assert {t.name for t in select_targets(model, scope="mlp")} == {"a.weight", "b.weight", "c.weight"}
     [layer] = [layer for layer in find_neuron_layers(model) if layer.name == "ffn"]
     assert layer.gate is model.a and layer.up is model.b and layer.down is model.c
-    apply_fire(model, method="svd", include=["proj.weight"])
+    apply_fire(model, options=FIREOptions(method="svd"), include=["proj.weight"])
     for start, stop in ((0, 8), (8, 12), (12, 16)):
         s = torch.linalg.svdvals(model.proj.weight[start:stop].double())
         torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 8) ** 0.5), rtol=1e-5, atol=1e-6)
@@ -90,10 +91,10 @@ def test_factorized_weights_are_seen_through_or_refused():
     factorization.factorize(layer[0], "weight", B.contiguous(), A.contiguous())
     views = select_targets(layer)
     assert [v.name for v in views] == ["0.weight", "2.weight"] and views[0].factorized
-    apply_fire(layer, method="svd")
+    apply_fire(layer, options=FIREOptions(method="svd"))
     s = torch.linalg.svdvals(layer[0].weight.detach().double())  # the effective weight W_p + BA
     torch.testing.assert_close(s, torch.ones_like(s), rtol=1e-5, atol=1e-6)
-    with pytest.raises(RuntimeError, match="DASHShrink.*mode='project'"):
+    with pytest.raises(RuntimeError, match="DASHShrink.*minor_training='project'"):
         refuse_factorized(views, "DASHShrink", "DASH needs the gradient of the effective weight")
 
 
@@ -111,7 +112,7 @@ def test_shrink_perturb_refuses_a_parameter_no_init_reaches():
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
 def test_bf16_true_redo_and_dash_act(family):
-    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1, end_step=1)
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, schedule=Schedule(steps=[1]))
     module = Wrapped(family)
     fit(module, [redo], steps=2, precision="bf16-true")
     assert redo.collections > 0 and bool(redo._observed.all()) and int(redo._recycled.sum()) > 0
@@ -191,7 +192,7 @@ def test_fused_qkv_with_grouped_heads_splits_by_head_counts():
     [qkv] = [t for t in select_targets(model) if t.name == "0.qkv.weight"]
     assert qkv.role == "attention"
     assert [(b.label, b.stop - b.start) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
-    apply_fire(model, method="svd", include=["0.qkv.weight"])
+    apply_fire(model, options=FIREOptions(method="svd"), include=["0.qkv.weight"])
     for start, stop in ((0, 16), (16, 20), (20, 24)):
         s = torch.linalg.svdvals(model[0].qkv.weight[start:stop].double())
         torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 16) ** 0.5), rtol=1e-5, atol=1e-6)
@@ -208,7 +209,8 @@ def test_gradient_accumulation_dash_periodic_uses_the_accumulated_gradient():
     grads = {n: p.grad.clone() for n, p in module.named_parameters()}
     module.zero_grad()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    dash = DASHShrink(rule="periodic", every_n_steps=1, alpha=-1.0, rate=1.0, floor=0.5, shrink_bias=False)
+    dash = DASHShrink(rule="periodic", schedule=Schedule(steps=[0], every_n_steps=1), alpha=-1.0, rate=1.0, floor=0.5,
+                      shrink_bias=False)
     fit(module, [dash], steps=1, accumulate_grad_batches=2)
     assert dash.shrinks == 1  # once per optimizer step, not per micro-batch
     for name in ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_fc.weight"):
@@ -243,7 +245,7 @@ def test_shrink_perturb_treats_a_factorized_weight_as_its_effective_weight():
 def test_redo_refuses_a_factorized_layer_before_recycling():
     module = Wrapped("mlp")
     _factorize_first_layer(module)
-    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1)
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, schedule=Schedule(every_n_steps=1))
     with pytest.raises(RuntimeError, match=r"ReDoMonitor: layers \['model.0'\] are factorized"):
         fit(module, [redo], steps=2)
 
@@ -253,7 +255,8 @@ def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
 
     module = Wrapped("gpt2")
     before = {n: m.weight.detach().clone() for n, m in module.named_modules() if type(m).__name__ == "Conv1D"}
-    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=1, warmup_steps=0, clobber_alignment=0.0, r_min=2,
+    switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[0], every_n_steps=1),
+                               clobber_alignment=0.0, r_min=2,
                                initial_rank=3, save_figure=False, log_per_matrix=False)
     fit(module, [switch], steps=1)
     for name, W in before.items():
@@ -302,7 +305,7 @@ def test_redo_model_init_redraws_rows_by_the_hugging_face_init(family):
         for p in module.parameters():
             p.mul_(3.0)
     redo = ReDoMonitor(tau=1.0, init="model", collect_every_n_steps=1, log_every_n_steps=1,
-                       recycle_every_n_steps=1, end_step=1)
+                       schedule=Schedule(steps=[1]))
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     fit(module, [redo], steps=2)
     std = module.model.config.initializer_range

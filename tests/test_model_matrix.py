@@ -21,6 +21,8 @@ from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.core.distributed import rank_identical_generator
 from plasticity_callbacks.core.model_map import fresh_parameters
+from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.functional.isometry import FIREOptions
 
 pytest.importorskip("transformers")
 
@@ -77,7 +79,7 @@ def fit(module, callbacks, steps=1, **kwargs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fire_makes_every_block_a_scaled_isometry(family):
     module = Wrapped(family)
-    fire = FIREReinit(at_fit_start=True, method="svd")
+    fire = FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))
     fit(module, [fire])
     expected = treated(family, module)
     assert len([r for r in fire.last_records if r.skipped is None]) == sum(len(b) for *_, b in expected)
@@ -121,8 +123,7 @@ def test_redo_finds_every_mlp_and_recycles_by_layout(family):
         for m in module.modules():
             if isinstance(m, nn.BatchNorm2d):
                 m.weight.fill_(0.5)
-    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1,
-                       end_step=1)
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, schedule=Schedule(steps=[1]))
     snap = Snapshot()
     fit(module, [snap, redo], steps=2)
     modules = dict(module.named_modules())
@@ -182,7 +183,7 @@ class GradientProbe(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         for m in self.switch.matrices:
-            if m.mode != "lowrank":
+            if m.state != "minor":
                 continue
             t = m.target
             W = oriented(t.param, t.transposed).double().reshape(t.shape[0], -1)
@@ -197,7 +198,8 @@ class GradientProbe(L.Callback):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adaptive_svd_projects_onto_the_minor_subspace(family):
     module = Wrapped(family)
-    switch = AdaptiveSVDSwitch(mode="project", svd_interval=1, warmup_steps=0, clobber_alignment=0.0, r_min=2,
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
+                               clobber_alignment=0.0, r_min=2,
                                initial_rank=3, svd_dtype="float64", save_figure=False, log_per_matrix=False)
     probe = GradientProbe(switch)
     fit(module, [switch, probe])

@@ -13,6 +13,7 @@ from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import ReDoMonitor
+from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.functional.dormancy import dormant_mask
 from tiny import OPTIMIZERS, TinyCNNModule, TinyMLPModule, cpu_trainer, image_loader, regression_loader, \
     tiny_gpt_module, token_loader
@@ -134,8 +135,7 @@ def assert_only_slices_changed(shared, module, sliced: dict):
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_recycling_dead_mlp_neurons(optimizer):
     module = dead_mlp(optimizer)
-    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1, tau=0.0, recycle_every_n_steps=3,
-                       start_step=3, end_step=3)
+    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1, tau=0.0, schedule=Schedule(steps=[3]))
     x = torch.randn(16, 8)
     shared, trainer = run_with_probes(module, regression_loader(), x, redo, step=3, max_steps=7)
 
@@ -155,7 +155,7 @@ def test_recycling_dead_mlp_neurons(optimizer):
     assert bool((scores[mask] > 0.05).all()), scores[mask]
     assert float(module.net[2].weight[:, mask].abs().sum()) > 0
     assert int(redo._recycled[0]) == 3 and int(redo._recycled[1]) == 0
-    assert redo.last_recycled_step == 3
+    assert redo.firing.fired == [(3, "step 3")]
 
 
 @pytest.mark.parametrize("mlp", ["relu2", "swiglu", "geglu"])
@@ -180,7 +180,8 @@ def test_gpt_mlps_scores_and_recycling(mlp):
 
     for block in blocks:
         block.mlp.register_forward_pre_hook(neuron_values)
-    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1, ema_decay=0.0, tau=0.0, recycle_every_n_steps=3)
+    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1, ema_decay=0.0, tau=0.0,
+                       schedule=Schedule(every_n_steps=3))
     shared, trainer = run_with_probes(module, token_loader(), torch.randint(0, 256, (2, 16)), redo, step=3, max_steps=3)
 
     names = [layer.name for layer in redo.layers]
@@ -208,7 +209,7 @@ def test_cnn_channel_recycling():
         module.features[0].bias[2] = -100.0
     capture = CaptureMeanAbs({"features.0": module.features[1]}, reduce_dims=(0, 2, 3))
     redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1, ema_decay=0.0, tau=0.0,
-                       recycle_every_n_steps=4, end_step=4)
+                       schedule=Schedule(steps=[4]))
     shared = {}
     x = torch.randn(4, 3, 8, 8)
     callbacks = [capture, RecycleProbe(4, x, True, shared), redo, RecycleProbe(4, x, False, shared)]
@@ -251,7 +252,7 @@ def test_layouts_sharing_one_down_projection():
     with torch.no_grad():
         module.c_fc2.bias[1] = -100.0  # unit 1 of the second part = input column 6 of c_proj
     x = torch.randn(16, 8)
-    redo = ReDoMonitor(collect_every_n_steps=1, ema_decay=0.0, tau=0.0, recycle_every_n_steps=2, end_step=2)
+    redo = ReDoMonitor(collect_every_n_steps=1, ema_decay=0.0, tau=0.0, schedule=Schedule(steps=[2]))
     shared, _ = run_with_probes(module, regression_loader(), x, redo, step=2, max_steps=2)
     assert [(l.name, l.width, l.down_offset) for l in redo.layers] == [("0", 5, 0), ("1", 3, 5), ("unused.0", 4, 0)]
     assert dormant_mask(redo.scores()["1"], 0.0).tolist() == [False, True, False]
@@ -265,14 +266,14 @@ def test_layouts_sharing_one_down_projection():
 
 
 def test_resume_keeps_statistics_and_counters(tmp_path):
-    kwargs = dict(collect_every_n_steps=1, log_every_n_steps=2, recycle_every_n_steps=2, tau=0.5)
+    kwargs = dict(collect_every_n_steps=1, log_every_n_steps=2, schedule=Schedule(every_n_steps=2), tau=0.5)
     first = ReDoMonitor(**kwargs)
     trainer = cpu_trainer(max_steps=4, callbacks=[first])
     trainer.fit(TinyMLPModule(), regression_loader())
     ckpt = tmp_path / "redo.ckpt"
     trainer.save_checkpoint(ckpt)
     saved = first.state_dict()
-    assert saved["collections"] == 4 and saved["last_recycled_step"] == 4 and int(saved["recycled"].sum()) > 0
+    assert saved["collections"] == 4 and saved["schedule"]["last_fired_step"] == 4 and int(saved["recycled"].sum()) > 0
     assert first.state_key in torch.load(ckpt, weights_only=False)["callbacks"]
 
     resumed = ReDoMonitor(**kwargs)
@@ -283,7 +284,7 @@ def test_resume_keeps_statistics_and_counters(tmp_path):
 
     cont = ReDoMonitor(**kwargs)
     cpu_trainer(max_steps=6, callbacks=[cont]).fit(TinyMLPModule(), regression_loader(), ckpt_path=ckpt)
-    assert cont.collections == 6 and cont.last_recycled_step == 6
+    assert cont.collections == 6 and cont.firing.last_fired_step == 6
     assert int(cont._recycled.sum()) >= int(saved["recycled"].sum())
 
 
@@ -310,23 +311,24 @@ def test_layer_map_and_errors():
 
 @pytest.mark.parametrize("kwargs", [
     dict(tau=-0.1), dict(tau=2.0), dict(collect_every_n_steps=0), dict(log_every_n_steps=1.5), dict(ema_decay=1.0),
-    dict(recycle_every_n_steps=0), dict(start_step=-1), dict(start_step=5, end_step=4), dict(init="kaiming"),
+    dict(schedule={"every_n_steps": 0}), dict(schedule={"start_step": -1, "steps": [1]}),
+    dict(schedule={"at_fit_start": True}), dict(init="kaiming"),
     dict(layer_map={"x": "net.0"}), dict(layer_map={"x": (["a", "b", "c"], "d")}), dict(exclude="net.*"),
 ])
 def test_constructor_rejects_bad_arguments(kwargs):
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    with pytest.raises(ValueError, match=f"(?i){next(iter(kwargs))}"):
         ReDoMonitor(**kwargs)
 
 
 def test_hydra_config_instantiates():
     cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "callbacks" / "redo.yaml")
     redo = instantiate(cfg.redo)
-    assert isinstance(redo, ReDoMonitor) and redo.recycle_every_n_steps is None and redo.tau == 0.025
+    assert isinstance(redo, ReDoMonitor) and redo.schedule is None and redo.tau == 0.025
 
 
 def test_ddp_recycling_keeps_ranks_identical(tmp_path):
     spec = {"_target_": "plasticity_callbacks.ReDoMonitor", "collect_every_n_steps": 1, "log_every_n_steps": 1,
-            "recycle_every_n_steps": 2, "tau": 1.0}
+            "schedule": {"every_n_steps": 2}, "tau": 1.0}
     results = run_ddp(tmp_path, spec, model="gpt", steps=4)
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]

@@ -23,7 +23,11 @@ METHODS = Path(__file__).resolve().parents[1] / "configs" / "method"
 
 
 def method_callback(name: str, key: str, **overrides):
-    cfg = OmegaConf.load(METHODS / f"{name}.yaml").callbacks[key]
+    """The callback ``key`` of ``configs/method/<name>.yaml`` as composed (callbacks/<key>.yaml + overrides)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(METHODS.parent), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+method={name}"]).method.callbacks[key]
     return instantiate(OmegaConf.merge(cfg, overrides))
 
 
@@ -230,7 +234,7 @@ def test_redo_config_reproduces_the_reference_recycling():
     period = 3
     reference = copy.deepcopy(module.net)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    redo = method_callback("redo", "redo", recycle_every_n_steps=period, log_every_n_steps=1)
+    redo = method_callback("redo", "redo", schedule={"every_n_steps": period}, log_every_n_steps=1)
     cpu_trainer(max_steps=period, callbacks=[redo]).fit(module, loader)
     for step, (x, y) in enumerate(loader, start=1):
         if step > period:

@@ -31,21 +31,22 @@ SCENARIOS = {
     "no_callback": dict(stop_at=5),
     "no_callback_gpt_muon": dict(model="gpt", optimizer="muon", stop_at=5),
     "redo": dict(stop_at=5, callbacks=[{"_target_": CB + "ReDoMonitor", "tau": 0.5, "collect_every_n_steps": 1,
-                                        "log_every_n_steps": 1, "recycle_every_n_steps": 3}]),
+                                        "log_every_n_steps": 1, "schedule": {"every_n_steps": 3}}]),
     "dash_periodic": dict(stop_at=5, callbacks=[{"_target_": CB + "DASHShrink", "rule": "periodic",
-                                                 "every_n_steps": 3, "alpha": -1.0, "rate": 0.2}]),
+                                                 "schedule": {"every_n_steps": 3}, "alpha": -1.0, "rate": 0.2}]),
     "dash_paper": dict(stop_at=10, ckpt_every=10, callbacks=[{"_target_": CB + "DASHShrink", "rule": "dash",
-                                                              "at_epochs": [1], "n_batches": 2}]),
-    "adaptive_svd_project": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "mode": "project",
-                                                        "svd_interval": 3, "warmup_steps": 2, "r_min": 2,
+                                                              "schedule": {"at_fit_start": True, "epochs": [1]},
+                                                              "n_batches": 2}]),
+    "adaptive_svd_project": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
+                                                        "schedule": {"every_n_steps": 3, "start_step": 2}, "r_min": 2,
                                                         "save_figure": False}]),
-    "adaptive_svd_factorize": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "mode": "factorize",
-                                                          "svd_interval": 3, "warmup_steps": 2, "r_min": 2,
+    "adaptive_svd_factorize": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "factorize",
+                                                          "schedule": {"every_n_steps": 3, "start_step": 2}, "r_min": 2,
                                                           "save_figure": False}]),
     "shrink_perturb": dict(stop_at=5, callbacks=[{"_target_": CB + "ShrinkPerturb", "shrink": 0.5, "perturb": 0.1,
                                                   "reset_optimizer": True}]),
-    "fire": dict(stop_at=5, callbacks=[{"_target_": CB + "FIREReinit", "at_fit_start": True, "steps": [3, 9],
-                                        "rewarmup_steps": 4}]),
+    "fire": dict(stop_at=5, callbacks=[{"_target_": CB + "FIREReinit",
+                                        "schedule": {"at_fit_start": True, "steps": [3, 9]}, "rewarmup_steps": 4}]),
     # The multi-phase pipeline (experiment=pipeline_smoke: pretrain 4 steps, then SFT 4 steps, checkpoints
     # every 2) with Shrink & Perturb at the boundary: interrupted right at the boundary (pretrain done, SFT
     # not started) and in the middle of SFT; resumed with pipeline.resume=true.
@@ -61,8 +62,8 @@ SCENARIOS = {
     "pipeline_plateau": dict(kind="pipeline", stop_phase="sft", final_phase="sft", stop_at=4, at="validation",
                              overrides=["experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false",
                                         "phases.sft.steps=6", "+phases.sft.callbacks.plateau={_target_: "
-                                        "plasticity_callbacks.FIREReinit, at_fit_start: false, monitor: val/loss, "
-                                        "patience: 1, min_delta: 100.0}"]),
+                                        "plasticity_callbacks.FIREReinit, schedule: {monitor: val/loss, "
+                                        "patience: 1, min_delta: 100.0}}"]),
 }
 MODULES = {"ReDoMonitor": "redo", "DASHShrink": "dash", "AdaptiveSVDSwitch": "adaptive_svd",
            "ShrinkPerturb": "shrink_perturb", "FIREReinit": "fire"}
@@ -130,17 +131,18 @@ def acted(name: str, state: list[dict]) -> bool:
     if name == "redo":
         return int(s["recycled"].sum()) > 0
     if name.startswith("dash"):
-        return s["shrinks"] == (4 if name == "dash_periodic" else 2)  # paper: at fit start + epoch 1
+        return s["shrinks"] == (3 if name == "dash_periodic" else 2)  # periodic: steps 3, 6, 9; paper: start, epoch 1
     if name.startswith("adaptive_svd"):
-        return any(mode == "lowrank" for _, _, mode, _ in s["history"])
+        return any(state == "minor" for _, _, state, _ in s["history"])
     if name == "shrink_perturb":
-        return s["applied"]
+        return s["applications"] == 1
     if name == "pipeline_plateau":
-        return any("plateau:4" in c.get("applied", []) for c in state if isinstance(c.get("applied"), list))
+        return any(h.get("global_step") == 4 and h.get("reason", "").startswith("plateau")
+                   for c in state for h in c.get("history", []) if isinstance(h, dict))
     if name.startswith("pipeline"):  # the pipeline's boundary method is Shrink & Perturb
-        return any(c.get("applied") is True for c in state)
+        return any(c.get("applications") == 1 for c in state)
     if name == "fire":
-        return len(s["applied"]) == 3  # fit start, step 3, step 9
+        return len(s["history"]) == 3  # fit start, step 3, step 9
     return True
 
 

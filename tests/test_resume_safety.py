@@ -80,7 +80,7 @@ def plateau_fit(tmp_path, interrupt_at=None, resume=False):
 
     seed_everything(0)
     module = TinyMLPModule()
-    fire = pc.FIREReinit(at_fit_start=False, monitor="val/loss", patience=1, min_delta=100.0)
+    fire = pc.FIREReinit(schedule=pc.Schedule(monitor="val/loss", patience=1, min_delta=100.0))
     callbacks = [fire, ModelCheckpointAfterValidation(dirpath=tmp_path / "ckpt", every_n_train_steps=2,
                                                       save_last=True, save_top_k=0)]
     if interrupt_at is not None:
@@ -96,11 +96,13 @@ def plateau_fit(tmp_path, interrupt_at=None, resume=False):
 
 def test_hand_built_plateau_run_interrupted_before_a_validation_resumes_bit_identical(tmp_path):
     reference, fire = plateau_fit(tmp_path / "reference")
-    assert fire.applied == ["plateau:4", "plateau:8"]
+    assert [(h["global_step"], h["reason"]) for h in fire.history] == [(4, "plateau of val/loss"),
+                                                                       (8, "plateau of val/loss")]
     plateau_fit(tmp_path / "run", interrupt_at=4)  # killed as the validation of step 4 starts
     assert torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 2
     resumed, fire = plateau_fit(tmp_path / "run", resume=True)
-    assert fire.applied == ["plateau:4", "plateau:8"]
+    assert [(h["global_step"], h["reason"]) for h in fire.history] == [(4, "plateau of val/loss"),
+                                                                       (8, "plateau of val/loss")]
     for (name, p), q in zip(reference.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
 
@@ -319,7 +321,7 @@ def test_adaptive_svd_on_non_finite_weights_names_itself_and_the_layer():
     module = TinyMLPModule()
     with torch.no_grad():
         module.net[2].weight[3, 1] = float("inf")
-    switch = pc.AdaptiveSVDSwitch(svd_interval=1, warmup_steps=0, save_figure=False)
+    switch = pc.AdaptiveSVDSwitch(schedule=pc.Schedule(steps=[0]), save_figure=False)
     with pytest.raises(FloatingPointError, match=r"AdaptiveSVDSwitch: weight 'net\.2\.weight' has NaN or Inf"):
         cpu_trainer(max_steps=1, callbacks=[switch]).fit(module, regression_loader())
 
@@ -346,8 +348,10 @@ def test_garbage_callback_state_is_refused_naming_callback_and_keys(name, state)
 
 def test_a_string_is_not_a_flag():
     callback = pc.ShrinkPerturb()
-    with pytest.raises(CheckpointError, match=r"applied='no' \(must be bool\)"):
-        callback.load_state_dict({"applied": "no"})
-    assert callback.applied is False
+    state = pc.ShrinkPerturb().state_dict()
+    state["schedule"]["fit_start_fired"] = "no"
+    with pytest.raises(CheckpointError, match=r"fit_start_fired='no' \(must be bool\)"):
+        callback.load_state_dict(state)
+    assert callback.firing.fit_start_fired is False and callback.applications == 0
     good = pc.FIREReinit()
     good.load_state_dict(pc.FIREReinit().state_dict())  # a real state still loads

@@ -30,7 +30,7 @@ def test_spectra_figure_has_a_panel_per_kind_of_weight_and_a_block_colorbar():
 
 
 def test_modes_figure_colours_low_rank_cells_by_r_over_g_and_writes_r():
-    history = [(10, "a", "lowrank", 4), (10, "b", "full", 8), (20, "a", "lowrank", 2), (20, "b", "lowrank", 8)]
+    history = [(10, "a", "minor", 4), (10, "b", "full", 8), (20, "a", "minor", 2), (20, "b", "minor", 8)]
     fig = modes_figure(history, {"a": 16, "b": 32})
     ax = fig.axes[0]
     mesh = ax.collections[0].get_array()
@@ -45,12 +45,12 @@ def test_fire_on_fresh_zero_initialized_weights_is_one_line_no_warnings(caplog):
                                  "vocab_size": 64})
     zero = [n for n, p in module.named_parameters() if "blocks" in n and p.dim() == 2 and not p.any()]
     assert len(zero) == 4  # the attention and MLP output projections of 2 blocks
-    fire = FIREReinit(at_fit_start=True)
+    fire = FIREReinit()  # at fit start
     trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.strategy.connect(module)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
-        fire._apply_once("fit_start", trainer, module)
+        fire._apply("fit start", trainer, module)
     assert not [w for w in caught if "zero" in str(w.message)]
     lines = [r.getMessage() for r in caplog.records if "FIREReinit" in r.getMessage()]
     assert len(lines) == 1 and "left 4 weights unchanged: 4 all zero" in lines[0]

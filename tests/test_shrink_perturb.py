@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyCNNModule, TinyMLPModule, build, cpu_trainer
 
 from plasticity_callbacks import ShrinkPerturb
+from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.core.distributed import rank_identical_generator
 
 
@@ -57,10 +58,10 @@ def test_exact_formula_on_trained_weights(kind):
         torch.testing.assert_close(snapshot.params["model.lm_head.weight"], 0.4 * before["model.lm_head.weight"])
         noise = (snapshot.params["model.wte.weight"] - 0.4 * before["model.wte.weight"]) / 0.1
         assert 0.9 < noise.std() < 1.1
-    assert callback.applied
+    assert callback.applications == 1
 
 
-def test_include_exclude_and_once_only():
+def test_include_exclude_and_once_per_fit():
     module, loader = build("mlp")
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     callback = ShrinkPerturb(shrink=0.5, perturb=0.0, include=["net.*"], exclude=["net.4.*"])
@@ -70,11 +71,29 @@ def test_include_exclude_and_once_only():
     for name, theta in before.items():
         factor = 1.0 if name.startswith("net.4.") else 0.5
         torch.testing.assert_close(snapshot.params[name], factor * theta)
-    # a second fit with the same callback (e.g. more steps in the same phase) does not apply it again
+    assert callback.applications == 1  # once, though fit start and the first step are both "at start"
+    # a second fit with the same callback is a new phase: it applies again (a resumed fit does not, below)
     after_first = {n: p.detach().clone() for n, p in module.named_parameters()}
     cpu_trainer(max_steps=2, callbacks=[callback, snapshot]).fit(module, loader)
     for name, theta in after_first.items():
-        torch.testing.assert_close(snapshot.params[name], theta)
+        factor = 1.0 if name.startswith("net.4.") else 0.5
+        torch.testing.assert_close(snapshot.params[name], factor * theta)
+    assert callback.applications == 2
+
+
+def test_every_trigger_of_the_schedule_applies():
+    module, loader = build("mlp")  # 8 batches per epoch
+    callback = ShrinkPerturb(shrink=0.5, perturb=0.0, schedule=Schedule(steps=[3], every_n_epochs=1))
+    norms = []
+
+    class Norms(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after ShrinkPerturb's
+            norms.append(float(pl_module.net[0].weight.norm()))
+
+    cpu_trainer(max_steps=10, callbacks=[callback, Norms()], limit_val_batches=0).fit(module, loader)
+    assert callback.firing.fired == [(3, "step 3"), (8, "epoch 1")]
+    for step in (3, 8):  # lr is small: the shrink halves the norm, training moves it much less
+        assert norms[step] == pytest.approx(0.5 * norms[step - 1], rel=0.05)
 
 
 def test_resume_from_checkpoint_does_not_reapply(tmp_path):
@@ -86,7 +105,7 @@ def test_resume_from_checkpoint_does_not_reapply(tmp_path):
     resumed, _ = build("gpt")
     callback, snapshot = ShrinkPerturb(shrink=0.5, perturb=0.1), Snapshot()
     cpu_trainer(max_steps=4, callbacks=[callback, snapshot]).fit(resumed, loader, ckpt_path=tmp_path / "last.ckpt")
-    assert callback.applied
+    assert callback.applications == 1 and callback.firing.fit_start_fired  # the count restored, not raised
     for name, value in saved["state_dict"].items():
         torch.testing.assert_close(snapshot.params[name], value)
 
@@ -95,6 +114,7 @@ def test_resume_from_checkpoint_does_not_reapply(tmp_path):
     (dict(shrink=1.5), "shrink"), (dict(shrink=-0.1), "shrink"), (dict(perturb=-1), "perturb"),
     (dict(shrink="0.4"), "shrink"), (dict(include="net.*"), "include"), (dict(exclude=[3]), "exclude"),
     (dict(reset_optimizer=1), "reset_optimizer"), (dict(seed=1.5), "seed"),
+    (dict(schedule={"at_fit_start": False}), "no trigger"), (dict(schedule={"steps": [-3]}), "steps"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -110,7 +130,7 @@ def test_no_matching_parameters_is_an_error():
 def test_reset_optimizer_drops_state_of_changed_parameters():
     module, loader = build("mlp")
     class StateProbe(L.Callback):
-        def on_fit_start(self, trainer, pl_module):  # runs after ShrinkPerturb (listed later)
+        def on_train_start(self, trainer, pl_module):  # runs after ShrinkPerturb (listed later)
             self.states = len(trainer.optimizers[0].state)
 
     probe = StateProbe()

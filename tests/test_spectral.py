@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.functional.isometry import apply_fire
+from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
     POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, deviation_from_isometry, effective_rank, orthogonalize,
@@ -232,7 +232,7 @@ def test_apply_fire_scales_skips_and_touches_only_weights():
     with torch.no_grad():
         model[2].weight.zero_()
     with pytest.warns(UserWarning, match="all zero"):
-        records = apply_fire(model, method="svd")
+        records = apply_fire(model, options=FIREOptions(method="svd"))
     assert [r.name for r in records] == ["0.weight", "2.weight"]
     assert records[1].skipped == "zero" and torch.equal(model[2].weight, torch.zeros(16, 32))
     W = model[0].weight.double()
@@ -253,7 +253,7 @@ def test_apply_fire_on_nan_weight_warns_and_writes_nothing():
         record = apply_fire(model)[0]
     assert record.skipped == "non-finite" and torch.equal(model[0].weight.isnan(), before.isnan())
     with pytest.raises(DegenerateMatrixError):
-        apply_fire(model, on_degenerate="raise")
+        apply_fire(model, options=FIREOptions(on_degenerate="raise"))
 
 
 def test_conv_kernels_are_orthogonalized_per_tap_with_the_reference_scale():
@@ -348,7 +348,7 @@ def test_apply_fire_really_orthogonalizes_tiny_and_huge_weights(magnitude):
 @pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, -1.0, True])
 def test_apply_fire_refuses_a_scale_that_is_not_a_positive_finite_number(scale):
     with pytest.raises(ValueError, match="scale"):
-        apply_fire(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), scale=scale)
+        FIREOptions(scale=scale)
 
 
 @pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
@@ -359,7 +359,7 @@ def test_apply_fire_restores_weak_directions_of_a_trained_like_layer(method):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(256, 256) * torch.logspace(0, -2, 256))
     W = layer.weight.detach().clone()
-    record = apply_fire(nn.Sequential(layer, nn.ReLU(), nn.Linear(256, 2)), method=method)[0]
+    record = apply_fire(nn.Sequential(layer, nn.ReLU(), nn.Linear(256, 2)), options=FIREOptions(method=method))[0]
     assert record.dfi_after < 1e-4 and record.fell_back == 0
     S = torch.linalg.svdvals(layer.weight.detach().double())
     assert float((S - 1).abs().max()) < 1e-3  # no direction dropped or left short

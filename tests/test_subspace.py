@@ -119,12 +119,12 @@ def test_next_rank_grows_when_the_bottom_moves_and_shrinks_when_stable():
 
 
 @pytest.mark.parametrize("angle,principal,minor,error,mode,expected", [
-    (0.5, 0.41, 0.2, 0.5, "full", ("lowrank", "gradient_clobbering_risk")),  # clobbering wins over everything
-    (0.5, 0.40, 0.2, 0.5, "lowrank", ("full", "reconstruction_unsafe")),  # 0.4 is not > 0.4
-    (0.09, 0.3, 0.61, 0.009, "full", ("lowrank", "optimal_lowrank_conditions")),
+    (0.5, 0.41, 0.2, 0.5, "full", ("minor", "gradient_clobbering_risk")),  # clobbering wins over everything
+    (0.5, 0.40, 0.2, 0.5, "minor", ("full", "reconstruction_unsafe")),  # 0.4 is not > 0.4
+    (0.09, 0.3, 0.61, 0.009, "full", ("minor", "optimal_minor_conditions")),
     (0.10, 0.3, 0.61, 0.009, "full", ("full", "continue_current_mode")),  # angle not < 0.1
-    (0.09, 0.3, 0.60, 0.009, "lowrank", ("lowrank", "continue_current_mode")),  # minor not > 0.6
-    (0.09, 0.3, 0.61, 0.010, "lowrank", ("full", "reconstruction_unsafe")),  # error not < 0.01
+    (0.09, 0.3, 0.60, 0.009, "minor", ("minor", "continue_current_mode")),  # minor not > 0.6
+    (0.09, 0.3, 0.61, 0.010, "minor", ("full", "reconstruction_unsafe")),  # error not < 0.01
     (math.nan, 0.3, 0.9, 0.001, "full", ("full", "continue_current_mode")),  # no previous SVD
 ])
 def test_mode_rule_table(angle, principal, minor, error, mode, expected):
@@ -139,26 +139,28 @@ def test_decide_mode_on_constructed_matrices():
     svd = svd_triplets(W)
     minor_grad = svd.U[:, 12:] @ torch.randn(4, 24, generator=gen)
     mode, r_next, d = decide_mode(W, svd, svd.U, svd.S, minor_grad, r=4, mode="full")
-    assert (mode, d["reason"]) == ("lowrank", "optimal_lowrank_conditions")
+    assert (mode, d["reason"]) == ("minor", "optimal_minor_conditions")
     assert d["subspace_angle"] < 1e-3 and d["minor_alignment"] > 0.99 and d["reconstruction_error"] < 1e-3
     principal_grad = svd.U[:, :12] @ torch.randn(12, 24, generator=gen)
     assert decide_mode(W, svd, None, None, principal_grad, 4, "full")[2]["reason"] == "gradient_clobbering_risk"
     noisy = svd_triplets(torch.randn(16, 24, generator=gen))
-    mode, _, d = decide_mode(torch.randn(16, 24, generator=gen), noisy, None, None, minor_grad * 0, 4, "lowrank")
+    mode, _, d = decide_mode(torch.randn(16, 24, generator=gen), noisy, None, None, minor_grad * 0, 4, "minor")
     assert (mode, d["reason"]) == ("full", "reconstruction_unsafe")
     with pytest.raises(ValueError, match="mode"):
         decide_mode(W, svd, None, None, None, 4, "half")
+    with pytest.raises(ValueError, match="'lowrank' is now called 'minor'"):
+        decide_mode(W, svd, None, None, None, 4, "lowrank")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_svd_triplets_lowrank_matches_full_and_keeps_global_rng(device):
+def test_svd_triplets_randomized_matches_full_and_keeps_global_rng(device):
     U0, V0 = orthonormal(40, 30, 11), orthonormal(30, 30, 12)
     S0 = torch.cat([torch.linspace(20, 10, 10), torch.linspace(1, 0.1, 20)]).double()
     W = ((U0 * S0) @ V0.mT).float().to(device)
     torch.manual_seed(123)
     expected_draw = torch.rand(3)
     torch.manual_seed(123)
-    U, S, V = svd_triplets(W, "lowrank", top=10, niter=4)
+    U, S, V = svd_triplets(W, "randomized", top=10, niter=4)
     assert torch.equal(torch.rand(3), expected_draw)  # the sketch used a private stream
     assert U.shape == (40, 30) and S.shape == (30,) and V.shape == (30, 30)
     assert torch.allclose((U * S) @ V.mT, W, atol=1e-4)
@@ -166,5 +168,5 @@ def test_svd_triplets_lowrank_matches_full_and_keeps_global_rng(device):
     assert subspace_angle(U, U0.float().to(device), 10) < 1e-3
     full = svd_triplets(W, dtype=torch.float64)
     assert full.U.dtype == torch.float64 and isinstance(full, SVD)
-    with pytest.raises(ValueError, match="method"):
-        svd_triplets(W, "randomized")
+    with pytest.raises(ValueError, match="'lowrank' is now called 'randomized'"):
+        svd_triplets(W, "lowrank")

@@ -25,6 +25,8 @@ _LAZY = {
     "AdaptiveSVDSwitch": "plasticity_callbacks.callbacks.adaptive_svd",
     "ShrinkPerturb": "plasticity_callbacks.callbacks.shrink_perturb",
     "GateLogger": "plasticity_callbacks.callbacks.gate_logger",
+    "Schedule": "plasticity_callbacks.core.schedule",
+    "FIREOptions": "plasticity_callbacks.functional.isometry",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,8 +1,9 @@
 """``AdaptiveSVDSwitch``: compare successive SVDs of each weight and switch it between full-matrix
-and minor-component training (seed 004's adaptive MiLoRA; ALGORITHMS.md §5)."""
+and minor-component training (an adaptive MiLoRA)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import lightning as L
@@ -18,6 +19,7 @@ from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank
 from ..core.model_map import Target, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
+from ..core.schedule import Schedule, ScheduleState
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -28,7 +30,7 @@ class _Matrix:
     target: Target
     attr: str  # parameter name on target.module ("weight", "in_proj_weight")
     g: int
-    mode: str = "full"
+    state: str = "full"  # "full" | "minor"
     r: int | None = None  # minor components of the current phase (None before the first SVD)
     U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,)
     S_prev: torch.Tensor | None = None
@@ -39,36 +41,62 @@ class _Matrix:
 
 
 class AdaptiveSVDSwitch(L.Callback):
-    """Every ``svd_interval`` optimizer steps (from ``warmup_steps`` on), for each target matrix:
-    SVD, compare with the previous SVD, measure the gradient's alignment, decide per matrix whether
-    the next phase trains the full matrix or only its ``r`` minor components, and with which ``r``.
+    """Switch each weight between full-matrix and minor-component training (MiLoRA-style), decided by SVDs.
 
-    Hooks: ``on_before_optimizer_step`` measures and acts, on the step's (all-reduced) gradient,
-    so no gradient is lost at a switch; in low-rank phases it also projects gradients
-    (``mode="project"``). ``on_fit_start`` rebuilds a factorized structure from a checkpoint;
-    ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into the checkpoint's model state,
-    so it loads with or without this callback; ``on_train_end`` saves a figure of mode and r per layer.
+    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; step triggers only, the
+    decision needs the step's gradient; default ``Schedule(every_n_steps=100, start_step=100)``). At
+    each SVD cycle, for each target matrix: SVD, compare with the previous SVD, measure the
+    gradient's alignment, decide whether the next phase trains the full matrix (state ``"full"``)
+    or only its ``r`` minor components (state ``"minor"``), and with which ``r``.
 
-    Changes: ``mode="project"`` replaces the gradients of low-rank matrices by ``U_m U_mᵀ ∇W``
-    (and projects their linear momentum at each cycle). ``mode="factorize"`` re-parametrizes
-    low-rank matrices as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
-    optimizer param group (see :mod:`plasticity_callbacks.functional.factorization`); every cycle folds ``BA`` back
-    and re-splits with the new ``r``. Factorize runs on a single device only.
+    Hooks: ``on_train_batch_start`` asks the schedule (so a factorized matrix can capture the step's
+    gradient), ``on_before_optimizer_step`` measures and acts on the step's (all-reduced)
+    gradient, so no gradient is lost at a switch; between cycles it projects the gradients of
+    ``"minor"`` matrices (``minor_training="project"``). ``on_fit_start`` rebuilds a factorized
+    structure from a checkpoint; ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into
+    the checkpoint's model state, so it loads with or without this callback; ``on_train_end``
+    saves a figure of the state and r per matrix.
+
+    Changes: ``minor_training="project"`` replaces the gradients of ``"minor"`` matrices by
+    ``U_m U_mᵀ ∇W`` (and projects their linear momentum at each cycle). ``"factorize"``
+    re-parametrizes them as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
+    optimizer param group (see :mod:`plasticity_callbacks.functional.factorization`); every cycle
+    folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
-    effective_rank,r,lowrank}`` and ``adaptive_svd/{n_lowrank,mean_*}``.
+    effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``.
+
+    Args:
+        minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection, DDP-safe)
+            or ``factorize`` (``W_p + B @ A``, single device).
+        schedule: when to run an SVD cycle (a Schedule or a mapping of its fields; step triggers only).
+        scope: ``all`` | ``attention`` | ``mlp``: which weights.
+        include: ``fnmatch`` patterns on parameter names to keep.
+        exclude: ``fnmatch`` patterns on parameter names to leave alone.
+        include_conv: also conv kernels (as ``(out, in·∏k)`` matrices).
+        include_head: also the output head.
+        r_min: fewest minor components.
+        initial_rank: ``r`` of the first cycle (None: from the spectrum's gap / 99.9 % energy / g//2).
+        clobber_alignment: principal gradient share above which a matrix goes ``"minor"``.
+        stable_angle: subspace angle (radians) below which, with the next two, it goes ``"minor"``.
+        safe_minor_alignment: minor gradient share above which it may go ``"minor"``.
+        max_reconstruction_error: at or above this, the matrix goes back to ``"full"``.
+        svd_method: ``full`` (``torch.linalg.svd``) or ``randomized`` (two ``torch.svd_lowrank`` blocks).
+        svd_niter: power iterations of ``svd_method="randomized"``.
+        svd_dtype: ``float32`` or ``float64``.
+        log_per_matrix: also log the diagnostics per matrix.
+        save_figure: save the state and r per matrix as a figure at the end of training.
 
     Example:
-        >>> switch = AdaptiveSVDSwitch(mode="project", svd_interval=100, warmup_steps=200)
+        >>> switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=100, start_step=200))
         >>> trainer = L.Trainer(max_steps=2000, callbacks=[switch])
         >>> trainer.fit(module, datamodule=data)
     """
 
     def __init__(
         self,
-        mode: str = "project",
-        svd_interval: int = 100,
-        warmup_steps: int = 100,
+        minor_training: str = "project",
+        schedule: Schedule | Mapping | None = None,
         scope: str = "all",
         include: list[str] | None = None,
         exclude: list[str] | None = None,
@@ -87,11 +115,12 @@ class AdaptiveSVDSwitch(L.Callback):
         save_figure: bool = True,
     ):
         super().__init__()
-        if mode not in factorization.LOWRANK_MODES:
-            raise ValueError(f"mode={mode!r} is not one of {factorization.LOWRANK_MODES}")
-        check_int("svd_interval", svd_interval)
+        if minor_training not in factorization.MINOR_TRAINING:
+            raise ValueError(f"minor_training={minor_training!r} is not one of {factorization.MINOR_TRAINING}")
+        self.schedule = (Schedule(every_n_steps=100, start_step=100) if schedule is None
+                         else Schedule.build(schedule, "AdaptiveSVDSwitch"))
+        self.schedule.require_step_triggers("AdaptiveSVDSwitch", "decides on the step's gradient")
         check_int("r_min", r_min)
-        check_int("warmup_steps", warmup_steps, minimum=0)
         check_int("svd_niter", svd_niter, minimum=0)
         check_int("initial_rank", initial_rank, optional=True)
         validate_selection(scope, include, exclude)
@@ -100,10 +129,13 @@ class AdaptiveSVDSwitch(L.Callback):
             check_number(name, value, 0.0, 1.0)
         check_number("stable_angle", stable_angle, 0.0, math.pi / 2, "(radians)")
         if svd_method not in SVD_METHODS:
-            raise ValueError(f"svd_method={svd_method!r} is not one of {SVD_METHODS}")
+            hint = " ('lowrank' is now called 'randomized')" if svd_method == "lowrank" else ""
+            raise ValueError(f"svd_method={svd_method!r} is not one of {SVD_METHODS}{hint}")
         if svd_dtype not in _DTYPES:
             raise ValueError(f"svd_dtype={svd_dtype!r} is not one of {tuple(_DTYPES)}")
-        self.mode, self.svd_interval, self.warmup_steps = mode, svd_interval, warmup_steps
+        self.minor_training = minor_training
+        self.firing = ScheduleState(self.schedule, "AdaptiveSVDSwitch")
+        self._cycle_now = False  # the schedule said so at this step's first batch
         self.selection = dict(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
                               include_head=include_head)
         self.r_min, self.initial_rank = r_min, initial_rank
@@ -113,22 +145,23 @@ class AdaptiveSVDSwitch(L.Callback):
         self.svd_method, self.svd_niter, self.svd_dtype = svd_method, svd_niter, _DTYPES[svd_dtype]
         self.log_per_matrix, self.save_figure = log_per_matrix, save_figure
         self.matrices: list[_Matrix] = []
-        self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, mode, r) per decision
+        self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
         self._pending: dict | None = None  # loaded state, applied once the targets exist
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode, **self.selection)
+        return self._generate_state_key(minor_training=self.minor_training, **self.selection)
 
     # ---------------------------------------------------------------- setup and resume
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.firing.begin_fit(stage)
         require_full_parameters(trainer, "AdaptiveSVDSwitch")
-        if self.mode == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
+        if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(
-                f"AdaptiveSVDSwitch(mode='factorize') changes the parameter set during training, which "
+                f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
                 f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (gradients of the new "
-                "factors would not be synchronized). Use mode='project' (same minor-subspace training by gradient "
-                "projection, DDP-safe) or a single device."
+                "factors would not be synchronized). Use minor_training='project' (same minor-subspace training by "
+                "gradient projection, DDP-safe) or a single device."
             )
         if self.matrices:
             return
@@ -147,16 +180,17 @@ class AdaptiveSVDSwitch(L.Callback):
     def state_dict(self) -> dict:
         matrices = {}
         for m in self.matrices:
-            entry = {"mode": m.mode, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
+            entry = {"state": m.state, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
             matrices[m.target.name] = entry
-        return {"matrices": matrices, "history": list(self.history)}
+        return {"matrices": matrices, "history": list(self.history), "schedule": self.firing.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_state(self, state_dict, {"matrices": dict, "history": list})
+        check_state(self, state_dict, {"matrices": dict, "history": list, "schedule": dict})
+        self.firing.load_state_dict(state_dict["schedule"])
         self._pending = state_dict
         self._apply_pending()
 
@@ -167,13 +201,13 @@ class AdaptiveSVDSwitch(L.Callback):
         for m in self.matrices:
             entry = saved.get(m.target.name)
             if entry is not None:
-                m.mode, m.r, m.U_prev, m.S_prev = entry["mode"], entry["r"], entry["U_prev"], entry["S_prev"]
+                m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], entry["U_prev"], entry["S_prev"]
         self.history = [tuple(h) for h in self._pending["history"]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Runs after configure_optimizers and before Lightning loads the optimizer state, so the
         # factors re-join their groups in the saved order and their moments load into them.
-        if self._pending is None or self.mode != "factorize":
+        if self._pending is None or self.minor_training != "factorize":
             return
         saved = self._pending["matrices"]
         for m in self.matrices:
@@ -198,21 +232,24 @@ class AdaptiveSVDSwitch(L.Callback):
                 state[m.target.name] = getattr(m.target.module, m.attr).detach().clone()
 
     # ---------------------------------------------------------------- training
-    def _is_svd_step(self, step: int) -> bool:
-        return step >= self.warmup_steps and step % self.svd_interval == 0
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.firing.due_at_train_start(trainer)  # starts the schedule's clock (fit start is refused)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        capture = self._is_svd_step(trainer.global_step)
+        if self.firing.due_at_step(trainer) is not None:
+            self._cycle_now = True
+        capture = self._cycle_now
         for m in self.matrices:
             if factorization.is_factorized(m.target.module, m.attr):
                 factorization.components(m.target.module, m.attr).capture = capture
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self._is_svd_step(trainer.global_step):
+        if self._cycle_now:
+            self._cycle_now = False
             self._cycle(trainer, pl_module)
-        elif self.mode == "project":
+        elif self.minor_training == "project":
             for m in self.matrices:
-                if m.mode == "lowrank":
+                if m.state == "minor":
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
 
     @torch.no_grad()
@@ -231,20 +268,20 @@ class AdaptiveSVDSwitch(L.Callback):
             r = m.r if m.r is not None else self._initial_r(W, m.g)
             svd = svd_triplets(W, self.svd_method, top=m.g - r, niter=self.svd_niter, dtype=self.svd_dtype,
                                seed=step)
-            new_mode, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.mode, r_min=self.r_min,
-                                                 dtype=self.svd_dtype, **self.thresholds)
+            new_state, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
+                                                  dtype=self.svd_dtype, **self.thresholds)
             if m.r is None and self.initial_rank is not None:
-                r_next = r  # a given initial_rank replaces the seed's spectral first guess for the first phase
-            m.mode, m.r, m.U_prev, m.S_prev = new_mode, r_next, svd.U, svd.S
-            if self.mode == "project":
-                if new_mode == "lowrank":
+                r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+            m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
+            if self.minor_training == "project":
+                if new_state == "minor":
                     factorization.project_gradient(weight, m.U_minor, m.target.transposed)
                     factorization.project_optimizer_state(trainer.optimizers, weight, m.U_minor, m.target.transposed)
             else:
                 self._resplit(trainer, m, svd, grad, factorized)
-            self.history.append((step, m.target.name, new_mode, r_next))
+            self.history.append((step, m.target.name, new_state, r_next))
             logged.append((m, diag))
-        if self.mode == "factorize":  # factors in target order, whether re-split in place or appended
+        if self.minor_training == "factorize":  # factors in target order, whether re-split in place or appended
             parts = [factorization.components(m.target.module, m.attr) for m in self.matrices
                      if factorization.is_factorized(m.target.module, m.attr)]
             factorization.order_in_groups(trainer.optimizers, [p for part in parts for p in (part.B, part.A)])
@@ -255,14 +292,14 @@ class AdaptiveSVDSwitch(L.Callback):
             lo, hi = rank_bounds(g, self.r_min)
             return max(lo, min(self.initial_rank, hi))
         S = torch.linalg.svdvals(W.to(self.svd_dtype))
-        return next_rank(S, None, g // 2, self.r_min)[0]  # the seed's "initial r from spectral structure"
+        return next_rank(S, None, g // 2, self.r_min)[0]  # the initial r from the spectral structure
 
     def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:
-        """Fold ``BA`` back if factorized, then split again with the new ``r`` if low-rank. The
+        """Fold ``BA`` back if factorized, then split again with the new ``r`` if "minor". The
         step's gradient ``G`` w.r.t. the effective weight moves to the new structure by the chain
         rule (``∇B = G Aᵀ``, ``∇A = Bᵀ G``), so the coming optimizer step is not lost."""
         module, weight = m.target.module, m.target.param
-        if factorized and m.mode == "lowrank" and factorization.components(module, m.attr).B.shape[1] == m.r:
+        if factorized and m.state == "minor" and factorization.components(module, m.attr).B.shape[1] == m.r:
             # Same rank: new factors in place, so a compiled model keeps its graph (no new module class).
             B, A = factorization.minor_factors(svd, m.r, weight.dtype)
             parts = factorization.resplit(module, m.attr, B, A)
@@ -275,7 +312,7 @@ class AdaptiveSVDSwitch(L.Callback):
             parts = factorization.components(module, m.attr)
             factorization.detach(trainer.optimizers, [parts.B, parts.A])
             factorization.fold(module, m.attr)
-        if m.mode == "lowrank":
+        if m.state == "minor":
             B, A = factorization.minor_factors(svd, m.r, weight.dtype)
             parts = factorization.factorize(module, m.attr, B, A, transposed=m.target.transposed)
             if grad is not None:
@@ -300,8 +337,8 @@ class AdaptiveSVDSwitch(L.Callback):
                 for key in (*keys, "effective_rank"):
                     log(f"{name}/{key}", diag[key])
                 log(f"{name}/r", m.r)
-                log(f"{name}/lowrank", m.mode == "lowrank")
-        log("n_lowrank", sum(m.mode == "lowrank" for m, _ in logged))
+                log(f"{name}/minor", m.state == "minor")
+        log("n_minor", sum(m.state == "minor" for m, _ in logged))
         for key in keys:
             log(f"mean_{key}", sum(d[key] for _, d in logged) / len(logged))
         angles = [d["subspace_angle"] for _, d in logged if not math.isnan(d["subspace_angle"])]
@@ -324,7 +361,7 @@ def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]
     minor components of its ``g`` singular directions train.
 
     Args:
-        history: ``(optimizer step, matrix name, mode, r)`` per decision, as the callback records them.
+        history: ``(optimizer step, matrix name, state, r)`` per decision, as the callback records them.
         sizes: matrix name -> ``g`` (its number of singular values), in the rows' order.
 
     Returns:
@@ -339,10 +376,10 @@ def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]
     steps = sorted({step for step, *_ in history})
     share = np.full((len(names), len(steps)), np.nan)
     ranks = np.zeros_like(share, dtype=int)
-    for step, name, mode, r in history:
+    for step, name, state, r in history:
         row, column = names.index(name), steps.index(step)
         ranks[row, column] = r
-        share[row, column] = r / sizes[name] if mode == "lowrank" else np.nan
+        share[row, column] = r / sizes[name] if state == "minor" else np.nan
     colour = colormaps["viridis"].with_extremes(bad="0.85")
     fig = Figure(figsize=(min(14, 3.5 + 0.45 * len(steps)), 1.6 + 0.28 * len(names)), layout="constrained")
     ax = fig.subplots()
@@ -359,7 +396,7 @@ def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]
     ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("optimizer step (each cell: from one SVD cycle to the next)")
-    ax.set_title("AdaptiveSVDSwitch: which matrices train low-rank, and with how many minor components", fontsize=10)
-    fig.colorbar(image, ax=ax, label="low-rank: r / g (number in the cell: r)", shrink=0.9)
+    ax.set_title("AdaptiveSVDSwitch: which matrices train only minor components, and how many", fontsize=10)
+    fig.colorbar(image, ax=ax, label="minor state: r / g (number in the cell: r)", shrink=0.9)
     fig.legend([Patch(color="0.85")], ["full matrix trained"], loc="outside lower right", frameon=False, fontsize=8)
     return fig

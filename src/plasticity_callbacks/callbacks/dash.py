@@ -18,8 +18,9 @@ from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..core.optimizer_state import owning_optimizer
 from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
 from ..core.model_map import WeightView, refuse_factorized, require_targets, select_targets, validate_selection
-from ..core.arguments import check_int, check_number, sorted_int_list
+from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
+from ..core.schedule import Schedule, ScheduleState
 
 RULES = ("periodic", "dash")
 GRADIENT_MODES = ("eval", "train")  # the mode of the paper rule's gradient pass
@@ -37,52 +38,74 @@ class _Layer:
 
 
 class DASHShrink(L.Callback):
-    """Direction-aware shrinking, with the seed's periodic rule or the DASH paper's rule.
+    """Direction-aware shrinking: a periodic rule on the current gradient, or the DASH paper's rule.
 
-    ``rule="periodic"`` (seed design log 000) acts in ``on_before_optimizer_step`` just before
-    the optimizer steps that complete step ``every_n_steps``, ``2·every_n_steps``, ... (counted in
-    optimizer steps, so once per real step under gradient accumulation). It multiplies every
-    row (conv: every (out, in) kernel slice) of a selected weight by
-    ``clamp(1 − rate·clamp(cos(W, grad) − alpha, 0), floor, 1)`` using the current gradient. At that hook the gradients are already all-reduced under DDP
+    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`). Every trigger acts once,
+    also across a resume; several on the same optimizer step act once.
+
+    ``rule="periodic"`` takes step triggers only (``steps``, ``every_n_steps``, task boundaries;
+    default ``Schedule(every_n_steps=2000)``) and acts in ``on_before_optimizer_step`` of the step
+    taken when ``trainer.global_step`` reaches one (counted in optimizer steps, so once per real
+    step under gradient accumulation). It multiplies every row (conv: every (out, in) kernel
+    slice) of a selected weight by ``clamp(1 − rate·clamp(cos(W, grad) − alpha, 0), floor, 1)``
+    using the current gradient. At that hook the gradients are already all-reduced under DDP
     and, with ``precision="16-mixed"``, already unscaled by Lightning's AMP plugin (it calls
     ``scaler.unscale_`` before the hook; an optimizer that unscales inside its own ``step`` would
     leave them scaled, which a cosine does not notice). A scheduled step whose gradients (any
     parameter's) are not all finite is skipped, not postponed: the AMP scaler would skip it too.
 
-    ``rule="dash"`` (Shin et al., NeurIPS 2024) acts in ``on_train_start`` (``at_start``; not again
-    when the fit resumes from a checkpoint written after it) and/or ``on_train_epoch_start`` for
-    the epochs in ``at_epochs``. It accumulates ``G ← (1−ema_alpha)·G + ema_alpha·(−grad)`` over
-    the first ``n_batches`` of the training dataloader (the model's ``training_step``, logging
-    muted, no optimizer step), averages ``G`` over ranks, and multiplies each row
-    (conv: each (out, in) kernel slice) by ``clamp(cos(G, W), lam, 1)``. ``gradient_mode="eval"``
-    runs that pass with the model in eval mode, as the reference code does (its pass follows an
-    evaluation, which leaves the model in eval mode: dropout off, BatchNorm on running statistics);
-    ``"train"`` runs it in train mode (BatchNorm on batch statistics). Gradients, train/eval
-    modes, buffers (BatchNorm statistics) and the RNG state are restored afterwards; optimizer
-    state is left alone, as in the paper. It needs one training dataloader and a ``training_step``
-    that returns the loss (or a dict with ``"loss"``); under manual optimization ``training_step``
-    runs as written, with every optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for
-    the pass (a closure passed to ``step`` still runs), and its ``manual_backward`` gives the gradient.
-    A fit resumed with ``ckpt_path`` counts as
-    the same phase; a new ``trainer.fit`` in the same process (a new phase) shrinks again.
+    ``rule="dash"`` (Shin et al., NeurIPS 2024) takes any trigger (default
+    ``Schedule(at_fit_start=True)``): fit start in ``on_train_start``, epochs in
+    ``on_train_epoch_start``, steps and task boundaries in ``on_train_batch_start``, plateaus in
+    ``on_validation_end``. It accumulates ``G ← (1−ema_alpha)·G + ema_alpha·(−grad)`` over the first
+    ``n_batches`` of the training dataloader (the model's ``training_step``, logging muted, no
+    optimizer step), averages ``G`` over ranks, and multiplies each row (conv: each (out, in) kernel
+    slice) by ``clamp(cos(G, W), lam, 1)``. ``gradient_mode="eval"`` runs that pass with the model in
+    eval mode, as the reference code does (its pass follows an evaluation, which leaves the model in
+    eval mode: dropout off, BatchNorm on running statistics); ``"train"`` runs it in train mode
+    (BatchNorm on batch statistics). Gradients, train/eval modes, buffers (BatchNorm statistics)
+    and the RNG state are restored afterwards; optimizer state is left alone, as in the paper. It
+    needs one training dataloader and a ``training_step`` that returns the loss (or a dict with
+    ``"loss"``); under manual optimization ``training_step`` runs as written, with every
+    optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for the pass (a closure passed
+    to ``step`` still runs), and its ``manual_backward`` gives the gradient.
 
     Targets: :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``/``include``/``exclude``
     as in FIREReinit). With ``shrink_bias=True`` a selected layer's bias is shrunk too, by one
-    factor computed from the whole bias vector (the paper does this; the seed had no biases).
+    factor computed from the whole bias vector, as the paper does.
 
     Muon: ``skip_muon_params=True`` leaves alone every weight that ``torch.optim.Muon`` optimizes
-    (seed "option A"; a layer is skipped with its bias). With ``False`` those weights are shrunk
-    as well: Muon's next updates keep their fixed, norm-independent size and the momentum buffer
-    still holds pre-shrink gradients, so a shrunk row receives a relatively larger update; the
-    seed's "option B" is to accept this only with a large ``every_n_steps`` (2000+).
+    (a layer is skipped with its bias). With ``False`` those weights are shrunk as well: Muon's
+    next updates keep their fixed, norm-independent size and the momentum buffer still holds
+    pre-shrink gradients, so a shrunk row receives a relatively larger update; accept this only
+    with rare shrinks (``every_n_steps`` of 2000 or more).
 
     Logs (prefix ``dash_periodic/`` or ``dash/``): ``shrinks`` (events so far), ``shrunk`` and
     ``shrunk_fraction`` (rows / kernel slices with factor < 1), ``factor_min``, and per layer
     ``<layer>/factor_mean``, ``<layer>/factor_min``, ``<layer>/shrunk``. Sharded strategies
     (FSDP, DeepSpeed) are refused at setup: rows would be split across shards.
 
+    Args:
+        rule: ``periodic`` (current gradient, penalty on misaligned rows) or ``dash`` (the paper's).
+        schedule: when to act (a Schedule or a mapping of its fields); None: the rule's default above.
+        alpha: periodic: cosine threshold above which a row is shrunk.
+        rate: periodic: shrink per unit of cosine above ``alpha``.
+        floor: periodic: smallest factor in one event.
+        lam: dash: smallest factor λ.
+        ema_alpha: dash: EMA coefficient of the negative gradient, in (0, 1].
+        n_batches: dash: training batches averaged (None: one full pass).
+        scope: ``all`` | ``attention`` | ``mlp``: which weights.
+        include: ``fnmatch`` patterns on parameter names to keep.
+        exclude: ``fnmatch`` patterns on parameter names to leave alone.
+        include_conv: also conv kernels.
+        include_head: also the output head.
+        shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
+        skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.
+        log_per_layer: also log the factors per layer.
+        gradient_mode: dash: the gradient pass in ``eval`` mode (the reference code) or ``train`` mode.
+
     Example:
-        >>> dash = DASHShrink(rule="periodic", every_n_steps=2000)
+        >>> dash = DASHShrink(rule="periodic", schedule=Schedule(every_n_steps=2000))
         >>> trainer = L.Trainer(max_steps=10_000, callbacks=[dash])
         >>> trainer.fit(module, datamodule=data)
     """
@@ -90,15 +113,13 @@ class DASHShrink(L.Callback):
     def __init__(
         self,
         rule: str = "periodic",
-        every_n_steps: int = 2000,
+        schedule: Schedule | Mapping | None = None,
         alpha: float = 0.05,
         rate: float = 0.005,
         floor: float = 0.5,
         lam: float = 0.3,
         ema_alpha: float = 0.3,
         n_batches: int | None = 32,
-        at_start: bool = True,
-        at_epochs: Sequence[int] | None = None,
         scope: str = "all",
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
@@ -111,8 +132,13 @@ class DASHShrink(L.Callback):
     ):
         if rule not in RULES:
             raise ValueError(f"rule={rule!r} is not one of {RULES}")
+        if schedule is None:
+            schedule = Schedule(every_n_steps=2000) if rule == "periodic" else Schedule(at_fit_start=True)
+        self.schedule = Schedule.build(schedule, "DASHShrink")
+        if rule == "periodic":
+            self.schedule.require_step_triggers("DASHShrink(rule='periodic')",
+                                                "uses the step's gradient (rule='dash' acts at any trigger)")
         validate_selection(scope, include, exclude)
-        check_int("every_n_steps", every_n_steps)
         check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
         check_number("alpha", alpha, -1.0, 1.0, "(a cosine threshold)")
         check_number("rate", rate, 0.0)
@@ -121,46 +147,39 @@ class DASHShrink(L.Callback):
         check_number("ema_alpha", ema_alpha, 0.0, 1.0)
         if ema_alpha == 0:
             raise ValueError("ema_alpha=0 must lie in (0, 1]: the EMA would never see a gradient")
-        for name, value in (("at_start", at_start), ("include_conv", include_conv), ("include_head", include_head),
+        for name, value in (("include_conv", include_conv), ("include_head", include_head),
                             ("shrink_bias", shrink_bias), ("skip_muon_params", skip_muon_params),
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
         if gradient_mode not in GRADIENT_MODES:
             raise ValueError(f"gradient_mode={gradient_mode!r} is not one of {GRADIENT_MODES}")
-        at_epochs = sorted_int_list("at_epochs", at_epochs)
-        if rule == "periodic" and at_epochs:
-            raise ValueError("at_epochs applies to rule='dash'; rule='periodic' acts every every_n_steps steps")
-        if rule == "dash" and not at_start and not at_epochs:
-            raise ValueError("rule='dash' needs at_start=True or some at_epochs, otherwise it never acts")
-        include = list(include) if include is not None else None  # Hydra ListConfig -> plain list (pickles)
+        include = list(include) if include is not None else None  # any Sequence -> a plain list (pickles)
         exclude = list(exclude) if exclude is not None else None
-        self.rule, self.every_n_steps = rule, every_n_steps
+        self.rule = rule
         self.alpha, self.rate, self.floor = alpha, rate, floor
         self.lam, self.ema_alpha, self.n_batches = lam, ema_alpha, n_batches
-        self.at_start, self.at_epochs = at_start, at_epochs
         self.scope, self.include, self.exclude = scope, include, exclude
         self.include_conv, self.include_head, self.shrink_bias = include_conv, include_head, shrink_bias
         self.skip_muon_params, self.log_per_layer = skip_muon_params, log_per_layer
         self.gradient_mode = gradient_mode
         self.prefix = "dash_periodic" if rule == "periodic" else "dash"
+        self.firing = ScheduleState(self.schedule, "DASHShrink")
         self._layers: list[_Layer] = []
         # Counters saved in checkpoints.
         self.shrinks = 0
         self.skipped_nonfinite = 0
         self.last_shrink_step = -1
-        self.start_done = False
-        self.epochs_done: list[int] = []
-        self._resumed_after_start = False
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(rule=self.rule, every_n_steps=self.every_n_steps, at_epochs=self.at_epochs,
-                                        scope=self.scope, include=self.include, exclude=self.exclude)
+        return self._generate_state_key(rule=self.rule, schedule=self.schedule.describe(), scope=self.scope,
+                                        include=self.include, exclude=self.exclude)
 
     # ----------------------------------------------------------------------------------- hooks
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.firing.begin_fit(stage)
         # Row-wise math would run under FSDP on flat shards whose rows are split: refuse, as FIRE does.
         require_full_parameters(trainer, "DASHShrink")
 
@@ -168,21 +187,20 @@ class DASHShrink(L.Callback):
         self._layers = self._select_layers(trainer, pl_module)  # optimizers exist only from here on
 
     def on_train_start(self, trainer, pl_module) -> None:
-        resumed, self._resumed_after_start = self._resumed_after_start, False
-        if self.rule == "dash" and self.at_start and not resumed:
-            self._paper_shrink(trainer, pl_module)
-            self.start_done = True
+        self._paper_shrink_if(self.firing.due_at_train_start(trainer), trainer, pl_module)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        epoch = trainer.current_epoch
-        if self.rule != "dash" or epoch not in self.at_epochs or epoch in self.epochs_done:
-            return
-        self.epochs_done.append(epoch)
-        if self.last_shrink_step != trainer.global_step:  # at_start already shrank at this very point
-            self._paper_shrink(trainer, pl_module)
+        self._paper_shrink_if(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.rule == "dash":
+            self._paper_shrink_if(self.firing.due_at_step(trainer), trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._paper_shrink_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.rule != "periodic" or (trainer.global_step + 1) % self.every_n_steps:
+        if self.rule != "periodic" or self.firing.due_at_step(trainer) is None:
             return
         if not _all_finite([p.grad for p in pl_module.parameters() if p.grad is not None]):
             self.skipped_nonfinite += 1
@@ -194,19 +212,16 @@ class DASHShrink(L.Callback):
         self._shrink(trainer, pl_module, lambda param: param.grad, factors, on_step=True)
 
     def state_dict(self) -> dict:
-        return {"shrinks": self.shrinks, "skipped_nonfinite": self.skipped_nonfinite,
-                "last_shrink_step": self.last_shrink_step, "start_done": self.start_done,
-                "epochs_done": list(self.epochs_done)}
+        return {"schedule": self.firing.state_dict(), "shrinks": self.shrinks,
+                "skipped_nonfinite": self.skipped_nonfinite, "last_shrink_step": self.last_shrink_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_state(self, state_dict, {"shrinks": int, "skipped_nonfinite": int, "last_shrink_step": int,
-                                       "start_done": bool, "epochs_done": list})
+        check_state(self, state_dict, {"schedule": dict, "shrinks": int, "skipped_nonfinite": int,
+                                       "last_shrink_step": int})
+        self.firing.load_state_dict(state_dict["schedule"])
         self.shrinks = state_dict["shrinks"]
         self.skipped_nonfinite = state_dict["skipped_nonfinite"]
         self.last_shrink_step = state_dict["last_shrink_step"]
-        self.start_done = state_dict["start_done"]
-        self.epochs_done = list(state_dict["epochs_done"])
-        self._resumed_after_start = self.start_done  # the resumed fit is the same phase: no second shrink
 
     # ------------------------------------------------------------------------------- internals
 
@@ -271,6 +286,10 @@ class DASHShrink(L.Callback):
                 pl_module.log(f"{self.prefix}/{name}/factor_mean", f.mean(), **opts)
                 pl_module.log(f"{self.prefix}/{name}/factor_min", f.min(), **opts)
                 pl_module.log(f"{self.prefix}/{name}/shrunk", (f < 1).sum().float(), **opts)
+
+    def _paper_shrink_if(self, reason: str | None, trainer, pl_module) -> None:
+        if reason is not None and self.rule == "dash":
+            self._paper_shrink(trainer, pl_module)
 
     def _paper_shrink(self, trainer, pl_module) -> None:
         directions = self._negative_gradient_ema(trainer, pl_module)

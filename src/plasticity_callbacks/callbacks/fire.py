@@ -2,38 +2,32 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.distributed import all_reduce_mean, require_full_parameters
-from ..functional.isometry import FireRecord, apply_fire, validate_fire_options
+from ..functional.isometry import FIREOptions, FireRecord, apply_fire
 from ..core.optimizer_state import leaf_optimizers
-from ..functional.spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
+from ..core.schedule import Schedule, ScheduleState
 from ..core.model_map import require_targets, select_targets, validate_selection
-from ..core.arguments import check_int, sorted_int_list
-from ..core.callback_state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+from ..core.arguments import build_options, check_int
+from ..core.callback_state import OPTIONAL_INT, check_state
 
 
 class FIREReinit(L.Callback):
     """Replace the selected weights by ``scale · polar(W)``, the nearest isometry, and reset their optimizer state.
 
-    When (any combination; each application happens once, also across a resume):
-      * ``at_fit_start``: in ``on_train_start`` (a phase boundary: the fit continues from earlier
-        weights). A fit resumed with ``ckpt_path`` whose checkpoint already records it does not repeat it.
-      * ``epochs`` / ``every_n_epochs``: in ``on_train_epoch_start`` of those epochs (0-based; ``every_n_epochs``
-        skips epoch 0).
-      * ``steps``: in ``on_train_batch_start`` once ``trainer.global_step`` (optimizer steps taken) equals one.
-      * ``monitor``: in ``on_validation_end`` when the (rank-averaged) metric has not improved by
-        ``min_delta`` for ``patience`` validations (EarlyStopping's rule); then ``cooldown`` validations
-        pass before counting again, and the best value restarts from the post-FIRE loss.
+    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; default: once at fit start,
+    in ``on_train_start``). Epoch triggers act in ``on_train_epoch_start``, step triggers and task
+    boundaries in ``on_train_batch_start`` (so the new step already trains the new weights), plateaus
+    in ``on_validation_end``. Each trigger acts once, also across a resume.
 
     What changes: the target weights (see :func:`plasticity_callbacks.functional.isometry.apply_fire`) and the
-    optimizer state of exactly those weights (``reset_optimizer``). With ``rewarmup_steps = K`` the
+    optimizer state of exactly those weights (``options.reset_optimizer``). With ``rewarmup_steps = K`` the
     learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
     each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
     scheduler steps, so the user's scheduler is neither replaced nor disturbed.
@@ -43,85 +37,51 @@ class FIREReinit(L.Callback):
     saves singular-value spectra before/after as a figure in the logger's directory.
     Every rank computes the same deterministic result; sharded strategies are refused at setup.
 
+    Args:
+        schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
+        options: how to orthogonalize and rescale (:class:`~plasticity_callbacks.functional.isometry.FIREOptions`
+            or a mapping of its fields); None: its defaults (Polar Express to ``tol=1e-5``, ``√(d_out/d_in)``).
+        scope: ``all`` | ``attention`` | ``mlp``: which weights.
+        include: ``fnmatch`` patterns on parameter names to keep (None: all in ``scope``).
+        exclude: ``fnmatch`` patterns on parameter names to leave alone.
+        include_conv: also conv kernels (one polar factor per spatial tap).
+        include_head: also the output head.
+        rewarmup_steps: re-warm the learning rate linearly over this many steps after each application.
+        log_per_layer: also log DfI and SFE per weight.
+        save_spectra: save a figure of the singular values before/after each application.
+
     Example:
-        >>> fire = FIREReinit(at_fit_start=True, scope="attention", method="polar_express")
+        >>> fire = FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))
         >>> trainer = L.Trainer(callbacks=[fire], max_steps=1000)
         >>> trainer.fit(model, datamodule=next_phase_data)
     """
 
     def __init__(
         self,
-        at_fit_start: bool = True,
-        epochs: Sequence[int] | None = None,
-        every_n_epochs: int | None = None,
-        steps: Sequence[int] | None = None,
-        monitor: str | None = None,
-        patience: int = 3,
-        min_delta: float = 0.0,
-        mode: str = "min",
-        cooldown: int = 0,
-        max_plateau_applications: int | None = None,
+        schedule: Schedule | Mapping | None = None,
+        options: FIREOptions | Mapping | None = None,
         scope: str = "all",
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         include_conv: bool = True,
         include_head: bool = False,
-        method: str = "polar_express",
-        normalize: str | None = None,
-        iters: int | None = None,
-        tol: float | None = 1e-5,
-        check_every: int = 1,
-        dtype: str = "float32",
-        scale: str | float = "sqrt_dout_din",
-        on_degenerate: str = "skip",
-        reset_optimizer: bool = True,
         rewarmup_steps: int = 0,
         log_per_layer: bool = False,
         save_spectra: bool = False,
     ):
         super().__init__()
-        self.epochs = sorted_int_list("epochs", epochs)
-        self.steps = sorted_int_list("steps", steps)
-        check_int("every_n_epochs", every_n_epochs, minimum=1, optional=True)
-        check_int("patience", patience, minimum=1)
-        check_int("cooldown", cooldown, minimum=0)
-        check_int("max_plateau_applications", max_plateau_applications, minimum=1, optional=True)
+        self.schedule = Schedule(at_fit_start=True) if schedule is None else Schedule.build(schedule, "FIREReinit")
+        self.options = FIREOptions() if options is None else build_options(FIREOptions, options, "FIREReinit",
+                                                                             "options")
         check_int("rewarmup_steps", rewarmup_steps, minimum=0)
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode={mode!r} is not one of ('min', 'max')")
-        if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
-            raise ValueError(f"min_delta={min_delta!r} must be a non-negative number")
         validate_selection(scope, include, exclude)
-        if normalize is not None and normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZATIONS} or None "
-                             f"(default per method: {DEFAULT_NORMALIZE})")
-        if method == "polar_express" and normalize == "spectral":
-            raise ValueError("normalize='spectral' is unsafe for method='polar_express'; use 'gram' or 'frobenius'")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {tuple(_DTYPES)}")
-        if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
-            raise ValueError(f"tol={tol!r} must be a positive number or None")
-        check_int("iters", iters, minimum=1, optional=True)
-        check_int("check_every", check_every, minimum=1)
-        validate_fire_options(method, scale, on_degenerate)
-        if not (at_fit_start or self.epochs or every_n_epochs or self.steps or monitor):
-            raise ValueError("FIREReinit has no trigger: set at_fit_start, epochs, every_n_epochs, steps or monitor")
-        self.at_fit_start, self.every_n_epochs = at_fit_start, every_n_epochs
-        self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, float(min_delta), mode
-        self.cooldown, self.max_plateau_applications = cooldown, max_plateau_applications
         self.selection = dict(scope=scope, include=list(include) if include else None,
                               exclude=list(exclude) if exclude else None, include_conv=include_conv,
                               include_head=include_head)
-        self.fire_options = dict(method=method, normalize=normalize, iters=iters, tol=tol, check_every=check_every,
-                                 dtype=_DTYPES[dtype], scale=scale, on_degenerate=on_degenerate,
-                                 reset_optimizer=reset_optimizer)
         self.rewarmup_steps, self.log_per_layer, self.save_spectra = rewarmup_steps, log_per_layer, save_spectra
-        # State that survives a resume (state_dict): which applications happened, plateau counters, warmup.
-        self.applied: list[str] = []  # "fit_start", "epoch:3", "step:100", "plateau:250"
-        self.history: list[dict[str, Any]] = []  # per application: key, global_step, mean DfI before/after
-        self.best: float | None = None
-        self.wait = 0
-        self.cooldown_left = 0
+        self.firing = ScheduleState(self.schedule, "FIREReinit")
+        # State that survives a resume (state_dict): the schedule's, the applications' summaries, warmup.
+        self.history: list[dict[str, Any]] = []  # per application: reason, global_step, mean DfI before/after
         self.warmup_start: int | None = None  # global step of the first re-warmed step
         self.last_records: list[FireRecord] = []
         self._pending_logs: dict[str, float] = {}
@@ -129,13 +89,13 @@ class FIREReinit(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(scope=self.selection["scope"], method=self.fire_options["method"],
-                                        at_fit_start=self.at_fit_start, epochs=self.epochs,
-                                        every_n_epochs=self.every_n_epochs, steps=self.steps, monitor=self.monitor)
+        return self._generate_state_key(scope=self.selection["scope"], method=self.options.method,
+                                        schedule=self.schedule.describe())
 
     # ------------------------------------------------------------------------------------- hooks
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.firing.begin_fit(stage)
         require_full_parameters(trainer, "FIREReinit")
         require_targets(select_targets(pl_module, **self.selection), "FIREReinit", self.selection["scope"],
                         self.selection["include"], self.selection["exclude"])
@@ -143,45 +103,20 @@ class FIREReinit(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.rewarmup_steps:
             self._install_rewarmup_hooks(trainer)
-        if self.at_fit_start:
-            self._apply_once("fit_start", trainer, pl_module)
+        self._apply(self.firing.due_at_train_start(trainer), trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        epoch = trainer.current_epoch
-        periodic = self.every_n_epochs is not None and epoch > 0 and epoch % self.every_n_epochs == 0
-        if epoch in self.epochs or periodic:
-            self._apply_once(f"epoch:{epoch}", trainer, pl_module)
+        self._apply(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        if trainer.global_step in self.steps:
-            self._apply_once(f"step:{trainer.global_step}", trainer, pl_module)
+        self._apply(self.firing.due_at_step(trainer), trainer, pl_module)
         if self._pending_logs:
             for name, value in self._pending_logs.items():
                 pl_module.log(name, value, on_step=True, on_epoch=False)
             self._pending_logs = {}
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.monitor is None or trainer.sanity_checking:
-            return
-        value = trainer.callback_metrics.get(self.monitor)
-        if value is None:
-            raise RuntimeError(f"FIREReinit(monitor={self.monitor!r}): metric not logged; available: "
-                               f"{sorted(trainer.callback_metrics)}")
-        # Ranks may log different local values: decide on the mean so every rank acts alike.
-        value = float(all_reduce_mean(trainer, torch.as_tensor(value, dtype=torch.float64, device=pl_module.device)))
-        if self.cooldown_left > 0:
-            self.cooldown_left -= 1
-            self.best = value if self._improved(value) else self.best
-            return
-        if self._improved(value):
-            self.best, self.wait = value, 0
-            return
-        self.wait += 1
-        plateau_count = sum(key.startswith("plateau:") for key in self.applied)
-        limit_reached = self.max_plateau_applications is not None and plateau_count >= self.max_plateau_applications
-        if self.wait >= self.patience and not limit_reached:
-            if self._apply_once(f"plateau:{trainer.global_step}", trainer, pl_module):
-                self.best, self.wait, self.cooldown_left = None, 0, self.cooldown
+        self._apply(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_rewarmup_hooks()
@@ -190,35 +125,27 @@ class FIREReinit(L.Callback):
         self._remove_rewarmup_hooks()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"applied": list(self.applied), "history": list(self.history), "best": self.best, "wait": self.wait,
-                "cooldown_left": self.cooldown_left, "warmup_start": self.warmup_start}
+        return {"schedule": self.firing.state_dict(), "history": list(self.history),
+                "warmup_start": self.warmup_start}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state(self, state_dict, {"applied": list, "history": list, "best": OPTIONAL_NUMBER, "wait": int,
-                                       "cooldown_left": int, "warmup_start": OPTIONAL_INT})
-        self.applied = list(state_dict["applied"])
+        check_state(self, state_dict, {"schedule": dict, "history": list, "warmup_start": OPTIONAL_INT})
+        self.firing.load_state_dict(state_dict["schedule"])
         self.history = list(state_dict["history"])
-        self.best, self.wait = state_dict["best"], state_dict["wait"]
-        self.cooldown_left, self.warmup_start = state_dict["cooldown_left"], state_dict["warmup_start"]
+        self.warmup_start = state_dict["warmup_start"]
 
     # ----------------------------------------------------------------------------------- actions
 
-    def _improved(self, value: float) -> bool:
-        if self.best is None:
-            return True
-        return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
-
-    def _apply_once(self, key: str, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
-        if key in self.applied:
-            return False
+    def _apply(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if reason is None:
+            return
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            records = apply_fire(pl_module, trainer.optimizers, record_spectra=self.save_spectra, **self.selection,
-                                 **self.fire_options)
+            records = apply_fire(pl_module, trainer.optimizers, self.options, record_spectra=self.save_spectra,
+                                 **self.selection)
         for warning in caught:  # all-zero weights (fresh zero-initialized projections) are summed up below
             if not any(r.skipped == "zero" and r.name in str(warning.message) for r in records):
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-        self.applied.append(key)
         self.last_records = records
         if self.rewarmup_steps:
             self.warmup_start = trainer.global_step
@@ -228,7 +155,7 @@ class FIREReinit(L.Callback):
         summary = {
             "fire/dfi_before": _mean(r.dfi_before for r in done), "fire/dfi_after": _mean(r.dfi_after for r in done),
             "fire/sfe": sum(r.sfe for r in done), "fire/sfe_normalized": _mean(r.sfe_normalized for r in done),
-            "fire/seconds": seconds, "fire/applications": float(len(self.applied)),
+            "fire/seconds": seconds, "fire/applications": float(len(self.history) + 1),
             "fire/layers": float(len(done)),
         }
         if self.log_per_layer:
@@ -237,23 +164,25 @@ class FIREReinit(L.Callback):
                 summary[f"fire/dfi_after/{r.name}"] = r.dfi_after
                 summary[f"fire/sfe/{r.name}"] = r.sfe
         self._pending_logs.update(summary)
-        self.history.append({"key": key, "global_step": trainer.global_step, "dfi_before": summary["fire/dfi_before"],
-                             "dfi_after": summary["fire/dfi_after"], "layers": len(done)})
+        self.history.append({"reason": reason, "global_step": trainer.global_step,
+                             "dfi_before": summary["fire/dfi_before"], "dfi_after": summary["fire/dfi_after"],
+                             "layers": len(done)})
         if not done:  # never a silent no-op: every selected weight was zero, non-finite or 1-D
-            rank_zero_warn(f"FIREReinit[{key}]: no weight was orthogonalized{_skipped_summary(records)}. "
+            rank_zero_warn(f"FIREReinit ({reason}): no weight was orthogonalized{_skipped_summary(records)}. "
                            "Check the selection (scope/include/exclude) or the weights themselves.")
-        rank_zero_info(f"FIREReinit[{key}]: {len(done)} weights orthogonalized at step {trainer.global_step} in "
+        rank_zero_info(f"FIREReinit ({reason}): {len(done)} weights orthogonalized at step {trainer.global_step} in "
                        f"{seconds:.3f}s, mean DfI {summary['fire/dfi_before']:.3g} -> {summary['fire/dfi_after']:.3g}"
                        + _skipped_summary(records))
         if self.save_spectra and done:
-            self._save_spectra(trainer, key, done)
-        return True
+            name = "fit_start" if reason == "fit start" else f"step_{trainer.global_step}"
+            self._save_spectra(trainer, name, done, reason)
 
-    def _save_spectra(self, trainer: L.Trainer, key: str, records: list[FireRecord]) -> None:
+    def _save_spectra(self, trainer: L.Trainer, name: str, records: list[FireRecord], reason: str) -> None:
         from ..core.figures import save_figure
 
-        fig = spectra_figure(records, f"FIRE at {key}: singular values of each treated weight")
-        save_figure(fig, trainer, f"fire_spectra_{key.replace(':', '_')}")
+        fig = spectra_figure(records, f"FIRE at {reason} (step {trainer.global_step}): singular values of each "
+                                      "treated weight")
+        save_figure(fig, trainer, f"fire_spectra_{name}")
 
     # ------------------------------------------------------------------------------ LR re-warmup
 

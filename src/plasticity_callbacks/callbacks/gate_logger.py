@@ -5,6 +5,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from ..core.arguments import check_int
+
 
 def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every submodule exposing ``gate_values() -> {name: scalar tensor}`` (the reciprocal blocks)."""
@@ -15,10 +17,14 @@ class GateLogger(L.Callback):
     """Logs each gated block's ``sigmoid(skip)`` gates, pathway weights and ``α`` as
     ``gates/<module>/<name>`` (e.g. ``gates/model.blocks.0.attn/gate_rec``), plus the binary
     decision ``gates/<module>/<pathway>_on`` (gate > 0.5). The forward pass always gates softly;
-    the decisions exist only here, as in seed 002.
+    the decisions exist only here, for reading.
 
     Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps; changes nothing.
     Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank.
+
+    Args:
+        every_n_steps: optimizer steps between two logs (a logging cadence, not a plasticity action).
+        log_decisions: also log the binary ``<pathway>_on`` decisions.
 
     Example:
         >>> module = GPTLightningModule({"attention": "reciprocal", "mlp": "reciprocal"})
@@ -27,8 +33,7 @@ class GateLogger(L.Callback):
     """
 
     def __init__(self, every_n_steps: int = 50, log_decisions: bool = True):
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+        check_int("every_n_steps", every_n_steps)
         if not isinstance(log_decisions, bool):
             raise ValueError(f"log_decisions must be true or false, got {log_decisions!r}")
         self.every_n_steps, self.log_decisions = every_n_steps, log_decisions

@@ -16,6 +16,7 @@ from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weigh
                               validate_patterns)
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
+from ..core.schedule import Schedule, ScheduleState
 
 CALLBACK_INITS = ("init_std", "model", *INITS)
 
@@ -48,12 +49,14 @@ class ReDoMonitor(L.Callback):
     A neuron that stops firing counts as dead at τ = 0 only once its EMA has decayed below ~1e-8
     of the layer mean (≈ 175 collections at ``ema_decay=0.9``): a lagging indicator by design.
 
-    **Recycles** (off unless ``recycle_every_n_steps`` is set) in ``on_train_batch_end`` at optimizer
-    steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.reinit_incoming``
-    (every layer first, then ``dormancy.zero_outgoing``, the reference's order) re-samples the
-    τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
-    layer's weight std recorded at the start of fit, i.e. its own init scale; ``init="model"``: rows of
-    a fresh draw by the layer's own init code, Hugging Face ``_init_weights`` included), zeroes their biases,
+    **Recycles** (off unless a ``schedule`` is given) when the schedule says so: step triggers and
+    task boundaries in ``on_train_batch_end`` (after the step whose statistics it uses), epoch
+    triggers in ``on_train_epoch_start``, plateaus in ``on_validation_end``; each trigger once, also
+    across a resume. ``dormancy.reinit_incoming`` (every layer first, then ``dormancy.zero_outgoing``,
+    the reference's order) re-samples the τ-dormant neurons' incoming rows (``init="init_std"``:
+    ``N(0, σ)`` with σ the layer's weight std recorded at the start of fit, i.e. its own init scale;
+    ``init="model"``: rows of a fresh draw by the layer's own init code, Hugging Face
+    ``_init_weights`` included), zeroes their biases,
     outgoing columns and the optimizer moments of exactly those slices, and logs
     ``redo/recycled[/layer]``. The output head's units are never recycled.
 
@@ -63,8 +66,23 @@ class ReDoMonitor(L.Callback):
     Sharded strategies are refused in ``setup``. Hooks are removed in ``on_fit_end``/``teardown``;
     EMA, counters and recorded init scales are kept in ``state_dict``.
 
+    Args:
+        tau: a neuron is dormant when its score (mean ``|h|`` over the layer's mean) is ``<= tau``.
+        collect_every_n_steps: training steps whose activations update the statistics (1: every step).
+        log_every_n_steps: optimizer steps between two logs of the dormant fractions.
+        ema_decay: weight of the past in the per-neuron EMA, in [0, 1).
+        schedule: when to recycle (a Schedule or a mapping of its fields; not at fit start, where
+            there are no statistics yet); None: monitor only.
+        init: how recycled rows are drawn: ``init_std`` (``N(0, σ)``, σ the layer's std at fit start),
+            ``model`` (a fresh draw by the model's own init code), ``weight_std`` (σ now), ``default``
+            (the layer's ``reset_parameters``) or ``xavier_uniform``.
+        layer_map: ``{name: (up | [gate, up], down)}`` by module names; None: found automatically.
+        exclude: ``fnmatch`` patterns on parameter names whose layers are not watched.
+        plot_scores: save a histogram of the scores per layer at the end of training.
+        seed: mixed with the global step and layer into the re-sampling generator.
+
     Example:
-        >>> redo = ReDoMonitor(tau=0.025, recycle_every_n_steps=1000)
+        >>> redo = ReDoMonitor(tau=0.025, schedule=Schedule(every_n_steps=1000))
         >>> trainer = L.Trainer(callbacks=[redo], max_steps=10_000)
         >>> trainer.fit(module, datamodule)   # logs redo/dormant, redo/dead, redo/recycled
     """
@@ -75,9 +93,7 @@ class ReDoMonitor(L.Callback):
         collect_every_n_steps: int = 10,
         log_every_n_steps: int = 100,
         ema_decay: float = 0.9,
-        recycle_every_n_steps: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
+        schedule: Schedule | Mapping | None = None,
         init: str = "init_std",
         layer_map: Mapping | None = None,
         exclude: Sequence[str] | None = None,
@@ -90,9 +106,10 @@ class ReDoMonitor(L.Callback):
         check_int("log_every_n_steps", log_every_n_steps)
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
             raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1)")
-        check_int("recycle_every_n_steps", recycle_every_n_steps, optional=True, hint="(None = no recycling)")
-        check_int("start_step", start_step, minimum=0)
-        check_int("end_step", end_step, minimum=start_step, optional=True, hint="(start_step)")
+        self.schedule = None if schedule is None else Schedule.build(schedule, "ReDoMonitor")
+        if self.schedule is not None and self.schedule.at_fit_start:
+            raise ValueError("ReDoMonitor schedule.at_fit_start=True: recycling needs statistics, and at fit start "
+                             "there are none yet; use steps, every_n_steps, epochs, task boundaries or a plateau")
         if init not in CALLBACK_INITS:
             raise ValueError(f"init={init!r} is not one of {CALLBACK_INITS}")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -101,13 +118,12 @@ class ReDoMonitor(L.Callback):
         self.layer_map = _validate_layer_map(layer_map)
         self.tau, self.ema_decay, self.init = float(tau), float(ema_decay), init
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps
-        self.recycle_every_n_steps, self.start_step, self.end_step = recycle_every_n_steps, start_step, end_step
         self.exclude, self.plot_scores, self.seed = list(exclude) if exclude else None, plot_scores, seed
 
         self.layers: list[NeuronLayer] = []
         self.collections = 0  # training batches whose activations entered the EMA
         self.last_logged_step = -1
-        self.last_recycled_step = -1
+        self.firing = None if self.schedule is None else ScheduleState(self.schedule, "ReDoMonitor")
         self._ema: torch.Tensor | None = None  # flat over layers: EMA of mean |h| per neuron
         self._observed: torch.Tensor | None = None  # per neuron: seen since fit start or its recycling
         self._recycled: torch.Tensor | None = None  # neurons recycled so far, per layer
@@ -123,10 +139,13 @@ class ReDoMonitor(L.Callback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(tau=self.tau, collect=self.collect_every_n_steps,
-                                        recycle=self.recycle_every_n_steps, layers=sorted(self.layer_map or {}))
+                                        recycle=self.schedule.describe() if self.schedule else None,
+                                        layers=sorted(self.layer_map or {}))
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.firing is not None:
+            self.firing.begin_fit(stage)
         require_full_parameters(trainer, "ReDoMonitor")
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
@@ -216,6 +235,18 @@ class ReDoMonitor(L.Callback):
         self._seen = True
 
     # ------------------------------------------------------------------ decisions
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.firing is not None:
+            self.firing.due_at_train_start(trainer)  # starts the schedule's clock; at_fit_start is refused
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.firing is not None:
+            self._recycle_if(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.firing is not None:
+            self._recycle_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._collecting and not self._seen and pl_module.training:
             raise RuntimeError(
@@ -225,20 +256,25 @@ class ReDoMonitor(L.Callback):
                 "compiled forward, or give the blocks a hidden_observer slot (see models/blocks/mlp.py).")
         self._collecting = False
         step = trainer.global_step
+        recycle = self.firing.due_at_step(trainer) if self.firing is not None else None
         log_now = step % self.log_every_n_steps == 0 and step != self.last_logged_step
-        recycle_now = (self.recycle_every_n_steps is not None and step % self.recycle_every_n_steps == 0
-                       and step != self.last_recycled_step and step >= self.start_step
-                       and (self.end_step is None or step <= self.end_step))
-        if self.collections == 0 or not (log_now or recycle_now) or step == 0:
+        if self.collections == 0 or not (log_now or recycle) or step == 0:
             return
         scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
         self._warn_unobserved()
         if log_now:
             self.last_logged_step = step
             self._log_fractions(pl_module, scores)
-        if recycle_now:
-            self.last_recycled_step = step
+        if recycle:
             self._recycle(trainer, pl_module, self.dormant_masks(scores, self.tau), step)
+
+    def _recycle_if(self, reason: str | None, trainer, pl_module) -> None:
+        if reason is None:
+            return
+        if self.collections == 0:
+            rank_zero_warn(f"ReDoMonitor ({reason}): no training step observed yet in this fit; nothing recycled")
+            return
+        self._recycle(trainer, pl_module, self.dormant_masks(self.scores(trainer), self.tau), trainer.global_step)
 
     def scores(self, trainer=None) -> dict[str, torch.Tensor]:
         """Score per neuron for each layer. With ``trainer`` under DDP the statistics are first averaged
@@ -286,8 +322,9 @@ class ReDoMonitor(L.Callback):
                              for m in (layer.up, layer.gate, layer.down))]
         if factorized:
             raise RuntimeError(f"ReDoMonitor: layers {factorized} are factorized by "
-                               "AdaptiveSVDSwitch(mode='factorize'), so recycled rows and columns would not reach the effective weight; use "
-                               "AdaptiveSVDSwitch(mode='project') or exclude them from one of the two callbacks")
+                               "AdaptiveSVDSwitch(minor_training='factorize'), so recycled rows and columns would not "
+                               "reach the effective weight; use AdaptiveSVDSwitch(minor_training='project') or exclude "
+                               "them from one of the two callbacks")
         offset, counts = 0, []
         for index, layer in enumerate(self.layers):
             generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
@@ -319,10 +356,10 @@ class ReDoMonitor(L.Callback):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:
-            from ..core.figures import save_figure
-            import matplotlib.pyplot as plt
+            from ..core.figures import new_figure, save_figure
 
-            fig, axes = plt.subplots(len(scores), 1, figsize=(6, 1.8 * len(scores)), squeeze=False)
+            fig = new_figure(figsize=(6, 1.8 * len(scores)))
+            axes = fig.subplots(len(scores), 1, squeeze=False)
             for ax, (name, s) in zip(axes[:, 0], scores.items()):
                 ax.hist(s.cpu().numpy(), bins=50)
                 ax.axvline(self.tau, color="red", linestyle="--", label=f"tau={self.tau}")
@@ -341,15 +378,17 @@ class ReDoMonitor(L.Callback):
                 "recycled": self._recycled.cpu().clone(), "init_std": self._init_std.cpu().clone(),
                 "nonfinite_batches": self._nonfinite.cpu().clone(),
                 "collections": self.collections, "last_logged_step": self.last_logged_step,
-                "last_recycled_step": self.last_recycled_step}
+                "schedule": None if self.firing is None else self.firing.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
             return
         check_state(self, state_dict, {"layers": list, "widths": list, "ema": torch.Tensor, "observed": torch.Tensor,
                                        "recycled": torch.Tensor, "init_std": torch.Tensor, "collections": int,
-                                       "last_logged_step": int, "last_recycled_step": int},
+                                       "last_logged_step": int, "schedule": (dict, type(None))},
                     optional={"nonfinite_batches": torch.Tensor})
+        if self.firing is not None and state_dict.get("schedule") is not None:
+            self.firing.load_state_dict(state_dict["schedule"])
         self._pending_state = dict(state_dict)
         if self._ema is not None:  # strategies that restore after on_fit_start
             self._apply_state(self._pending_state)
@@ -368,7 +407,7 @@ class ReDoMonitor(L.Callback):
         self._nonfinite.copy_(state.get("nonfinite_batches", torch.zeros_like(self._nonfinite)))
         self._init_std = state["init_std"].to(self._ema.device)
         self.collections = state["collections"]
-        self.last_logged_step, self.last_recycled_step = state["last_logged_step"], state["last_recycled_step"]
+        self.last_logged_step = state["last_logged_step"]
         self._pending_state = None
 
 
@@ -396,7 +435,7 @@ def _init_stds(layer: NeuronLayer) -> torch.Tensor:
 
 
 def _validate_layer_map(layer_map) -> dict | None:
-    """``{name: (up | [gate, up], down)}`` with module names; Hydra's DictConfig/ListConfig accepted."""
+    """``{name: (up | [gate, up], down)}`` with module names; any Mapping / Sequence types accepted."""
     if layer_map is None:
         return None
     error = ValueError(f"layer_map={layer_map!r} must map a name to (up_name | [gate_name, up_name], down_name)")

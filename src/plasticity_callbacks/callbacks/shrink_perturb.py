@@ -1,7 +1,8 @@
-"""``ShrinkPerturb``: Ash & Adams' warm-starting fix, ``θ ← λ·θ + p·θ_fresh``, once at fit start."""
+"""``ShrinkPerturb``: Ash & Adams' warm-starting fix, ``θ ← λ·θ + p·θ_fresh``, on a schedule."""
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 
 import lightning as L
 import torch
@@ -12,6 +13,7 @@ from ..core.distributed import rank_identical_generator, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
+from ..core.schedule import Schedule, ScheduleState
 from ..functional import factorization
 from ..core.callback_state import check_state
 
@@ -26,32 +28,39 @@ def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrin
 class ShrinkPerturb(L.Callback):
     """Shrink & Perturb (Ash & Adams, NeurIPS 2020): ``θ ← shrink·θ + perturb·θ_fresh``.
 
-    Acts once, in ``on_fit_start`` (after a checkpoint is restored, before the first step), on
-    every selected parameter; ``θ_fresh`` is a fresh initialization of the same model by its
-    own init code (:func:`plasticity_callbacks.core.model_map.fresh_parameters`: Hugging Face
-    ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
-    ``reset_parameters``), drawn from a generator seeded identically on every rank. A resumed
-    run does not apply it again. A selected parameter that no init reaches (a bare
-    ``nn.Parameter`` of the LightningModule) and a matrix whose fresh draw equals its current
-    value are named: the first is an error (exclude it or give its module ``reset_parameters()``),
-    the second a warning.
-    A weight factorized by ``AdaptiveSVDSwitch(mode="factorize")`` is treated as its effective
-    weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
+    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; default: once at fit
+    start, in ``on_train_start``, after a checkpoint is restored and before the first step). Epoch
+    triggers act in ``on_train_epoch_start``, step triggers and task boundaries in
+    ``on_train_batch_start``, plateaus in ``on_validation_end``; each trigger acts once, also across
+    a resume. What changes: every selected parameter; ``θ_fresh`` is a fresh initialization of the
+    same model by its own init code (:func:`plasticity_callbacks.core.model_map.fresh_parameters`:
+    Hugging Face ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
+    ``reset_parameters``), drawn from a generator seeded from ``seed`` and the global step,
+    identically on every rank. A selected parameter that no init reaches (a bare ``nn.Parameter``
+    of the LightningModule) and a matrix whose fresh draw equals its current value are named: the
+    first is an error (exclude it or give its module ``reset_parameters()``), the second a warning.
+    A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
+    effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
+    Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before).
 
     Args:
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
         perturb: p >= 0, scale of the fresh initialization (paper default 0.1).
-        include / exclude: ``fnmatch`` patterns on parameter names (``model.blocks.*``); default all.
+        schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
+        include: ``fnmatch`` patterns on parameter names to change (``model.blocks.*``); None: all.
+        exclude: ``fnmatch`` patterns on parameter names to leave alone.
         reset_optimizer: also drop the optimizer state of the changed parameters.
         seed: mixed with the global step into the fresh draw.
 
     Example:
-        >>> trainer = L.Trainer(callbacks=[ShrinkPerturb(shrink=0.4, perturb=0.1)])
-        >>> trainer.fit(module, datamodule=next_phase_data)  # shrinks and perturbs, then trains
+        >>> sp = ShrinkPerturb(shrink=0.4, perturb=0.1, schedule=Schedule(every_n_epochs=10))
+        >>> trainer = L.Trainer(callbacks=[sp], max_epochs=100)
+        >>> trainer.fit(module, datamodule=data)  # shrinks and perturbs at epochs 10, 20, ...
     """
 
-    def __init__(self, shrink: float = 0.4, perturb: float = 0.1, include: list[str] | None = None,
-                 exclude: list[str] | None = None, reset_optimizer: bool = False, seed: int = 0):
+    def __init__(self, shrink: float = 0.4, perturb: float = 0.1, schedule: Schedule | Mapping | None = None,
+                 include: list[str] | None = None, exclude: list[str] | None = None, reset_optimizer: bool = False,
+                 seed: int = 0):
         check_number("shrink", shrink, 0.0, 1.0, "(paper: 0.4)")
         check_number("perturb", perturb, 0.0, hint="(paper: 0.1)")
         validate_patterns(include=include, exclude=exclude)
@@ -59,16 +68,18 @@ class ShrinkPerturb(L.Callback):
             raise ValueError(f"ShrinkPerturb reset_optimizer={reset_optimizer!r} must be true or false")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"ShrinkPerturb seed={seed!r} must be an integer")
+        self.schedule = Schedule(at_fit_start=True) if schedule is None else Schedule.build(schedule, "ShrinkPerturb")
         self.shrink, self.perturb, self.seed = float(shrink), float(perturb), seed
         self.include = None if include is None else list(include)
         self.exclude = None if exclude is None else list(exclude)
         self.reset_optimizer = reset_optimizer
-        self.applied = False
+        self.firing = ScheduleState(self.schedule, "ShrinkPerturb")
+        self.applications = 0
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(shrink=self.shrink, perturb=self.perturb, include=self.include,
-                                        exclude=self.exclude)
+                                        exclude=self.exclude, schedule=self.schedule.describe())
 
     def selected(self, pl_module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs to treat. A factorized weight (``W_p + BA``) appears once, under its
@@ -89,11 +100,27 @@ class ShrinkPerturb(L.Callback):
         return chosen
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self.firing.begin_fit(stage)
         require_full_parameters(trainer, "ShrinkPerturb")
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.applied:
-            return  # restored from a checkpoint written after the application
+        self.selected(pl_module)  # an empty selection fails before any training
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._apply(self.firing.due_at_train_start(trainer), trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._apply(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._apply(self.firing.due_at_step(trainer), trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._apply(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
+
+    def _apply(self, reason: str | None, trainer, pl_module) -> None:
+        if reason is None:
+            return
         chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
         fresh = _checked_fresh(pl_module, chosen, seed)
@@ -113,19 +140,21 @@ class ShrinkPerturb(L.Callback):
             trainable = [p for n, p in plain] + [q for n in factorized
                                                  for q in factorization.components(*_owner(pl_module, n)).parameters()]
             reset_optimizer_state(trainer.optimizers, trainable)
-        self.applied = True
-        rank_zero_info(f"ShrinkPerturb: θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on {len(chosen)} parameters; "
-                       f"norm {float(norm_before):.4g} → {float(norm_after):.4g}")
+        self.applications += 1
+        rank_zero_info(f"ShrinkPerturb ({reason}): θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on "
+                       f"{len(chosen)} parameters at step {trainer.global_step}; norm {float(norm_before):.4g} → "
+                       f"{float(norm_after):.4g}")
         if trainer.logger is not None:
             trainer.logger.log_metrics({"shrink_perturb/norm_ratio": float(norm_after / norm_before.clamp_min(1e-12))},
                                        step=trainer.global_step)
 
     def state_dict(self) -> dict:
-        return {"applied": self.applied}
+        return {"schedule": self.firing.state_dict(), "applications": self.applications}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_state(self, state_dict, {"applied": bool})
-        self.applied = state_dict["applied"]
+        check_state(self, state_dict, {"schedule": dict, "applications": int})
+        self.firing.load_state_dict(state_dict["schedule"])
+        self.applications = int(state_dict["applications"])
 
 
 def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:

@@ -1,12 +1,13 @@
 """Constructor-argument checks shared by the callbacks: each error names the argument and what is allowed.
 
-Hydra hands over whatever the command line said (``alpha=abc`` arrives as a string, ``every=true``
+A config system hands over whatever the command line said (``alpha=abc`` arrives as a string, ``every=true``
 as a bool), so types are checked before ranges: a clear message beats a TypeError from a comparison.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def check_int(name: str, value, minimum: int = 1, optional: bool = False, hint: str = "") -> None:
@@ -32,3 +33,17 @@ def sorted_int_list(name: str, values) -> list[int]:
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise ValueError(f"{name}={values!r} must be a list of non-negative integers or None")
     return sorted(set(values))
+
+
+def build_options(cls, value, owner: str, field_name: str):
+    """``value`` as an instance of the options dataclass ``cls``: an instance is kept; a mapping (a dict or
+    a config system's mapping type, with or without ``_target_``) becomes one; anything else is refused by name."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known - {"_target_"})
+        if unknown:
+            raise ValueError(f"{owner} {field_name}: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in value.items() if k != "_target_"})
+    raise ValueError(f"{owner} {field_name}={value!r} must be a {cls.__name__} or a mapping of its fields")

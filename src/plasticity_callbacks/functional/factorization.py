@@ -1,6 +1,6 @@
 """Training only the minor components of a weight: two implementations behind one switch.
 
-``mode="factorize"`` (the seed's plan, MiLoRA's split): the weight becomes ``W_p + B @ A`` with
+``minor_training="factorize"`` (MiLoRA's split): the weight becomes ``W_p + B @ A`` with
 ``B = U_m √S_m`` and ``A = √S_m V_mᵀ`` from the ``r`` smallest singular triplets and
 ``W_p = W − BA``; ``W_p`` is frozen and only ``B, A`` train. It is a
 ``torch.nn.utils.parametrize`` parametrization, so ``module.weight`` keeps returning the effective
@@ -17,7 +17,7 @@ group dicts with the inner Muon/AdamW, so one append reaches both. Appending in 
 (target order, after removing all previous ``B, A``) makes the layout a function of which
 matrices are factorized, which is what lets a checkpoint resume into it.
 
-``mode="project"``: the weight stays one parameter; in low-rank phases its gradient is replaced
+``minor_training="project"``: the weight stays one parameter; in "minor" phases its gradient is replaced
 by ``U_m U_mᵀ ∇W`` before the optimizer step (no parameter surgery, DDP-safe). Relation to the
 factorized form: at ``W = W_p + BA`` a gradient step on ``B, A`` changes the weight by
 ``−η (B Bᵀ ∇W + ∇W AᵀA) = −η (U_m S_m U_mᵀ ∇W + ∇W V_m S_m V_mᵀ)`` to first order: a
@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from ..core.optimizer_state import leaf_optimizers, reset_optimizer_state
 from .subspace import SVD, as_matrix
 
-LOWRANK_MODES = ("factorize", "project")
+MINOR_TRAINING = ("project", "factorize")  # how a matrix in the "minor" state trains
 _LINEAR_STATE = ("exp_avg", "momentum_buffer")  # moments that are linear in the gradient (projectable)
 
 

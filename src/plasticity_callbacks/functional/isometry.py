@@ -22,9 +22,8 @@ from torch import nn
 
 from ..core.optimizer_state import reset_optimizer_state
 from .spectral import (
-    METHODS,
-    ON_DEGENERATE,
     DegenerateMatrixError,
+    check_polar_options,
     deviation_from_isometry,
     orthogonalize,
     singular_values,
@@ -79,51 +78,92 @@ def target_scale(param: torch.Tensor, rule: str | float) -> float:
     return float(peak * torch.linalg.vector_norm(param.detach().double() / peak)) / math.sqrt(rank)
 
 
-def validate_fire_options(method: str, scale, on_degenerate: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}")
-    known_rule = isinstance(scale, str) and scale in SCALES
-    positive_number = isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf
-    if not (known_rule or positive_number):
-        raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive finite number")
-    if on_degenerate not in ON_DEGENERATE:
-        raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class FIREOptions:
+    """How FIRE orthogonalizes and rescales each weight; checked once, when built.
+
+    Args:
+        method: ``polar_express`` | ``newton_schulz`` | ``svd`` (exact polar factor).
+        normalize: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``; None: per-method default.
+        iters: the most iteration steps (None: 60 Newton–Schulz / 30 Polar Express); with ``tol``,
+            slices that miss it after ``iters`` steps get the exact SVD answer.
+        tol: target orthogonality error ``‖XᵀX − I‖_F/(2√n)``; None runs all ``iters`` steps.
+        check_every: steps between two checks of ``tol``.
+        dtype: compute dtype, ``"float32"`` or ``"float64"``.
+        scale: ``sqrt_dout_din`` | ``unit`` | ``preserve_norm`` | a positive number (see :func:`target_scale`).
+        on_degenerate: a zero or non-finite weight is ``skip``-ped with a warning, or ``raise``-s.
+        reset_optimizer: drop the optimizer state of exactly the weights that changed.
+
+    Example:
+        >>> options = FIREOptions(method="newton_schulz", normalize="frobenius", iters=5, tol=None)
+        >>> records = apply_fire(model, optimizer, options)
+        >>> FIREReinit(options=options)   # the same object configures the callback
+    """
+
+    method: str = "polar_express"
+    normalize: str | None = None
+    iters: int | None = None
+    tol: float | None = 1e-5
+    check_every: int = 1
+    dtype: str = "float32"
+    scale: str | float = "sqrt_dout_din"
+    on_degenerate: str = "skip"
+    reset_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
+        check_polar_options(self.method, self.normalize, self.iters, self.tol, self.check_every, DTYPES[self.dtype],
+                            self.on_degenerate)
+        known_rule = isinstance(self.scale, str) and self.scale in SCALES
+        positive_number = (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+                           and 0 < self.scale < math.inf)
+        if not (known_rule or positive_number):
+            raise ValueError(f"scale={self.scale!r} is not one of {SCALES} or a positive finite number")
+        if not isinstance(self.reset_optimizer, bool):
+            raise ValueError(f"reset_optimizer={self.reset_optimizer!r} must be true or false")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
 
 def apply_fire(
     module: nn.Module,
     optimizers=None,
+    options: FIREOptions | None = None,
     scope: str = "all",
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
     include_conv: bool = True,
     include_head: bool = False,
-    method: str = "polar_express",
-    normalize: str | None = None,
-    iters: int | None = None,
-    tol: float | None = 1e-5,
-    check_every: int = 1,
-    dtype: torch.dtype = torch.float32,
-    scale: str | float = "sqrt_dout_din",
-    on_degenerate: str = "skip",
-    reset_optimizer: bool = True,
     record_spectra: bool = False,
     targets: list[Target] | None = None,
 ) -> list[FireRecord]:
     """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
 
-    Targets come from :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``, ``include``,
-    ``exclude``, ``include_conv``, ``include_head``) unless ``targets`` is given. ``method``,
-    ``normalize``, ``iters``, ``tol``, ``check_every``, ``dtype``, ``on_degenerate``: see
-    :func:`plasticity_callbacks.functional.spectral.orthogonalize`. A parameter with NaN/Inf, or all zero
-    (nanochat's zero-initialized ``c_proj``), is skipped with a warning (or raises). Returns one
-    :class:`FireRecord` per target.
+    Args:
+        module: the model whose weights change.
+        optimizers: an optimizer or a list of them (None: no optimizer state to reset).
+        options: how to orthogonalize and rescale (:class:`FIREOptions`; None: its defaults).
+        scope, include, exclude, include_conv, include_head: which weights, see
+            :func:`plasticity_callbacks.core.model_map.select_targets`; ignored when ``targets`` is given.
+        record_spectra: keep singular values before/after in each record.
+        targets: the exact weights to change.
+
+    A parameter with NaN/Inf, or all zero (nanochat's zero-initialized ``c_proj``), is skipped with
+    a warning (or raises, ``on_degenerate="raise"``). Returns one :class:`FireRecord` per target.
 
     Example:
-        >>> records = apply_fire(model, optimizer, scope="attention", method="polar_express")
+        >>> records = apply_fire(model, optimizer, FIREOptions(method="svd"), scope="attention")
         >>> sum(r.dfi_after for r in records)
     """
-    validate_fire_options(method, scale, on_degenerate)
+    options = FIREOptions() if options is None else options
+    if not isinstance(options, FIREOptions):
+        raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
     if targets is None:
         targets = select_targets(module, scope, include, exclude, include_conv, include_head)
     records, fired = [], []
@@ -133,14 +173,13 @@ def apply_fire(
             weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
             for block in blocks:
                 name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
-                record = _fire_one(name, weight[block.start:block.stop], method, normalize, iters, tol,
-                                   check_every, dtype, scale, on_degenerate, record_spectra)
+                record = _fire_one(name, weight[block.start:block.stop], options, record_spectra)
                 records.append(record)
                 changed |= record.skipped is None
             target.write(weight)
         if changed:
             fired.extend(target.trainable())
-    if reset_optimizer and optimizers is not None and fired:
+    if options.reset_optimizer and optimizers is not None and fired:
         reset_optimizer_state(optimizers, fired)
     return records
 
@@ -154,9 +193,9 @@ def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerat
     return record
 
 
-def _fire_one(name, param, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate,
-              record_spectra):
+def _fire_one(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool) -> FireRecord:
     """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place."""
+    dtype, on_degenerate = options.torch_dtype, options.on_degenerate
     record = FireRecord(name, tuple(param.shape))
     if param.dim() < 2:
         record.skipped = f"{param.dim()}-D parameter"
@@ -169,15 +208,15 @@ def _fire_one(name, param, method, normalize, iters, tol, check_every, dtype, sc
     matrices = as_matrices(param)  # a view: writing into it writes the parameter
     if not bool(matrices.any()):
         return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
-    s = target_scale(param, scale)
+    s = target_scale(param, options.scale)
     record.scale = s
     record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
     if record_spectra:
         record.spectrum_before = singular_values(matrices).cpu()
     with warnings.catch_warnings():  # an all-zero conv tap stays zero; that is expected, not news
         warnings.simplefilter("ignore")
-        polar, info = orthogonalize(matrices, method, normalize, iters, tol, check_every, dtype,
-                                    on_degenerate="skip", return_info=True)
+        polar, info = orthogonalize(matrices, options.method, options.normalize, options.iters, options.tol,
+                                    options.check_every, dtype, on_degenerate="skip", return_info=True)
     polar.mul_(s)
     record.sfe = float(squared_frobenius_error(matrices, polar))
     record.sfe_normalized = float(squared_frobenius_error(matrices, polar, normalized=True))

@@ -5,7 +5,7 @@ Two rules, both "shrink a neuron whose weights point against where the loss want
 * Paper rule (Shin et al., NeurIPS 2024): ``factor = clamp(cos(G, W), lam, 1)`` with ``G`` an
   EMA of the **negative** gradient. A neuron whose weights agree with the descent direction
   (cos = 1) is kept; one that disagrees (cos <= lam) is scaled down to ``lam``.
-* Seed rule (design log 000): ``factor = clamp(1 - rate * clamp(cos(W, g) - alpha, 0), floor, 1)``
+* Periodic rule: ``factor = clamp(1 - rate * clamp(cos(W, g) - alpha, 0), floor, 1)``
   with ``g`` the **plain** gradient. cos(W, g) = -cos(W, -g), so this shrinks the same kind of
   neuron (weights against the descent direction), but only past the threshold ``alpha``, and
   only by a small step ``rate`` (floored at ``floor``).
@@ -18,7 +18,7 @@ Grouping (one cosine, one factor per group), the same for both rules, as the pap
 * 1-D tensor (a bias vector): one cosine over the whole vector -> a 0-d factor.
 
 A zero group has no direction: its cosine is defined as 0 (as ``torch.cosine_similarity``
-gives), never NaN. So a zero row of ``W`` stays zero under any factor, the seed rule leaves
+gives), never NaN. So a zero row of ``W`` stays zero under any factor, the periodic rule leaves
 rows with a zero gradient alone, and the paper rule shrinks a row with no gradient signal to
 ``lam`` (what the reference code does).
 """

@@ -186,18 +186,19 @@ def orthogonalize(
     return (Q, info) if return_info else Q
 
 
-def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond):
+def check_polar_options(method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond=None) -> None:
+    """Raise a ValueError naming the first bad option of :func:`orthogonalize` (the one place they are checked)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
-    normalize = normalize or DEFAULT_NORMALIZE[method]
-    if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZATIONS}")
+    if normalize is not None and normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZATIONS} or None "
+                         f"(default per method: {DEFAULT_NORMALIZE})")
     if method == "polar_express" and normalize == "spectral":
         raise ValueError("normalize='spectral' is an estimate from below, unsafe for polar_express's quintics; "
                          "use normalize='gram' or 'frobenius' (both upper bounds)")
     if iters is not None and (isinstance(iters, bool) or not isinstance(iters, int) or iters < 0):
         raise ValueError(f"iters={iters!r} must be a non-negative integer or None (the method's default)")
-    if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
         raise ValueError(f"tol={tol!r} must be a positive number or None")
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every={check_every!r} must be a positive integer")
@@ -207,6 +208,11 @@ def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerat
         raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
     if rcond is not None and (method != "svd" or not 0 <= rcond < 1):
         raise ValueError(f"rcond={rcond!r} (a partial isometry) needs method='svd' and 0 <= rcond < 1")
+
+
+def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond):
+    check_polar_options(method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond)
+    normalize = normalize or DEFAULT_NORMALIZE[method]
     if W.dim() < 2 or not W.is_floating_point():
         raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
                          f"and dtype {W.dtype}")

@@ -1,4 +1,4 @@
-"""SVD comparison metrics and the adaptive full / minor-component decision (seed 004, ALGORITHMS.md §5).
+"""SVD comparison metrics and the adaptive full / minor-component decision.
 
 A weight ``W (d_out, d_in)`` with ``g = min(d_out, d_in)`` has the reduced SVD ``W = U diag(S) Vᵀ``
 (``U (d_out, g)``, ``V (d_in, g)``, ``S`` descending). With ``r`` minor components, the top
@@ -13,12 +13,13 @@ from typing import NamedTuple
 
 import torch
 
-MODES = ("full", "lowrank")
-SVD_METHODS = ("full", "lowrank")
+MODES = ("full", "minor")  # train the whole matrix, or only its r minor components
+SVD_METHODS = ("full", "randomized")
+RENAMED = {"lowrank": "minor"}  # old mode name -> new, refused with a hint
 
 
 class SVD(NamedTuple):
-    U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis the seed tracks
+    U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis that is tracked
     S: torch.Tensor  # (g,) singular values, descending
     V: torch.Tensor  # (d_in, g) right singular vectors (columns, not Vᵀ)
 
@@ -33,7 +34,7 @@ def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, 
     """All ``g`` singular triplets of ``W``.
 
     ``method="full"``: ``torch.linalg.svd`` (LAPACK / cuSOLVER), exact.
-    ``method="lowrank"``: two randomized ``torch.svd_lowrank`` blocks built from matmuls and small
+    ``method="randomized"``: two randomized ``torch.svd_lowrank`` blocks built from matmuls and small
     SVDs: the top ``top`` triplets of ``W``, then the ``g − top`` triplets of the remainder
     ``W − U_top S_top V_topᵀ``. Its accuracy depends on the spectral gap at ``top`` and on ``niter``
     power iterations; a low-rank split built from it stays exact because ``W_p = W − BA`` absorbs
@@ -41,7 +42,8 @@ def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, 
     is untouched and every rank draws the same sketch.
     """
     if method not in SVD_METHODS:
-        raise ValueError(f"method={method!r} is not one of {SVD_METHODS}")
+        hint = " ('lowrank' is now called 'randomized')" if method == "lowrank" else ""
+        raise ValueError(f"method={method!r} is not one of {SVD_METHODS}{hint}")
     W = W.to(dtype)
     if method == "full":
         U, S, Vh = torch.linalg.svd(W, full_matrices=False)
@@ -133,14 +135,14 @@ def rank_bounds(g: int, r_min: int) -> tuple[int, int]:
 
 def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int = 8,
               change_threshold: float = 0.1, grow: float = 1.2, shrink: float = 0.8) -> tuple[int, str]:
-    """The seed's ``determine_next_r``: the number of minor components for the next phase, and why.
+    """The number of minor components for the next phase, and why.
 
     First call (no comparable ``S_prev``): the smallest of the spectral-gap cut (the components
     after the largest ``σ_i/σ_{i+1}``), the 99.9%-energy cut and ``g // 2``. Later calls: if the
     bottom ``min(r, g // 4)`` singular values moved by more than ``change_threshold`` (relative
     norm), keep or grow ``r`` by ``grow``, else shrink it by ``shrink``. Bounded by
-    :func:`rank_bounds`. (The seed's gap cut is ``g − i`` for the gap after index ``i``; that keeps
-    one component too few in the principal part, so it is ``g − i − 1`` here.)
+    :func:`rank_bounds`. The gap cut after index ``i`` is ``g − i − 1``: the ``i + 1`` components
+    above the gap stay principal.
     """
     g = S.numel()
     lo, hi = rank_bounds(g, r_min)
@@ -169,11 +171,11 @@ def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int =
 def mode_rule(angle: float, principal: float, minor: float, error: float, mode: str,
               clobber_alignment: float = 0.4, stable_angle: float = 0.1, safe_minor_alignment: float = 0.6,
               max_reconstruction_error: float = 0.01) -> tuple[str, str]:
-    """The seed's decision on already measured metrics: ``(mode, reason)``; see :func:`decide_mode`."""
+    """The decision on already measured metrics: ``(mode, reason)``; see :func:`decide_mode`."""
     if principal > clobber_alignment:
-        return "lowrank", "gradient_clobbering_risk"
+        return "minor", "gradient_clobbering_risk"
     if angle < stable_angle and minor > safe_minor_alignment and error < max_reconstruction_error:
-        return "lowrank", "optimal_lowrank_conditions"
+        return "minor", "optimal_minor_conditions"
     if not error < max_reconstruction_error:
         return "full", "reconstruction_unsafe"
     return mode, "continue_current_mode"
@@ -194,19 +196,20 @@ def decide_mode(
     max_reconstruction_error: float = 0.01,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[str, int, dict]:
-    """The seed's rule: train the full matrix or only its ``r`` minor components next?
+    """The switching rule: train the full matrix or only its ``r`` minor components next?
 
     With metrics measured at the current ``r`` (``k = g − r`` principal components):
-    1. principal alignment > ``clobber_alignment`` → ``lowrank`` (the gradient would clobber the principal subspace);
+    1. principal alignment > ``clobber_alignment`` → ``minor`` (the gradient would clobber the principal subspace);
     2. angle to the previous SVD < ``stable_angle`` and minor alignment > ``safe_minor_alignment``
-       and reconstruction error < ``max_reconstruction_error`` → ``lowrank``;
+       and reconstruction error < ``max_reconstruction_error`` → ``minor``;
     3. reconstruction error ≥ ``max_reconstruction_error`` → ``full``;
     4. otherwise keep ``mode``.
     Without a previous SVD the angle is unknown (NaN) and rule 2 cannot fire; without a gradient
     both alignments are 0. Returns ``(mode, r_next, diagnostics)``; ``r_next`` comes from :func:`next_rank`.
     """
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        hint = f" ({mode!r} is now called {RENAMED[mode]!r})" if mode in RENAMED else ""
+        raise ValueError(f"mode={mode!r} is not one of {MODES}{hint}")
     U, S, V = svd
     k = S.numel() - r
     angle = subspace_angle(U_prev, U, k, dtype) if U_prev is not None else math.nan

@@ -48,7 +48,7 @@ def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neuro
     Example:
         >>> declare_plasticity(model, fused={"blocks.0.qkv.weight": {"q": 64, "k": 16, "v": 16}},
         ...                    neurons={"mlp0": ("blocks.0.fc_in", "blocks.0.fc_out")}, head="out")
-        >>> FIREReinit(at_fit_start=True)  # reads the declaration like every other callback
+        >>> FIREReinit(schedule=Schedule(at_fit_start=True))  # reads the declaration like every other callback
     """
     declaration = Declaration(
         fused={str(k): _blocks(k, v) for k, v in (fused or {}).items()},

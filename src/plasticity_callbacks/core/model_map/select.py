@@ -167,8 +167,8 @@ def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None
     """Raise when a callback that cannot act through ``W_p + BA`` meets a factorized weight."""
     factorized = [v.name for v in views if v.factorized]
     if factorized:
-        raise RuntimeError(f"{owner}: {factorized} are factorized by AdaptiveSVDSwitch(mode='factorize') and {why}; "
-                           "use AdaptiveSVDSwitch(mode='project') (same minor-subspace training) or exclude them")
+        raise RuntimeError(f"{owner}: {factorized} are factorized by AdaptiveSVDSwitch(minor_training='factorize') and {why}; "
+                           "use AdaptiveSVDSwitch(minor_training='project') (same minor-subspace training) or exclude them")
 
 
 def describe(model: nn.Module) -> str:

@@ -7,7 +7,7 @@ A :class:`WeightView` hides how a layer stores its weight:
 * fused matrices: ``nn.MultiheadAttention.in_proj_weight`` and GPT-2's ``c_attn`` are Q, K and V
   stacked by rows; ``gate_up_proj`` is gate and up. ``blocks`` lists the row blocks, and FIRE
   treats each as its own matrix;
-* factorization: under ``AdaptiveSVDSwitch(mode="factorize")`` the stored parameter is the frozen
+* factorization: under ``AdaptiveSVDSwitch(minor_training="factorize")`` the stored parameter is the frozen
   ``W_p`` and the layer computes ``W_p + BA``; :meth:`WeightView.read` returns that effective
   weight and :meth:`WeightView.write` sets it (by writing ``W_p``).
 
