@@ -122,6 +122,24 @@ class FromCurrentStep(Sampler[int]):
         return self.total
 
 
+class StreamLoader(DataLoader):
+    """The stream's training loader: batch ``k`` is ``dataset[k]``, iterated from the current global step.
+
+    Resumable without saving anything: its position is the trainer's global step, which the
+    checkpoint restores with the loops. ``state_dict`` / ``load_state_dict`` exist so Lightning
+    knows it (it otherwise warns that a mid-epoch checkpoint cannot resume this loader).
+    """
+
+    def __init__(self, dataset: "StreamBatches", position):
+        super().__init__(dataset, batch_size=None, sampler=FromCurrentStep(len(dataset), position))
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class DigitsTaskStream(L.LightningDataModule):
     """A stream of tasks on the digits, one training loader for all of them (one epoch = the stream).
 
@@ -190,7 +208,7 @@ class DigitsTaskStream(L.LightningDataModule):
         def position() -> int:
             return trainer.global_step if trainer is not None else 0
 
-        return DataLoader(StreamBatches(self), batch_size=None, sampler=FromCurrentStep(self.total_steps, position))
+        return StreamLoader(StreamBatches(self), position)
 
     def eval_data(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The data on which task ``index``'s plasticity is measured: ``(x (M, 64), y (M,))``."""
