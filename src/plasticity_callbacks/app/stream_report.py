@@ -22,6 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.ticker import MaxNLocator
+
 from ..core.figures import plt
 from .report import run_label
 
@@ -118,6 +120,7 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
             ax.fill_between(tasks, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(title=title, xlabel="task")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     info = runs[0].info
