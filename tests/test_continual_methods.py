@@ -75,8 +75,9 @@ def test_warm_start_has_no_callback_and_nothing_changes_the_weights():
 def test_each_method_acts_at_every_task_boundary(method):
     pytest.importorskip("plasticity_callbacks.core.schedule")  # until the callbacks take schedule=
     # ReDo changes weights only where neurons are dormant: a threshold near the layer mean makes
-    # some neuron dormant at every boundary of a short stream, so each decision is visible.
-    overrides = ["stream_methods.redo.tau=0.9"] if method == "redo" else []
+    # some neuron dormant at every boundary of a short stream, so each decision is visible; and
+    # 5-step tasks need activations collected at every step to have statistics for each decision.
+    overrides = ["stream_methods.redo.tau=0.9", "stream_methods.redo.collect_every_n_steps=1"] if method == "redo" else []
     callback = boundary_callback(method, *overrides)
     assert type(callback).__module__.startswith("plasticity_callbacks.callbacks.")
     changed, boundaries = run_stream(callback)
