@@ -66,7 +66,7 @@ def test_plasticity_metrics_read_conv_channels():
 
 
 def test_task_metrics_measure_every_task_end(tmp_path):
-    metrics = TaskMetrics()
+    metrics = TaskMetrics(grad_norm_every_n_steps=1)
     stream = small_stream()
     trainer(tmp_path, [metrics]).fit(DigitsClassifier(widths=[32, 32]), datamodule=stream)
     assert [row["task"] for row in metrics.history] == [0, 1, 2, 3]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from ..core.arguments import check_int
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
 
@@ -57,8 +58,8 @@ class TaskMetrics(L.Callback):
     When: in ``on_train_batch_end`` of each task's last batch (global steps ``task_boundary_steps``
     and the end of the stream), before any method acts at the next boundary.
     What: :func:`plasticity_metrics` on the data module's ``eval_data(task)``, plus ``grad_norm``:
-    the mean over the task's steps of the total gradient norm before clipping
-    (``on_before_optimizer_step``). Logged with ``pl_module.log`` as ``task/<metric>`` (every task
+    the mean over the task's steps (every ``grad_norm_every_n_steps``-th) of the total gradient
+    norm before clipping (``on_before_optimizer_step``). Logged with ``pl_module.log`` as ``task/<metric>`` (every task
     end must be a logging step: ``steps_per_task`` a multiple of ``trainer.log_every_n_steps``),
     kept in ``state_dict`` (a resumed run keeps its earlier tasks) and written at the end of
     training to ``<log dir>/tasks.csv`` (one row per task) and ``<log dir>/stream.json``
@@ -67,16 +68,18 @@ class TaskMetrics(L.Callback):
     Args:
         tau: dormancy threshold of ``dormant`` (ReDo's 0.025).
         method: the name of the plasticity method under test, recorded in ``stream.json``.
+        grad_norm_every_n_steps: steps between two gradient-norm samples (each costs a host sync).
 
     Example:
         >>> trainer = L.Trainer(max_epochs=1, callbacks=[TaskMetrics(method="fire")])
         >>> trainer.fit(DigitsClassifier(), datamodule=RandomLabelDigits(num_tasks=5))
     """
 
-    def __init__(self, tau: float = 0.025, method: str | None = None):
+    def __init__(self, tau: float = 0.025, method: str | None = None, grad_norm_every_n_steps: int = 10):
         if not (isinstance(tau, (int, float)) and 0 <= tau < 1):
             raise ValueError(f"TaskMetrics tau={tau!r} must be in [0, 1)")
-        self.tau, self.method = float(tau), method
+        check_int("grad_norm_every_n_steps", grad_norm_every_n_steps)
+        self.tau, self.method, self.grad_every = float(tau), method, grad_norm_every_n_steps
         self.history: list[dict[str, float]] = []
         self.seconds = 0.0
         self._grad_norms: list[float] = []
@@ -98,6 +101,8 @@ class TaskMetrics(L.Callback):
         self._started = time.perf_counter()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step % self.grad_every:
+            return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if grads:
             self._grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
@@ -108,7 +113,7 @@ class TaskMetrics(L.Callback):
             return
         task = stream.task_at(step - 1)
         metrics = plasticity_metrics(pl_module, *stream.eval_data(task), self.tau)
-        metrics["grad_norm"] = sum(self._grad_norms) / max(1, len(self._grad_norms))
+        metrics["grad_norm"] = sum(self._grad_norms) / len(self._grad_norms) if self._grad_norms else float("nan")
         self._grad_norms = []
         pl_module.log_dict({f"task/{k}": v for k, v in metrics.items()} | {"task/index": float(task)})
         self.history.append({"task": task, "step": step, **metrics})
