@@ -103,3 +103,23 @@ def test_resume_in_the_middle_of_the_stream_continues_at_the_right_task(tmp_path
     assert resumed_metrics.history[0] == full_metrics.history[0]
     for a, b in zip(full.parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("cut", [6, 8])  # inside task 1; exactly at the boundary into task 2
+def test_resumed_stream_with_a_boundary_method_matches_the_uninterrupted_run(tmp_path, cut):
+    pytest.importorskip("plasticity_callbacks.core.schedule")
+    from plasticity_callbacks.callbacks.full_reset import FullReset
+
+    def run(root, ckpt_path=None, extra=()):
+        L.seed_everything(0)
+        module, reset, metrics = DigitsClassifier(widths=[32, 32]), FullReset(schedule={"at_task_boundaries": True}), \
+            TaskMetrics(grad_norm_every_n_steps=1)
+        trainer(root, [metrics, reset, *extra]).fit(module, datamodule=small_stream(), ckpt_path=ckpt_path)
+        return module, metrics
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=cut, save_top_k=-1, filename="{step}")
+    full, full_metrics = run(tmp_path / "full", extra=[checkpoint])
+    resumed, resumed_metrics = run(tmp_path / "resumed", ckpt_path=tmp_path / "ckpt" / f"step={cut}.ckpt")
+    assert resumed_metrics.history == full_metrics.history  # same accuracy at every task end
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b)
