@@ -4,10 +4,12 @@
 a tiny model (tests/tiny.py) with a shuffling ``ResumableDataLoader``, Hydra ``_target_``
 callbacks, a ``ModelCheckpoint`` every ``ckpt_every`` steps (``last.ckpt`` too) and the project's CSV
 logger config (configs/logger/csv.yaml). ``stop_at`` interrupts it when optimizer step ``stop_at``
-is about to start (so the checkpoint of that step is on disk): ``how="raise"`` raises,
-``how="wait"`` writes ``<out>/ready`` and waits for a signal. ``resume: true`` continues with
-``ckpt_path="last"``. Each run that finishes saves ``<out>/result.pt``.
+is about to start (so the checkpoint of that step is on disk), or with ``at="validation"`` when the
+validation after step ``stop_at`` starts: ``how="raise"`` raises, ``how="wait"`` writes ``<out>/ready``
+and waits for a signal. ``resume: true`` continues with ``ckpt_path="last"``. Each run that finishes
+saves ``<out>/result.pt``.
 """
+import csv
 import json
 import sys
 import time
@@ -29,10 +31,18 @@ class Interrupted(Exception):
 
 
 class Interrupt(L.Callback):
-    def __init__(self, step: int, how: str, out: Path | str):
-        self.step, self.how, self.out = step, how, Path(out)
+    def __init__(self, step: int, how: str, out: Path | str, at: str = "batch"):
+        self.step, self.how, self.out, self.at = step, how, Path(out), at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.at == "batch":
+            self.interrupt(trainer)
+
+    def on_validation_start(self, trainer, pl_module):
+        if self.at == "validation" and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.interrupt(trainer)
+
+    def interrupt(self, trainer):
         if trainer.global_step != self.step:
             return
         if self.how == "raise":
@@ -74,7 +84,9 @@ def run_pipeline(spec: dict) -> None:
     overrides = [*spec["overrides"], f"paths.output_dir={out}", f"pipeline.resume={bool(spec.get('resume'))}"]
     if spec.get("stop_at") is not None:
         overrides.append(f"+phases.{spec['stop_phase']}.callbacks.interrupt={{_target_: resume_worker.Interrupt, "
-                         f"step: {spec['stop_at']}, how: raise, out: '{out}'}}")
+                         f"step: {spec['stop_at']}, how: raise, out: '{out}', at: {spec.get('at', 'batch')}}}")
+    if spec.get("resume"):  # the interruption is the one intended change of configuration
+        overrides.append(f"resume_allow_changes=[phases.{spec['stop_phase']}.callbacks.interrupt]")
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     try:
@@ -82,9 +94,12 @@ def run_pipeline(spec: dict) -> None:
     except Interrupted:
         return
     final = torch.load(out / "checkpoints" / spec["final_phase"] / "final.ckpt", weights_only=False)
+    with open(out / "logs" / spec["final_phase"] / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
     torch.save({"params": final["state_dict"], "buffers": {}, "optimizer": final["optimizer_states"],
-                "callbacks": [v for k, v in sorted(final["callbacks"].items()) if "ModelCheckpoint" not in k],
-                "global_step": final["global_step"], "metrics": {}}, out / "result.pt")
+                "callbacks": [v for k, v in sorted(final["callbacks"].items())
+                              if "ModelCheckpoint" not in k and not k.startswith("ResumeGuard")],
+                "global_step": final["global_step"], "metrics": {}, "rows": rows}, out / "result.pt")
 
 
 def run(spec: dict) -> None:

@@ -54,6 +54,15 @@ SCENARIOS = {
     "pipeline_mid_phase": dict(kind="pipeline", stop_phase="sft", final_phase="sft", stop_at=3,
                                same_reference_as="pipeline_at_boundary",
                                overrides=["experiment=pipeline_smoke", "+method=sp", "validate_before_fit=false"]),
+    # FIRE on a plateau of val/loss (patience 1; min_delta so large that no validation improves: it acts at every
+    # second validation), SFT of 6 steps validated and checkpointed every 2. Interrupted when the validation of
+    # step 4 starts: a checkpoint written before that validation would lose it on resume, and FIRE would act
+    # at step 6 only.
+    "pipeline_plateau": dict(kind="pipeline", stop_phase="sft", final_phase="sft", stop_at=4, at="validation",
+                             overrides=["experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false",
+                                        "phases.sft.steps=6", "+phases.sft.callbacks.plateau={_target_: "
+                                        "plasticity_callbacks.FIREReinit, at_fit_start: false, monitor: val/loss, "
+                                        "patience: 1, min_delta: 100.0}"]),
 }
 MODULES = {"ReDoMonitor": "redo", "DASHShrink": "dash", "AdaptiveSVDSwitch": "adaptive_svd",
            "ShrinkPerturb": "shrink_perturb", "FIREReinit": "fire"}
@@ -126,6 +135,8 @@ def acted(name: str, state: list[dict]) -> bool:
         return any(mode == "lowrank" for _, _, mode, _ in s["history"])
     if name == "shrink_perturb":
         return s["applied"]
+    if name == "pipeline_plateau":
+        return any("plateau:4" in c.get("applied", []) for c in state if isinstance(c.get("applied"), list))
     if name.startswith("pipeline"):  # the pipeline's boundary method is Shrink & Perturb
         return any(c.get("applied") is True for c in state)
     if name == "fire":
@@ -145,6 +156,20 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(runs, name):
         assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"], "the data position was not saved"
     assert acted(name, result["reference"]["callbacks"]), f"{name} did not act: the test would prove nothing"
     assert_same_run(result["reference"], result["resumed"])
+
+
+def test_plateau_run_resumed_between_checkpoint_and_validation_logs_every_validation(runs):
+    """The metric rows of the interrupted-and-resumed plateau run are those of the uninterrupted run (timings aside)."""
+    if "pipeline_plateau" not in runs["scenarios"]:
+        pytest.skip("the pipeline does not exist yet")
+    result = runs["scenarios"]["pipeline_plateau"]
+
+    def content(rows):
+        return [{k: v for k, v in r.items() if v and not any(t in k for t in ("seconds", "per_sec"))} for r in rows]
+
+    reference, resumed = content(result["reference"]["rows"]), content(result["resumed"]["rows"])
+    assert [r["step"] for r in reference if "val/loss" in r] == ["1", "3", "5", "6"]  # steps 2, 4, 6 and the final
+    assert resumed == reference
 
 
 def test_resumed_run_is_not_vacuous(runs):

@@ -5,7 +5,7 @@ from torch import nn
 from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.models.optimizers import CombinedOptimizer
 from plasticity_callbacks.core.optimizer_state import reset_optimizer_state, zero_optimizer_state_slices
-from plasticity_callbacks.core.targets import require_targets, select_targets
+from plasticity_callbacks.core.model_map import require_targets, select_targets
 from tiny import TinyCNNModule, TinyMLPModule, make_optimizer
 
 

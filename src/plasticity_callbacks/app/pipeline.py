@@ -24,6 +24,11 @@ Run directory::
 Resuming: ``pipeline.resume=true hydra.run.dir=<run>`` skips completed phases and continues an
 interrupted one from its ``last.ckpt``; ``pipeline.start_phase=sft`` re-runs from a completed
 phase's checkpoint (``pipeline.init_from=<ckpt>`` takes the weights from another run).
+A resume is refused (one-line ``ResumeError``) when the run directory holds no run, when the
+configuration differs from the one recorded in ``pipeline.json`` at the start (unless listed in
+``resume_allow_changes``), or while another process holds the directory's lock. Every checkpoint
+is written through ``VerifiedCheckpointIO`` (read back, SHA-256 beside it, checked on load), and a
+phase is recorded complete only once its ``final.ckpt`` is verified on disk.
 """
 from __future__ import annotations
 
@@ -37,9 +42,11 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint, verify_file
+from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
@@ -163,8 +170,33 @@ def with_saved_moments(current: dict, saved: dict) -> dict:
 
 
 def load_checkpoint(path: Path) -> dict:
-    # Our own phase checkpoints: they hold optimizer and callback state, not only tensors.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # Our own phase checkpoints: they hold optimizer and callback state, not only tensors; verified first.
+    return read_checkpoint(path, map_location="cpu")
+
+
+def read_state(path: Path) -> dict:
+    """``pipeline.json``, or ``{}`` when there is none; a damaged file is a one-line error, not a JSONDecodeError."""
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): truncated or edited; restore it, or start a new "
+                              "run directory") from None
+    if not isinstance(state, dict) or not isinstance(state.get("phases", {}), dict):
+        raise CheckpointError(f"{path} does not hold a pipeline state (a dict with 'phases'); restore it, or start a "
+                              "new run directory")
+    return state
+
+
+def write_state(path: Path, state: dict) -> None:
+    """Atomically: a reader (or a resume after a kill) sees the old file or the new one, never half of one."""
+    pending = path.with_name(path.name + ".writing")
+    try:
+        pending.write_text(json.dumps(state, indent=2))
+        pending.replace(path)
+    except OSError as err:
+        raise CheckpointError(f"could not write {path}: {err.strerror or err}") from err
 
 
 class Pipeline:
@@ -181,9 +213,23 @@ class Pipeline:
             if self.options.get(key) is not None and self.options[key] not in names:
                 raise ConfigError(f"pipeline.{key}={self.options[key]!r} is not one of the phases {names}")
         state_path = self.run_dir / STATE_FILE
-        old = json.loads(state_path.read_text()) if state_path.is_file() else {}
+        old = read_state(state_path)
+        self.fingerprint = run_fingerprint(cfg)
+        if self.options.get("resume"):
+            self.check_resume(old)
         self.state = {"method": str(self.method.get("name", "custom")), "seed": int(cfg.seed), "phase_order": names,
-                      "phases": {p: old["phases"][p] for p in names if p in old.get("phases", {})}}
+                      "phases": {p: old["phases"][p] for p in names if p in old.get("phases", {})},
+                      "config": self.fingerprint}
+
+    def check_resume(self, old: dict) -> None:
+        """Refuse to resume what is not there, or what was started with another configuration."""
+        where = f"{self.run_dir} (pipeline.resume=true)"
+        if not old:
+            raise ResumeError(f"cannot resume {where}: it holds no {STATE_FILE}, so no run was started there; check "
+                              "hydra.run.dir, or drop pipeline.resume=true to start a new run")
+        if "config" in old:
+            allow = list(self.cfg.get("resume_allow_changes") or [])
+            refuse_changes(where, changed_keys(old["config"], self.fingerprint, allow))
 
     def checkpoint_dir(self, phase: Phase) -> Path:
         return self.run_dir / "checkpoints" / phase.name
@@ -192,6 +238,20 @@ class Pipeline:
         return self.checkpoint_dir(phase) / "final.ckpt"
 
     def run(self) -> dict[str, Any]:
+        with RunLock(self.run_dir):
+            return self._run()
+
+    def is_complete(self, phase: Phase) -> bool:
+        """Recorded complete in pipeline.json and its final.ckpt present (integrity checked when loaded)."""
+        if phase.name not in self.state["phases"]:
+            return False
+        if not self.final_checkpoint(phase).is_file():
+            rank_zero_warn(f"phase {phase.name}: {STATE_FILE} records it complete but {self.final_checkpoint(phase)} "
+                           "is missing; running it again (from its last.ckpt when there is one)")
+            return False
+        return True
+
+    def _run(self) -> dict[str, Any]:
         names = [p.name for p in self.phases]
         start = names.index(self.options.get("start_phase") or names[0])
         stop = names.index(self.options.get("stop_phase") or names[-1])
@@ -202,9 +262,11 @@ class Pipeline:
             raise ConfigError(f"cannot start at phase {names[start]!r}: no checkpoint {previous} "
                               "(run the earlier phase first or set pipeline.init_from)")
         offset = sum(self.phases[i].steps for i in range(start))
+        self.save_state()  # the run exists from now on: a resume after an early kill finds it
         for phase in self.phases[start : stop + 1]:
             final = self.final_checkpoint(phase)
-            if self.options.get("resume") and final.is_file() and phase.name in self.state["phases"]:
+            if self.options.get("resume") and self.is_complete(phase):
+                verify_file(final)
                 rank_zero_info(f"phase {phase.name}: already complete, skipped")
             else:
                 self.state["phases"][phase.name] = self.run_phase(phase, previous, offset)
@@ -216,7 +278,7 @@ class Pipeline:
     def save_state(self) -> None:
         if rank_zero_only.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / STATE_FILE).write_text(json.dumps(self.state, indent=2))
+            write_state(self.run_dir / STATE_FILE, self.state)
 
     def build_data(self, phase: Phase) -> L.LightningDataModule:
         main = instantiate(phase.data)
@@ -246,10 +308,17 @@ class Pipeline:
                 module.load_state_dict(saved["state_dict"])
             if phase.carry_optimizer and not reinit:
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
-        checkpoint = instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))
+        # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
+        # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
+        callbacks = [ResumeGuard(), *callbacks, instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
+        resumed_at = 0  # the step the resume starts from, read now: by the end of the fit last.ckpt is a later one
+        if resume_from is not None:
+            interrupted = read_checkpoint(resume_from, mmap=True)
+            callbacks[0].check(interrupted, callbacks, module, str(resume_from))
+            resumed_at = int(interrupted["global_step"])
         logger = instantiate(cfg.logger, version=phase.name)
-        trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, callbacks=[*callbacks, checkpoint],
-                                         logger=logger)
+        trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, logger=logger, callbacks=callbacks,
+                                         plugins=[VerifiedCheckpointIO()])
         rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
         started = time.perf_counter()
@@ -263,7 +332,6 @@ class Pipeline:
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
         trainer.save_checkpoint(self.final_checkpoint(phase))
         if earlier_rows:
-            resumed_at = int(load_checkpoint(resume_from)["global_step"])
             # rows up to the checkpoint (validation at its step ran before the interruption)
             prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at
                                      or (int(r["step"]) == resumed_at and not r.get("train/loss"))])

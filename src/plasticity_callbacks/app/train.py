@@ -20,6 +20,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint
+from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..models.registry import ConfigError
 from .pipeline import Pipeline, prepend_metrics, read_metrics
@@ -49,6 +51,7 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
+    ckpt_path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)  # before anything runs
     L.seed_everything(cfg.seed, workers=True)
     if cfg.get("threads"):
         torch.set_num_threads(cfg.threads)
@@ -57,16 +60,20 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     module = build_module(cfg)
     if isinstance(module, GPTLightningModule):
         check_data_fits_model(datamodule, module.config)
+    guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
+    callbacks = [guard, *build_callbacks(cfg)]
+    if ckpt_path is not None:  # refuse before the logger empties the run's metrics file
+        guard.check(read_checkpoint(ckpt_path, mmap=True), callbacks, module, ckpt_path)
     logger = instantiate(cfg.logger)
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=build_callbacks(cfg), logger=logger)
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
     started = time.perf_counter()
     before = None
-    if cfg.validate_before_fit and cfg.ckpt_path is None:
+    if cfg.validate_before_fit and ckpt_path is None:
         before = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
     # Resuming in the same run directory: CSVLogger deletes the metrics file it reopens, so keep the
     # rows logged before the interruption and put them back in front of the resumed run's rows.
-    earlier_rows = read_metrics(logger) if cfg.ckpt_path is not None else []
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    earlier_rows = read_metrics(logger) if ckpt_path is not None else []
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if earlier_rows:
         resumed_at = min((int(r["step"]) for r in read_metrics(logger)), default=trainer.global_step)
         prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at])
@@ -101,7 +108,12 @@ def hydra_main(cfg: DictConfig) -> float | None:
         if cfg.get("phases"):
             phases = Pipeline(cfg).run()["phases"]
             return list(phases.values())[-1].get("val_loss") if phases else None
-        return fit(cfg).get("val_loss_final")
+        with RunLock(cfg.paths.output_dir):
+            return fit(cfg).get("val_loss_final")
+    except (ResumeError, CheckpointError) as err:
+        # A refused resume or an unusable checkpoint: the one line says what and where; nothing was changed.
+        print(f"plasticity-train: {err}", file=sys.stderr)
+        sys.exit(1)
     except (ConfigError, InstantiationException, OmegaConfBaseException) as err:
         # Bad config values: one readable line, not a traceback from deep inside.
         message = str(err).strip().splitlines()

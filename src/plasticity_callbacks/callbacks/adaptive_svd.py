@@ -14,8 +14,9 @@ from ..functional import factorization
 from ..core.distributed import MisconfigurationException, require_full_parameters
 from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
-from ..core.targets import Target, require_targets, select_targets, validate_selection
+from ..core.model_map import Target, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number
+from ..core.callback_state import check_state
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -134,9 +135,12 @@ class AdaptiveSVDSwitch(L.Callback):
         require_targets(targets, "AdaptiveSVDSwitch", self.selection["scope"], self.selection["include"],
                         self.selection["exclude"])
         for t in targets:
-            g = min(as_matrix(t.param).shape)
+            g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split
                 self.matrices.append(_Matrix(t, t.name.rsplit(".", 1)[-1], g))
+        if not self.matrices:
+            raise ValueError(f"AdaptiveSVDSwitch: every selected weight ({[t.name for t in targets]}) has rank 1 at "
+                             "most, so there is no minor subspace to switch to; select larger matrices")
         self._apply_pending()
 
     def state_dict(self) -> dict:
@@ -151,6 +155,7 @@ class AdaptiveSVDSwitch(L.Callback):
         return {"matrices": matrices, "history": list(self.history)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"matrices": dict, "history": list})
         self._pending = state_dict
         self._apply_pending()
 
@@ -175,7 +180,7 @@ class AdaptiveSVDSwitch(L.Callback):
             if "B" in entry and not factorization.is_factorized(m.target.module, m.attr):
                 device = m.target.param.device
                 parts = factorization.factorize(m.target.module, m.attr, entry["B"].to(device), entry["A"].to(device),
-                                          frozen=entry["W_p"].to(device))
+                                                frozen=entry["W_p"].to(device), transposed=m.target.transposed)
                 factorization.attach(trainer.optimizers, m.target.param, [parts.B, parts.A])
         self._pending = None
 
@@ -207,7 +212,7 @@ class AdaptiveSVDSwitch(L.Callback):
         elif self.mode == "project":
             for m in self.matrices:
                 if m.mode == "lowrank":
-                    factorization.project_gradient(m.target.param, m.U_minor)
+                    factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
 
     @torch.no_grad()
     def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -215,8 +220,13 @@ class AdaptiveSVDSwitch(L.Callback):
         for m in self.matrices:
             module, weight = m.target.module, m.target.param
             factorized = factorization.is_factorized(module, m.attr)
-            W = as_matrix(getattr(module, m.attr).detach())  # the effective weight in either structure
+            W = as_matrix(m.target.read())  # the effective weight in either structure, (out, in) orientation
+            if not bool(torch.isfinite(W).all()):  # one sync per SVD cycle, which syncs anyway
+                raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
+                                         f"{step}; no subspace can be computed from it (lower the learning rate or "
+                                         "clip gradients, then resume from an earlier checkpoint)")
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
+            grad = m.target.oriented(grad) if grad is not None else None
             r = m.r if m.r is not None else self._initial_r(W, m.g)
             svd = svd_triplets(W, self.svd_method, top=m.g - r, niter=self.svd_niter, dtype=self.svd_dtype,
                                seed=step)
@@ -227,8 +237,8 @@ class AdaptiveSVDSwitch(L.Callback):
             m.mode, m.r, m.U_prev, m.S_prev = new_mode, r_next, svd.U, svd.S
             if self.mode == "project":
                 if new_mode == "lowrank":
-                    factorization.project_gradient(weight, m.U_minor)
-                    factorization.project_optimizer_state(trainer.optimizers, weight, m.U_minor)
+                    factorization.project_gradient(weight, m.U_minor, m.target.transposed)
+                    factorization.project_optimizer_state(trainer.optimizers, weight, m.U_minor, m.target.transposed)
             else:
                 self._resplit(trainer, m, svd, grad, factorized)
             self.history.append((step, m.target.name, new_mode, r_next))
@@ -253,13 +263,15 @@ class AdaptiveSVDSwitch(L.Callback):
             factorization.fold(module, m.attr)
         if m.mode == "lowrank":
             B, A = factorization.minor_factors(svd, m.r, weight.dtype)
-            parts = factorization.factorize(module, m.attr, B, A)
+            parts = factorization.factorize(module, m.attr, B, A, transposed=m.target.transposed)
             if grad is not None:
                 G = as_matrix(grad).to(B.dtype)
                 parts.B.grad, parts.A.grad = G @ parts.A.mT, parts.B.mT @ G
             factorization.attach(trainer.optimizers, weight, [parts.B, parts.A])
         else:
-            weight.grad = grad.reshape(weight.shape).to(weight.dtype) if grad is not None else None
+            # ``grad`` is (out, in): back to the stored orientation
+            weight.grad = (m.target.oriented(grad.reshape(m.target.shape)).to(weight.dtype).contiguous()
+                           if grad is not None else None)
 
     def _log(self, pl_module: L.LightningModule, logged: list) -> None:
         def log(name, value):

@@ -17,8 +17,9 @@ from torch import nn
 from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..core.optimizer_state import owning_optimizer
 from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
-from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.model_map import WeightView, refuse_factorized, require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, check_number, sorted_int_list
+from ..core.callback_state import check_state
 
 RULES = ("periodic", "dash")
 
@@ -26,8 +27,12 @@ RULES = ("periodic", "dash")
 @dataclass(frozen=True)
 class _Layer:
     name: str  # module name, e.g. "net.0" (metric names use it)
-    weight: nn.Parameter
+    view: WeightView  # the weight in (out, in) orientation: one factor per output neuron (row)
     bias: nn.Parameter | None  # shrunk with one scalar factor when shrink_bias=True
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.view.param
 
 
 class DASHShrink(L.Callback):
@@ -51,10 +56,13 @@ class DASHShrink(L.Callback):
     (conv: each (out, in) kernel slice) by ``clamp(cos(G, W), lam, 1)``. Gradients, train/eval
     modes, buffers (BatchNorm statistics) and the RNG state are restored afterwards; optimizer
     state is left alone, as in the paper. It needs one training dataloader and a ``training_step``
-    that returns the loss (or a dict with ``"loss"``). A fit resumed with ``ckpt_path`` counts as
+    that returns the loss (or a dict with ``"loss"``); under manual optimization ``training_step``
+    runs as written, with every optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for
+    the pass (a closure passed to ``step`` still runs), and its ``manual_backward`` gives the gradient.
+    A fit resumed with ``ckpt_path`` counts as
     the same phase; a new ``trainer.fit`` in the same process (a new phase) shrinks again.
 
-    Targets: :func:`plasticity_callbacks.core.targets.select_targets` (``scope``/``include``/``exclude``
+    Targets: :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``/``include``/``exclude``
     as in FIREReinit). With ``shrink_bias=True`` a selected layer's bias is shrunk too, by one
     factor computed from the whole bias vector (the paper does this; the seed had no biases).
 
@@ -172,12 +180,10 @@ class DASHShrink(L.Callback):
             self.skipped_nonfinite += 1
             return
 
-        def factors(param: torch.Tensor) -> torch.Tensor | None:
-            if param.grad is None:
-                return None
-            return penalty_shrink_factors(param, param.grad, self.alpha, self.rate, self.floor)
+        def factors(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            return penalty_shrink_factors(weight, grad, self.alpha, self.rate, self.floor)
 
-        self._shrink(trainer, pl_module, factors, on_step=True)
+        self._shrink(trainer, pl_module, lambda param: param.grad, factors, on_step=True)
 
     def state_dict(self) -> dict:
         return {"shrinks": self.shrinks, "skipped_nonfinite": self.skipped_nonfinite,
@@ -185,6 +191,8 @@ class DASHShrink(L.Callback):
                 "epochs_done": list(self.epochs_done)}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_state(self, state_dict, {"shrinks": int, "skipped_nonfinite": int, "last_shrink_step": int,
+                                       "start_done": bool, "epochs_done": list})
         self.shrinks = state_dict["shrinks"]
         self.skipped_nonfinite = state_dict["skipped_nonfinite"]
         self.last_shrink_step = state_dict["last_shrink_step"]
@@ -210,21 +218,32 @@ class DASHShrink(L.Callback):
         for t in targets:
             bias = getattr(t.module, "bias", None) if t.kind in ("linear", "conv") and self.shrink_bias else None
             bias = bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
-            layers.append(_Layer(module_names[id(t.module)] if t.kind != "matrix" else t.name, t.param, bias))
+            layers.append(_Layer(module_names[id(t.module)] if t.kind != "matrix" else t.name, t, bias))
         return layers
 
-    def _shrink(self, trainer, pl_module, factor_fn, on_step: bool) -> None:
-        """Shrink every selected layer in place with ``factor_fn(param)`` and log the factors."""
+    def _shrink(self, trainer, pl_module, direction_of, factor_fn, on_step: bool) -> None:
+        """Shrink every selected layer in place by ``factor_fn(weight, direction)`` and log the factors.
+
+        ``direction_of(param)`` gives the gradient-like tensor stored like ``param`` (or None to skip);
+        weights and directions are compared in ``(out, in)`` orientation, one factor per output neuron.
+        """
+        refuse_factorized([layer.view for layer in self._layers], "DASHShrink",
+                          "DASH needs the gradient of the effective weight")
         stats = []
         with torch.no_grad():
             for layer in self._layers:
-                weight_factors = factor_fn(layer.weight)
-                if weight_factors is None:
+                direction = direction_of(layer.weight)
+                if direction is None:
                     continue
-                apply_shrink_(layer.weight, weight_factors)
-                if layer.bias is not None and (bias_factor := factor_fn(layer.bias)) is not None:
-                    apply_shrink_(layer.bias, bias_factor)
+                weight = layer.view.read()  # a view: shrinking it shrinks the parameter
+                weight_factors = factor_fn(weight, layer.view.oriented(direction))
+                apply_shrink_(weight, weight_factors)
+                if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
+                    apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
                 stats.append((layer.name, weight_factors.detach().flatten()))
+        if not stats:  # never a silent no-op: no selected weight had a gradient
+            rank_zero_warn(f"DASHShrink: no selected weight had a gradient at step {trainer.global_step}, nothing was "
+                           "shrunk; are they frozen (requires_grad=False) or unused in training_step?")
         self.shrinks += 1
         self.last_shrink_step = trainer.global_step
         self._log(pl_module, stats, on_step)
@@ -250,10 +269,10 @@ class DASHShrink(L.Callback):
         if directions is None:
             return
 
-        def factors(param: torch.Tensor) -> torch.Tensor:
-            return dash_shrink_factors(param, directions[param], self.lam)
+        def factors(weight: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+            return dash_shrink_factors(weight, direction, self.lam)
 
-        self._shrink(trainer, pl_module, factors, on_step=False)
+        self._shrink(trainer, pl_module, directions.get, factors, on_step=False)
 
     def _negative_gradient_ema(self, trainer, pl_module) -> dict[torch.Tensor, torch.Tensor] | None:
         """EMA of −grad over ``n_batches`` training batches, mean over ranks; ``None`` if no batch was finite."""
@@ -269,20 +288,28 @@ class DASHShrink(L.Callback):
         buffers = [b.detach().clone() for b in pl_module.buffers()]
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16: scale the loss so small grads survive
         used = 0
+        manual = not pl_module.automatic_optimization
         rng_devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module):
+            with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module), _frozen_optimizers(trainer):
                 pl_module.train()
                 for batch_idx, batch in enumerate(loader):
                     if self.n_batches is not None and batch_idx >= self.n_batches:
                         break
                     for p in params:
                         p.grad = None
-                    batch = trainer.strategy.batch_to_device(batch)
+                    # as the training loop does: to the device, then to the precision's dtype (bf16-true)
+                    batch = trainer.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
                     with trainer.precision_plugin.train_step_context():
                         out = pl_module.training_step(batch, batch_idx)
-                    loss = out["loss"] if isinstance(out, Mapping) else out
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    if manual:  # training_step called self.manual_backward; its optimizer steps were no-ops
+                        if not any(p.grad is not None for p in tracked):
+                            raise RuntimeError("DASHShrink(rule='dash'): under manual optimization training_step "
+                                               "left no gradient on the selected weights; it must call "
+                                               "self.manual_backward(loss)")
+                    else:
+                        loss = out["loss"] if isinstance(out, Mapping) else out
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
                     if not _all_finite(grads):
                         continue  # an fp16 overflow batch would poison the average
@@ -314,6 +341,31 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return True
     return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+
+
+@contextmanager
+def _frozen_optimizers(trainer):
+    """Optimizer and scheduler ``step``/``zero_grad`` become no-ops (a closure still runs): under manual
+    optimization ``training_step`` steps the user's optimizer itself, which the gradient pass must not do."""
+    optimizers = [*trainer.optimizers, *getattr(trainer.strategy, "_lightning_optimizers", [])]
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+
+    def step(closure=None, **kwargs):
+        return closure() if closure is not None else None
+
+    def nothing(*args, **kwargs):
+        return None
+
+    patched = [(opt, "step", step) for opt in optimizers] + [(opt, "zero_grad", nothing) for opt in optimizers]
+    patched += [(scheduler, "step", nothing) for scheduler in schedulers]
+    for obj, name, replacement in patched:
+        setattr(obj, name, replacement)  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for obj, name, _ in patched:
+            if name in vars(obj):
+                delattr(obj, name)
 
 
 @contextmanager

@@ -5,14 +5,15 @@ from typing import Any, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..functional.isometry import FireRecord, apply_fire, validate_fire_options
 from ..core.optimizer_state import leaf_optimizers
 from ..functional.spectral import DEFAULT_NORMALIZE, NORMALIZATIONS
-from ..core.targets import require_targets, select_targets, validate_selection
+from ..core.model_map import require_targets, select_targets, validate_selection
 from ..core.arguments import check_int, sorted_int_list
+from ..core.callback_state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -192,6 +193,8 @@ class FIREReinit(L.Callback):
                 "cooldown_left": self.cooldown_left, "warmup_start": self.warmup_start}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state(self, state_dict, {"applied": list, "history": list, "best": OPTIONAL_NUMBER, "wait": int,
+                                       "cooldown_left": int, "warmup_start": OPTIONAL_INT})
         self.applied = list(state_dict["applied"])
         self.history = list(state_dict["history"])
         self.best, self.wait = state_dict["best"], state_dict["wait"]
@@ -231,6 +234,9 @@ class FIREReinit(L.Callback):
         self.history.append({"key": key, "global_step": trainer.global_step, "dfi_before": summary["fire/dfi_before"],
                              "dfi_after": summary["fire/dfi_after"], "layers": len(done)})
         skipped = [f"{r.name} ({r.skipped})" for r in records if r.skipped is not None]
+        if not done:  # never a silent no-op: every selected weight was zero, non-finite or 1-D
+            rank_zero_warn(f"FIREReinit[{key}]: no weight was orthogonalized; skipped {', '.join(skipped) or 'none'}. "
+                           "Check the selection (scope/include/exclude) or the weights themselves.")
         rank_zero_info(f"FIREReinit[{key}]: {len(done)} weights orthogonalized at step {trainer.global_step} in "
                        f"{seconds:.3f}s, mean DfI {summary['fire/dfi_before']:.3g} -> {summary['fire/dfi_after']:.3g}"
                        + (f"; skipped {', '.join(skipped)}" if skipped else ""))

@@ -3,140 +3,33 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, mean_abs_activation, recycle_neurons
-from ..core.targets import output_head, select_targets, validate_patterns
+from ..functional.dormancy import (INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation,
+                                   recycle_neurons)
+from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d,
+                              validate_patterns)
 from ..core.arguments import check_int, check_number
+from ..core.callback_state import check_state
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_LAYER = (nn.Linear, *_CONV)
-# Activations that act on each unit alone; softmax-like and GLU modules mix units, so they
-# do not delimit a neuron. Dropout may sit between the activation and the next layer.
-_MIXING = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.MultiheadAttention)
-_ACTIVATIONS = tuple(
-    c for c in vars(nn.modules.activation).values()
-    if isinstance(c, type) and issubclass(c, nn.Module) and c.__module__ == nn.modules.activation.__name__
-    and not issubclass(c, _MIXING)
-)
-_PASS_THROUGH = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Identity)
-CALLBACK_INITS = ("init_std", *INITS)
-
-
-@dataclass
-class NeuronLayer:
-    """Hidden units between ``up`` (and ``gate``) and ``down``; their value is ``down``'s input."""
-
-    name: str
-    up: nn.Module
-    down: nn.Module
-    gate: nn.Module | None = None
-    down_offset: int = 0  # this layer's units are down's inputs [offset, offset + width)
-
-    @property
-    def width(self) -> int:
-        return self.up.weight.shape[0]
-
-    def neuron_dim(self, x: torch.Tensor) -> int:
-        """The unit axis of ``down``'s input: last for a Linear, the channel axis for a conv."""
-        return x.dim() - 1 if isinstance(self.down, nn.Linear) else x.dim() - (self.down.weight.dim() - 1)
-
-
-def _check_pair(name: str, up: nn.Module, down: nn.Module, gate: nn.Module | None, down_offset: int | None = None) -> None:
-    """``down_offset=None``: down must read exactly up's units; else the slice from the offset must fit."""
-    for role, layer in (("up", up), ("down", down), ("gate", gate)):
-        if layer is not None and not isinstance(layer, _LAYER):
-            raise ValueError(f"ReDoMonitor layer {name!r}: {role} is a {type(layer).__name__}, not an nn.Linear or conv")
-    reads, writes = down.weight.shape[1], up.weight.shape[0]
-    fits = reads == writes if down_offset is None else down_offset + writes <= reads
-    if getattr(down, "groups", 1) != 1 or not fits:
-        raise ValueError(f"ReDoMonitor layer {name!r}: down reads {reads} units (groups={getattr(down, 'groups', 1)}, "
-                         f"offset={down_offset or 0}), up writes {writes}")
-    if gate is not None and gate.weight.shape[0] != up.weight.shape[0]:
-        raise ValueError(f"ReDoMonitor layer {name!r}: gate writes {gate.weight.shape[0]} units, up {up.weight.shape[0]}")
-
-
-def _sequential_pairs(model: nn.Module):
-    """``(name, up, down)`` for ``Linear/conv → activation(s)/dropout → Linear/conv`` runs in nn.Sequential."""
-    for seq_name, seq in model.named_modules():
-        if not isinstance(seq, nn.Sequential):
-            continue
-        children = list(seq.named_children())
-        for i, (up_name, up) in enumerate(children):
-            if not isinstance(up, _LAYER):
-                continue
-            j, activated = i + 1, False
-            while j < len(children) and isinstance(children[j][1], (*_ACTIVATIONS, *_PASS_THROUGH)):
-                activated |= isinstance(children[j][1], _ACTIVATIONS)
-                j += 1
-            down = children[j][1] if activated and j < len(children) else None
-            same_kind = isinstance(down, nn.Linear) if isinstance(up, nn.Linear) else type(down) is type(up)
-            if same_kind and getattr(down, "groups", 1) == 1 and down.weight.shape[1] == up.weight.shape[0]:
-                yield (f"{seq_name}.{up_name}" if seq_name else up_name), up, down
-
-
-def _submodule(model: nn.Module, path: str, entry: str) -> nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError as err:
-        raise ValueError(f"ReDoMonitor layer_map[{entry!r}]: the model has no module {path!r} ({err})") from err
-
-
-def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None
-                       ) -> list[NeuronLayer]:
-    """The layers of neurons ReDo watches in ``model``.
-
-    ``layer_map`` (``{name: (up | [gate, up], down)}`` by module names) is used as given.
-    Otherwise: every block with ``neuron_layouts()`` (our GPT's MLPs), then every
-    ``Linear/conv → activation → Linear/conv`` run inside an ``nn.Sequential``, keeping only
-    layers whose incoming weights ``select_targets`` accepts (no positional blocks, no output
-    head, minus ``exclude`` patterns on parameter names). The output layer is never an ``up``.
-    """
-    head = output_head(model)
-    layers: list[NeuronLayer] = []
-    if layer_map:
-        for name, (incoming, down_name) in layer_map.items():
-            names = [incoming] if isinstance(incoming, str) else list(incoming)
-            modules = [_submodule(model, n, name) for n in [*names, down_name]]
-            if head is not None and any(n == head for n in names):
-                raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {head!r} is the output layer, which ReDo never recycles")
-            gate, up = (modules[0], modules[1]) if len(names) == 2 else (None, modules[0])
-            _check_pair(name, up, modules[-1], gate)
-            layers.append(NeuronLayer(name, up, modules[-1], gate))
-        return layers
-
-    allowed = {id(t.module) for t in select_targets(model, exclude=exclude, include_conv=True)}
-    covered: set[int] = set()
-    for name, module in model.named_modules():
-        layouts = getattr(module, "neuron_layouts", None)
-        if not callable(layouts):
-            continue
-        found = list(layouts())
-        for i, layout in enumerate(found):  # by attribute: NeuronLayout may grow fields
-            up, down, gate, offset = layout.up, layout.down, layout.gate, getattr(layout, "down_offset", 0)
-            covered.update({id(up), id(down)})
-            if id(up) in allowed and (gate is None or id(gate) in allowed):
-                label = name if len(found) == 1 else f"{name}.{i}" if name else str(i)
-                _check_pair(label, up, down, gate, offset)
-                layers.append(NeuronLayer(label, up, down, gate, offset))
-    for name, up, down in _sequential_pairs(model):
-        if id(up) in allowed and id(up) not in covered and name != head:
-            layers.append(NeuronLayer(name, up, down))
-    return layers
+CALLBACK_INITS = ("init_std", "model", *INITS)
 
 
 class ReDoMonitor(L.Callback):
     """Dormant-neuron statistics, logging and (optionally) recycling, after Sokar et al. (ICML 2023).
 
-    **Finds** the neuron layers itself (see :func:`find_neuron_layers`): our GPT's MLPs through
-    ``neuron_layouts()``, ``Linear/conv → activation → Linear/conv`` runs in ``nn.Sequential``, or
-    an explicit ``layer_map``. Raises a ValueError in ``setup`` when it finds none.
+    **Finds** the neuron layers through the model map
+    (:func:`plasticity_callbacks.core.model_map.find_neuron_layers`): our GPT's MLPs, Hugging Face
+    MLPs (Llama gate/up/down, GPT-2 ``c_fc``/``c_proj``, BERT intermediate/output), torch
+    ``TransformerEncoderLayer``, ``Linear/conv → [BatchNorm] → activation → [pool/flatten] →
+    Linear/conv`` chains (ResNet blocks, conv→flatten→linear), declared layouts, or an explicit
+    ``layer_map``. Raises a ValueError in ``setup`` when it finds none.
 
     **Collects** in ``on_train_batch_start``/``on_train_batch_end`` of every
     ``collect_every_n_steps``-th training step (never in validation): a forward pre-hook on
@@ -155,7 +48,8 @@ class ReDoMonitor(L.Callback):
     **Recycles** (off unless ``recycle_every_n_steps`` is set) in ``on_train_batch_end`` at optimizer
     steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.recycle_neurons``
     re-samples the τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
-    layer's weight std recorded at the start of fit, i.e. its own init scale), zeroes their biases,
+    layer's weight std recorded at the start of fit, i.e. its own init scale; ``init="model"``: rows of
+    a fresh draw by the layer's own init code, Hugging Face ``_init_weights`` included), zeroes their biases,
     outgoing columns and the optimizer moments of exactly those slices, and logs
     ``redo/recycled[/layer]``. The output head's units are never recycled.
 
@@ -214,9 +108,11 @@ class ReDoMonitor(L.Callback):
         self._observed: torch.Tensor | None = None  # per neuron: seen since fit start or its recycling
         self._recycled: torch.Tensor | None = None  # neurons recycled so far, per layer
         self._init_std: torch.Tensor | None = None  # (layers, 2): weight std of up and gate at fit start
+        self._nonfinite: torch.Tensor | None = None  # per layer: collected batches skipped for NaN/Inf activations
         self._pending_state: dict | None = None
         self._hooks: list = []
         self._collecting = False
+        self._warned_unobserved = False
 
     @property
     def state_key(self) -> str:
@@ -229,9 +125,11 @@ class ReDoMonitor(L.Callback):
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
             raise ValueError(
-                "ReDoMonitor found no neuron layers: it looks for modules with neuron_layouts() (our GPT MLPs) and "
-                "nn.Sequential runs Linear/conv → activation → Linear/conv outside the output head. Pass "
-                "layer_map={name: (up_or_[gate, up], down)} with module names for other architectures.")
+                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch "
+                "MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, linear1/linear2) and "
+                "Linear/conv → [BatchNorm] → activation → [pool/flatten] → Linear/conv chains outside the output head. "
+                "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
+                "for other architectures.")
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self._ema is None:
@@ -240,6 +138,7 @@ class ReDoMonitor(L.Callback):
             self._ema = torch.zeros(total, device=device)
             self._observed = torch.zeros(total, dtype=torch.bool, device=device)
             self._recycled = torch.zeros(len(self.layers), dtype=torch.long, device=device)
+            self._nonfinite = torch.zeros(len(self.layers), dtype=torch.long, device=device)
             with torch.no_grad():  # the layers' own init scale, unless a checkpoint restores the one recorded
                 self._init_std = torch.stack([_init_stds(layer) for layer in self.layers])
         if self._pending_state is not None:
@@ -273,14 +172,18 @@ class ReDoMonitor(L.Callback):
     def _collect(self, index: int, view: slice, module: nn.Module, args) -> None:
         if not (self._collecting and module.training):  # e.g. another callback's eval forward inside the step
             return
-        h = args[0].detach()
         layer = self.layers[index]
-        unit = layer.neuron_dim(h)
-        if h.shape[unit] != layer.width:  # one of several layers feeding slices of the same down
-            h = h.narrow(unit, layer.down_offset, layer.width)
-        weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0)  # a first observation replaces
-        self._ema[view].lerp_(mean_abs_activation(h, unit), weight)
-        self._observed[view].fill_(True)
+        h, unit = layer.unit_activity(args[0].detach())  # this layer's units, whatever down's input layout
+        activity = mean_abs_activation(h, unit)
+        # A batch with NaN/Inf activations (e.g. one the training step skips) must not enter the EMA: a single
+        # NaN would make every score NaN, and nothing dormant, for the rest of training. Skip and count it,
+        # with masks rather than an `if`, so the hot path never waits for the device.
+        finite = torch.isfinite(activity).all()
+        # A first observation replaces. Explicit float32: under bf16-true the default dtype is bf16.
+        weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0).to(self._ema.dtype)
+        self._ema[view].lerp_(torch.where(finite, activity.to(self._ema.dtype), self._ema[view]), weight)
+        self._observed[view] |= finite
+        self._nonfinite[index] += (~finite).long()
 
     # ------------------------------------------------------------------ decisions
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -293,6 +196,7 @@ class ReDoMonitor(L.Callback):
         if self.collections == 0 or not (log_now or recycle_now) or step == 0:
             return
         scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
+        self._warn_unobserved()
         if log_now:
             self.last_logged_step = step
             self._log_fractions(pl_module, scores)
@@ -307,6 +211,20 @@ class ReDoMonitor(L.Callback):
             return {}
         self._ema.copy_(all_reduce_mean(trainer, self._ema.clone()))
         return {layer.name: dormancy_scores(part) for layer, part in zip(self.layers, self._split(self._ema))}
+
+    def _warn_unobserved(self) -> None:
+        """Layers whose ``down`` never ran in a collected training step have no statistics: say so, once
+        per fit, instead of logging them as 0 % dormant (a compiled model or another forward path)."""
+        if self._warned_unobserved or bool(self._observed.all()):
+            return
+        silent = [layer.name for layer, seen in zip(self.layers, self._split(self._observed)) if not bool(seen.any())]
+        if silent:
+            self._warned_unobserved = True
+            rank_zero_warn(f"ReDoMonitor observed no activation of {silent} after {self.collections} collected "
+                           "steps: their forward hooks never ran in training (a model compiled before the hooks were "
+                           "attached, or a forward path that bypasses these modules); their dormancy is unknown and "
+                           "they are not recycled. Attach ReDoMonitor before compiling, or pass layer_map= for the "
+                           "modules that do run.")
 
     def dormant_masks(self, scores: dict[str, torch.Tensor], tau: float) -> dict[str, torch.Tensor]:
         """τ-dormant neurons per layer, among those observed since fit start or their recycling
@@ -324,15 +242,29 @@ class ReDoMonitor(L.Callback):
             for layer in self.layers:
                 pl_module.log(f"redo/{key}/{layer.name}", counts[layer.name] / layer.width, on_step=True, on_epoch=False)
             pl_module.log(f"redo/{key}", sum(counts.values()) / total, on_step=True, on_epoch=False)
+        pl_module.log("redo/nonfinite_batches", self._nonfinite.sum().float(), on_step=True, on_epoch=False)
 
     def _recycle(self, trainer, pl_module, masks: dict[str, torch.Tensor], step: int) -> None:
+        factorized = [layer.name for layer in self.layers
+                      if any(m is not None and parametrize.is_parametrized(m, "weight")
+                             for m in (layer.up, layer.gate, layer.down))]
+        if factorized:
+            raise RuntimeError(f"ReDoMonitor: layers {factorized} are factorized by "
+                               "AdaptiveSVDSwitch(mode='factorize'), so recycled rows and columns would not reach the effective weight; use "
+                               "AdaptiveSVDSwitch(mode='project') or exclude them from one of the two callbacks")
         offset, counts = 0, []
         for index, layer in enumerate(self.layers):
             mask = masks[layer.name]
-            init = (self._init_std[index, 0], self._init_std[index, 1]) if self.init == "init_std" else self.init
             generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
+            if self.init == "init_std":
+                init = (self._init_std[index, 0], self._init_std[index, 1])
+            elif self.init == "model":  # the layers' own init code (HF _init_weights, else reset_parameters)
+                init = [_model_draw(pl_module, m, generator.initial_seed() + i)
+                        for i, m in enumerate((layer.up, layer.gate or layer.up))]
+            else:
+                init = self.init
             count = recycle_neurons(layer.up, layer.down, mask, layer.gate, init, trainer.optimizers, generator,
-                                    layer.down_offset)
+                                    layer.down_offset, group=layer.group, norm=layer.norm)
             # A recycled neuron is a new neuron: its next observation replaces its EMA.
             self._observed[offset:offset + layer.width].masked_fill_(mask, False)
             offset += layer.width
@@ -368,12 +300,17 @@ class ReDoMonitor(L.Callback):
         return {"layers": [l.name for l in self.layers], "widths": [l.width for l in self.layers],
                 "ema": self._ema.detach().cpu().clone(), "observed": self._observed.cpu().clone(),
                 "recycled": self._recycled.cpu().clone(), "init_std": self._init_std.cpu().clone(),
+                "nonfinite_batches": self._nonfinite.cpu().clone(),
                 "collections": self.collections, "last_logged_step": self.last_logged_step,
                 "last_recycled_step": self.last_recycled_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
             return
+        check_state(self, state_dict, {"layers": list, "widths": list, "ema": torch.Tensor, "observed": torch.Tensor,
+                                       "recycled": torch.Tensor, "init_std": torch.Tensor, "collections": int,
+                                       "last_logged_step": int, "last_recycled_step": int},
+                    optional={"nonfinite_batches": torch.Tensor})
         self._pending_state = dict(state_dict)
         if self._ema is not None:  # strategies that restore after on_fit_start
             self._apply_state(self._pending_state)
@@ -383,9 +320,13 @@ class ReDoMonitor(L.Callback):
         if state["layers"] != names or state["widths"] != widths:
             raise ValueError(f"ReDoMonitor checkpoint watched layers {list(zip(state['layers'], state['widths']))}, "
                              f"this model has {list(zip(names, widths))}")
-        self._ema.copy_(state["ema"])
-        self._observed.copy_(state["observed"])
+        # A checkpoint written before non-finite batches were skipped may hold NaN scores: those neurons
+        # count as not yet observed, so their next batch replaces the value instead of keeping it NaN.
+        finite = torch.isfinite(state["ema"]).to(self._ema.device)
+        self._ema.copy_(torch.where(finite, state["ema"].to(self._ema.device), 0.0))
+        self._observed.copy_(state["observed"].to(self._observed.device) & finite)
         self._recycled.copy_(state["recycled"])
+        self._nonfinite.copy_(state.get("nonfinite_batches", torch.zeros_like(self._nonfinite)))
         self._init_std = state["init_std"].to(self._ema.device)
         self.collections = state["collections"]
         self.last_logged_step, self.last_recycled_step = state["last_logged_step"], state["last_recycled_step"]
@@ -395,7 +336,7 @@ class ReDoMonitor(L.Callback):
 def _init_stds(layer: NeuronLayer) -> torch.Tensor:
     """``[std(up.weight), std(gate.weight)]`` (the gate's is up's when there is no gate), on device."""
     gate = layer.up if layer.gate is None else layer.gate
-    return torch.stack([layer.up.weight.detach().float().std(), gate.weight.detach().float().std()])
+    return torch.stack([finite_std(layer.up.weight), finite_std(gate.weight)])
 
 
 def _validate_layer_map(layer_map) -> dict | None:
@@ -415,3 +356,9 @@ def _validate_layer_map(layer_map) -> dict | None:
             raise error
         clean[str(name)] = (incoming[0] if len(incoming) == 1 else incoming, down)
     return clean
+
+
+def _model_draw(pl_module: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
+    """A fresh weight of ``layer`` by its model's init, in ``(out, in)`` orientation (recycling's rows)."""
+    weight = fresh_layer_weight(pl_module, layer, seed)
+    return weight.mT if is_conv1d(layer) else weight

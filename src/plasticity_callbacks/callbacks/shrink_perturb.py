@@ -1,19 +1,19 @@
 """``ShrinkPerturb``: Ash & Adams' warm-starting fix, ``θ ← λ·θ + p·θ_fresh``, once at fit start."""
 from __future__ import annotations
 
-import copy
 import fnmatch
-from typing import Iterator
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..core.distributed import rank_identical_generator, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
-from ..core.targets import validate_patterns
+from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
+from ..functional import factorization
+from ..core.callback_state import check_state
 
 
 def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
@@ -23,47 +23,20 @@ def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrin
             p.mul_(shrink).add_(f.to(device=p.device, dtype=p.dtype), alpha=perturb)
 
 
-def _initializers(module: nn.Module) -> Iterator[nn.Module]:
-    """The outermost submodules that define ``init_weights`` (a model's own init, e.g. our GPT),
-    and every other module with ``reset_parameters`` (PyTorch layers' default init)."""
-    if callable(getattr(module, "init_weights", None)):
-        yield module
-        return
-    if callable(getattr(module, "reset_parameters", None)):
-        yield module
-    for child in module.children():
-        yield from _initializers(child)
-
-
-def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """A fresh initialization of ``model``'s parameters by the model's own init code, drawn from
-    ``seed`` (so every rank gets the same draw), without touching ``model`` or the global RNG."""
-    devices = sorted({p.device.index for p in model.parameters() if p.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        fresh = {}
-        for name, child in model.named_children():
-            if not any(True for _ in child.parameters()):
-                continue  # metrics and other parameter-free children
-            clone = copy.deepcopy(child)
-            for initializer in _initializers(clone):
-                (initializer.init_weights if callable(getattr(initializer, "init_weights", None))
-                 else initializer.reset_parameters)()
-            fresh.update({f"{name}.{k}": v.detach() for k, v in clone.named_parameters()})
-        fresh.update({k: v.detach().clone() for k, v in model.named_parameters(recurse=False)})
-    return fresh
-
-
 class ShrinkPerturb(L.Callback):
     """Shrink & Perturb (Ash & Adams, NeurIPS 2020): ``θ ← shrink·θ + perturb·θ_fresh``.
 
     Acts once, in ``on_fit_start`` (after a checkpoint is restored, before the first step), on
     every selected parameter; ``θ_fresh`` is a fresh initialization of the same model by its
-    own init code (``init_weights`` where a module has one, else each layer's
+    own init code (:func:`plasticity_callbacks.core.model_map.fresh_parameters`: Hugging Face
+    ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
     ``reset_parameters``), drawn from a generator seeded identically on every rank. A resumed
-    run does not apply it again. Parameters with no init of their own (bare ``nn.Parameter``s
-    of the LightningModule itself) keep their value as ``θ_fresh`` and are only rescaled by
-    ``shrink + perturb``.
+    run does not apply it again. A selected parameter that no init reaches (a bare
+    ``nn.Parameter`` of the LightningModule) and a matrix whose fresh draw equals its current
+    value are named: the first is an error (exclude it or give its module ``reset_parameters()``),
+    the second a warning.
+    A weight factorized by ``AdaptiveSVDSwitch(mode="factorize")`` is treated as its effective
+    weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
 
     Args:
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
@@ -98,8 +71,14 @@ class ShrinkPerturb(L.Callback):
                                         exclude=self.exclude)
 
     def selected(self, pl_module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` pairs to treat. A factorized weight (``W_p + BA``) appears once, under its
+        plain name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it."""
         chosen = []
         for name, param in pl_module.named_parameters():
+            if ".parametrizations." in name:
+                if not name.endswith(".original"):
+                    continue  # B, A: inside the effective weight
+                name = name.replace(".parametrizations.", ".").removesuffix(".original")
             if self.include is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
                 continue
             if self.exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
@@ -117,12 +96,23 @@ class ShrinkPerturb(L.Callback):
             return  # restored from a checkpoint written after the application
         chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
-        fresh = fresh_parameters(pl_module, seed)
-        norm_before = torch.sqrt(sum(p.detach().float().pow(2).sum() for _, p in chosen))
-        shrink_perturb_([p for _, p in chosen], [fresh[n] for n, _ in chosen], self.shrink, self.perturb)
-        norm_after = torch.sqrt(sum(p.detach().float().pow(2).sum() for _, p in chosen))
+        fresh = _checked_fresh(pl_module, chosen, seed)
+        factorized = {n: p for n, p in chosen if _factorized(pl_module, n)}
+        plain = [(n, p) for n, p in chosen if n not in factorized]
+        norm_before = _norm(pl_module, chosen)
+        shrink_perturb_([p for _, p in plain], [fresh[n] for n, _ in plain], self.shrink, self.perturb)
+        for name, frozen in factorized.items():  # on the effective weight: W_p ← λ(W_p + BA) + p·fresh − BA
+            module, attr = _owner(pl_module, name)
+            with torch.no_grad():
+                parts = factorization.components(module, attr)
+                effective = getattr(module, attr).detach()
+                new = self.shrink * effective + self.perturb * fresh[name].to(effective)
+                frozen.copy_(new - parts.delta(frozen))
+        norm_after = _norm(pl_module, chosen)
         if self.reset_optimizer:
-            reset_optimizer_state(trainer.optimizers, [p for _, p in chosen])
+            trainable = [p for n, p in plain] + [q for n in factorized
+                                                 for q in factorization.components(*_owner(pl_module, n)).parameters()]
+            reset_optimizer_state(trainer.optimizers, trainable)
         self.applied = True
         rank_zero_info(f"ShrinkPerturb: θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on {len(chosen)} parameters; "
                        f"norm {float(norm_before):.4g} → {float(norm_after):.4g}")
@@ -134,4 +124,44 @@ class ShrinkPerturb(L.Callback):
         return {"applied": self.applied}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.applied = bool(state_dict["applied"])
+        check_state(self, state_dict, {"applied": bool})
+        self.applied = state_dict["applied"]
+
+
+def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:
+    """The fresh draw of every chosen parameter, or a clear error: never a silent copy of the current value."""
+    fresh = fresh_parameters(pl_module, seed)
+    missing = [name for name, _ in chosen if name not in fresh]
+    if missing:
+        raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
+                           "reset_parameters() (or init_weights()), or exclude them, e.g. exclude="
+                           f"{[missing[0]]}")
+    unchanged = [name for name, p in chosen
+                 if p.dim() >= 2 and torch.equal(fresh[name].to(p.device), _value(pl_module, name, p))]
+    if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale
+        rank_zero_warn(f"ShrinkPerturb: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
+                       "only rescales them; pass another seed=, or fix their init code if it copies instead of drawing")
+    return fresh
+
+
+def _owner(pl_module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, attr = name.rsplit(".", 1) if "." in name else ("", name)
+    return pl_module.get_submodule(path), attr
+
+
+def _factorized(pl_module: nn.Module, name: str) -> bool:
+    module, attr = _owner(pl_module, name)
+    return factorization.is_factorized(module, attr)
+
+
+def _value(pl_module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The parameter's value as the model uses it: the effective ``W_p + BA`` for a factorized weight."""
+    if _factorized(pl_module, name):
+        module, attr = _owner(pl_module, name)
+        return getattr(module, attr).detach()
+    return param.detach()
+
+
+def _norm(pl_module: nn.Module, chosen) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.sqrt(sum(_value(pl_module, n, p).float().pow(2).sum() for n, p in chosen))

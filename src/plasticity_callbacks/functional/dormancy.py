@@ -79,21 +79,39 @@ def _fan_in_out(weight: torch.Tensor) -> tuple[int, int]:
     return weight.shape[1] * receptive, weight.shape[0] * receptive
 
 
+def finite_std(weight: torch.Tensor) -> torch.Tensor:
+    """Std (float32, 0-D, on device) of the finite entries of ``weight``; PyTorch's default scale
+    ``1/√fan_in`` when fewer than two are finite. One NaN row must not make every re-sampled row NaN."""
+    w = weight.detach().float()
+    finite = torch.isfinite(w)
+    count = finite.sum()
+    w = torch.where(finite, w, 0.0)
+    mean = w.sum() / count.clamp_min(1)
+    variance = torch.where(finite, (w - mean) ** 2, 0.0).sum() / (count - 1).clamp_min(1)
+    fallback = torch.tensor(1 / math.sqrt(_fan_in_out(weight)[0]), device=w.device)
+    return torch.where(count > 1, variance.sqrt(), fallback)
+
+
 def fresh_weights(weight: torch.Tensor, init: Init, generator: torch.Generator | None = None) -> torch.Tensor:
     """A new tensor shaped like ``weight``, drawn from ``init``:
 
-    - ``"weight_std"``: ``N(0, σ)`` with σ the std of ``weight`` itself (a 0-D device tensor, no host sync);
+    - ``"weight_std"``: ``N(0, σ)`` with σ the std of ``weight``'s finite entries (:func:`finite_std`, no host sync);
     - ``"default"``: PyTorch's Linear/conv default, ``U(±1/√fan_in)``;
     - ``"xavier_uniform"``: ``U(±√(6/(fan_in+fan_out)))``, the ReDo reference code's choice;
-    - a number or 0-D tensor: ``N(0, init)``.
+    - a number or 0-D tensor: ``N(0, init)``;
+    - a tensor shaped like ``weight``: that draw, as is (e.g. the model's own init of the layer).
     """
+    if torch.is_tensor(init) and init.dim() > 0:
+        if init.shape != weight.shape:
+            raise ValueError(f"an init tensor of shape {tuple(init.shape)} does not fit a weight of "
+                             f"{tuple(weight.shape)}")
+        return init.to(device=weight.device, dtype=weight.dtype)
     fan_in, fan_out = _fan_in_out(weight)
     if isinstance(init, str):
         if init not in INITS:
             raise ValueError(f"init={init!r} is not one of {INITS} or a std (number / 0-D tensor)")
         if init == "weight_std":
-            # The std of a one-element weight is undefined (NaN): fall back to PyTorch's default scale.
-            std = weight.detach().float().std() if weight.numel() > 1 else torch.tensor(1 / math.sqrt(fan_in))
+            std = finite_std(weight)
         else:
             bound = 1 / math.sqrt(fan_in) if init == "default" else math.sqrt(6 / (fan_in + fan_out))
             uniform = torch.rand(weight.shape, generator=generator, device=weight.device, dtype=torch.float32)
@@ -120,8 +138,15 @@ def recycle_neurons(
     optimizer=None,
     generator: torch.Generator | None = None,
     down_offset: int = 0,
+    group: int = 1,
+    norm: nn.Module | None = None,
 ) -> torch.Tensor:
     """Recycle the neurons where ``mask`` is set; return how many (a 0-D tensor, no host sync).
+
+    Rows and columns are those of each weight's ``(out, in)`` orientation (HF ``Conv1D`` stores
+    ``(in, out)`` and is transposed here). ``group`` inputs of ``down`` per unit (a conv channel
+    flattened into a Linear); ``norm``, a BatchNorm between ``up`` and the activation, gets the
+    recycled channels' affine parameters and running statistics reset to a fresh layer's.
 
     For each masked neuron ``i``: row ``i`` of ``up.weight`` (and ``gate.weight``) is re-sampled
     from ``init`` (see :func:`fresh_weights`; a pair ``(up_init, gate_init)`` gives each layer
@@ -143,33 +168,51 @@ def recycle_neurons(
         >>> scores = dormancy_scores(mean_abs)                  # (H,)
         >>> recycle_neurons(fc1, fc2, dormant_mask(scores, 0.025), optimizer=opt)
     """
+    from ..core.model_map import is_conv1d
+
     inits = list(init) if isinstance(init, (list, tuple)) else [init, init]
     if len(inits) != 2:
         raise ValueError(f"init must be one init or a pair (up_init, gate_init), got {init!r}")
     incoming = [(up, inits[0])] + ([(gate, inits[1])] if gate is not None else [])
-    hidden = up.weight.shape[0]
+    hidden = up.weight.shape[1] if is_conv1d(up) else up.weight.shape[0]
+    down_width = down.weight.shape[0] if is_conv1d(down) else down.weight.shape[1]
     mask = mask.to(device=up.weight.device, dtype=torch.bool)
     if mask.shape != (hidden,):
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({hidden},) = up's output width")
     for layer, _ in incoming[1:]:
-        if layer.weight.shape[0] != hidden:
-            raise ValueError(f"gate has {layer.weight.shape[0]} outputs, up has {hidden}")
-    if down.weight.shape[1] < down_offset + hidden:
-        raise ValueError(f"down reads {down.weight.shape[1]} inputs, fewer than down_offset + up's "
-                         f"{hidden} = {down_offset + hidden}; groups/transposed convs are not supported")
+        if layer.weight.shape[int(is_conv1d(layer))] != hidden:
+            raise ValueError(f"gate has {layer.weight.shape[int(is_conv1d(layer))]} outputs, up has {hidden}")
+    if down_width < down_offset + hidden * group:
+        raise ValueError(f"down reads {down_width} inputs, fewer than down_offset + up's "
+                         f"{hidden} x group {group} = {down_offset + hidden * group}; groups/transposed convs are "
+                         "not supported")
 
     for layer, layer_init in incoming:
-        w = layer.weight
+        w = layer.weight.mT if is_conv1d(layer) else layer.weight  # (out, in, *k): a view
         rows = _along(mask, w.dim(), 0)
         w.copy_(torch.where(rows, fresh_weights(w, layer_init, generator), w))
-        zero_optimizer_state_slices(optimizer, w, mask, dim=0)
+        zero_optimizer_state_slices(optimizer, layer.weight, mask, dim=int(is_conv1d(layer)))
         if getattr(layer, "bias", None) is not None:
             layer.bias.masked_fill_(mask, 0)
             zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
-    down_mask = mask
-    if down.weight.shape[1] != hidden:  # pad to down's width: a slice copy, still no host sync
-        down_mask = torch.zeros(down.weight.shape[1], dtype=torch.bool, device=mask.device)
-        down_mask[down_offset:down_offset + hidden] = mask
-    down.weight.masked_fill_(_along(down_mask, down.weight.dim(), 1), 0)
-    zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=1)
+    if norm is not None:
+        _reset_norm_channels(norm, mask, optimizer)
+    down_mask = mask.repeat_interleave(group) if group > 1 else mask
+    if down_width != down_mask.numel():  # pad to down's width: a slice copy, still no host sync
+        padded = torch.zeros(down_width, dtype=torch.bool, device=mask.device)
+        padded[down_offset:down_offset + down_mask.numel()] = down_mask
+        down_mask = padded
+    read_dim = 0 if is_conv1d(down) else 1
+    down.weight.masked_fill_(_along(down_mask, down.weight.dim(), read_dim), 0)
+    zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
     return mask.sum()
+
+
+def _reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:
+    """A recycled channel's BatchNorm starts as a fresh layer's: scale 1, shift 0, mean 0, variance 1."""
+    for name, fresh in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+        tensor = getattr(norm, name, None)
+        if tensor is not None:
+            tensor.masked_fill_(mask, fresh)
+            if isinstance(tensor, nn.Parameter):
+                zero_optimizer_state_slices(optimizer, tensor, mask, dim=0)

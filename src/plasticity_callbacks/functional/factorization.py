@@ -48,15 +48,21 @@ class MinorComponents(nn.Module):
     the optimizer never sees in this mode.
     """
 
-    def __init__(self, B: torch.Tensor, A: torch.Tensor):
+    def __init__(self, B: torch.Tensor, A: torch.Tensor, transposed: bool = False):
         super().__init__()
         self.B = nn.Parameter(B)  # (d_out, r)
         self.A = nn.Parameter(A)  # (r, d_in·∏k)
+        self.transposed = transposed  # the weight is stored (in, out), as HF Conv1D: BA is added transposed
         self.capture = False
         self.captured: torch.Tensor | None = None
 
+    def delta(self, original: torch.Tensor) -> torch.Tensor:
+        """``BA`` shaped like the stored weight."""
+        product = self.B @ self.A
+        return (product.mT if self.transposed else product).reshape(original.shape)
+
     def forward(self, original: torch.Tensor) -> torch.Tensor:
-        weight = original + (self.B @ self.A).reshape(original.shape)
+        weight = original + self.delta(original)
         if self.capture and weight.requires_grad:
             weight.register_hook(self._accumulate)
         return weight
@@ -83,17 +89,18 @@ def components(module: nn.Module, attr: str) -> MinorComponents:
 
 
 def factorize(module: nn.Module, attr: str, B: torch.Tensor, A: torch.Tensor,
-              frozen: torch.Tensor | None = None) -> MinorComponents:
+              frozen: torch.Tensor | None = None, transposed: bool = False) -> MinorComponents:
     """Split ``module.<attr>`` into frozen ``W_p = W − BA`` (or the given ``frozen``) plus trainable ``B, A``.
 
+    ``B, A`` factor the ``(out, in)`` matrix; ``transposed`` says the weight is stored ``(in, out)``.
     The module's output is unchanged up to rounding, since ``W_p + BA`` reproduces ``W``.
     """
     weight = getattr(module, attr)
+    parts = MinorComponents(B, A, transposed)
     with torch.no_grad():
-        weight.copy_(frozen if frozen is not None else weight - (B @ A).reshape(weight.shape))
+        weight.copy_(frozen if frozen is not None else weight - parts.delta(weight))
     weight.requires_grad_(False)
     weight.grad = None
-    parts = MinorComponents(B, A)
     parametrize.register_parametrization(module, attr, parts, unsafe=True)
     return parts
 
@@ -141,16 +148,17 @@ def project_onto(tensor: torch.Tensor, U_minor: torch.Tensor) -> None:
     tensor.copy_((U_minor @ (U_minor.mT @ T)).reshape(tensor.shape))
 
 
-def project_gradient(param: torch.Tensor, U_minor: torch.Tensor) -> None:
+def project_gradient(param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
+    """``∇W ← U_m U_mᵀ ∇W`` with ``∇W`` in ``(out, in)`` orientation (``transposed``: stored ``(in, out)``)."""
     if param.grad is not None:
-        project_onto(param.grad, U_minor)
+        project_onto(param.grad.mT if transposed else param.grad, U_minor)
 
 
-def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor) -> None:
+def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
     """Project the moments that are linear in the gradient (Adam's ``exp_avg``, SGD/Muon's momentum),
     so momentum gathered in full mode does not keep pushing principal directions."""
     for opt in leaf_optimizers(optimizers):
         state = opt.state.get(param)
         for key in _LINEAR_STATE:
             if state and torch.is_tensor(state.get(key)) and state[key].shape == param.shape:
-                project_onto(state[key], U_minor)
+                project_onto(state[key].mT if transposed else state[key], U_minor)

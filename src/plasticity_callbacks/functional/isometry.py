@@ -1,9 +1,13 @@
-"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No Lightning.
+"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No
+Lightning.
 
-Each selected weight is replaced by ``scale · polar(W)`` (conv kernels: one polar factor per
-spatial tap, as the reference code does), then the optimizer state of exactly those weights
-is dropped. Weights are processed one at a time, so the extra memory is that of one matrix's
-iteration (about 3× the largest matrix), not of the model.
+Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
+``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
+code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the reference
+code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
+factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
+time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
+the model.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from .spectral import (
     singular_values,
     squared_frobenius_error,
 )
-from ..core.targets import Target, select_targets
+from ..core.model_map import Target, select_targets
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
 
@@ -107,7 +111,7 @@ def apply_fire(
 ) -> list[FireRecord]:
     """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
 
-    Targets come from :func:`plasticity_callbacks.core.targets.select_targets` (``scope``, ``include``,
+    Targets come from :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``, ``include``,
     ``exclude``, ``include_conv``, ``include_head``) unless ``targets`` is given. ``method``,
     ``normalize``, ``iters``, ``tol``, ``check_every``, ``dtype``, ``on_degenerate``: see
     :func:`plasticity_callbacks.functional.spectral.orthogonalize`. A parameter with NaN/Inf, or all zero
@@ -123,12 +127,18 @@ def apply_fire(
         targets = select_targets(module, scope, include, exclude, include_conv, include_head)
     records, fired = [], []
     for target in targets:
+        blocks, changed = target.block_list(), False
         with torch.no_grad():
-            record = _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate,
-                               record_spectra)
-        records.append(record)
-        if record.skipped is None:
-            fired.append(target.param)
+            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
+            for block in blocks:
+                name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
+                record = _fire_one(name, weight[block.start:block.stop], method, normalize, iters, tol,
+                                   check_every, dtype, scale, on_degenerate, record_spectra)
+                records.append(record)
+                changed |= record.skipped is None
+            target.write(weight)
+        if changed:
+            fired.extend(target.trainable())
     if reset_optimizer and optimizers is not None and fired:
         reset_optimizer_state(optimizers, fired)
     return records
@@ -143,9 +153,10 @@ def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerat
     return record
 
 
-def _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate, record_spectra):
-    param = target.param
-    record = FireRecord(target.name, tuple(param.shape))
+def _fire_one(name, param, method, normalize, iters, tol, check_every, dtype, scale, on_degenerate,
+              record_spectra):
+    """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place."""
+    record = FireRecord(name, tuple(param.shape))
     if param.dim() < 2:
         record.skipped = f"{param.dim()}-D parameter"
         return record
@@ -153,10 +164,10 @@ def _fire_one(target, method, normalize, iters, tol, check_every, dtype, scale, 
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()
     if not bool(torch.isfinite(param).all()):
-        return _skip_degenerate(record, f"FIRE: {target.name} contains NaN/Inf", "non-finite", on_degenerate)
+        return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
     matrices = as_matrices(param)  # a view: writing into it writes the parameter
     if not bool(matrices.any()):
-        return _skip_degenerate(record, f"FIRE: {target.name} is all zero (no polar factor)", "zero", on_degenerate)
+        return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
     s = target_scale(param, scale)
     record.scale = s
     record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())

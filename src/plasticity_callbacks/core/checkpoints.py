@@ -1,0 +1,248 @@
+"""Checkpoints that are verified when written and when read, and saved after the validation of their step.
+
+``VerifiedCheckpointIO`` (a Lightning ``CheckpointIO`` plugin) writes every checkpoint through a
+temporary file, reads it back, compares its SHA-256 with the bytes it meant to write, and puts the
+checksum beside it (``last.ckpt.sha256``). Loading checks the file against that checksum first.
+Any failure is a :class:`CheckpointError` with a one-line message naming the file: a checkpoint
+that could not be written stops the run instead of leaving it without one.
+
+``ModelCheckpointAfterValidation`` is Lightning's ``ModelCheckpoint`` that, at a step where a
+validation follows, saves after that validation instead of before it: the checkpoint then holds
+the state every ``on_validation_end`` hook (plateau counters, ``val/loss``) reached at that step,
+and an interruption between the two cannot lose the validation.
+
+Example:
+    >>> trainer = L.Trainer(plugins=[VerifiedCheckpointIO()],
+    ...                     callbacks=[ModelCheckpointAfterValidation(dirpath="ckpt", every_n_train_steps=100,
+    ...                                                               save_last=True)])
+    >>> trainer.fit(module, datamodule=data, ckpt_path="ckpt/last.ckpt")   # verified on load
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+
+CHECKSUM_SUFFIX = ".sha256"
+PENDING_SUFFIX = ".writing"  # the new bytes, renamed over the checkpoint once its checksum is recorded
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or run-state file) that cannot be written or trusted; the message is one line."""
+
+
+class ResumeError(RuntimeError):
+    """A resume (or a second run) that would not continue the interrupted run faithfully; one-line message."""
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_of_file(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):  # 16 MiB at a time: a large checkpoint is never held twice in memory
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _pending_path(path: Path) -> Path:
+    return path.with_name(path.name + PENDING_SUFFIX)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def recorded_checksum(path: Path) -> tuple[str, int] | None:
+    """``(sha256, size)`` from the file beside ``path``, or None when there is none."""
+    side = checksum_path(path)
+    if not side.is_file():
+        return None
+    fields = side.read_text().split()
+    if len(fields) < 2 or len(fields[0]) != 64 or not fields[1].isdigit():
+        raise CheckpointError(f"checkpoint checksum file {side} is malformed; delete it to load {path.name} unverified")
+    return fields[0], int(fields[1])
+
+
+def write_verified(data: bytes, path: str | Path) -> None:
+    """Write ``data`` to ``path`` so that a reader never sees a partial file, verify it, record its checksum.
+
+    Order: the bytes go to ``<path>.writing`` (synced), the checksum file is replaced, then the
+    pending file is renamed over ``path``. An interruption between the last two leaves a pending
+    file that matches the checksum; :func:`verify_file` finishes that rename.
+    """
+    path = Path(path)
+    digest = sha256_of(data)
+    pending, side = _pending_path(path), checksum_path(path)
+    side_pending = _pending_path(side)
+    recorded = False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_synced(pending, data)
+        if sha256_of_file(pending) != digest:
+            raise OSError("the bytes read back differ from the bytes written")
+        _write_synced(side_pending, f"{digest}  {len(data)}  {path.name}\n".encode())
+        os.replace(side_pending, side)
+        recorded = True
+        os.replace(pending, path)
+        if path.stat().st_size != len(data):
+            raise OSError(f"{path.stat().st_size} bytes on disk, {len(data)} written")
+    except OSError as err:
+        for leftover in ([side_pending] if recorded else [side_pending, pending]):  # keep what recovery needs
+            with contextlib.suppress(OSError):
+                leftover.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write checkpoint {path}: {err.strerror or err}; the run stops here so that "
+                              "it does not go on without checkpoints (free space or fix permissions, then resume)") from err
+
+
+def verify_file(path: str | Path) -> Path:
+    """Check ``path`` exists, is not empty and matches the checksum beside it (when there is one)."""
+    path = Path(path)
+    pending = _pending_path(path)
+    recorded = recorded_checksum(path) if path.is_file() or pending.is_file() else None
+    if recorded is not None and pending.is_file() and sha256_of_file(pending) == recorded[0]:
+        os.replace(pending, path)  # finish a write interrupted between its checksum and its rename
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): its write was interrupted; use an earlier one")
+    if recorded is None:
+        rank_zero_warn(f"checkpoint {path} has no {CHECKSUM_SUFFIX} file beside it: its integrity is not verified")
+        return path
+    digest, expected = recorded
+    if size != expected:
+        raise CheckpointError(f"checkpoint {path} has {size} bytes, its checksum file records {expected}: "
+                              "truncated or replaced; use an earlier checkpoint")
+    if sha256_of_file(path) != digest:
+        raise CheckpointError(f"checkpoint {path} does not match its recorded SHA-256: the file was altered or "
+                              "damaged on disk; use an earlier checkpoint")
+    return path
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu", **load_kwargs) -> dict:
+    """``torch.load`` of a verified checkpoint; an unreadable file is a one-line :class:`CheckpointError`."""
+    path = verify_file(path)
+    try:
+        checkpoint = torch.load(path, map_location=map_location, **{"weights_only": False, **load_kwargs})
+    except Exception as err:  # EOFError, OSError, UnpicklingError, RuntimeError ...: whatever a damaged file raises
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
+                              f"{first[:200]}") from err
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
+    return checkpoint
+
+
+def remove_with_checksum(path: str | Path) -> None:
+    for file in (Path(path), checksum_path(Path(path))):
+        file.unlink(missing_ok=True)
+
+
+class VerifiedCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with verified writes and checksummed reads (local paths).
+
+    ``save_checkpoint`` serializes, writes through :func:`write_verified` and raises
+    :class:`CheckpointError` when the file on disk is not what was meant (Lightning's own atomic
+    save ignores a ``PermissionError``). ``load_checkpoint`` checks the checksum beside the file and
+    turns an empty, truncated, altered or foreign file into a one-line :class:`CheckpointError`;
+    then ``inspect_on_load(checkpoint, path)``, when set (``ResumeGuard`` sets it), may refuse the
+    checkpoint before Lightning restores anything from it.
+
+    Example:
+        >>> trainer = L.Trainer(plugins=[VerifiedCheckpointIO()], ...)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.inspect_on_load = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("VerifiedCheckpointIO.save_checkpoint takes no storage_options")
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        write_verified(buffer.getvalue(), path)
+
+    def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = read_checkpoint(path, map_location=map_location,
+                                     **({} if weights_only is None else {"weights_only": weights_only}))
+        if self.inspect_on_load is not None:
+            self.inspect_on_load(checkpoint, str(path))
+        return checkpoint
+
+    def remove_checkpoint(self, path) -> None:
+        remove_with_checksum(path)
+
+
+def validation_follows(trainer) -> bool:
+    """Whether the fit loop runs a validation right after the current training batch."""
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False  # time-based: a second look could answer differently, so save where Lightning saves
+    loop = trainer.fit_loop.epoch_loop
+    try:
+        return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    except (AttributeError, TypeError):  # another Lightning version: save where Lightning saves
+        return False
+
+
+class ModelCheckpointAfterValidation(ModelCheckpoint):
+    """``ModelCheckpoint`` whose step-triggered save waits for the validation of the same step.
+
+    Lightning saves ``every_n_train_steps`` checkpoints in ``on_train_batch_end``, before the
+    validation that ``val_check_interval`` runs after that batch; a resumed run then skips that
+    validation, and a callback acting in ``on_validation_end`` (a plateau trigger) counts one
+    validation fewer than the uninterrupted run. Here, when a validation follows the batch, the
+    same save rule is applied in ``on_validation_end`` instead (after every other callback's
+    ``on_validation_end``: Lightning runs checkpoint callbacks last), and Lightning's loop restores
+    such a checkpoint without repeating the validation. The saved checkpoint can also rank by
+    ``val/loss`` (``monitor``) at that step. ``fit(ckpt_path="last")`` with no last checkpoint in
+    ``dirpath`` is a :class:`ResumeError` (Lightning would warn and start a fresh run). Same
+    arguments as ``ModelCheckpoint``.
+
+    Example:
+        >>> checkpoint = ModelCheckpointAfterValidation(dirpath="ckpt", every_n_train_steps=100, save_last=True)
+        >>> L.Trainer(callbacks=[checkpoint], val_check_interval=100)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._save_after_validation = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if pl_module.automatic_optimization and validation_follows(trainer):
+            self._save_after_validation = True
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        # Lightning asks this only to resolve ckpt_path="last": a resume with nothing to resume from.
+        found = super()._find_last_checkpoints(trainer)
+        if not any(Path(path).is_file() for path in found):
+            raise ResumeError(f'cannot resume: ckpt_path="last" but {self.dirpath} holds no last checkpoint; check '
+                              "the directory, or pass ckpt_path=None to start a new run")
+        return found
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._save_after_validation and not trainer.sanity_checking:
+            self._save_after_validation = False
+            super().on_train_batch_end(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)
+        super().on_validation_end(trainer, pl_module)

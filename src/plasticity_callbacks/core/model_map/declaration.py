@@ -1,0 +1,113 @@
+"""The one way for a user to describe a model the built-in adapters do not know.
+
+``declare_plasticity(module, ...)`` stores a :class:`Declaration` on ``module``; every callback
+reads it through the model map, with names taken relative to that module, so it works the same
+whether the module is the LightningModule itself or a model held inside it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+ROLES = ("attention", "mlp", "position", "other")
+ATTRIBUTE = "plasticity_declaration"
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a user declares about a module (names relative to it).
+
+    Attributes:
+        fused: parameter name -> row blocks of its ``(out, in)`` matrix, ``{"q": 64, "k": 16, "v": 16}``
+            or ``[64, 16, 16]``; FIRE treats each block as its own matrix.
+        neurons: layout name -> ``(up | [gate, up], down)`` module names (ReDo's hidden units).
+        heads: module names of output layers, never treated by default.
+        roles: module name -> ``attention`` | ``mlp`` | ``position`` | ``other`` (inherited by submodules).
+    """
+
+    fused: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    neurons: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    heads: tuple[str, ...] = ()
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neurons: Mapping | None = None,
+                       head: str | Sequence[str] | None = None, roles: Mapping | None = None) -> nn.Module:
+    """Describe ``module`` for every plasticity callback; returns ``module``.
+
+    Args:
+        module: any ``nn.Module``; names below are relative to it.
+        fused: ``{param_name: {"q": rows, "k": rows, "v": rows}}`` (or a list of row counts): a fused
+            matrix split into row blocks of its ``(out, in)`` orientation; the sizes must add up.
+        neurons: ``{name: (up, down)}`` or ``{name: ([gate, up], down)}`` by module names.
+        head: the output layer(s); never treated unless a callback is told ``include_head=True``.
+        roles: ``{module_name: role}``, so ``scope="attention"``/``"mlp"`` find the right weights.
+
+    Example:
+        >>> declare_plasticity(model, fused={"blocks.0.qkv.weight": {"q": 64, "k": 16, "v": 16}},
+        ...                    neurons={"mlp0": ("blocks.0.fc_in", "blocks.0.fc_out")}, head="out")
+        >>> FIREReinit(at_fit_start=True)  # reads the declaration like every other callback
+    """
+    declaration = Declaration(
+        fused={str(k): _blocks(k, v) for k, v in (fused or {}).items()},
+        neurons={str(k): _neurons(k, v) for k, v in (neurons or {}).items()},
+        heads=(head,) if isinstance(head, str) else tuple(head or ()),
+        roles={str(k): _role(k, v) for k, v in (roles or {}).items()},
+    )
+    for name in [*declaration.heads, *declaration.roles, *(n for up, down in declaration.neurons.values()
+                                                           for n in (*up, down))]:
+        if name and not _has_module(module, name):
+            raise ValueError(f"declare_plasticity: the module has no submodule {name!r}")
+    for name in declaration.fused:
+        try:
+            module.get_parameter(name)
+        except AttributeError as err:
+            raise ValueError(f"declare_plasticity(fused=...): the module has no parameter {name!r}") from err
+    object.__setattr__(module, ATTRIBUTE, declaration)  # a plain attribute, not a submodule
+    return module
+
+
+def declarations(model: nn.Module) -> list[tuple[str, Declaration]]:
+    """``(prefix, declaration)`` for every declared submodule of ``model`` (prefix "" for the root)."""
+    found = []
+    for name, module in model.named_modules():
+        declaration = getattr(module, ATTRIBUTE, None)
+        if isinstance(declaration, Declaration):
+            found.append((f"{name}." if name else "", declaration))
+    return found
+
+
+def _has_module(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _blocks(name, spec) -> tuple[tuple[str, int], ...]:
+    items = list(spec.items()) if isinstance(spec, Mapping) else [(f"block{i}", s) for i, s in enumerate(spec)]
+    if not items or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for _, s in items):
+        raise ValueError(f"declare_plasticity(fused={{{name!r}: {spec!r}}}): give positive row counts, "
+                         "e.g. {'q': 64, 'k': 16, 'v': 16} or [64, 16, 16]")
+    return tuple((str(label), int(size)) for label, size in items)
+
+
+def _neurons(name, spec) -> tuple[tuple[str, ...], str]:
+    error = ValueError(f"declare_plasticity(neurons={{{name!r}: {spec!r}}}): give (up, down) or ([gate, up], down) "
+                       "module names")
+    if isinstance(spec, str) or not isinstance(spec, Sequence) or len(spec) != 2:
+        raise error
+    incoming, down = spec
+    incoming = (incoming,) if isinstance(incoming, str) else tuple(incoming)
+    if not 1 <= len(incoming) <= 2 or not all(isinstance(n, str) for n in (*incoming, down)):
+        raise error
+    return incoming, down
+
+
+def _role(name, role) -> str:
+    if role not in ROLES:
+        raise ValueError(f"declare_plasticity(roles={{{name!r}: {role!r}}}): role must be one of {ROLES}")
+    return role

@@ -1,0 +1,196 @@
+"""Selection: which weight views and neuron layers a callback treats, with its arguments checked.
+
+Skipped by default: embeddings, the output head(s) (:func:`~.weights.output_heads`, tied or not),
+biases, norms and other 1-D parameters, and positional blocks.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+
+from torch import nn
+
+from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers
+from .weights import CONV, WeightView, fused_blocks, is_conv1d, module_roles, output_heads, stored_param
+
+SCOPES = ("all", "attention", "mlp")
+
+
+def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str, WeightView]]:
+    """``(module_name, view)`` for every treatable weight of ``model``, head and positional blocks included."""
+    mlp_modules = {id(m) for layer in (*declared_layers(model), *adapter_layers(model))
+                   for m in (layer.up, layer.down, layer.gate) if m is not None}
+    roles = module_roles(model, dict.fromkeys(mlp_modules, "mlp"))
+    seen: set[int] = set()
+    views = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        for attr, kind in _weight_attributes(module, include_conv):
+            param = stored_param(module, attr)
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{attr}" if module_name else attr
+            rows = param.shape[1] if is_conv1d(module) else param.shape[0]
+            views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
+                                                  transposed=is_conv1d(module),
+                                                  blocks=fused_blocks(model, module_name, module, attr, rows))))
+    return views
+
+
+def _weight_attributes(module: nn.Module, include_conv: bool):
+    if isinstance(module, nn.Linear) or is_conv1d(module):
+        yield "weight", "linear"
+    elif isinstance(module, CONV) and include_conv:
+        yield "weight", "conv"
+    elif isinstance(module, nn.MultiheadAttention):
+        for attr in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+            yield attr, "matrix"
+
+
+def select_targets(
+    model: nn.Module,
+    scope: str = "all",
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    include_conv: bool = True,
+    include_head: bool = False,
+) -> list[WeightView]:
+    """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
+
+    Args:
+        scope: ``all`` (every role except positional), ``attention`` or ``mlp``.
+        include: ``fnmatch`` patterns on parameter names; when given, only matching weights
+            are kept (a pattern can also bring back a positional weight).
+        exclude: patterns of parameter names to drop.
+        include_conv: also treat conv kernels (``dim > 2``).
+        include_head: also treat the output head(s).
+
+    Example:
+        >>> targets = select_targets(model, scope="mlp", exclude=["blocks.0.*"])
+        >>> [(t.name, t.shape, [b.label for b in t.block_list()]) for t in targets]
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+    heads = set() if include_head else output_heads(model)
+    targets = []
+    for module_name, view in weight_views(model, include_conv):
+        if module_name in heads:
+            continue
+        explicitly_included = include is not None and _matches(view.name, include)
+        if include is not None and not explicitly_included:
+            continue
+        if view.role == "position" and not explicitly_included:
+            continue
+        if scope != "all" and view.role != scope:
+            continue
+        if exclude is not None and _matches(view.name, exclude):
+            continue
+        targets.append(view)
+    return targets
+
+
+def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None
+                       ) -> list[NeuronLayer]:
+    """The layers of neurons ReDo watches in ``model`` (see :mod:`.neurons` for how they are found).
+
+    ``layer_map`` (``{name: (up | [gate, up], down)}`` by module names) is used as given. Otherwise
+    every layer found whose incoming weights :func:`select_targets` accepts (no positional blocks,
+    no output head, minus ``exclude`` patterns on parameter names). The output layer is never an ``up``.
+
+    Example:
+        >>> [(layer.name, layer.width, layer.gate is not None) for layer in find_neuron_layers(model)]
+        >>> find_neuron_layers(model, layer_map={"ffn": (["w_gate", "w_up"], "w_down")})
+    """
+    heads = output_heads(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    if layer_map:
+        layers = []
+        for name, (incoming, down_name) in layer_map.items():
+            in_names = [incoming] if isinstance(incoming, str) else list(incoming)
+            modules = [_submodule(model, n, name) for n in [*in_names, down_name]]
+            if any(n in heads for n in in_names):
+                raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
+                                 "layer, which ReDo never recycles")
+            gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
+            layers.append(check_layer(NeuronLayer(name, up, modules[-1], gate)))
+        return layers
+    allowed = {id(t.module) for t in select_targets(model, exclude=exclude, include_conv=True)}
+    found, _ = find_layers(model)
+    return [layer for layer in found
+            if id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
+            and names.get(id(layer.up)) not in heads]
+
+
+def _submodule(model: nn.Module, path: str, entry: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError as err:
+        raise ValueError(f"ReDoMonitor layer_map[{entry!r}]: the model has no module {path!r} ({err})") from err
+
+
+def validate_patterns(**patterns) -> None:
+    """Each keyword (``include=``, ``exclude=``) must be None or a list of ``fnmatch`` patterns."""
+    for name, value in patterns.items():
+        if value is None:
+            continue
+        # A bare string would be iterated character by character: demand a list of patterns.
+        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
+            raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
+
+
+def validate_selection(scope: str, include=None, exclude=None) -> None:
+    """Check selection arguments at construction time, so a typo fails before training starts."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+    validate_patterns(include=include, exclude=exclude)
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def require_targets(targets: list[WeightView], owner: str, scope: str, include, exclude) -> list[WeightView]:
+    """Raise a clear error when a selection came back empty (a callback that silently does nothing is a bug)."""
+    if not targets:
+        raise ValueError(
+            f"{owner}: no weights selected (scope={scope!r}, include={include}, exclude={exclude}). "
+            "Targets are Linear / conv / HF Conv1D / MultiheadAttention weights outside embeddings and the output "
+            "head; check the scope (roles 'attention'/'mlp' come from attention modules, recognised MLPs, "
+            "plasticity_role attributes or declare_plasticity(roles=...)) and the include/exclude patterns."
+        )
+    return targets
+
+
+def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None:
+    """Raise when a callback that cannot act through ``W_p + BA`` meets a factorized weight."""
+    factorized = [v.name for v in views if v.factorized]
+    if factorized:
+        raise RuntimeError(f"{owner}: {factorized} are factorized by AdaptiveSVDSwitch(mode='factorize') and {why}; "
+                           "use AdaptiveSVDSwitch(mode='project') (same minor-subspace training) or exclude them")
+
+
+def describe(model: nn.Module) -> str:
+    """A readable summary of what the callbacks see in ``model``: heads, weight views, neuron layers.
+
+    Example:
+        >>> print(describe(model))   # check the map before a long run
+    """
+    heads = output_heads(model)
+    lines = [f"output heads (never treated by default): {sorted(heads)}", "weights (out, in) orientation:"]
+    for module_name, view in weight_views(model):
+        blocks = ", ".join(f"{b.label}={b.stop - b.start}" for b in view.blocks)
+        flags = [f for f, on in (("head", module_name in heads), ("stored (in, out)", view.transposed),
+                                 ("factorized", view.factorized)) if on]
+        lines.append(f"  {view.name} {tuple(view.shape)} role={view.role} kind={view.kind}"
+                     + (f" blocks[{blocks}]" if blocks else "") + (f" ({', '.join(flags)})" if flags else ""))
+    names = {id(m): n for n, m in model.named_modules()}
+    lines.append("neuron layers (ReDo):")
+    for layer in find_neuron_layers(model):
+        gate = f"gate={names[id(layer.gate)]} " if layer.gate is not None else ""
+        extra = (f" group={layer.group}" if layer.group > 1 else "") + (
+            f" norm={names[id(layer.norm)]}" if layer.norm is not None else "")
+        lines.append(f"  {layer.name}: {gate}up={names[id(layer.up)]} -> down={names[id(layer.down)]} "
+                     f"width={layer.width}{extra}")
+    return "\n".join(lines)

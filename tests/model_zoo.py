@@ -1,0 +1,149 @@
+"""Tiny models of every family the model map supports, each wrapped in one LightningModule.
+
+Hugging Face models are built from small configs with random init (never downloaded). Dropout
+is off everywhere, so a gradient pass is deterministic and tests can recompute it.
+"""
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ, WIDTH = 40, 8, 16
+FAMILIES = ("gpt2", "llama", "mistral", "bert", "torch_encoder", "resnet", "mlp")
+
+
+def _quiet(fn):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return fn()
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=WIDTH, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return _quiet(lambda: GPT2LMHeadModel(config))
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    return _quiet(lambda: LlamaForCausalLM(config))
+
+
+def mistral() -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ, sliding_window=None,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _quiet(lambda: MistralForCausalLM(config))
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                        vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return _quiet(lambda: BertForMaskedLM(config))
+
+
+class TorchEncoder(nn.Module):
+    """``nn.TransformerEncoder`` (fused ``in_proj_weight``, ``linear1 -> relu -> linear2``) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(WIDTH, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv -> BN -> ReLU -> conv -> BN, plus the identity."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + x)
+
+
+class TinyResNet(nn.Module):
+    """Stem, one basic block, then conv -> ReLU -> flatten -> Linear -> ReLU -> head on 6×6 images."""
+
+    def __init__(self, channels: int = 8, classes: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.block = BasicBlock(channels)
+        self.reduce = nn.Conv2d(channels, 4, 1)
+        self.fc = nn.Linear(4 * 6 * 6, 16)
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = self.block(F.relu(self.bn(self.stem(x))))
+        x = torch.flatten(F.relu(self.reduce(x)), 1)  # (B, 4·6·6)
+        return self.head(F.relu(self.fc(x)))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert, "torch_encoder": TorchEncoder,
+          "resnet": TinyResNet, "mlp": mlp}
+
+
+def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    if family in ("gpt2", "llama", "mistral", "bert"):
+        ids = torch.randint(1, VOCAB, (n * batch, SEQ), generator=g)
+        return TensorDataset(ids, ids.clone())
+    x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,)}[family]
+    return TensorDataset(torch.randn(n * batch, *x, generator=g), torch.randint(0, 3, (n * batch,), generator=g))
+
+
+def loss_of(family: str, model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    if family in ("gpt2", "llama", "mistral", "bert"):
+        return model(input_ids=x, labels=y).loss
+    return F.cross_entropy(model(x), y)
+
+
+class Wrapped(L.LightningModule):
+    """Any zoo model under Lightning; SGD with ``lr=0`` by default, so weights change only by callbacks."""
+
+    def __init__(self, family: str, lr: float = 0.0, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.family, self.lr = family, lr
+        self.model = MODELS[family]()
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        return loss_of(self.family, self.model, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(batches(self.family), batch_size=4)

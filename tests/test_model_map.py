@@ -1,0 +1,317 @@
+"""The model map beyond the family matrix: heads, declarations, factorized weights, settings."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from model_zoo import Wrapped
+from plasticity_callbacks.callbacks.dash import DASHShrink
+from plasticity_callbacks.callbacks.redo import ReDoMonitor
+from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
+from plasticity_callbacks.core.model_map import (declare_plasticity, find_neuron_layers, output_heads,
+                                                 refuse_factorized, select_targets)
+from plasticity_callbacks.functional import factorization
+from plasticity_callbacks.functional.isometry import apply_fire
+
+pytest.importorskip("transformers")
+
+
+def fit(module, callbacks, steps=1, **kwargs):
+    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs)
+    trainer.fit(module)
+    return trainer
+
+
+class LitGPTStyle(nn.Module):
+    """An untied LM head registered before the blocks (the last Linear is not the head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(8, 20, bias=False)
+        self.wte = nn.Embedding(20, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, idx):
+        return self.lm_head(self.mlp(self.wte(idx)))
+
+
+def test_heads_are_found_tied_untied_and_registered_first():
+    model = LitGPTStyle()
+    assert output_heads(model) == {"lm_head"}
+    assert "lm_head.weight" not in [t.name for t in select_targets(model)]
+    collision = nn.ModuleDict(dict(tok=nn.Embedding(50, 8), pos=nn.Embedding(16, 8), up=nn.Linear(8, 16),
+                                   down=nn.Linear(16, 8), head=nn.Linear(8, 50)))
+    assert output_heads(collision) == {"head"}  # a layer as wide as the position table is no head
+    gpt2 = Wrapped("gpt2")
+    assert gpt2.model.lm_head.weight is gpt2.model.transformer.wte.weight
+    assert output_heads(gpt2) == {"model.lm_head"}
+    assert not any("wte" in t.name or "lm_head" in t.name for t in select_targets(gpt2))
+
+
+class Custom(nn.Module):
+    """A fused projection under a name no adapter knows, a gated MLP and a head, all declared."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16, bias=False)  # rows: q (8), k (4), v (4)
+        self.a, self.b, self.c = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
+        self.out = nn.Linear(8, 2)
+        self.spare = nn.Linear(2, 2)  # registered last: without the declaration it would be taken for the head
+
+
+def test_declaration_is_read_by_every_selection():
+    model = declare_plasticity(Custom(), fused={"proj.weight": {"q": 8, "k": 4, "v": 4}},
+                               neurons={"ffn": (["a", "b"], "c")}, head="out", roles={"a": "mlp", "b": "mlp"})
+    views = {t.name: t for t in select_targets(model)}
+    assert "out.weight" not in views and "spare.weight" in views
+    assert [(b.label, b.start, b.stop) for b in views["proj.weight"].blocks] == [("q", 0, 8), ("k", 8, 12),
+                                                                                 ("v", 12, 16)]
+    assert {t.name for t in select_targets(model, scope="mlp")} == {"a.weight", "b.weight", "c.weight"}
+    [layer] = [layer for layer in find_neuron_layers(model) if layer.name == "ffn"]
+    assert layer.gate is model.a and layer.up is model.b and layer.down is model.c
+    apply_fire(model, method="svd", include=["proj.weight"])
+    for start, stop in ((0, 8), (8, 12), (12, 16)):
+        s = torch.linalg.svdvals(model.proj.weight[start:stop].double())
+        torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 8) ** 0.5), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="add up to 15 rows"):
+        select_targets(declare_plasticity(Custom(), fused={"proj.weight": [8, 4, 3]}))
+    with pytest.raises(ValueError, match="no submodule 'nope'"):
+        declare_plasticity(Custom(), head="nope")
+
+
+def test_factorized_weights_are_seen_through_or_refused():
+    layer = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    W = layer[0].weight.detach()
+    U, S, Vh = torch.linalg.svd(W)
+    B, A = U[:, 4:] * S[4:].sqrt(), S[4:].sqrt()[:, None] * Vh[4:]
+    factorization.factorize(layer[0], "weight", B.contiguous(), A.contiguous())
+    views = select_targets(layer)
+    assert [v.name for v in views] == ["0.weight", "2.weight"] and views[0].factorized
+    apply_fire(layer, method="svd")
+    s = torch.linalg.svdvals(layer[0].weight.detach().double())  # the effective weight W_p + BA
+    torch.testing.assert_close(s, torch.ones_like(s), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="DASHShrink.*mode='project'"):
+        refuse_factorized(views, "DASHShrink", "DASH needs the gradient of the effective weight")
+
+
+class BareParameter(Wrapped):
+    def __init__(self):
+        super().__init__("mlp")
+        self.temperature = nn.Parameter(torch.ones(()))
+
+
+def test_shrink_perturb_refuses_a_parameter_no_init_reaches():
+    with pytest.raises(RuntimeError, match="ShrinkPerturb: no init code draws a fresh value for \\['temperature'\\]"):
+        fit(BareParameter(), [ShrinkPerturb()])
+    fit(BareParameter(), [ShrinkPerturb(exclude=["temperature"])])  # the fix the message names
+
+
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_bf16_true_redo_and_dash_act(family):
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1, end_step=1)
+    module = Wrapped(family)
+    fit(module, [redo], steps=2, precision="bf16-true")
+    assert redo.collections > 0 and bool(redo._observed.all()) and int(redo._recycled.sum()) > 0
+    module = Wrapped(family)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    fit(module, [DASHShrink(rule="dash", n_batches=1)], precision="bf16-true")
+    assert any(not torch.equal(before[n], p) for n, p in module.named_parameters())
+
+
+class Manual(Wrapped):
+    """Manual optimization: training_step steps its optimizer and scheduler itself."""
+
+    def __init__(self):
+        super().__init__("mlp", lr=0.1)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+
+
+class AfterDash(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.state, self.lr, self.step = len(opt.state), opt.param_groups[0]["lr"], trainer.global_step
+        self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def test_dash_gradient_pass_never_steps_a_manual_optimizer():
+    module = Manual()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    after = AfterDash()
+    fit(module, [DASHShrink(rule="dash", n_batches=2), after], steps=1)
+    assert after.state == 0 and after.lr == 0.1 and after.step == 0  # no optimizer or scheduler step
+    # The head is no DASH target; the hidden layers moved by one factor in [lam, 1] per row
+    assert torch.equal(after.params["model.4.weight"], before["model.4.weight"])
+    for name in ("model.0.weight", "model.2.weight"):
+        ratio = after.params[name] / before[name]
+        assert torch.all((ratio >= 0.3 - 1e-6) & (ratio <= 1 + 1e-6))
+        torch.testing.assert_close(ratio, ratio[:, :1].expand_as(ratio))  # one factor per row
+
+
+class Bypass(Wrapped):
+    """A second MLP the training forward never runs: ReDo cannot observe it."""
+
+    def __init__(self):
+        super().__init__("mlp")
+        self.unused = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3))
+
+
+def test_redo_warns_about_layers_it_never_observes():
+    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1)
+    with pytest.warns(UserWarning, match=r"ReDoMonitor observed no activation of \['unused.0'\]"):
+        fit(Bypass(), [redo], steps=2)
+
+
+class GQAAttention(nn.Module):
+    """A fused QKV projection with grouped K/V heads (4 query heads, 1 key/value head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 1, 4
+        self.qkv = nn.Linear(16, 16 + 4 + 4, bias=False)
+        self.proj = nn.Linear(16, 16)
+
+
+def test_fused_qkv_with_grouped_heads_splits_by_head_counts():
+    model = nn.Sequential(GQAAttention(), nn.Linear(16, 3))
+    [qkv] = [t for t in select_targets(model) if t.name == "0.qkv.weight"]
+    assert qkv.role == "attention"
+    assert [(b.label, b.stop - b.start) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
+    apply_fire(model, method="svd", include=["0.qkv.weight"])
+    for start, stop in ((0, 16), (16, 20), (20, 24)):
+        s = torch.linalg.svdvals(model[0].qkv.weight[start:stop].double())
+        torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 16) ** 0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_dash_periodic_uses_the_accumulated_gradient():
+    from model_zoo import batches, loss_of
+
+    module = Wrapped("gpt2")
+    loader = torch.utils.data.DataLoader(batches("gpt2"), batch_size=4)
+    micro = [b for _, b in zip(range(2), loader)]
+    for batch in micro:  # the accumulated gradient: sum of the micro-batch gradients (scale does not matter)
+        loss_of("gpt2", module.model, batch).backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    dash = DASHShrink(rule="periodic", every_n_steps=1, alpha=-1.0, rate=1.0, floor=0.5, shrink_bias=False)
+    fit(module, [dash], steps=1, accumulate_grad_batches=2)
+    assert dash.shrinks == 1  # once per optimizer step, not per micro-batch
+    for name in ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_fc.weight"):
+        W, G = before[name].mT.double(), grads[name].mT.double()  # Conv1D: rows of the transpose
+        factor = (-torch.nn.functional.cosine_similarity(W, G, dim=1)).clamp(0.5, 1.0)
+        torch.testing.assert_close(dict(module.named_parameters())[name].detach().mT.double(), W * factor[:, None],
+                                   rtol=1e-4, atol=1e-6)
+
+
+def _factorize_first_layer(module):
+    layer = module.model[0]
+    U, S, Vh = torch.linalg.svd(layer.weight.detach(), full_matrices=False)  # (16, 8), (8,), (8, 8)
+    B, A = (U[:, 6:] * S[6:].sqrt()).contiguous(), (S[6:].sqrt()[:, None] * Vh[6:]).contiguous()
+    factorization.factorize(layer, "weight", B, A)
+    return layer
+
+
+def test_shrink_perturb_treats_a_factorized_weight_as_its_effective_weight():
+    from plasticity_callbacks.core.distributed import rank_identical_generator
+    from plasticity_callbacks.core.model_map import fresh_parameters
+
+    module = Wrapped("mlp")
+    layer = _factorize_first_layer(module)
+    effective = layer.weight.detach().clone()
+    B = factorization.components(layer, "weight").B.detach().clone()
+    fit(module, [ShrinkPerturb(shrink=0.5, perturb=0.3, seed=5)])
+    fresh = fresh_parameters(module, rank_identical_generator(5, 0).initial_seed())["model.0.weight"]
+    torch.testing.assert_close(layer.weight.detach(), 0.5 * effective + 0.3 * fresh)
+    assert torch.equal(factorization.components(layer, "weight").B.detach(), B)  # B, A kept, W_p absorbed it
+
+
+def test_redo_refuses_a_factorized_layer_before_recycling():
+    module = Wrapped("mlp")
+    _factorize_first_layer(module)
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, recycle_every_n_steps=1)
+    with pytest.raises(RuntimeError, match=r"ReDoMonitor: layers \['model.0'\] are factorized"):
+        fit(module, [redo], steps=2)
+
+
+def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
+    from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
+
+    module = Wrapped("gpt2")
+    before = {n: m.weight.detach().clone() for n, m in module.named_modules() if type(m).__name__ == "Conv1D"}
+    switch = AdaptiveSVDSwitch(mode="factorize", svd_interval=1, warmup_steps=0, clobber_alignment=0.0, r_min=2,
+                               initial_rank=3, save_figure=False, log_per_matrix=False)
+    fit(module, [switch], steps=1)
+    for name, W in before.items():
+        layer = module.get_submodule(name)
+        assert factorization.is_factorized(layer, "weight")
+        parts = factorization.components(layer, "weight")
+        assert parts.B.shape == (W.shape[1], 3) and parts.A.shape == (3, W.shape[0])  # (out, r), (r, in)
+        torch.testing.assert_close(layer.weight.detach(), W, rtol=1e-4, atol=1e-5)  # lr=0: W_p + BA is W
+
+
+def test_fresh_parameters_of_a_bare_hugging_face_model_draws_it_whole():
+    from model_zoo import gpt2
+    from plasticity_callbacks.core.model_map import fresh_parameters
+
+    model = gpt2()
+    flags = {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}
+    fresh = fresh_parameters(model, seed=1)
+    assert set(fresh) == {n for n, _ in model.named_parameters()}  # the tied head is drawn once, with wte
+    assert all(not torch.equal(fresh[n], p) for n, p in model.named_parameters() if p.dim() >= 2)
+    assert flags == {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}  # untouched
+
+
+class CachingForward(nn.Module):
+    """A forward that stores something on the module: a trace must not leave a proxy behind."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.last = nn.Linear(4, 8), nn.Linear(8, 4), None
+
+    def forward(self, x):
+        self.last = x
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_finding_layers_by_tracing_leaves_the_model_as_it_was():
+    model = nn.Sequential(CachingForward(), nn.Linear(4, 2))
+    [layer] = find_neuron_layers(model)
+    assert layer.up is model[0].fc1 and layer.down is model[0].fc2
+    assert model[0].last is None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_redo_model_init_redraws_rows_by_the_hugging_face_init(family):
+    module = Wrapped(family)
+    with torch.no_grad():  # grown weights: a draw at the recorded std would be 3x the model's init scale
+        for p in module.parameters():
+            p.mul_(3.0)
+    redo = ReDoMonitor(tau=1.0, init="model", collect_every_n_steps=1, log_every_n_steps=1,
+                       recycle_every_n_steps=1, end_step=1)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    fit(module, [redo], steps=2)
+    std = module.model.config.initializer_range
+    for layer in redo.layers:
+        for m in (layer.up, layer.gate):
+            if m is None:
+                continue
+            name = next(n for n, x in module.named_modules() if x is m)
+            W, W0 = m.weight.detach(), before[f"{name}.weight"]
+            rows = (W != W0).any(0) if type(m).__name__ == "Conv1D" else (W != W0).any(1)
+            new = W[:, rows].mT if type(m).__name__ == "Conv1D" else W[rows]
+            assert rows.any() and abs(float(new.std()) / std - 1) < 0.35  # N(0, initializer_range) rows
