@@ -77,7 +77,9 @@ def test_each_method_acts_at_every_task_boundary(method):
     # ReDo changes weights only where neurons are dormant: a threshold near the layer mean makes
     # some neuron dormant at every boundary of a short stream, so each decision is visible; and
     # 5-step tasks need activations collected at every step to have statistics for each decision.
-    overrides = ["stream_methods.redo.tau=0.9", "stream_methods.redo.collect_every_n_steps=1"] if method == "redo" else []
+    overrides = []
+    if method == "redo":
+        overrides = ["stream_methods.redo.tau=0.9", "stream_methods.redo.collect_every_n_steps=1"]
     callback = boundary_callback(method, *overrides)
     assert type(callback).__module__.startswith("plasticity_callbacks.callbacks.")
     changed, boundaries = run_stream(callback)

@@ -58,7 +58,8 @@ def test_permuted_digits_apply_one_permutation_per_task(digits):
     assert not torch.equal(stream.permutation(0), stream.permutation(1))
     # The same held-out images in every task (only the pixel order changes).
     a, b = stream.task(0), stream.task(1)
-    assert torch.equal(a.eval_x[:, torch.argsort(stream.permutation(0))], b.eval_x[:, torch.argsort(stream.permutation(1))])
+    unpermuted = [t.eval_x[:, torch.argsort(stream.permutation(i))] for i, t in enumerate((a, b))]
+    assert torch.equal(*unpermuted)
 
 
 def test_warm_start_subsets_are_nested_and_share_the_held_out_split(digits):

@@ -54,7 +54,8 @@ def find_stream_runs(root: Path) -> list[StreamRun]:
             continue
         info = json.loads(info_file.read_text())
         with tasks_file.open(newline="") as f:
-            tasks = sorted(({k: float(v) for k, v in row.items()} for row in csv.DictReader(f)), key=lambda r: r["task"])
+            rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        tasks = sorted(rows, key=lambda r: r["task"])
         if not tasks:
             continue
         run_dir = next((p for p in info_file.parents if (p / ".hydra").is_dir()), info_file.parent)
@@ -87,7 +88,8 @@ def stream_table(runs: list[StreamRun], k: int = 3) -> str:
     shortest = min(len(r.tasks) for r in runs)
     k = max(1, min(k, shortest // 2 or 1))
     shown = [("accuracy", 3), ("dormant", 3), ("feature_rank", 1), ("weight_norm", 1), ("grad_norm", 2)]
-    header = ["method", "seeds"] + [f"{name} {part} {k}" for name, _ in shown for part in ("first", "last")] + ["seconds"]
+    columns = [f"{name} {part} {k}" for name, _ in shown for part in ("first", "last")]
+    header = ["method", "seeds", *columns, "seconds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label in _order(groups):
         members = groups[label]

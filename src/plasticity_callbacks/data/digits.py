@@ -230,7 +230,8 @@ class RandomLabelDigits(DigitsTaskStream):
     def __init__(self, num_tasks: int = 20, steps_per_task: int = 300, batch_size: int = 128, seed: int = 0,
                  samples_per_task: int = 1024):
         super().__init__(num_tasks, steps_per_task, batch_size, seed)
-        if isinstance(samples_per_task, bool) or not isinstance(samples_per_task, int) or not 1 <= samples_per_task <= 1797:
+        n = samples_per_task
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1797:
             raise ValueError(f"data.samples_per_task={samples_per_task!r} must be an integer in [1, 1797]")
         self.samples_per_task = samples_per_task
 
@@ -286,7 +287,8 @@ class WarmStartDigits(DigitsTaskStream):
                  seed: int = 0, held_out_fraction: float = 0.2):
         fractions = [float(f) for f in fractions]
         if not fractions or any(not 0 < f <= 1 for f in fractions) or fractions != sorted(set(fractions)):
-            raise ValueError(f"data.fractions={fractions} must be strictly increasing shares in (0, 1], e.g. [0.1, 1.0]")
+            raise ValueError(f"data.fractions={fractions} must be strictly increasing shares in (0, 1], "
+                             "e.g. [0.1, 1.0]")
         if not 0 < held_out_fraction < 1:
             raise ValueError(f"data.held_out_fraction={held_out_fraction!r} must be in (0, 1)")
         super().__init__(len(fractions), steps_per_task, batch_size, seed)
