@@ -8,6 +8,11 @@ noise common to all three; on a loaded machine the segment ratios still scatter 
 time spent inside the callback's hook, as a share of its segments, is printed as well. Memory: AdamW state bytes with every matrix factorized at rank r vs full.
 
     python benchmarks/adaptive_svd_overhead.py --rounds 2 --interval 100
+    python benchmarks/adaptive_svd_overhead.py --direct-only      # CPU-time cost model only (minutes)
+
+The direct cost model (first lines printed) times, in this process's CPU time, one SVD cycle and
+one projected step inside the callback and a step without it, and combines them for the interval:
+the figure that the goal (<= 5% at the default interval on the default 16x256 batch) is about.
 """
 from __future__ import annotations
 
@@ -85,6 +90,51 @@ def time_overhead(rounds: int, interval: int, batch_size: int) -> None:
               f"segments {[round(x, 2) for x in rotation.times[v]]}")
 
 
+class CostClock(L.Callback):
+    """Per step: CPU time of the whole step and of the switch's hook inside it (cycle or projection)."""
+
+    def __init__(self, switch: AdaptiveSVDSwitch):
+        self.switch = switch
+        self.steps: list[tuple[int, float, float]] = []  # (step, step seconds, hook seconds)
+
+    def setup(self, trainer, pl_module, stage):
+        self.switch.setup(trainer, pl_module, stage)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start, self._hook = time.process_time(), 0.0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        started = time.process_time()
+        self.switch.on_before_optimizer_step(trainer, pl_module, optimizer)
+        self._hook = time.process_time() - started
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append((trainer.global_step - 1, time.process_time() - self._start, self._hook))
+
+
+def amortized_overhead(batch_size: int, interval: int, cycles: int = 3, every: int = 4) -> None:
+    """The switch's cost at ``interval``, from this process's CPU time (robust on shared cores):
+    one SVD cycle plus ``interval − 1`` projected steps, over ``interval`` steps without the switch.
+    Cycles run every ``every`` steps here so a short fit holds several; every matrix is forced low-rank."""
+    L.seed_everything(0)
+    module = GPTLightningModule({}, lr=1e-3, schedule="constant")
+    switch = AdaptiveSVDSwitch(mode="project", svd_interval=every, warmup_steps=every, clobber_alignment=0.0,
+                               save_figure=False, log_per_matrix=False)
+    clock = CostClock(switch)
+    steps = every * (cycles + 1) + 1
+    loader = token_loader(n=steps * batch_size, sequence_len=module.config.sequence_len, vocab=256,
+                          batch_size=batch_size)
+    cpu_trainer(max_steps=steps, callbacks=[clock]).fit(module, loader)
+    timed = [s for s in clock.steps if s[0] > every]  # after the first cycle: every matrix is low-rank
+    cycle = statistics.median(h for step, _, h in timed if step % every == 0)
+    project = statistics.median(h for step, _, h in timed if step % every)
+    base = statistics.median(t - h for _, t, h in timed)
+    share = (cycle + (interval - 1) * project) / (interval * base)
+    print(f"direct CPU-time cost, batch {batch_size}x{module.config.sequence_len}, {len(switch.matrices)} matrices: "
+          f"step without the switch {1e3 * base:.0f} ms, SVD cycle {1e3 * cycle:.0f} ms, projection "
+          f"{1e3 * project:.1f} ms/step -> {100 * share:.2f}% of step time at svd_interval={interval} (goal <= 5%)")
+
+
 def state_bytes(optimizer) -> int:
     return sum(t.numel() * t.element_size() for opt in leaf_optimizers(optimizer) for s in opt.state.values()
                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
@@ -117,8 +167,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--interval", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--direct-only", action="store_true",
+                        help="only the CPU-time cost at the default batch (16) and at --batch-size")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a shared 2-core machine: one thread keeps segments comparable
+    for batch in dict.fromkeys((16, args.batch_size)):  # 16: configs/data/stdlib.yaml's batch
+        amortized_overhead(batch, args.interval)
+    if args.direct_only:
+        return
     memory([64, 32, 8])
     time_overhead(args.rounds, args.interval, args.batch_size)
 

@@ -3,23 +3,25 @@
 One fit of ``GPTConfig()`` on batches shaped like ``configs/data/stdlib.yaml`` (16 × 256
 tokens). Steps cycle through three modes, so machine noise hits all of them alike:
 
-- ``baseline``: ReDoMonitor's hooks removed (as if it were not attached);
-- ``idle``: hooks attached but not collecting (the other 9 of 10 steps at the default interval);
-- ``collect``: hooks collecting (every step with ``collect_every_n_steps=1``).
+- ``baseline``: ReDoMonitor's collectors detached (as if it were not attached);
+- ``idle``: collectors attached but not collecting (the other 9 of 10 steps at the default interval);
+- ``collect``: collecting (every step with ``collect_every_n_steps=1``).
 
 Each mode is compared with the baseline step of its own cycle; the overheads are medians of
 those per-cycle ratios. At the default interval the cost is ``(9·idle + collect) / 10``.
-On a shared CPU the per-cycle ratios scatter by several percent, so the script also times the
-hook's own work directly on the activations of the last step (the collecting hook: reduction
-and EMA update; the idle hook: an early return) and divides by the median baseline step.
+On a shared CPU the per-cycle ratios scatter by several percent, so the script prints a
+bootstrap interval of each median ratio, and times the collection's own work directly on the
+activations of one step (collecting: reduction and EMA update; idle: an early return) divided
+by the median baseline step.
 
-    python benchmarks/redo_overhead.py [--cycles 20] [--budget-s 170] [--threads 1]
+    python benchmarks/redo_overhead.py [--cycles 20] [--budget-s 170] [--threads 1] [--clock cpu]
 
 Goal: overhead <= 3% collecting every step, <= 0.5% at the default interval.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -40,8 +42,8 @@ class CycleDriver(L.Callback):
     keeping its statistics) — the same calls Lightning makes around a fit.
     """
 
-    def __init__(self, redo: ReDoMonitor, budget_s: float):
-        self.redo, self.budget_s = redo, budget_s
+    def __init__(self, redo: ReDoMonitor, budget_s: float, clock=time.perf_counter):
+        self.redo, self.budget_s, self.clock = redo, budget_s, clock
         self.times: dict[str, list[float]] = {m: [] for m in MODES}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -52,15 +54,15 @@ class CycleDriver(L.Callback):
             self.redo.on_fit_start(trainer, pl_module)
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
-        self._mode, self._start = mode, time.perf_counter()
+        self._mode, self._start = mode, self.clock()
         if trainer.global_step == 0:
-            self._began = self._start
+            self._began = time.perf_counter()  # the budget is wall time, whichever clock times the steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
         if trainer.global_step > WARMUP:
-            self.times[self._mode].append(time.perf_counter() - self._start)
+            self.times[self._mode].append(self.clock() - self._start)
         if self._mode == "idle" and time.perf_counter() - self._began > self.budget_s:
             trainer.should_stop = True  # end on a complete cycle
 
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = leave as is)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time, robust when other jobs share the cores (use --threads 1)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,19 +86,19 @@ def main() -> None:
     tokens = torch.randint(0, 256, (args.batch_size * steps, config.sequence_len + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)
     redo = ReDoMonitor(collect_every_n_steps=3, log_every_n_steps=10**9)  # no log step inside the timing
-    driver = CycleDriver(redo, args.budget_s)
+    driver = CycleDriver(redo, args.budget_s, time.process_time if args.clock == "cpu" else time.perf_counter)
     trainer = L.Trainer(accelerator=args.device, devices=1, max_steps=steps, callbacks=[driver, redo], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     trainer.fit(module, loader)
 
-    direct = time_hooks_directly(redo, module, loader)
+    direct = time_hooks_directly(redo, module, loader, clock=driver.clock)
     cycles = min(len(v) for v in driver.times.values())
     base = driver.times["baseline"][:cycles]
     ratio = {m: [t / b for t, b in zip(driver.times[m][:cycles], base)] for m in MODES}
     overhead = {m: statistics.median(r) - 1 for m, r in ratio.items()}
     print(f"GPT {config.n_layer}x{config.n_embd} {config.mlp}, batch {args.batch_size}x{config.sequence_len}, "
-          f"{args.device}, {torch.get_num_threads()} threads, {cycles} cycles")
+          f"{args.device}, {torch.get_num_threads()} threads, {cycles} cycles, {args.clock} clock")
     print(f"{'mode':<34}{'median step ms':>15}{'overhead vs baseline':>22}")
     for m in ("baseline", "idle", "collect"):
         print(f"{m:<34}{statistics.median(driver.times[m][:cycles]) * 1e3:>15.1f}{100 * overhead[m]:>+21.2f}%")
@@ -104,8 +108,11 @@ def main() -> None:
     spread = statistics.quantiles(ratio["collect"], n=4) if cycles >= 4 else []
     if spread:
         print(f"collect/baseline per-cycle ratio quartiles: {', '.join(f'{q:.3f}' for q in spread)}")
+        for m in ("idle", "collect"):
+            lo, hi = bootstrap_median_interval(ratio[m])
+            print(f"{m}/baseline median ratio, 90% bootstrap interval: [{lo:.3f}, {hi:.3f}]")
     step = statistics.median(base)
-    print(f"direct: hooks' work per step {direct['collect'] * 1e3:.2f} ms collecting, {direct['idle'] * 1e6:.1f} us idle "
+    print(f"direct: collection work per step {direct['collect'] * 1e3:.2f} ms collecting, {direct['idle'] * 1e6:.1f} us idle "
           f"({len(redo.layers)} layers)")
     every, default = direct["collect"] / step, (direct["collect"] + 9 * direct["idle"]) / 10 / step
     print(f"{'direct, every step':<49}{100 * every:>+21.2f}%  (goal <= 3%)")
@@ -113,34 +120,38 @@ def main() -> None:
 
 
 @torch.no_grad()
-def time_hooks_directly(redo: ReDoMonitor, module, loader, reps: int = 20) -> dict[str, float]:
-    """Seconds per training step spent in ReDo's hooks, collecting and idle, on real activations.
-    Calls the hook function itself (``_collect``) on the inputs its ``down`` layers saw."""
-    inputs = {}
-    handles = [layer.down.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
-               for i, layer in enumerate(redo.layers)]
+def time_hooks_directly(redo: ReDoMonitor, module, loader, reps: int = 20, clock=time.perf_counter) -> dict[str, float]:
+    """Seconds per training step spent in ReDo's collection, collecting and idle, on real activations.
+    Records what each MLP hands its ``hidden_observer`` in one forward, then calls ReDo's own
+    collection (``_collect``) on those tensors."""
     module.train()
+    redo.on_fit_start(None, module)  # attaches the collectors
+    collectors = [block.hidden_observer for block in redo._observed_blocks]
+    inputs = []
+    for block in redo._observed_blocks:
+        block.hidden_observer = lambda b, h: inputs.append((b, h))
     module(next(iter(loader))[0].to(module.device))
-    for h in handles:
-        h.remove()
-    views, offset = [], 0
-    for layer in redo.layers:
-        views.append(slice(offset, offset + layer.width))
-        offset += layer.width
     result = {}
     for mode in ("collect", "idle"):
         redo._collecting = mode == "collect"
         times = []
         for _ in range(reps):
-            start = time.perf_counter()
-            for i, layer in enumerate(redo.layers):
-                redo._collect(i, views[i], layer.down, (inputs[i],))
+            start = clock()
+            for collector, (block, h) in zip(collectors, inputs):
+                collector(block, h)
             if module.device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         result[mode] = statistics.median(times)
-    redo._collecting = False
+    redo.on_fit_end(None, module)
     return result
+
+
+def bootstrap_median_interval(ratios: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """90% bootstrap interval of the median of per-cycle ratios: is an overhead within noise?"""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.05 * resamples)], medians[int(0.95 * resamples)]
 
 
 if __name__ == "__main__":

@@ -102,3 +102,26 @@ def test_projection_weights_have_roles():
     assert found["blocks.0.mlp.c_gate.weight"] == "mlp"
     assert "lm_head.weight" not in found and "wte.weight" not in found
     assert len(found) == 2 * (4 + 3)
+
+
+def test_rope_table_grown_past_training_length_equals_one_built_that_long():
+    short = GPT(GPTConfig(**SMALL)).blocks[0].attn.position
+    long = GPT(GPTConfig(**{**SMALL, "sequence_len": 64})).blocks[0].attn.position
+    assert short.cos.shape[0] == 16  # built once for the training length: a compiled forward never re-traces
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    for a, b in zip(short.rotate(q, k, offset=40), long.rotate(q, k, offset=40)):  # positions 40..44
+        torch.testing.assert_close(a, b)
+    assert short.cos.shape[0] >= 45 and not short.cos.is_inference()
+
+
+@pytest.mark.parametrize("mlp", ["relu2", "swiglu", "reciprocal"])
+def test_hidden_observer_sees_exactly_the_down_projection_input(mlp):
+    model = GPT(GPTConfig(mlp=mlp, **SMALL))
+    block = model.blocks[1].mlp
+    observed, entering = [], []
+    block.hidden_observer = lambda module, h: observed.append((module, h))
+    block.c_proj.register_forward_pre_hook(lambda module, args: entering.append(args[0]))
+    model(torch.randint(0, 256, (2, 16)))
+    assert len(observed) == 1 and observed[0][0] is block
+    assert torch.equal(observed[0][1], entering[0])
+    assert all(b.mlp.hidden_observer is None for b in model.blocks if b.mlp is not block)

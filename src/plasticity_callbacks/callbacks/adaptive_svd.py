@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..functional import factorization
 from ..core.distributed import MisconfigurationException, require_full_parameters
+from ..core.optimizer_state import reset_optimizer_state
 from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from ..core.model_map import Target, require_targets, select_targets, validate_selection
@@ -243,6 +244,10 @@ class AdaptiveSVDSwitch(L.Callback):
                 self._resplit(trainer, m, svd, grad, factorized)
             self.history.append((step, m.target.name, new_mode, r_next))
             logged.append((m, diag))
+        if self.mode == "factorize":  # factors in target order, whether re-split in place or appended
+            parts = [factorization.components(m.target.module, m.attr) for m in self.matrices
+                     if factorization.is_factorized(m.target.module, m.attr)]
+            factorization.order_in_groups(trainer.optimizers, [p for part in parts for p in (part.B, part.A)])
         self._log(pl_module, logged)
 
     def _initial_r(self, W: torch.Tensor, g: int) -> int:
@@ -257,6 +262,15 @@ class AdaptiveSVDSwitch(L.Callback):
         step's gradient ``G`` w.r.t. the effective weight moves to the new structure by the chain
         rule (``∇B = G Aᵀ``, ``∇A = Bᵀ G``), so the coming optimizer step is not lost."""
         module, weight = m.target.module, m.target.param
+        if factorized and m.mode == "lowrank" and factorization.components(module, m.attr).B.shape[1] == m.r:
+            # Same rank: new factors in place, so a compiled model keeps its graph (no new module class).
+            B, A = factorization.minor_factors(svd, m.r, weight.dtype)
+            parts = factorization.resplit(module, m.attr, B, A)
+            reset_optimizer_state(trainer.optimizers, [parts.B, parts.A])
+            if grad is not None:
+                G = as_matrix(grad).to(B.dtype)
+                parts.B.grad, parts.A.grad = G @ parts.A.mT, parts.B.mT @ G
+            return
         if factorized:
             parts = factorization.components(module, m.attr)
             factorization.detach(trainer.optimizers, [parts.B, parts.A])

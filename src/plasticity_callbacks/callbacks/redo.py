@@ -1,7 +1,6 @@
 """``ReDoMonitor``: watch dormant neurons during training and optionally recycle them (ReDo)."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 import lightning as L
@@ -32,13 +31,17 @@ class ReDoMonitor(L.Callback):
     ``layer_map``. Raises a ValueError in ``setup`` when it finds none.
 
     **Collects** in ``on_train_batch_start``/``on_train_batch_end`` of every
-    ``collect_every_n_steps``-th training step (never in validation): a forward pre-hook on
-    each ``down`` layer reads the neuron values as they enter it — ``relu(c_fc x)²`` for relu²,
-    ``act(c_gate x) * c_fc x`` for SwiGLU/GeGLU, the activation's output in a plain MLP/CNN — so
-    no activation is re-implemented in the hook (the seed hooked ``c_fc``'s output and applied
-    relu² itself; the input of ``c_proj`` is the same tensor). The mean ``|h|`` over batch and
-    time/space updates an EMA per neuron (``lerp_``, weight ``1 - ema_decay``; a neuron's first
-    observation, and its first after recycling, replaces the EMA). No host sync on this path.
+    ``collect_every_n_steps``-th training step (never in validation) the neuron values as they
+    enter each ``down`` layer — ``relu(c_fc x)²`` for relu², ``act(c_gate x) * c_fc x`` for
+    SwiGLU/GeGLU, the activation's output in a plain MLP/CNN — so no activation is
+    re-implemented here. Blocks with a ``hidden_observer`` slot (our GPT's MLPs) hand them over
+    through it, which works whether the model was compiled before or after this callback
+    attached; other layers get a forward pre-hook on ``down``, which a graph compiled before the
+    hook existed never calls: that case raises a RuntimeError at the first collecting step
+    instead of logging nothing. The mean ``|h|`` over batch and time/space updates an EMA per
+    neuron (``lerp_``, weight ``1 - ema_decay``; a neuron's first observation, and its first
+    after recycling, replaces the EMA). No host sync on this path; under ``torch.compile`` it
+    adds two graphs, for collecting and for idle steps (the idle one runs no extra operation).
 
     **Logs** in ``on_train_batch_end`` every ``log_every_n_steps`` optimizer steps:
     ``redo/dormant[/layer]`` (fraction with score ≤ ``tau``) and ``redo/dead[/layer]`` (τ = 0).
@@ -111,7 +114,9 @@ class ReDoMonitor(L.Callback):
         self._nonfinite: torch.Tensor | None = None  # per layer: collected batches skipped for NaN/Inf activations
         self._pending_state: dict | None = None
         self._hooks: list = []
+        self._observed_blocks: list[nn.Module] = []  # blocks whose hidden_observer feeds this monitor
         self._collecting = False
+        self._seen = False  # a collector ran in this step (a hook that never runs is an error, not silence)
         self._warned_unobserved = False
 
     @property
@@ -144,11 +149,7 @@ class ReDoMonitor(L.Callback):
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
         self._remove_hooks()
-        offset = 0
-        for index, layer in enumerate(self.layers):
-            view = slice(offset, offset + layer.width)
-            offset += layer.width
-            self._hooks.append(layer.down.register_forward_pre_hook(functools.partial(self._collect, index, view)))
+        self._attach_collectors(pl_module)
         rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -157,36 +158,70 @@ class ReDoMonitor(L.Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._remove_hooks()
 
+    def _attach_collectors(self, pl_module) -> None:
+        """One collector per ``down`` layer (several ReDo layers may read slices of one), fed by the
+        owning block's ``hidden_observer`` where the block has a free one, else by a pre-hook."""
+        observers = {}  # id(down) -> block whose hidden_observer receives down's input
+        for module in pl_module.modules():
+            if hasattr(module, "hidden_observer") and callable(getattr(module, "neuron_layouts", None)):
+                observers.update({id(layout.down): module for layout in module.neuron_layouts()})
+        groups: dict[int, tuple[nn.Module, list]] = {}
+        offset = 0
+        for index, layer in enumerate(self.layers):
+            groups.setdefault(id(layer.down), (layer.down, []))[1].append((index, slice(offset, offset + layer.width)))
+            offset += layer.width
+        for key, (down, entries) in groups.items():
+            collector = _HiddenCollector(self, entries)
+            block = observers.get(key)
+            if block is not None and block.hidden_observer is None:
+                block.hidden_observer = collector
+                self._observed_blocks.append(block)
+            else:
+                self._hooks.append(down.register_forward_pre_hook(collector.pre_hook))
+
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for block in self._observed_blocks:
+            block.hidden_observer = None
+        self._observed_blocks.clear()
         self._collecting = False
 
     # ------------------------------------------------------------------ collection (hot path)
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         self._collecting = trainer.global_step % self.collect_every_n_steps == 0
         self.collections += int(self._collecting)
+        self._seen = False
 
     @torch.no_grad()
-    def _collect(self, index: int, view: slice, module: nn.Module, args) -> None:
+    def _collect(self, module: nn.Module, h: torch.Tensor, entries: list[tuple[int, slice]]) -> None:
         if not (self._collecting and module.training):  # e.g. another callback's eval forward inside the step
             return
-        layer = self.layers[index]
-        h, unit = layer.unit_activity(args[0].detach())  # this layer's units, whatever down's input layout
-        activity = mean_abs_activation(h, unit)
-        # A batch with NaN/Inf activations (e.g. one the training step skips) must not enter the EMA: a single
-        # NaN would make every score NaN, and nothing dormant, for the rest of training. Skip and count it,
-        # with masks rather than an `if`, so the hot path never waits for the device.
-        finite = torch.isfinite(activity).all()
-        # A first observation replaces. Explicit float32: under bf16-true the default dtype is bf16.
-        weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0).to(self._ema.dtype)
-        self._ema[view].lerp_(torch.where(finite, activity.to(self._ema.dtype), self._ema[view]), weight)
-        self._observed[view] |= finite
-        self._nonfinite[index] += (~finite).long()
+        h = h.detach()
+        for index, view in entries:
+            layer = self.layers[index]
+            units, unit = layer.unit_activity(h)  # this layer's units, whatever down's input layout
+            activity = mean_abs_activation(units, unit)
+            # A batch with NaN/Inf activations (e.g. one the training step skips) must not enter the EMA: a single
+            # NaN would make every score NaN, and nothing dormant, for the rest of training. Skip and count it,
+            # with masks rather than an `if`, so the hot path never waits for the device.
+            finite = torch.isfinite(activity).all()
+            # A first observation replaces. Explicit float32: under bf16-true the default dtype is bf16.
+            weight = torch.where(self._observed[view], 1.0 - self.ema_decay, 1.0).to(self._ema.dtype)
+            self._ema[view].lerp_(torch.where(finite, activity.to(self._ema.dtype), self._ema[view]), weight)
+            self._observed[view] |= finite
+            self._nonfinite[index] += (~finite).long()
+        self._seen = True
 
     # ------------------------------------------------------------------ decisions
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self._collecting and not self._seen and pl_module.training:
+            raise RuntimeError(
+                "ReDoMonitor saw no activations in a collecting training step: no watched layer ran in train "
+                "mode, or its forward hooks were not called, which happens when the model was compiled "
+                "(torch.compile) and traced before the hooks were added. Attach ReDoMonitor before the first "
+                "compiled forward, or give the blocks a hidden_observer slot (see models/blocks/mlp.py).")
         self._collecting = False
         step = trainer.global_step
         log_now = step % self.log_every_n_steps == 0 and step != self.last_logged_step
@@ -331,6 +366,23 @@ class ReDoMonitor(L.Callback):
         self.collections = state["collections"]
         self.last_logged_step, self.last_recycled_step = state["last_logged_step"], state["last_recycled_step"]
         self._pending_state = None
+
+
+class _HiddenCollector:
+    """Hands the input of one ``down`` layer to the monitor with the EMA slices it feeds.
+
+    A plain object, kept for the whole fit: ``torch.compile`` guards on what it reads, so the
+    same collector never triggers a re-trace.
+    """
+
+    def __init__(self, monitor: ReDoMonitor, entries: list[tuple[int, slice]]):
+        self.monitor, self.entries = monitor, entries
+
+    def __call__(self, module: nn.Module, h: torch.Tensor) -> None:
+        self.monitor._collect(module, h, self.entries)
+
+    def pre_hook(self, module: nn.Module, args: tuple) -> None:
+        self.monitor._collect(module, args[0], self.entries)
 
 
 def _init_stds(layer: NeuronLayer) -> torch.Tensor:

@@ -43,18 +43,36 @@ _LINEAR_STATE = ("exp_avg", "momentum_buffer")  # moments that are linear in the
 class MinorComponents(nn.Module):
     """Parametrization ``original ↦ original + B @ A`` (reshaped to a conv kernel if needed).
 
-    When ``capture`` is set, the gradient with respect to the effective weight is summed into
-    ``captured`` (over micro-batches): the callback's gradient alignment needs ``∇W``, which
-    the optimizer never sees in this mode.
+    While ``capture`` is on, a zero ``probe`` shaped like the weight is added to it, so autograd
+    sums the gradient with respect to the effective weight into ``probe.grad`` (over
+    micro-batches), read back as ``captured``: the callback's gradient alignment needs ``∇W``,
+    which the optimizer never sees in this mode. A leaf tensor rather than a tensor hook, so a
+    compiled forward keeps one graph (a hook that writes module state is a graph break).
     """
 
-    def __init__(self, B: torch.Tensor, A: torch.Tensor, transposed: bool = False):
+    def __init__(self, B: torch.Tensor, A: torch.Tensor, transposed: bool = False, shape: torch.Size | None = None):
         super().__init__()
         self.B = nn.Parameter(B)  # (d_out, r)
         self.A = nn.Parameter(A)  # (r, d_in·∏k)
         self.transposed = transposed  # the weight is stored (in, out), as HF Conv1D: BA is added transposed
-        self.capture = False
-        self.captured: torch.Tensor | None = None
+        out_in = (A.shape[1], B.shape[0]) if transposed else (B.shape[0], A.shape[1])
+        self.shape = torch.Size(shape if shape is not None else out_in)  # the stored weight's shape
+        self.probe: torch.Tensor | None = None
+
+    @property
+    def capture(self) -> bool:
+        return self.probe is not None
+
+    @capture.setter
+    def capture(self, on: bool) -> None:
+        if on and self.probe is None:  # kept while on: micro-batches of one step add up
+            self.probe = torch.zeros(self.shape, dtype=self.B.dtype, device=self.B.device, requires_grad=True)
+        elif not on:
+            self.probe = None
+
+    @property
+    def captured(self) -> torch.Tensor | None:
+        return None if self.probe is None else self.probe.grad
 
     def delta(self, original: torch.Tensor) -> torch.Tensor:
         """``BA`` shaped like the stored weight."""
@@ -63,13 +81,9 @@ class MinorComponents(nn.Module):
 
     def forward(self, original: torch.Tensor) -> torch.Tensor:
         weight = original + self.delta(original)
-        if self.capture and weight.requires_grad:
-            weight.register_hook(self._accumulate)
+        if self.probe is not None:
+            weight = weight + self.probe  # adds zero; its gradient is ∇W
         return weight
-
-    def _accumulate(self, grad: torch.Tensor) -> None:
-        grad = grad.detach()
-        self.captured = grad.clone() if self.captured is None else self.captured + grad
 
 
 def minor_factors(svd: SVD, r: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +110,29 @@ def factorize(module: nn.Module, attr: str, B: torch.Tensor, A: torch.Tensor,
     The module's output is unchanged up to rounding, since ``W_p + BA`` reproduces ``W``.
     """
     weight = getattr(module, attr)
-    parts = MinorComponents(B, A, transposed)
+    parts = MinorComponents(B, A, transposed, weight.shape)
     with torch.no_grad():
         weight.copy_(frozen if frozen is not None else weight - parts.delta(weight))
     weight.requires_grad_(False)
     weight.grad = None
     parametrize.register_parametrization(module, attr, parts, unsafe=True)
+    return parts
+
+
+def resplit(module: nn.Module, attr: str, B: torch.Tensor, A: torch.Tensor) -> MinorComponents:
+    """Move a factorized weight to new factors of the same shapes, in place: ``W_p ← W − BA`` for
+    the current effective ``W``, and ``B, A`` overwritten. The parametrization (and so the
+    module's class) stays, so a compiled graph stays valid; callers reset the factors' moments."""
+    parts = components(module, attr)
+    if parts.B.shape != B.shape or parts.A.shape != A.shape:
+        raise ValueError(f"resplit: factors {tuple(B.shape)}, {tuple(A.shape)} do not match the current "
+                         f"{tuple(parts.B.shape)}, {tuple(parts.A.shape)}; fold and factorize instead")
+    original = getattr(module.parametrizations, attr).original
+    with torch.no_grad():
+        effective = original + parts.delta(original)
+        parts.B.copy_(B)
+        parts.A.copy_(A)
+        original.copy_(effective - parts.delta(original))
     return parts
 
 
@@ -140,6 +171,18 @@ def detach(optimizers, params: list[torch.Tensor]) -> None:
         opt = getattr(opt, "_optimizer", opt)
         for group in opt.param_groups:
             group["params"][:] = [p for p in group["params"] if id(p) not in ids]
+
+
+def order_in_groups(optimizers, params: list[torch.Tensor]) -> None:
+    """Move ``params`` to the end of their param groups, in the given order. Optimizer state is
+    keyed by parameter, so nothing is lost; the order is what a checkpoint's state maps onto."""
+    rank = {id(p): i for i, p in enumerate(params)}
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        for group in opt.param_groups:
+            ours = sorted((p for p in group["params"] if id(p) in rank), key=lambda p: rank[id(p)])
+            if ours:
+                group["params"][:] = [p for p in group["params"] if id(p) not in rank] + ours
 
 
 def project_onto(tensor: torch.Tensor, U_minor: torch.Tensor) -> None:

@@ -32,12 +32,15 @@ class GPTConfig:
     attention_options: dict[str, Any] = field(default_factory=dict)
     position_options: dict[str, Any] = field(default_factory=dict)
     logit_softcap: float = 15.0  # logits = c·tanh(logits/c); 0 disables
+    compile: bool = False  # GPTLightningModule runs training steps through torch.compile (not the architecture)
 
     def __post_init__(self):
         for name in ("vocab_size", "sequence_len", "n_layer", "n_head", "n_kv_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"model.compile must be true or false, got {self.compile!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
         if self.n_head % self.n_kv_head:

@@ -21,6 +21,16 @@ class GPTLightningModule(L.LightningModule):
 
     Logs ``train/loss``, ``train/tokens_per_sec``, ``val/loss``, ``val/ppl``.
 
+    With ``model.compile=True`` the training forward runs through ``torch.compile`` (static
+    shapes); validation, generation and callbacks' own forwards stay eager, because a second
+    (eval) graph costs more to compile than a few validation batches save. The compiled
+    callable wraps ``self.model.forward``, so parameter names and checkpoints are the eager
+    model's, and a new module (the next phase of a pipeline) reuses the graph. Weight edits in
+    place (FIRE, DASH, Shrink & Perturb, ReDo's recycling) need no re-trace; ReDo reads neurons
+    through the MLPs' ``hidden_observer`` (one extra graph for its collecting steps), since
+    module hooks added after the first compiled step are not seen; AdaptiveSVD's factorize mode
+    re-traces when the structure or a rank changes.
+
     Args:
         model: a ``GPTConfig`` or a dict of its fields.
         optimizer: ``adamw`` or ``muon`` (Muon on block matrices, AdamW on the rest).
@@ -52,6 +62,8 @@ class GPTLightningModule(L.LightningModule):
                                    "muon_momentum": muon_momentum, "schedule": schedule,
                                    "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio})
         self.model = GPT(config)
+        # A plain function attribute, not a submodule: state_dict keys and named_modules() stay the model's.
+        self._compiled_forward = torch.compile(self.model.forward, dynamic=False) if config.compile else None
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self._step_started = 0.0
@@ -80,7 +92,8 @@ class GPTLightningModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.loss(self.model(x), y)
+        logits = self.model(x) if self._compiled_forward is None else self._compiled_forward(x)
+        loss = self.loss(logits, y)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -33,9 +33,27 @@ class NeuronLayout(NamedTuple):
 
 class MLPBlock(nn.Module):
     """Base class. ``forward(x, attn_out)``: ``attn_out`` is the same block's attention
-    output, which most MLPs ignore (the reciprocal MLP uses it)."""
+    output, which most MLPs ignore (the reciprocal MLP uses it).
+
+    ``hidden_observer``: ``None``, or a callable that the forward hands
+    ``(block, h)``, with ``h`` the hidden units exactly as they enter ``c_proj``. Monitors
+    such as ReDo read neurons through it rather than through module hooks: ``torch.compile``
+    does not guard on hook dictionaries, so a hook added after a graph was traced is never
+    called, whereas setting this attribute fails a guard and re-traces once (and setting it
+    back to ``None`` finds the first graph again).
+    """
 
     plasticity_role = "mlp"
+
+    def __init__(self):
+        super().__init__()
+        # Always an instance attribute, so a compiled graph guards on its value alone (set or None)
+        # and returns to the same graph once a monitor has detached.
+        self.hidden_observer = None
+
+    def observe_hidden(self, h: torch.Tensor) -> None:
+        if self.hidden_observer is not None:
+            self.hidden_observer(self, h)
 
     def neuron_layouts(self) -> list[NeuronLayout]:
         gate = getattr(self, "c_gate", None)
@@ -54,7 +72,9 @@ class ReluSquaredMLP(MLPBlock):
 
     def forward(self, x: torch.Tensor, attn_out: torch.Tensor | None = None) -> torch.Tensor:
         h = F.relu(self.c_fc(x))
-        return self.c_proj(h * h)  # h*h, not square(): PowBackward is ~25% slower on CPU
+        h = h * h  # not square(): PowBackward is ~25% slower on CPU
+        self.observe_hidden(h)
+        return self.c_proj(h)
 
 
 def gated_hidden_width(n_embd: int, hidden_mult: int, multiple_of: int) -> int:
@@ -77,7 +97,9 @@ class GatedMLP(MLPBlock):
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, attn_out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.c_proj(self.activation(self.c_gate(x)) * self.c_fc(x))
+        h = self.activation(self.c_gate(x)) * self.c_fc(x)
+        self.observe_hidden(h)
+        return self.c_proj(h)
 
 
 @MLPS.register("swiglu")

@@ -44,7 +44,9 @@ class NoPosition(PositionBlock):
 class Rotary(PositionBlock):
     """Rotary embeddings, split-half layout (as nanochat), base ``rope_base``.
 
-    The cos/sin table grows on demand, so sequences longer than training length work.
+    The cos/sin table is built once for ``config.sequence_len`` positions, as buffers, so a
+    compiled forward reads constants and never re-traces; it doubles on demand when generation
+    runs past the training length (rare, and done in eager mode by ``GPT.generate``).
     """
 
     def __init__(self, config, layer_idx: int, base: float = 10000.0):
@@ -53,28 +55,27 @@ class Rotary(PositionBlock):
             raise ValueError(f"RoPE needs an even head dim, got n_embd/n_head={self.head_dim}")
         inv_freq = 1.0 / (base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
+        self._build_table(config.sequence_len, inv_freq.device)
 
-    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
-            size = max(length, 2 * (0 if self._cos is None else self._cos.shape[0]))
-            # A table first built under inference_mode (validation) must still serve training.
-            with torch.inference_mode(False), torch.no_grad():
-                t = torch.arange(size, dtype=torch.float32, device=device)
-                freqs = torch.outer(t, self.inv_freq.to(device))  # (T, hd/2)
-                self._cos, self._sin = freqs.cos(), freqs.sin()
-        return self._cos, self._sin
+    def _build_table(self, length: int, device: torch.device) -> None:
+        # A table grown under inference_mode (validation) must still serve training.
+        with torch.inference_mode(False), torch.no_grad():
+            t = torch.arange(length, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, self.inv_freq.to(device=device, dtype=torch.float32))  # (T, hd/2)
+            self.register_buffer("cos", freqs.cos(), persistent=False)
+            self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def rotate(self, q, k, offset):
         t = q.shape[-2]
-        cos, sin = self._table(offset + t, q.device)
-        cos, sin = cos[offset : offset + t], sin[offset : offset + t]  # (T, hd/2)
+        if offset + t > self.cos.shape[0]:
+            self._build_table(max(offset + t, 2 * self.cos.shape[0]), q.device)
+        cos, sin = self.cos[offset : offset + t], self.sin[offset : offset + t]  # (T, hd/2)
         return _rotate_half_split(q, cos, sin), _rotate_half_split(k, cos, sin)
 
 
 def _rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     x1, x2 = x[..., :d].float(), x[..., d:].float()
+    cos, sin = cos.float(), sin.float()  # the table stays float32 math even in a bf16 model
     out = torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
     return out.to(x.dtype)

@@ -28,8 +28,8 @@ class ReciprocalMLP(MLPBlock):
     softly in training. ``α`` is learned; ``attn_out`` is this block's attention output (the
     residual-stream update, before the MLP's norm).
 
-    In training the gated hidden ``[w_std·g_std·h_std | w_rec·g_rec·h_rec]`` goes through the
-    ``c_proj`` module, so hooks on it see every unit (scaled uniformly per pathway, which
+    In training the gated hidden ``[w_std·g_std·h_std | w_rec·g_rec·h_rec]`` goes to the hidden
+    observer and through the ``c_proj`` module, so observers and hooks see every unit (scaled uniformly per pathway, which
     ReDo's per-layer normalized score ignores). Hard-gated inference reads slices of
     ``c_proj.weight`` directly and bypasses such hooks.
 
@@ -102,8 +102,9 @@ class ReciprocalMLP(MLPBlock):
         if not skip_std and not skip_rec:
             mixed = x if attn_out is None else x + self.alpha * attn_out
             hidden = torch.cat([coef_std * act(self.c_fc(x)), coef_rec * act(self.c_fc_rec(mixed))], dim=-1)
-            # Through the c_proj module (not F.linear on its weight): callbacks such as ReDo read
-            # the hidden units with a forward pre-hook on the down projection.
+            # Through the c_proj module (not F.linear on its weight), so module hooks on the down
+            # projection see every unit too.
+            self.observe_hidden(hidden)
             return self.c_proj(hidden)  # (B, T, d)
         if not skip_std:  # hard-gated inference: only the surviving pathway's GEMMs run
             return F.linear(coef_std * act(self.c_fc(x)), W[:, :s])
