@@ -5,9 +5,11 @@ slice of the library's code), then run phase 2 (SFT on instruction/response pair
 checkpoint once per method, methods interleaved so machine noise hits all alike. Everything runs
 in this one process through the same Hydra configs as ``plasticity-train`` (one import, cached
 SFT data), one intra-op thread (fastest on a shared 2-core machine). Then ``plasticity-report``
-aggregates the phase-2 runs; the table and the loss-curve figure are copied into ``docs/``.
+aggregates the phase-2 runs into ``<out>/report_<name>/``; with ``--docs DIR`` the table and the
+loss-curve figure are also copied there (``--docs docs`` refreshes the README's study).
 
-    python benchmarks/plasticity_study.py                          # the study in the README
+    python benchmarks/plasticity_study.py                          # the study; results under outputs/study/
+    python benchmarks/plasticity_study.py --docs docs               # ... and replace docs/study.md + figure
     python benchmarks/plasticity_study.py --name study_long --phase2-steps 1500 --methods warm sp fire fire_exact reset
     python benchmarks/plasticity_study.py --seeds 0 --methods warm fire --phase1-steps 100 --phase2-steps 50
 
@@ -19,6 +21,7 @@ The same runs as a Hydra sweep (one process per run):
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from plasticity_callbacks.app.console import configure_run_output
 from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.report import build_report
 from plasticity_callbacks.app.train import config_dir
@@ -48,11 +52,14 @@ def main() -> None:
     parser.add_argument("--phase1-steps", type=int, default=None, help="default: the experiment's")
     parser.add_argument("--phase2-steps", type=int, default=None, help="default: the experiment's")
     parser.add_argument("--budget-minutes", type=float, default=45.0, help="stop starting runs after this")
-    parser.add_argument("--docs", type=Path, default=REPO / "docs", help="where the table and figure go")
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="also copy the table and figure here (e.g. docs; default: only the report under --out)")
     parser.add_argument("--name", default="study", help="names the runs folder and the docs files (a variant "
                                                          "such as a longer phase 2 reuses the phase-1 checkpoints)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # what plasticity-train's console shows
+    configure_run_output()  # Lightning's notices once, not once per run
     steps = [f"phases.pretrain.steps={args.phase1_steps}"] if args.phase1_steps else []
     steps += [f"phases.sft.steps={args.phase2_steps}"] if args.phase2_steps else []
     started = time.perf_counter()
@@ -71,15 +78,20 @@ def main() -> None:
             run(target, f"+method={method}", f"seed={seed}", "pipeline.start_phase=sft",
                 f"pipeline.init_from={checkpoint}", *steps)
             print(f"[{(time.perf_counter() - started) / 60:.1f} min] {method} seed {seed} done")
-    text, figures = build_report(args.out / args.name, args.out / f"report_{args.name}")
+    report_dir = args.out / f"report_{args.name}"
+    text, figures = build_report(args.out / args.name, report_dir)
     print(text)
-    args.docs.mkdir(exist_ok=True)
-    table = "\n".join(line for line in text.splitlines() if not line.startswith("!["))
-    (args.docs / f"{args.name}.md").write_text(table.rstrip() + f"\n\n![loss curves]({args.name}_loss_curves.png)\n")
-    for figure in figures:
-        if figure.name == "loss_curves.png":
-            shutil.copyfile(figure, args.docs / f"{args.name}_loss_curves.png")
-    print(f"total {(time.perf_counter() - started) / 60:.1f} min; report in {args.out / f'report_{args.name}'}")
+    if args.docs is not None:
+        args.docs.mkdir(exist_ok=True)
+        table = "\n".join(line for line in text.splitlines() if not line.startswith("!["))
+        (args.docs / f"{args.name}.md").write_text(
+            table.rstrip() + f"\n\n![loss curves]({args.name}_loss_curves.png)\n")
+        for figure in figures:
+            if figure.name == "loss_curves.png":
+                shutil.copyfile(figure, args.docs / f"{args.name}_loss_curves.png")
+        print(f"copied the table and figure to {args.docs}")
+    print(f"total {(time.perf_counter() - started) / 60:.1f} min; report in {report_dir} "
+          f"(report.md, {', '.join(f.name for f in figures)})")
 
 
 if __name__ == "__main__":

@@ -120,3 +120,14 @@ def test_every_method_composes_into_boundary_callbacks(tmp_path):
         first, second = pipeline.phases
         assert set(pipeline.method.callbacks or {}) <= set(second.callbacks)
         assert set(first.callbacks) == set(OmegaConf.to_container(cfg.callbacks))  # the method is not in phase 1
+
+
+def test_cli_run_logs_to_train_log_draws_figures_and_says_where_outputs_are(cli_run):
+    run, output = cli_run
+    log = (run / "train.log").read_text()
+    assert "phase 1/2 'pretrain'" in log and "phase 2/2 'sft'" in log and "pipeline summary" in log
+    for figure in ("loss_curves.png", "dormant_fraction.png"):
+        assert (run / "report" / figure).read_bytes()[:4] == b"\x89PNG"
+    assert f"outputs in {run}" in output and f"figures      {run / 'report' / 'loss_curves.png'}" in output
+    assert output.count("GPU available") == 1 and output.count("Tip:") <= 1  # once, not once per phase
+    assert "LeafSpec" not in output

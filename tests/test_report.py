@@ -75,4 +75,48 @@ def test_command_line(sweep, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| fire | 3 |" in printed and (out / "loss_curves.png").is_file()
     proc = subprocess.run(["plasticity-report", str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no pipeline runs" in proc.stderr
+    assert proc.returncode == 2 and "no runs under" in proc.stderr
+
+
+def fake_single_fit(job_dir, seed, lr):
+    """What one ``~experiment`` job leaves: Hydra's config and overrides, logs/metrics.csv."""
+    (job_dir / ".hydra").mkdir(parents=True)
+    (job_dir / ".hydra" / "overrides.yaml").write_text(
+        f"- ~experiment\n- +callbacks=fire\n- trainer.max_steps=10\n- optimizer.lr={lr}\n- seed={seed}\n")
+    (job_dir / ".hydra" / "config.yaml").write_text(f"seed: {seed}\ncallbacks:\n  fire: {{at_fit_start: true}}\n")
+    (job_dir / "logs").mkdir()
+    with (job_dir / "logs" / "metrics.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["epoch", "step", "train/loss", "val/loss"])
+        writer.writeheader()
+        for step in (0, 5, 10):
+            val = 2.0 + lr - step / 100 + seed / 50
+            writer.writerow({"epoch": 0, "step": step, "train/loss": 3.0, "val/loss": val})
+
+
+def test_sweep_of_single_fits_is_reported_and_labelled_by_what_varies(tmp_path):
+    job = 0
+    for lr in (0.1, 0.2):
+        for seed in (0, 1):
+            fake_single_fit(tmp_path / str(job), seed, lr)
+            job += 1
+    text, figures = build_report(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "seeds" not in line]
+    # only the varying override names a group; the shared ones (method, max_steps) are listed once
+    assert [r.split("|")[1].strip() for r in rows] == ["optimizer.lr=0.1", "optimizer.lr=0.2"]
+    finals = [2.0 + 0.1 - 0.1 + s / 50 for s in (0, 1)]
+    assert f"{statistics.fmean(finals):.4f} ± {statistics.stdev(finals):.4f}" in rows[0]
+    assert "Shared by every run: callbacks=fire, ~experiment, trainer.max_steps=10." in text
+    assert [p.name for p in figures] == ["loss_curves.png"]
+
+
+def test_identical_groups_are_drawn_once_under_both_names(tmp_path):
+    from plasticity_callbacks.app.report import Run, merge_identical
+
+    def run(label, final):
+        return Run(tmp_path, label, 0, {}, label=label, curves={"val": {0: 2.0, 5: final}, "train": {0: 3.0}})
+
+    merged = merge_identical({"fire": [run("fire", 1.6)], "redo": [run("redo", 1.5)], "warm": [run("warm", 1.5)]})
+    assert sorted(merged) == ["fire", "redo = warm"]
+    differs_elsewhere = run("warm", 1.5)
+    differs_elsewhere.curves["train"] = {0: 3.1}  # same validation curve, another training curve: both drawn
+    assert sorted(merge_identical({"redo": [run("redo", 1.5)], "warm": [differs_elsewhere]})) == ["redo", "warm"]

@@ -317,8 +317,9 @@ class Pipeline:
             callbacks[0].check(interrupted, callbacks, module, str(resume_from))
             resumed_at = int(interrupted["global_step"])
         logger = instantiate(cfg.logger, version=phase.name)
+        quiet = {"enable_model_summary": False} if phase.index > 0 else {}  # the same model: summarized once
         trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, logger=logger, callbacks=callbacks,
-                                         plugins=[VerifiedCheckpointIO()])
+                                         plugins=[VerifiedCheckpointIO()], **quiet)
         rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
         started = time.perf_counter()
@@ -330,7 +331,7 @@ class Pipeline:
         train_loss = trainer.callback_metrics.get("train/loss")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
-        trainer.save_checkpoint(self.final_checkpoint(phase))
+        trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
         if earlier_rows:
             # rows up to the checkpoint (validation at its step ran before the interruption)
             prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at

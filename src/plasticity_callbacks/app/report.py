@@ -1,89 +1,169 @@
-"""``plasticity-report RUN_DIR``: a sweep's pipeline runs as one markdown table and a few figures.
+"""``plasticity-report RUN_DIR``: a sweep's runs as one markdown table and a few figures.
 
-Finds every ``pipeline.json`` under ``RUN_DIR`` (one per pipeline run, e.g. each job of
-``plasticity-train -m experiment=continual_pretrain +method=warm,fire seed=0,1,2``), groups the
-runs by method (plus any other override that is not the seed), and writes into
-``RUN_DIR/report/`` (or ``--out``):
+Finds every run under ``RUN_DIR``: pipeline runs (a ``pipeline.json``, e.g. each job of
+``plasticity-train -m experiment=continual_pretrain +method=warm,fire seed=0,1,2``) and single
+fits (``~experiment``: a ``logs/metrics.csv`` next to Hydra's ``.hydra/``). Runs that differ only
+in the seed form one group; a group is labelled by what varies across the sweep (the method,
+``optimizer.lr=...``), while the settings every run shares are listed once in ``report.md``.
+Writes into ``RUN_DIR/report/`` (or ``--out``):
 
-- ``report.md``: per method, mean ± std over seeds of the last phase's final validation loss,
+- ``report.md``: per group, mean ± std over seeds of the last phase's final validation loss,
   the retention loss (the first phase's validation set, measured after the last phase), the
   dormant fraction and the minutes the run took;
-- ``loss_curves.png``: validation loss of the current phase and retention loss over the whole
-  pipeline's steps, mean over seeds, phase boundaries marked;
+- ``loss_curves.png``: validation loss of the current phase (and retention loss, for pipelines)
+  over the whole run's steps: mean over seeds, a band of ± one standard deviation where two or
+  more seeds logged the step, phase boundaries dashed;
 - ``dormant_fraction.png``: ReDo's dormant fraction over the steps, when logged;
-- ``spectra_<method>.png``: FIRE's singular values before/after, when a run saved them.
+- ``spectra_<group>.png``: FIRE's singular values before/after, when a run saved them.
+
+Other reports reuse :func:`summarize`/:func:`markdown_table` (the mean ± std table) and
+:func:`metric_figure` (metric-vs-step panels with seed bands).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import math
+import re
 import shutil
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.figures import plt
-
 COLUMNS = [("new-phase val loss", "val_loss"), ("retention loss", "retention_loss"),
            ("dormant fraction", "dormant_fraction"), ("minutes", "minutes")]
+SINGLE_FIT_COLUMNS = [("final val loss", "val_loss"), ("dormant fraction", "dormant_fraction")]
+LOSS_UNIT = "loss (nats per byte)"
+# Overrides that say how a run was launched or resumed, not what it studies: never a group label.
+MECHANICS = ("seed", "hydra", "pipeline.", "paths.", "ckpt_path")
+LINE_STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
 @dataclass
 class Run:
     path: Path
-    label: str
+    method: str
     seed: int
-    state: dict
+    state: dict  # pipeline.json's content (a single fit: one phase named "fit")
+    overrides: dict[str, str] = field(default_factory=dict)  # key -> the override as typed, without mechanics
+    label: str = ""  # what distinguishes the run's group from the others (set by label_runs)
     curves: dict[str, dict[int, float]] = field(default_factory=dict)  # metric -> {global step: value}
 
 
-def run_label(run_dir: Path, method: str) -> str:
-    """The method, plus the run's other overrides except the seed (what distinguishes a sweep's cells)."""
-    overrides_file = run_dir / ".hydra" / "overrides.yaml"
-    extra = []
-    if overrides_file.is_file():
-        import yaml
+# ------------------------------------------------------------------------------ finding runs
 
-        for item in yaml.safe_load(overrides_file.read_text()) or []:
-            key = item.split("=", 1)[0].lstrip("+~")
-            if key not in ("seed", "method", "experiment") and not key.startswith(("hydra", "pipeline.init_from")):
-                extra.append(item)
-    return " ".join([method, *extra])
+def read_overrides(run_dir: Path) -> dict[str, str]:
+    """``key -> override`` (as typed, ``+`` dropped) from ``.hydra/overrides.yaml``, mechanics left out."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return {}
+    import yaml
+
+    found = {}
+    for item in yaml.safe_load(path.read_text()) or []:
+        key = item.lstrip("+~").partition("=")[0]
+        if key != "method" and not key.startswith(MECHANICS):
+            found[key] = item.lstrip("+")
+    return found
 
 
-def read_curves(run_dir: Path, state: dict) -> dict[str, dict[int, float]]:
-    """``val`` (each phase's own validation loss), ``retention`` (the first phase's validation set)
-    and ``dormant`` over the pipeline's global steps."""
+def metrics_files(run: Run) -> dict[str, Path]:
+    """Phase name -> its metrics.csv (a single fit logs to ``logs/metrics.csv``)."""
+    if run.state.get("single_fit"):
+        return {"fit": run.path / "logs" / "metrics.csv"}
+    return {name: run.path / "logs" / name / "metrics.csv" for name in run.state["phases"]}
+
+
+def read_curves(run: Run) -> dict[str, dict[int, float]]:
+    """``val`` (each phase's own validation loss), ``retention`` (the first phase's validation set),
+    ``dormant`` and ``train`` over the run's global steps."""
+    state = run.state
     first = (state.get("phase_order") or list(state["phases"]))[0]
     curves: dict[str, dict[int, float]] = defaultdict(dict)
-    for name, phase in state["phases"].items():
-        path = run_dir / "logs" / name / "metrics.csv"
+    for name, path in metrics_files(run).items():
         if not path.is_file():
             continue
+        offset = int(state["phases"][name].get("step_offset", 0))
         retention_key = "val/loss" if name == first else f"retention/{first}/loss"
         with path.open(newline="") as f:
             for row in csv.DictReader(f):
-                step = int(row["step"]) + int(phase.get("step_offset", 0))
+                step = int(row["step"]) + offset
                 for curve, key in (("val", "val/loss"), ("retention", retention_key), ("dormant", "redo/dormant"),
                                    ("train", "train/loss")):
                     if row.get(key):
                         curves[curve][step] = float(row[key])
+    if state.get("single_fit"):
+        curves.pop("retention", None)  # the same numbers as "val"
     return dict(curves)
 
 
+def single_fit_state(run_dir: Path) -> tuple[str, int, dict] | None:
+    """A single fit's (method, seed, one-phase state) from its Hydra config and metrics.csv."""
+    config, metrics = run_dir / ".hydra" / "config.yaml", run_dir / "logs" / "metrics.csv"
+    if not (config.is_file() and metrics.is_file()):
+        return None
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text()) or {}
+    names = sorted(k for k, v in (cfg.get("callbacks") or {}).items() if v)
+    last: dict[str, float] = {}
+    steps = 0
+    with metrics.open(newline="") as f:
+        for row in csv.DictReader(f):
+            steps = max(steps, int(row["step"]))
+            last.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
+    phase = {"index": 0, "steps": steps, "step_offset": 0, "val_loss": last.get("val/loss"),
+             "retention_loss": None, "dormant_fraction": last.get("redo/dormant"), "minutes": None}
+    method = "+".join(names) if names else "no callbacks"
+    return method, int(cfg.get("seed", 0)), {"method": method, "seed": cfg.get("seed", 0), "single_fit": True,
+                                             "phase_order": ["fit"], "phases": {"fit": phase}}
+
+
 def find_runs(root: Path) -> list[Run]:
+    """Every pipeline run and single fit under ``root``, labelled by what varies among them."""
     runs = []
     for state_file in sorted(root.rglob("pipeline.json")):
         state = json.loads(state_file.read_text())
-        if not state.get("phases"):
-            continue
-        run = Run(state_file.parent, run_label(state_file.parent, state["method"]), int(state["seed"]), state)
-        run.curves = read_curves(run.path, state)
-        runs.append(run)
+        if state.get("phases"):
+            runs.append(Run(state_file.parent, state["method"], int(state["seed"]), state))
+    pipeline_dirs = {r.path for r in runs}
+    for metrics in sorted(root.rglob("logs/metrics.csv")):
+        run_dir = metrics.parent.parent
+        if run_dir not in pipeline_dirs and (found := single_fit_state(run_dir)) is not None:
+            runs.append(Run(run_dir, found[0], found[1], found[2]))
+    for run in runs:
+        run.overrides = read_overrides(run.path)
+        run.curves = read_curves(run)
+    label_runs(runs)
     return runs
 
+
+def label_runs(runs: list[Run]) -> list[str]:
+    """Set each run's label to the settings that vary across ``runs``; return the shared ones."""
+    keys = sorted({k for r in runs for k in r.overrides})
+    varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
+    methods_vary = len({r.method for r in runs}) > 1
+    for run in runs:
+        parts = [run.method] if methods_vary or not varying else []
+        parts += [run.overrides.get(k, f"{k}=(default)") for k in varying]
+        run.label = " ".join(parts)
+    shared = [runs[0].overrides[k] for k in keys if k not in varying]
+    if runs and not methods_vary and not runs[0].state.get("single_fit"):  # a single fit's method is its callbacks
+        shared.insert(0, f"method {runs[0].method}")
+    return shared
+
+
+def groups_of(runs: list[Run]) -> dict[str, list[Run]]:
+    groups: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[run.label].append(run)
+    return dict(sorted(groups.items()))
+
+
+# ------------------------------------------------------------------------------ the table
 
 def last_phase(run: Run) -> dict:
     return list(run.state["phases"].values())[-1]
@@ -93,17 +173,15 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarize(runs: list[Run]) -> dict[str, dict[str, tuple[float, float, int]]]:
+def summarize(runs: list[Run], columns=COLUMNS) -> dict[str, dict[str, tuple[float, float, int]]]:
     """label -> column -> (mean, std, number of seeds with a value)."""
-    groups: dict[str, list[Run]] = defaultdict(list)
-    for run in runs:
-        groups[run.label].append(run)
     table = {}
-    for label, members in groups.items():
+    for label, members in groups_of(runs).items():
         row = {}
-        for _, key in COLUMNS:
+        for _, key in columns:
             if key == "minutes":
-                values = [sum(p["minutes"] for p in r.state["phases"].values()) for r in members]
+                values = [sum(p["minutes"] for p in r.state["phases"].values()) for r in members
+                          if all(p.get("minutes") is not None for p in r.state["phases"].values())]
             else:
                 values = [float(last_phase(r)[key]) for r in members if last_phase(r).get(key) is not None]
             if values:
@@ -113,15 +191,17 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, tuple[float, float, int]]]
     return table
 
 
-def markdown_table(table: dict[str, dict[str, tuple[float, float, int]]]) -> str:
-    """Rows sorted by the new-phase validation loss (best first)."""
-    header = "| method | seeds | " + " | ".join(name for name, _ in COLUMNS) + " |"
-    lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
-    order = sorted(table, key=lambda label: table[label].get("val_loss", (float("inf"),))[0])
+def markdown_table(table: dict[str, dict[str, tuple[float, float, int]]], columns=COLUMNS,
+                   first_column: str = "runs (what varies)") -> str:
+    """Rows sorted by the first column's mean (best first); cells ``mean ± std``, ``-`` where not logged."""
+    header = f"| {first_column} | seeds | " + " | ".join(name for name, _ in columns) + " |"
+    lines = [header, "|" + "---|" * (len(columns) + 2)]
+    sort_key = columns[0][1]
+    order = sorted(table, key=lambda label: table[label].get(sort_key, (float("inf"),))[0])
     for label in order:
         row = table[label]
         cells = []
-        for _, key in COLUMNS:
+        for _, key in columns:
             if key not in row:
                 cells.append("-")
                 continue
@@ -132,10 +212,175 @@ def markdown_table(table: dict[str, dict[str, tuple[float, float, int]]]) -> str
     return "\n".join(lines)
 
 
-def mean_curve(runs: list[Run], name: str) -> tuple[list[int], list[float]]:
-    steps = sorted({s for r in runs for s in r.curves.get(name, {})})
-    values = [statistics.fmean(r.curves[name][s] for r in runs if s in r.curves.get(name, {})) for s in steps]
-    return steps, values
+# ------------------------------------------------------------------------------ the figures
+
+def mean_band(series: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """Steps, mean and standard deviation over the series that logged each step (0 where only one did)."""
+    steps = sorted({s for curve in series for s in curve})
+    means, stds = [], []
+    for step in steps:
+        values = [curve[step] for curve in series if step in curve]
+        mean, std = mean_std(values)
+        means.append(mean)
+        stds.append(std)
+    return steps, means, stds
+
+
+def merge_identical(groups: dict[str, list[Run]]) -> dict[str, list[Run]]:
+    """Groups whose mean curves are equal at every step, for every metric, are drawn once and
+    labelled ``a = b``, so that no curve hides another unseen (ReDo that never recycled = warm start)."""
+    def means(members: list[Run]) -> dict[str, tuple]:
+        names = sorted({name for r in members for name in r.curves})
+        return {name: mean_band([r.curves.get(name, {}) for r in members])[:2] for name in names}
+
+    merged: dict[str, list[Run]] = {}
+    seen: dict[str, dict[str, tuple]] = {}
+    for label, members in groups.items():
+        mine = means(members)
+        twin = next((other for other, theirs in seen.items() if same_curves(mine, theirs)), None)
+        if twin is None:
+            merged[label], seen[label] = members, mine
+        else:
+            merged[f"{twin} = {label}"] = merged.pop(twin)
+            seen[f"{twin} = {label}"] = seen.pop(twin)
+    return merged
+
+
+def same_curves(a: dict[str, tuple], b: dict[str, tuple]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a[k][1], b[k][1]))
+        for k in a)
+
+
+@dataclass
+class Style:
+    color: str
+    linestyle: str
+    marker: str
+
+
+def styles_for(labels: list[str]) -> dict[str, Style]:
+    """One colour, line style and marker per label, the same in every panel of every figure."""
+    return {label: Style(f"C{i % 10}", LINE_STYLES[i % len(LINE_STYLES)], MARKERS[i % len(MARKERS)])
+            for i, label in enumerate(labels)}
+
+
+def plot_series(ax, series_by_label: dict[str, list[dict[int, float]]], styles: dict[str, Style] | None = None,
+                boundaries: list[int] = ()) -> list[float]:
+    """Mean line per label (its seed count in the legend) and a ± std band where n ≥ 2; returns all
+    plotted values (for the y-limits). Markers differ per label, so overlapping curves stay apart."""
+    styles = styles or styles_for(list(series_by_label))
+    shown: list[float] = []
+    for label, series in series_by_label.items():
+        series = [curve for curve in series if curve]
+        if not series:
+            continue
+        steps, means, stds = mean_band(series)
+        style = styles[label]
+        ax.plot(steps, means, color=style.color, linestyle=style.linestyle, marker=style.marker, markersize=4,
+                markevery=max(1, len(steps) // 12), label=f"{label} (n={len(series)})" if len(series) > 1 else label)
+        if len(series) > 1 and any(stds):
+            low = [m - s for m, s in zip(means, stds)]
+            high = [m + s for m, s in zip(means, stds)]
+            ax.fill_between(steps, low, high, color=style.color, alpha=0.15, linewidth=0)
+            shown += low + high
+        shown += means
+    for step in boundaries:
+        ax.axvline(step, color="grey", linestyle="--", linewidth=1)
+    return shown
+
+
+def wide_range(values: list[float]) -> bool:
+    """Positive values spanning more than a factor 2: a full reset starts far above the others."""
+    finite = [v for v in values if math.isfinite(v)]
+    return bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 2
+
+
+def fit_y_axis(ax, values: list[float]) -> None:
+    """Every curve stays inside the axes; over a wide range a log scale keeps the close curves apart."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return
+    low, high = min(finite), max(finite)
+    if wide_range(finite):
+        from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(low / 1.03, high * 1.03)
+    else:
+        pad = 0.04 * (high - low or abs(high) or 1.0)
+        ax.set_ylim(low - pad, high + pad)
+
+
+def zoom_on_the_best(ax, series_by_label: dict[str, list[dict[int, float]]]) -> bool:
+    """Limit ``ax`` to the second half of the steps and to the curves that end within 10% of the
+    best final value (the comparison a wide log scale squeezes); False when nothing to zoom on."""
+    lines = {label: mean_band([c for c in series if c]) for label, series in series_by_label.items()
+             if any(series)}
+    if not lines:
+        return False
+    first = min(steps[0] for steps, _, _ in lines.values())
+    last = max(steps[-1] for steps, _, _ in lines.values())
+    middle = (first + last) / 2
+    best = min(means[-1] for _, means, _ in lines.values())
+    values = [v for steps, means, stds in lines.values() if means[-1] <= 1.1 * best
+              for step, m, sd in zip(steps, means, stds) if step >= middle for v in (m - sd, m + sd)]
+    if not values:
+        return False
+    low, high = min(values), max(values)
+    pad = 0.05 * (high - low or abs(high) or 1.0)
+    ax.set(xlim=(middle, last + 0.02 * (last - first)), ylim=(low - pad, high + pad))
+    return True
+
+
+@dataclass
+class Panel:
+    title: str
+    ylabel: str
+    series: dict[str, list[dict[int, float]]]  # label -> one {step: value} per seed
+    xlabel: str = "optimizer step"
+    boundaries: list[int] = field(default_factory=list)
+
+
+def metric_figure(path: Path, panels: list[Panel], title: str | None = None) -> Path:
+    """Panels side by side, one legend to their right (outside the data), saved as a PNG."""
+    from matplotlib.figure import Figure
+
+    values = {panel.title: [v for series in panel.series.values() for curve in series for v in curve.values()]
+              for panel in panels}
+    zoom = any(wide_range(v) for v in values.values())  # a second row: the close curves, on a linear scale
+    fig = Figure(figsize=(5.5 * len(panels) + 2.5, 4.2 * (2 if zoom else 1)), layout="constrained")
+    grid = fig.subplots(2 if zoom else 1, len(panels), squeeze=False)
+    handles: dict[str, object] = {}
+    styles = styles_for(list(dict.fromkeys(label for panel in panels for label in panel.series)))
+    for column, panel in enumerate(panels):
+        ax = grid[0, column]
+        fit_y_axis(ax, plot_series(ax, panel.series, styles, panel.boundaries))
+        ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
+        ax.grid(alpha=0.3)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+        if zoom:
+            below = grid[1, column]
+            plot_series(below, panel.series, styles, panel.boundaries)
+            if wide_range(values[panel.title]) and zoom_on_the_best(below, panel.series):
+                below.set(title=f"zoom: second half, curves ending within 10% of the best", xlabel=panel.xlabel,
+                          ylabel=panel.ylabel)
+                below.grid(alpha=0.3)
+            else:
+                below.set_visible(False)
+    if any(p.boundaries for p in panels):
+        from matplotlib.lines import Line2D
+
+        handles["phase boundary"] = Line2D([], [], color="grey", linestyle="--", linewidth=1)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def boundaries(runs: list[Run]) -> list[int]:
@@ -143,58 +388,59 @@ def boundaries(runs: list[Run]) -> list[int]:
 
 
 def plot_curves(runs: list[Run], out: Path) -> list[Path]:
-    groups: dict[str, list[Run]] = defaultdict(list)
-    for run in runs:
-        groups[run.label].append(run)
-    written = []
-    panels = [("loss_curves", [("val", "validation loss of the current phase"),
-                               ("retention", "retention: first phase's validation loss")])]
+    groups = merge_identical(groups_of(runs))
+    edges = boundaries(runs)
+    pipeline = not all(r.state.get("single_fit") for r in runs)
+    xlabel = "optimizer step (whole pipeline)" if pipeline else "optimizer step"
+
+    def series(name: str) -> dict[str, list[dict[int, float]]]:
+        return {label: [r.curves.get(name, {}) for r in members] for label, members in groups.items()}
+
+    if pipeline:
+        loss_panels = [Panel("validation loss, current phase's data", LOSS_UNIT, series("val"), xlabel, edges)]
+    else:
+        loss_panels = [Panel("training loss", LOSS_UNIT, series("train"), xlabel),
+                       Panel("validation loss", LOSS_UNIT, series("val"), xlabel)]
+    if any(r.curves.get("retention") for r in runs):
+        first = (runs[0].state.get("phase_order") or list(runs[0].state["phases"]))[0]
+        loss_panels.append(Panel(f"retention: validation loss on {first!r} data", LOSS_UNIT, series("retention"),
+                                 xlabel, edges))
+    written = [metric_figure(out / "loss_curves.png", loss_panels)]
     if any(r.curves.get("dormant") for r in runs):
-        panels.append(("dormant_fraction", [("dormant", "dormant fraction (ReDo, τ-dormant)")]))
-    for filename, curves in panels:
-        fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
-        for ax, (name, title) in zip(axes[0], curves):
-            shown = []
-            for label, members in sorted(groups.items()):
-                steps, values = mean_curve(members, name)
-                if steps:
-                    ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=f"{label} (n={len(members)})")
-                    shown += values
-            if name != "dormant" and len(shown) > 10:
-                # Zoom on where methods differ: a full reset starts far above everyone else.
-                ordered = sorted(shown)
-                low, high = ordered[0], ordered[int(0.9 * (len(ordered) - 1))]
-                ax.set_ylim(low - 0.05 * (high - low), high)
-            for step in boundaries(runs):
-                ax.axvline(step, color="grey", linestyle="--", linewidth=1)
-            ax.set(title=title, xlabel="step (whole pipeline; dashed = phase boundary)")
-            ax.legend(fontsize=7)
-        path = out / f"{filename}.png"
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
-    for label, members in sorted(groups.items()):  # FIRE's own before/after spectra, one run per method
-        spectra = sorted(p for r in members for p in r.path.glob("logs/*/figures/fire_spectra_*.png"))
+        written.append(metric_figure(out / "dormant_fraction.png", [
+            Panel("ReDo: dormant neurons", "dormant fraction (share of MLP neurons, 0-1)", series("dormant"),
+                  xlabel, edges)]))
+    for label, members in groups.items():  # FIRE's own before/after spectra, one run per group
+        spectra = sorted(p for r in members for p in r.path.glob("logs/**/figures/fire_spectra_*.png"))
         if spectra:
-            target = out / f"spectra_{label.replace(' ', '_').replace('/', '_')}.png"
+            target = out / f"spectra_{re.sub(r'[^A-Za-z0-9_.=-]+', '_', label)}.png"
             shutil.copyfile(spectra[0], target)
             written.append(target)
     return written
 
 
+# ------------------------------------------------------------------------------ the report
+
 def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     runs = find_runs(root)
     if not runs:
-        raise FileNotFoundError(f"no pipeline runs (pipeline.json) under {root}")
+        raise FileNotFoundError(f"no runs under {root}: neither a pipeline.json nor a logs/metrics.csv "
+                                "next to .hydra/")
+    shared = label_runs(runs)
     out = out or root / "report"
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(summarize(runs))
+    single = all(r.state.get("single_fit") for r in runs)
+    columns = SINGLE_FIT_COLUMNS if single else COLUMNS
+    table = markdown_table(summarize(runs, columns), columns)
     figures = plot_curves(runs, out)
     phases = " → ".join(runs[0].state.get("phase_order") or runs[0].state["phases"])
+    kind = "single fits" if single else f"phases {phases}"
+    settings = ", ".join(shared) or "nothing but the defaults"
     text = "\n".join([
         f"# Plasticity study: {len(runs)} runs under {root}", "",
-        f"Phases: {phases}. Mean ± std over seeds; losses in nats per byte; retention = loss on the first "
-        "phase's validation set after the last phase; minutes = the phases each run trained.", "",
+        f"Runs: {kind}. Shared by every run: {settings}. Mean ± std over seeds; losses in nats per byte"
+        + ("." if single else "; retention = loss on the first phase's validation set after the last phase; "
+           "minutes = the phases each run trained."), "",
         table, "", *[f"![{p.stem}]({p.name})" for p in figures], "",
     ])
     (out / "report.md").write_text(text)
@@ -215,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as err:
         parser.exit(2, f"plasticity-report: {err}\n")
     print(text)
-    print("\n".join(f"wrote {p}" for p in figures))
+    print("\n".join(f"wrote {p}" for p in [(args.out or args.run_dir / "report") / "report.md", *figures]))
 
 
 if __name__ == "__main__":

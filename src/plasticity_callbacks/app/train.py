@@ -1,11 +1,13 @@
 """``plasticity-train``: the Hydra entry point (``python -m plasticity_callbacks.app.train`` does the same).
 
-Compose the config; with ``phases:`` (the default, ``experiment=pretrain_sft``) run the
-multi-phase pipeline (``pipeline.py``), else one fit: instantiate data, model, callbacks,
-logger and trainer, fit, print a summary.
+Check the command line (``config_checks.py``), compose the config, check it; with ``phases:``
+(the default, ``experiment=pretrain_sft``) run the multi-phase pipeline (``pipeline.py``), else
+one fit: instantiate data, model, callbacks, logger and trainer, fit, print a summary. Every run
+ends by writing its figures (``report/``, see ``report.py``) and printing where its outputs are.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -24,7 +26,11 @@ from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO, read_check
 from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..models.registry import ConfigError
+from .config_checks import check_command_line, check_config
+from .console import configure_run_output
 from .pipeline import Pipeline, prepend_metrics, read_metrics
+
+log = logging.getLogger(__name__)
 
 
 def config_dir() -> str:
@@ -102,26 +108,68 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(["", "run summary"] + [f"  {k.ljust(width)}  {fmt(v)}" for k, v in summary.items()])
 
 
+def task_overrides() -> list[str]:
+    """The command line's overrides of this job (empty outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def report_outputs(run_dir: Path) -> None:
+    """Write the run's figures (``report/``) and say where everything is."""
+    from .report import build_report
+
+    lines = [f"outputs in {run_dir}:", f"  log          {run_dir / 'train.log'}"]
+    lines += [f"  metrics      {p}" for p in sorted(run_dir.glob("logs/**/metrics.csv"))]
+    lines += [f"  checkpoints  {p}" for p in sorted(run_dir.glob("checkpoints/**/*.ckpt"))]
+    try:
+        _, figures = build_report(run_dir)
+        lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
+        lines += [f"  figures      {p}" for p in sorted(run_dir.glob("logs/**/figures/*.png"))]
+    except FileNotFoundError as err:  # nothing logged (e.g. zero steps): no figures to draw
+        lines.append(f"  figures      none ({err})")
+    except Exception as err:  # the run's results are saved; a figure that fails must not hide them
+        log.warning(f"could not draw the run's figures ({type(err).__name__}: {err}); "
+                    f"plasticity-report {run_dir} retries")
+    rank_zero_info("\n".join(lines))
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_main(cfg: DictConfig) -> float | None:
+    configure_run_output()
     try:
+        check_config(cfg, task_overrides())
+        run_dir = Path(cfg.paths.output_dir)
+        rank_zero_info(f"run directory: {run_dir} (train.log, logs/, checkpoints/, report/)")
         if cfg.get("phases"):
             phases = Pipeline(cfg).run()["phases"]
-            return list(phases.values())[-1].get("val_loss") if phases else None
-        with RunLock(cfg.paths.output_dir):
-            return fit(cfg).get("val_loss_final")
+            result = list(phases.values())[-1].get("val_loss") if phases else None
+        else:
+            with RunLock(cfg.paths.output_dir):
+                result = fit(cfg).get("val_loss_final")
     except (ResumeError, CheckpointError) as err:
         # A refused resume or an unusable checkpoint: the one line says what and where; nothing was changed.
         print(f"plasticity-train: {err}", file=sys.stderr)
         sys.exit(1)
     except (ConfigError, InstantiationException, OmegaConfBaseException) as err:
-        # Bad config values: one readable line, not a traceback from deep inside.
-        message = str(err).strip().splitlines()
-        print(f"plasticity-train: configuration error: {' '.join(line.strip() for line in message)}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_config_error(err)
+    if rank_zero_only.rank == 0:
+        report_outputs(run_dir)
+    return result
+
+
+def exit_with_config_error(err: Exception) -> None:
+    """Bad config values: one readable line, not a traceback from deep inside; exit status 2."""
+    message = " ".join(line.strip() for line in str(err).strip().splitlines() if line.strip())
+    print(f"plasticity-train: configuration error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main() -> None:
+    try:
+        check_command_line(sys.argv[1:], config_dir())
+    except ConfigError as err:
+        exit_with_config_error(err)
     hydra_main()
 
 

@@ -312,28 +312,54 @@ class AdaptiveSVDSwitch(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.save_figure or not self.history:
             return
-        import matplotlib.pyplot as plt
-
-        names = [m.target.name for m in self.matrices]
-        fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
-        labels = {"lowrank": "low-rank", "full": "full"}  # each legend entry once
-        for row, name in enumerate(names):
-            points = [(s, mode, r) for s, n, mode, r in self.history if n == name]
-            steps = [s for s, _, _ in points]
-            g = next(m.g for m in self.matrices if m.target.name == name)
-            # height inside the row: r/g; filled markers for low-rank phases, hollow for full
-            y = [row + 0.8 * r / g for _, _, r in points]
-            ax.plot(steps, y, color="0.6", lw=0.8)
-            low = [(s, yy) for (s, mode, _), yy in zip(points, y) if mode == "lowrank"]
-            full = [(s, yy) for (s, mode, _), yy in zip(points, y) if mode != "lowrank"]
-            if low:
-                ax.scatter(*zip(*low), s=14, color="C3", label=labels.pop("lowrank", None))
-            if full:
-                ax.scatter(*zip(*full), s=14, facecolors="none", edgecolors="C0", label=labels.pop("full", None))
-        ax.set_yticks(range(len(names)), names, fontsize=6)
-        ax.set_xlabel("optimizer step")
-        ax.set_title("AdaptiveSVDSwitch: mode per matrix (marker), r/g (height within the row)")
-        ax.legend(loc="upper right", fontsize=7)
-        path = save_figure(fig, trainer, "adaptive_svd_modes")
+        sizes = {m.target.name: m.g for m in self.matrices}
+        path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")
         if path is not None:
             rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")
+
+
+def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]):
+    """One row per matrix, one column per SVD cycle: grey where the full matrix trains, coloured
+    by ``r / g`` (with ``r`` written in the cell when the grid is small) where only the ``r``
+    minor components of its ``g`` singular directions train.
+
+    Args:
+        history: ``(optimizer step, matrix name, mode, r)`` per decision, as the callback records them.
+        sizes: matrix name -> ``g`` (its number of singular values), in the rows' order.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` (no pyplot state), ready for ``save_figure``.
+    """
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    names = list(sizes)
+    steps = sorted({step for step, *_ in history})
+    share = np.full((len(names), len(steps)), np.nan)
+    ranks = np.zeros_like(share, dtype=int)
+    for step, name, mode, r in history:
+        row, column = names.index(name), steps.index(step)
+        ranks[row, column] = r
+        share[row, column] = r / sizes[name] if mode == "lowrank" else np.nan
+    colour = colormaps["viridis"].with_extremes(bad="0.85")
+    fig = Figure(figsize=(min(14, 3.5 + 0.45 * len(steps)), 1.6 + 0.28 * len(names)), layout="constrained")
+    ax = fig.subplots()
+    # cell edges halfway between decision steps, so each cell spans the steps its decision governs
+    edges = np.array([*steps, steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)], dtype=float)
+    image = ax.pcolormesh(edges, np.arange(len(names) + 1), np.ma.masked_invalid(share), cmap=colour,
+                          vmin=0, vmax=1, edgecolors="white", linewidth=0.5)
+    if len(steps) <= 24 and len(names) <= 40:
+        for row in range(len(names)):
+            for column in range(len(steps)):
+                if not np.isnan(share[row, column]):
+                    ax.text((edges[column] + edges[column + 1]) / 2, row + 0.5, str(ranks[row, column]),
+                            ha="center", va="center", fontsize=6, color="white" if share[row, column] < 0.5 else "k")
+    ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("optimizer step (each cell: from one SVD cycle to the next)")
+    ax.set_title("AdaptiveSVDSwitch: which matrices train low-rank, and with how many minor components", fontsize=10)
+    fig.colorbar(image, ax=ax, label="low-rank: r / g (number in the cell: r)", shrink=0.9)
+    fig.legend([Patch(color="0.85")], ["full matrix trained"], loc="outside lower right", frameon=False, fontsize=8)
+    return fig

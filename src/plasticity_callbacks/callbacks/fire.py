@@ -1,6 +1,7 @@
 """``FIREReinit``: Frobenius-isometry reinitialization (FIRE) at chosen moments of training."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import lightning as L
@@ -210,8 +211,13 @@ class FIREReinit(L.Callback):
     def _apply_once(self, key: str, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
         if key in self.applied:
             return False
-        records = apply_fire(pl_module, trainer.optimizers, record_spectra=self.save_spectra, **self.selection,
-                             **self.fire_options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = apply_fire(pl_module, trainer.optimizers, record_spectra=self.save_spectra, **self.selection,
+                                 **self.fire_options)
+        for warning in caught:  # all-zero weights (fresh zero-initialized projections) are summed up below
+            if not any(r.skipped == "zero" and r.name in str(warning.message) for r in records):
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         self.applied.append(key)
         self.last_records = records
         if self.rewarmup_steps:
@@ -233,27 +239,20 @@ class FIREReinit(L.Callback):
         self._pending_logs.update(summary)
         self.history.append({"key": key, "global_step": trainer.global_step, "dfi_before": summary["fire/dfi_before"],
                              "dfi_after": summary["fire/dfi_after"], "layers": len(done)})
-        skipped = [f"{r.name} ({r.skipped})" for r in records if r.skipped is not None]
         if not done:  # never a silent no-op: every selected weight was zero, non-finite or 1-D
-            rank_zero_warn(f"FIREReinit[{key}]: no weight was orthogonalized; skipped {', '.join(skipped) or 'none'}. "
+            rank_zero_warn(f"FIREReinit[{key}]: no weight was orthogonalized{_skipped_summary(records)}. "
                            "Check the selection (scope/include/exclude) or the weights themselves.")
         rank_zero_info(f"FIREReinit[{key}]: {len(done)} weights orthogonalized at step {trainer.global_step} in "
                        f"{seconds:.3f}s, mean DfI {summary['fire/dfi_before']:.3g} -> {summary['fire/dfi_after']:.3g}"
-                       + (f"; skipped {', '.join(skipped)}" if skipped else ""))
-        if self.save_spectra:
+                       + _skipped_summary(records))
+        if self.save_spectra and done:
             self._save_spectra(trainer, key, done)
         return True
 
     def _save_spectra(self, trainer: L.Trainer, key: str, records: list[FireRecord]) -> None:
-        from ..core.figures import plt, save_figure
+        from ..core.figures import save_figure
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in records:
-            line, = ax.plot(r.spectrum_before.flatten().sort(descending=True).values, alpha=0.6, label=r.name)
-            ax.plot(r.spectrum_after.flatten().sort(descending=True).values, ls="--", color=line.get_color())
-        ax.set(yscale="log", xlabel="index", ylabel="singular value", title=f"FIRE {key}: before (—), after (--)")
-        if len(records) <= 12:
-            ax.legend(fontsize=6)
+        fig = spectra_figure(records, f"FIRE at {key}: singular values of each treated weight")
         save_figure(fig, trainer, f"fire_spectra_{key.replace(':', '_')}")
 
     # ------------------------------------------------------------------------------ LR re-warmup
@@ -289,9 +288,80 @@ class FIREReinit(L.Callback):
         self._hook_handles = []
 
 
+def _skipped_summary(records: list[FireRecord]) -> str:
+    """``; left 8 weights unchanged: 8 all zero (model.blocks.0.attn.c_proj.weight, ...)``, or nothing."""
+    by_reason: dict[str, list[str]] = {}
+    for r in records:
+        if r.skipped is not None:
+            by_reason.setdefault(r.skipped, []).append(r.name)
+    if not by_reason:
+        return ""
+    reasons = {"zero": "all zero", "non-finite": "with NaN/Inf"}
+    parts = [f"{len(names)} {reasons.get(reason, reason)} ({names[0]}{', ...' if len(names) > 1 else ''})"
+             for reason, names in by_reason.items()]
+    return f"; left {sum(map(len, by_reason.values()))} weights unchanged: {', '.join(parts)}"
+
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else float("nan")
 
 
+def spectra_figure(records: list[FireRecord], title: str):
+    """Singular values before (solid) and after (dashed) FIRE: one panel per kind of weight
+    (``attn.c_q``, ``mlp.c_fc``, ...), one colour per block from a colormap with its colorbar,
+    so that a deep model stays readable.
 
+    Args:
+        records: what :func:`apply_fire` returned with ``record_spectra=True`` (treated weights).
+        title: the figure's title.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` (no pyplot state), ready for ``save_figure``.
+    """
+    import math
+
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    kinds: dict[str, list[tuple[int, FireRecord]]] = {}
+    for record in records:
+        depth, kind = _block_and_kind(record.name)
+        kinds.setdefault(kind, []).append((depth, record))
+    depths = [d for members in kinds.values() for d, _ in members] or [0]
+    colour, norm = colormaps["viridis"], Normalize(min(depths), max(max(depths), min(depths) + 1))
+    columns = min(3, max(1, len(kinds)))
+    rows = max(1, math.ceil(len(kinds) / columns))
+    fig = Figure(figsize=(3.6 * columns + 1.6, 2.8 * rows + 0.8), layout="constrained")
+    axes = fig.subplots(rows, columns, squeeze=False, sharey=True)
+    for ax, (kind, members) in zip(axes.flat, kinds.items()):
+        for depth, record in members:
+            c = colour(norm(depth))
+            ax.plot(record.spectrum_before.flatten().sort(descending=True).values, color=c, lw=1.2)
+            ax.plot(record.spectrum_after.flatten().sort(descending=True).values, color=c, lw=1.2, ls="--")
+        ax.set(title=kind, yscale="log")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(kinds):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("singular value index (largest first)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("singular value")
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=colour), ax=axes, label="block index (depth)", shrink=0.8)
+    bar.set_ticks(sorted(set(depths)) if len(set(depths)) <= 12 else bar.get_ticks())
+    fig.legend([Line2D([], [], color="0.3"), Line2D([], [], color="0.3", ls="--")], ["before", "after"],
+               loc="outside upper right", ncols=2, frameon=False)
+    fig.suptitle(title, x=0.02, ha="left")
+    return fig
+
+
+def _block_and_kind(name: str) -> tuple[int, str]:
+    """``model.blocks.3.attn.c_q.weight`` -> (3, ``attn.c_q``): the first index in the name and the rest."""
+    parts = name.removesuffix(".weight").split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if index is None:
+        return 0, ".".join(parts)
+    return int(parts[index]), ".".join(parts[index + 1:]) or ".".join(parts[:index])

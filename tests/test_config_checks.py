@@ -1,0 +1,58 @@
+"""Configuration checks on composed configs (in process; test_hydra_errors.py runs the CLI)."""
+import logging
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from plasticity_callbacks.app.config_checks import check_command_line, check_config
+from plasticity_callbacks.app.train import config_dir
+from plasticity_callbacks.models.registry import ConfigError
+
+EXPERIMENTS = ["pretrain_sft", "continual_pretrain", "pipeline_smoke", "smoke", "study_sft"]
+
+
+def composed(*overrides):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose("config", overrides=["paths.output_dir=/tmp/plasticity-compose", *overrides])
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_shipped_experiment_passes(experiment, caplog):
+    with caplog.at_level(logging.WARNING):
+        check_config(composed(f"experiment={experiment}", "+method=fire"), [f"experiment={experiment}"])
+    assert not caplog.records
+
+
+def test_a_setting_no_phase_uses_is_refused_and_one_some_phases_drop_is_warned(caplog):
+    lr = ["experiment=pipeline_smoke", "optimizer.lr=0.01"]
+    with pytest.raises(ConfigError, match=r"optimizer.lr=0.01 has no effect.*phases.pretrain.optimizer.lr=0.003"):
+        check_config(composed(*lr), lr)
+    schedule = ["experiment=pipeline_smoke", "optimizer.min_lr_ratio=0.5"]  # no phase sets it: used
+    check_config(composed(*schedule), schedule)
+    packages = ["experiment=pretrain_sft", "data.packages=[json]"]  # SFT builds its own data
+    with caplog.at_level(logging.WARNING):
+        check_config(composed(*packages), packages)
+    assert any("phases.sft.data has its own _target_" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    batch = ["experiment=pretrain_sft", "data.batch_size=4"]  # SFT reads ${data.batch_size}: used everywhere
+    with caplog.at_level(logging.WARNING):
+        check_config(composed(*batch), batch)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optimizer.momentum=0.9", "optimizer.momentum is not an optimizer setting"),
+    ("optimizer.warmup_steps=2.5", "optimizer.warmup_steps=2.5 must be an integer"),
+    ("optimizer.betas=[0.9,abc]", "optimizer.betas"),
+    ("seed=true", "seed=True must be an integer"),
+])
+def test_wrong_types_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        check_config(composed("experiment=smoke", f"+{override}" if "momentum" in override else override))
+
+
+def test_command_line_accepts_valid_sweeps_and_refuses_a_bad_option_in_one(tmp_path):
+    run_dir = f"hydra.sweep.dir={tmp_path}/sweep"
+    check_command_line(["-m", "+method=warm,fire", "seed=0,1", run_dir], config_dir())
+    with pytest.raises(ConfigError, match=r"method=fier: no such option.*did you mean 'fire'"):
+        check_command_line(["-m", "+method=warm,fier", run_dir], config_dir())
