@@ -33,7 +33,7 @@ def test_sweep_and_report(tmp_path):
     assert len(rows) == 2 and all(" 2 |" in row for row in rows)  # two seeds each
     assert "accuracy first 1" in text and "accuracy last 1" in text
     assert figures[0].is_file() and figures[0].stat().st_size > 10_000
-    assert (sweep / "report" / "stream_report.md").is_file()
+    assert (sweep / "report" / "report.md").is_file()
 
 
 def test_a_method_without_a_stream_row_fails_at_composition():

@@ -5,7 +5,7 @@ Every run's :class:`~plasticity_callbacks.callbacks.task_metrics.TaskMetrics` wr
 ``logs/tasks.csv`` (one row per task) and ``logs/stream.json`` (method, seed, settings). Runs are
 grouped by method (plus any other override but the seed), and the report gives:
 
-- ``stream_report.md``: per method, mean ± std over seeds of each metric averaged over the first
+- ``report.md``: per method, mean ± std over seeds of each metric averaged over the first
   and over the last ``k`` tasks (``k`` = 3, or fewer on a short stream);
 - ``stream_metrics.png``: each metric against the task index, one line per method (mean over
   seeds), a band of ± one standard deviation.
@@ -19,13 +19,13 @@ import csv
 import json
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.ticker import MaxNLocator
 
 from ..core.figures import plt
-from .report import run_label
+from .report import read_overrides
 
 METRICS = [("accuracy", "end-of-task accuracy"), ("dormant", "dormant fraction (τ = 0.025)"),
            ("feature_rank", "feature rank (last hidden layer)"), ("stable_rank", "stable rank (last hidden layer)"),
@@ -40,6 +40,7 @@ class StreamRun:
     seed: int
     info: dict
     tasks: list[dict[str, float]]  # one row per task, in task order
+    overrides: dict[str, str] = field(default_factory=dict)  # from .hydra/overrides.yaml, seed left out
 
 
 def has_stream_runs(root: Path) -> bool:
@@ -59,12 +60,14 @@ def find_stream_runs(root: Path) -> list[StreamRun]:
         if not tasks:
             continue
         run_dir = next((p for p in info_file.parents if (p / ".hydra").is_dir()), info_file.parent)
-        runs.append(StreamRun(run_dir, run_label(run_dir, str(info.get("method"))), int(info["seed"]), info, tasks))
-    # Overrides every run of the sweep shares (data.num_tasks=4 ...) say nothing about a method: drop them.
-    shared = set.intersection(*(set(r.label.split(" ")[1:]) for r in runs)) if runs else set()
+        runs.append(StreamRun(run_dir, str(info.get("method")), int(info["seed"]), info, tasks,
+                              read_overrides(run_dir)))
+    # A group is a method plus the overrides that vary across the sweep (not the seed): shared ones
+    # (data.num_tasks=4 ...) say nothing about a method.
+    keys = sorted({k for r in runs for k in r.overrides})
+    varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
     for run in runs:
-        words = run.label.split(" ")
-        run.label = " ".join(words[:1] + [w for w in words[1:] if w not in shared])
+        run.label = " ".join([run.label, *(run.overrides.get(k, f"{k}=(default)") for k in varying)])
     return runs
 
 
@@ -135,7 +138,7 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
 
 
 def build_stream_report(root: Path, out: Path | None = None, k: int = 3) -> tuple[str, list[Path]]:
-    """Write ``stream_report.md`` and ``stream_metrics.png`` under ``out`` (default ``root/report``)."""
+    """Write ``report.md`` and ``stream_metrics.png`` under ``out`` (default ``root/report``)."""
     runs = find_stream_runs(root)
     if not runs:
         raise FileNotFoundError(f"no task-stream runs (logs/stream.json with tasks.csv) under {root}")
@@ -150,5 +153,5 @@ def build_stream_report(root: Path, out: Path | None = None, k: int = 3) -> tupl
         "tasks, measured at each task's end; seconds = training time of one run.", "",
         stream_table(runs, k), "", f"![{figure.stem}]({figure.name})", "",
     ])
-    (out / "stream_report.md").write_text(text)
+    (out / "report.md").write_text(text)
     return text, [figure]
