@@ -1,12 +1,13 @@
 """FIRE benchmark: orthogonalization cost/accuracy per method, and whole-model cost of ``apply_fire``.
 
     python benchmarks/fire.py            # ~1-3 min on 2 CPU cores
+    OMP_NUM_THREADS=8 python benchmarks/fire.py --part matrices
 
 Part 1 — for a square Gaussian (worst case: smallest σ near 0), a tall Gaussian and a
 trained-like heavy-tailed spectrum: steps, matrix products, relative error against the float64
 SVD polar factor, and time, for cubic Newton–Schulz (Frobenius, spectral), Polar Express
 (Frobenius, Gram bound) and SVD, all with the default tolerance stop (tol=1e-5, checked every
-2 steps). Methods run interleaved, best of 2 timings. Goal: the best iterative method needs
+step). Methods run interleaved, best of 2 timings. Goal: the best iterative method needs
 ≤ 0.5× the products of cubic NS (Frobenius, the reference code's normalization).
 
 Part 2 — ``apply_fire`` on the default GPT (``GPTConfig()``, projections made non-zero as after
@@ -16,6 +17,7 @@ ratio, and the peak extra memory of ``apply_fire`` (torch profiler's CPU allocat
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -157,11 +159,23 @@ def whole_model() -> None:
           f"{extra / (single.numel() * 4):.2f}x the matrix")
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("all", "matrices", "model"), default="all",
+                        help="matrices: part 1 only; model: part 2 only")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")),
+                        help="torch threads (default: $OMP_NUM_THREADS, else 2)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tol=1e-5, check_every=2\n")
-    orthogonalization_table()
-    whole_model()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, tol=1e-5, checked every step\n")
+    if args.part in ("all", "matrices"):
+        orthogonalization_table()
+    if args.part in ("all", "model"):
+        whole_model()
     print(f"\ntotal {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -204,8 +204,8 @@ def test_svd_is_orthonormal_and_reconstructs_without_nan(W):
 
 @FAST
 @given(matrices, st.sampled_from(spectral.METHODS))
-def test_polar_factor_is_a_finite_partial_isometry(W, method):
-    """Singular values of ``orthogonalize(W)`` are 1 (or 0 on W's null directions); zero W is left alone."""
+def test_polar_factor_is_a_finite_full_isometry(W, method):
+    """Every singular value of ``orthogonalize(W)`` is 1, also on W's null directions; zero W is left alone."""
     Q = spectral.orthogonalize(W, method=method)
     assert Q.shape == W.shape and Q.dtype == W.dtype and finite(Q)
     if not bool(W.any()):
@@ -213,8 +213,7 @@ def test_polar_factor_is_a_finite_partial_isometry(W, method):
         return
     S = torch.linalg.svdvals(Q.double())
     tol = 1e-2 if W.dtype in (torch.float16, torch.bfloat16) else 1e-3
-    assert bool((((S - 1).abs() < tol) | (S < tol)).all()), S
-    assert bool(((S - 1).abs() < tol).any()), S  # a nonzero W keeps at least its top direction
+    assert bool(((S - 1).abs() < tol).all()), S
     assert finite(spectral.deviation_from_isometry(Q), spectral.stable_rank(W), spectral.effective_rank(W))
 
 
@@ -282,8 +281,10 @@ def test_dormancy_scores_are_finite_and_average_one(width, kind, seed, tau):
     a = {"zero": a * 0, "tiny": a * 1e-30, "huge": a * 1e30, "one_alive": torch.eye(width)[0]}.get(kind, a)
     scores = dormancy.dormancy_scores(a)
     assert finite(scores) and bool((scores >= 0).all())
-    if kind != "zero" and float(a.sum()) > 0:
+    if kind not in ("zero", "tiny") and float(a.sum()) > 0:
         assert abs(float(scores.double().mean()) - 1) < 1e-3
+    if kind == "tiny":  # the references' divisor mean + 1e-9: a nearly silent layer scores ~0 (dormant)
+        assert float(scores.max()) < 1e-12
     fraction = float(dormancy.dormant_fraction(scores, tau))
     assert 0 <= fraction <= 1
     if kind == "zero":

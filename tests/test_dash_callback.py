@@ -167,7 +167,7 @@ def test_paper_rule_shrinks_as_computed_independently_and_leaves_no_trace(kind):
         buffers_before = {n: b.clone() for n, b in module.named_buffers()}
     expected = expected_paper_shrink(module, loader, n_batches=3, ema_alpha=0.3, lam=0.3, layers=layers)
     probe = AtTrainStart()
-    dash = DASHShrink(rule="dash", n_batches=3)
+    dash = DASHShrink(rule="dash", n_batches=3, gradient_mode="train")  # the expectation runs in train mode
     trainer = cpu_trainer(max_steps=2, callbacks=[dash, probe])
     trainer.fit(module, loader)
     assert all(g is None for g in probe.grads) and probe.optimizer_state == 0 and probe.global_step == 0

@@ -22,6 +22,7 @@ from ..core.arguments import check_int, check_number, sorted_int_list
 from ..core.callback_state import check_state
 
 RULES = ("periodic", "dash")
+GRADIENT_MODES = ("eval", "train")  # the mode of the paper rule's gradient pass
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,12 @@ class DASHShrink(L.Callback):
     ``rule="dash"`` (Shin et al., NeurIPS 2024) acts in ``on_train_start`` (``at_start``; not again
     when the fit resumes from a checkpoint written after it) and/or ``on_train_epoch_start`` for
     the epochs in ``at_epochs``. It accumulates ``G ← (1−ema_alpha)·G + ema_alpha·(−grad)`` over
-    the first ``n_batches`` of the training dataloader (the model's ``training_step`` in train
-    mode, logging muted, no optimizer step), averages ``G`` over ranks, and multiplies each row
-    (conv: each (out, in) kernel slice) by ``clamp(cos(G, W), lam, 1)``. Gradients, train/eval
+    the first ``n_batches`` of the training dataloader (the model's ``training_step``, logging
+    muted, no optimizer step), averages ``G`` over ranks, and multiplies each row
+    (conv: each (out, in) kernel slice) by ``clamp(cos(G, W), lam, 1)``. ``gradient_mode="eval"``
+    runs that pass with the model in eval mode, as the reference code does (its pass follows an
+    evaluation, which leaves the model in eval mode: dropout off, BatchNorm on running statistics);
+    ``"train"`` runs it in train mode (BatchNorm on batch statistics). Gradients, train/eval
     modes, buffers (BatchNorm statistics) and the RNG state are restored afterwards; optimizer
     state is left alone, as in the paper. It needs one training dataloader and a ``training_step``
     that returns the loss (or a dict with ``"loss"``); under manual optimization ``training_step``
@@ -103,6 +107,7 @@ class DASHShrink(L.Callback):
         shrink_bias: bool = True,
         skip_muon_params: bool = True,
         log_per_layer: bool = True,
+        gradient_mode: str = "eval",
     ):
         if rule not in RULES:
             raise ValueError(f"rule={rule!r} is not one of {RULES}")
@@ -121,6 +126,8 @@ class DASHShrink(L.Callback):
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
+        if gradient_mode not in GRADIENT_MODES:
+            raise ValueError(f"gradient_mode={gradient_mode!r} is not one of {GRADIENT_MODES}")
         at_epochs = sorted_int_list("at_epochs", at_epochs)
         if rule == "periodic" and at_epochs:
             raise ValueError("at_epochs applies to rule='dash'; rule='periodic' acts every every_n_steps steps")
@@ -135,6 +142,7 @@ class DASHShrink(L.Callback):
         self.scope, self.include, self.exclude = scope, include, exclude
         self.include_conv, self.include_head, self.shrink_bias = include_conv, include_head, shrink_bias
         self.skip_muon_params, self.log_per_layer = skip_muon_params, log_per_layer
+        self.gradient_mode = gradient_mode
         self.prefix = "dash_periodic" if rule == "periodic" else "dash"
         self._layers: list[_Layer] = []
         # Counters saved in checkpoints.
@@ -292,7 +300,7 @@ class DASHShrink(L.Callback):
         rng_devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module), _frozen_optimizers(trainer):
-                pl_module.train()
+                pl_module.train(self.gradient_mode == "train")
                 for batch_idx, batch in enumerate(loader):
                     if self.n_batches is not None and batch_idx >= self.n_batches:
                         break

@@ -70,7 +70,7 @@ class FIREReinit(L.Callback):
         normalize: str | None = None,
         iters: int | None = None,
         tol: float | None = 1e-5,
-        check_every: int = 2,
+        check_every: int = 1,
         dtype: str = "float32",
         scale: str | float = "sqrt_dout_din",
         on_degenerate: str = "skip",

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
 from ..functional.dormancy import (INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation,
-                                   recycle_neurons)
+                                   reinit_incoming, zero_outgoing)
 from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d,
                               validate_patterns)
 from ..core.arguments import check_int, check_number
@@ -49,8 +49,9 @@ class ReDoMonitor(L.Callback):
     of the layer mean (≈ 175 collections at ``ema_decay=0.9``): a lagging indicator by design.
 
     **Recycles** (off unless ``recycle_every_n_steps`` is set) in ``on_train_batch_end`` at optimizer
-    steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.recycle_neurons``
-    re-samples the τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
+    steps that are multiples of it within ``[start_step, end_step]``: ``dormancy.reinit_incoming``
+    (every layer first, then ``dormancy.zero_outgoing``, the reference's order) re-samples the
+    τ-dormant neurons' incoming rows (``init="init_std"``: ``N(0, σ)`` with σ the
     layer's weight std recorded at the start of fit, i.e. its own init scale; ``init="model"``: rows of
     a fresh draw by the layer's own init code, Hugging Face ``_init_weights`` included), zeroes their biases,
     outgoing columns and the optimizer moments of exactly those slices, and logs
@@ -289,7 +290,6 @@ class ReDoMonitor(L.Callback):
                                "AdaptiveSVDSwitch(mode='project') or exclude them from one of the two callbacks")
         offset, counts = 0, []
         for index, layer in enumerate(self.layers):
-            mask = masks[layer.name]
             generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
             if self.init == "init_std":
                 init = (self._init_std[index, 0], self._init_std[index, 1])
@@ -298,12 +298,16 @@ class ReDoMonitor(L.Callback):
                         for i, m in enumerate((layer.up, layer.gate or layer.up))]
             else:
                 init = self.init
-            count = recycle_neurons(layer.up, layer.down, mask, layer.gate, init, trainer.optimizers, generator,
-                                    layer.down_offset, group=layer.group, norm=layer.norm)
+            counts.append(reinit_incoming(layer.up, masks[layer.name], layer.gate, init, trainer.optimizers,
+                                          generator, norm=layer.norm))
+        # Outgoing weights only after every re-initialization (the reference's order): where one layer's
+        # down is the next one's up, a weight joining two recycled neurons ends at 0, not re-sampled.
+        for layer, count in zip(self.layers, counts):
+            mask = masks[layer.name]
+            zero_outgoing(layer.down, mask, trainer.optimizers, layer.down_offset, group=layer.group)
             # A recycled neuron is a new neuron: its next observation replaces its EMA.
             self._observed[offset:offset + layer.width].masked_fill_(mask, False)
             offset += layer.width
-            counts.append(count)
             pl_module.log(f"redo/recycled/{layer.name}", count.float(), on_step=True, on_epoch=False)
         counts = torch.stack(counts)
         self._recycled += counts

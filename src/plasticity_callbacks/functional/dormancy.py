@@ -50,15 +50,18 @@ def mean_abs_activation(h: torch.Tensor, unit_dim: int = -1) -> torch.Tensor:
     return total / count
 
 
-def dormancy_scores(mean_abs_activation: torch.Tensor) -> torch.Tensor:
-    """``E|h_i|`` per neuron (last dim) → score normalized by the layer mean (scores average 1).
+SCORE_EPS = 1e-9  # the references' divisor is ``mean + 1e-9``
 
-    A layer whose neurons are all dead has mean 0; clamping the divisor keeps its scores at 0
-    (all dead) instead of NaN.
+
+def dormancy_scores(mean_abs_activation: torch.Tensor) -> torch.Tensor:
+    """``E|h_i|`` per neuron (last dim) → score ``E|h_i| / (mean_k E|h_k| + 1e-9)`` (scores average ≈ 1).
+
+    The ``+ 1e-9`` is the ReDo reference code's (dopamine and its PyTorch port): it keeps an
+    all-dead layer at scores 0 instead of NaN, and it makes a layer whose activations are all
+    tiny (mean ≲ 1e-8) count as dormant, as the references do.
     """
     a = mean_abs_activation.float()
-    mean = a.mean(dim=-1, keepdim=True)
-    return a / mean.clamp_min(torch.finfo(a.dtype).tiny)
+    return a / (a.mean(dim=-1, keepdim=True) + SCORE_EPS)
 
 
 def dormant_mask(scores: torch.Tensor, tau: float) -> torch.Tensor:
@@ -157,6 +160,11 @@ def recycle_neurons(
     columns the network's output is unchanged by the recycling (up to the contribution the
     dormant neurons made before, which is zero for dead ones); ``down.bias`` is left alone.
 
+    When several layers are recycled at once and one layer's ``down`` is the next one's ``up``
+    (a plain MLP), call :func:`reinit_incoming` for every layer first and :func:`zero_outgoing`
+    after, as the ReDo reference does: a weight ``down[j, i]`` whose neuron ``i`` and neuron ``j``
+    are both recycled then ends at 0, not re-sampled.
+
     With ``optimizer`` (any ``torch.optim.Optimizer``, a list, a LightningOptimizer or our
     CombinedOptimizer), the optimizer moments of exactly those rows and columns are zeroed
     (Adam's ``exp_avg``/``exp_avg_sq``, SGD's and Muon's ``momentum_buffer``); all other entries
@@ -169,6 +177,23 @@ def recycle_neurons(
         >>> scores = dormancy_scores(mean_abs)                  # (H,)
         >>> recycle_neurons(fc1, fc2, dormant_mask(scores, 0.025), optimizer=opt)
     """
+    count = reinit_incoming(up, mask, gate, init, optimizer, generator, norm)
+    zero_outgoing(down, mask, optimizer, down_offset, group)
+    return count
+
+
+@torch.no_grad()
+def reinit_incoming(
+    up: nn.Module,
+    mask: torch.Tensor,
+    gate: nn.Module | None = None,
+    init: Init | Sequence[Init] = "weight_std",
+    optimizer=None,
+    generator: torch.Generator | None = None,
+    norm: nn.Module | None = None,
+) -> torch.Tensor:
+    """The first half of :func:`recycle_neurons`: re-sample the masked rows of ``up`` (and ``gate``),
+    zero their biases, reset ``norm``'s channels and those slices' optimizer moments. Returns the count."""
     from ..core.model_map import is_conv1d
 
     inits = list(init) if isinstance(init, (list, tuple)) else [init, init]
@@ -176,18 +201,12 @@ def recycle_neurons(
         raise ValueError(f"init must be one init or a pair (up_init, gate_init), got {init!r}")
     incoming = [(up, inits[0])] + ([(gate, inits[1])] if gate is not None else [])
     hidden = up.weight.shape[1] if is_conv1d(up) else up.weight.shape[0]
-    down_width = down.weight.shape[0] if is_conv1d(down) else down.weight.shape[1]
     mask = mask.to(device=up.weight.device, dtype=torch.bool)
     if mask.shape != (hidden,):
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({hidden},) = up's output width")
     for layer, _ in incoming[1:]:
         if layer.weight.shape[int(is_conv1d(layer))] != hidden:
             raise ValueError(f"gate has {layer.weight.shape[int(is_conv1d(layer))]} outputs, up has {hidden}")
-    if down_width < down_offset + hidden * group:
-        raise ValueError(f"down reads {down_width} inputs, fewer than down_offset + up's "
-                         f"{hidden} x group {group} = {down_offset + hidden * group}; groups/transposed convs are "
-                         "not supported")
-
     for layer, layer_init in incoming:
         w = layer.weight.mT if is_conv1d(layer) else layer.weight  # (out, in, *k): a view
         rows = _along(mask, w.dim(), 0)
@@ -198,6 +217,22 @@ def recycle_neurons(
             zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
     if norm is not None:
         _reset_norm_channels(norm, mask, optimizer)
+    return mask.sum()
+
+
+@torch.no_grad()
+def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offset: int = 0, group: int = 1) -> None:
+    """The second half of :func:`recycle_neurons`: zero the inputs ``down_offset + i`` (``group`` per
+    unit) of ``down.weight`` for the masked units ``i``, and those columns' optimizer moments."""
+    from ..core.model_map import is_conv1d
+
+    hidden = mask.shape[0]
+    mask = mask.to(device=down.weight.device, dtype=torch.bool)
+    down_width = down.weight.shape[0] if is_conv1d(down) else down.weight.shape[1]
+    if down_width < down_offset + hidden * group:
+        raise ValueError(f"down reads {down_width} inputs, fewer than down_offset + up's "
+                         f"{hidden} x group {group} = {down_offset + hidden * group}; groups/transposed convs are "
+                         "not supported")
     down_mask = mask.repeat_interleave(group) if group > 1 else mask
     if down_width != down_mask.numel():  # pad to down's width: a slice copy, still no host sync
         padded = torch.zeros(down_width, dtype=torch.bool, device=mask.device)
@@ -206,7 +241,6 @@ def recycle_neurons(
     read_dim = 0 if is_conv1d(down) else 1
     down.weight.masked_fill_(_along(down_mask, down.weight.dim(), read_dim), 0)
     zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
-    return mask.sum()
 
 
 def _reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:

@@ -75,16 +75,17 @@ def target_scale(param: torch.Tensor, rule: str | float) -> float:
     if rule == "unit":
         return 1.0
     rank = min(d_out, d_in) * taps  # ‖scale·Q‖_F² = scale²·rank
-    return float(torch.linalg.vector_norm(param.detach().float())) / math.sqrt(rank)
+    peak = param.detach().abs().amax().double()  # divide first: squares of 1e20 or 1e-25 leave float32's range
+    return float(peak * torch.linalg.vector_norm(param.detach().double() / peak)) / math.sqrt(rank)
 
 
 def validate_fire_options(method: str, scale, on_degenerate: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
     known_rule = isinstance(scale, str) and scale in SCALES
-    positive_number = isinstance(scale, (int, float)) and scale > 0
+    positive_number = isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf
     if not (known_rule or positive_number):
-        raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive number")
+        raise ValueError(f"scale={scale!r} is not one of {SCALES} or a positive finite number")
     if on_degenerate not in ON_DEGENERATE:
         raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
 
@@ -101,7 +102,7 @@ def apply_fire(
     normalize: str | None = None,
     iters: int | None = None,
     tol: float | None = 1e-5,
-    check_every: int = 2,
+    check_every: int = 1,
     dtype: torch.dtype = torch.float32,
     scale: str | float = "sqrt_dout_din",
     on_degenerate: str = "skip",

@@ -1,29 +1,36 @@
 """Polar factors and spectral diagnostics of weight matrices: the math behind FIRE. No Lightning.
 
 The polar factor ``Q = U Vᵀ`` of ``W = U S Vᵀ`` is the matrix with orthonormal columns closest
-to ``W`` in Frobenius norm (orthogonal Procrustes). ``orthogonalize`` computes it for a matrix
-or a batch ``(..., m, n)``; wide matrices are handled through their transpose.
+to ``W`` in Frobenius norm (orthogonal Procrustes). It is a *full* isometry whatever the singular
+values: where some are zero it is not unique, and any orthonormal completion of those null
+directions is an equally near isometry. ``orthogonalize`` computes it for a matrix or a batch
+``(..., m, n)``; wide matrices are handled through their transpose.
 
 Iterative methods apply an odd polynomial ``p`` to every singular value at once, ``X ← X·q(XᵀX)``:
 
 * ``newton_schulz`` — cubic ``p(σ) = 1.5σ − 0.5σ³``. Tiny singular values grow only 1.5× per
   step, so a Frobenius-normalized square Gaussian matrix needs ~30 steps (ALGORITHMS.md §1).
 * ``polar_express`` — the per-step optimal quintics of Amsel et al. (arXiv 2505.16932); they
-  grow tiny singular values up to 8× per step and need about a third of the steps.
+  grow tiny singular values up to 8× per step and need about a third of the steps
+  (coefficients: :func:`polar_express_coefficients`).
 * ``svd`` — exact, via ``torch.linalg.svd`` (``torch.linalg.polar`` does not exist).
 
 Normalization maps the singular values into the iteration's basin ``(0, 1]``:
 ``frobenius`` (the FIRE reference code), ``spectral`` (power-iteration estimate of ``‖W‖₂``;
 Newton–Schulz only, because an estimate from below is harmless for the cubic but not for
-the aggressive quintics) and ``gram`` (the upper bound ``‖(WᵀW)^k‖_F^(1/2k)`` on ``‖W‖₂``:
-``k = 1`` for Newton–Schulz, free from its first Gram matrix; ``k = 4`` for Polar Express, one
-extra product on top of the ``A²`` its first step needs, and much tighter than ``‖W‖_F``).
+the aggressive quintics) and ``gram`` (the upper bound ``‖(WᵀW)^k‖_F^(1/2k) ≥ ‖W‖₂``, read off
+the Gram powers the first step needs anyway: ``k = 1`` for Newton–Schulz, ``k = 2`` for Polar
+Express, far tighter than ``‖W‖_F``, which is 14× above ``‖W‖₂`` on a 768² Gaussian).
 
-With ``tol`` set, the orthogonality error ``‖XᵀX − I‖_F / (2√n)`` (≈ the relative distance to
-the exact polar factor) is read off the Gram matrix each step already computes, every
-``check_every`` steps. A slice that does not reach ``tol`` within ``iters`` steps (a
-rank-deficient or extremely ill-conditioned matrix) gets the exact SVD answer instead, so the
-result is always either converged or exact. Zero / NaN / Inf slices are never touched.
+The iteration runs at most ``iters`` steps. With ``tol`` it stops once the orthogonality error
+``‖XᵀX − I‖_F / (2√n)`` (≈ the relative distance to the exact polar factor, read off the Gram
+matrix each step computes anyway) is below ``tol``, and a slice still above ``tol`` after ``iters``
+steps (exactly rank-deficient: zero singular values stay zero under an odd polynomial) gets the
+exact SVD answer, so the result is always a converged or an exact isometry. Once one cubic step
+provably lands below ``tol`` the iteration takes it and stops, without a Gram matrix to confirm
+(:func:`_error_after_one_cubic_step`). With ``tol=None``
+exactly ``iters`` steps run and the result is whatever they reach (the FIRE reference code).
+All-zero and non-finite slices are never touched.
 """
 from __future__ import annotations
 
@@ -37,25 +44,57 @@ METHODS = ("newton_schulz", "polar_express", "svd")
 NORMALIZATIONS = ("frobenius", "spectral", "gram")
 ON_DEGENERATE = ("skip", "raise")
 DEFAULT_NORMALIZE = {"newton_schulz": "frobenius", "polar_express": "gram", "svd": "frobenius"}
-DEFAULT_MAX_ITERS = {"newton_schulz": 60, "polar_express": 30}  # caps when stopping on `tol`
-DEFAULT_FIXED_ITERS = {"newton_schulz": 15, "polar_express": 10}  # with tol=None (seed default: 15)
+DEFAULT_ITERS = {"newton_schulz": 60, "polar_express": 30}
 
-# Polar Express coefficients (a, b, c) of p(x) = a·x + b·x³ + c·x⁵, as published. The first seven
-# are divided by (1.01, 1.01³, 1.01⁵): the polynomial then stays safe for σ up to 1.01, which
-# absorbs rounding in the normalization. The last one is repeated for further steps.
-_POLAR_EXPRESS_PUBLISHED = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-POLAR_EXPRESS_COEFFICIENTS = tuple(
-    (a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_PUBLISHED[:-1]
-) + (_POLAR_EXPRESS_PUBLISHED[-1],)
+
+def polar_express_coefficients(lower: float = 3e-4, steps: int = 10, safety: float = 1.01) -> tuple:
+    """Polar Express's per-step optimal odd quintics ``p(x) = a·x + b·x³ + c·x⁵`` (Amsel et al.,
+    arXiv 2505.16932, greedy construction) for singular values in ``[lower, 1]``.
+
+    Step ``t`` takes the quintic closest to 1 in max-norm on the current interval ``[l, u]``; it maps
+    the interval to ``[1 − E, 1 + E]``, the next step's. Each ``(a, b, c)`` is then divided by
+    ``(s, s³, s⁵)`` with ``s = safety`` so that σ up to ``safety`` (rounding in the normalization)
+    stays in the basin; the last, repeated for further steps, is the construction's limit
+    ``(15/8, −10/8, 3/8)``, unscaled so that its fixed point is exactly 1. The paper publishes the
+    schedule for ``lower = 1e-3``; a trained matrix normalized by a bound on ``‖W‖₂`` sits lower
+    (a heavy-tailed 768² spectrum starts near 4e-4), and ``3e-4`` saves a step there at no cost on
+    Gaussian matrices (benchmarks/fire.py).
+
+    Args:
+        lower: the smallest normalized singular value the schedule is built for.
+        steps: most polynomials built before the repeated limit (fewer once the interval has converged).
+        safety: largest normalized singular value tolerated (rounding in the normalization).
+
+    Example:
+        >>> a, b, c = polar_express_coefficients()[0]   # ≈ (8.3, -23.5, 17.0)
+    """
+    coefficients, l, u = [], lower, 1.0
+    while len(coefficients) < steps and u - l > 1e-6:
+        a, b, c, E = _minimax_quintic(l, u)
+        coefficients.append((a / safety, b / safety**3, c / safety**5))
+        l, u = 1 - E, 1 + E
+    # The limit of the construction, unscaled: its fixed point is exactly 1 (a scaled one's is not).
+    return tuple(coefficients) + ((15 / 8, -10 / 8, 3 / 8),)
+
+
+def _minimax_quintic(l: float, u: float) -> tuple[float, float, float, float]:
+    """The odd quintic ``p`` minimizing ``E = max |1 − p(x)|`` over ``[l, u]`` (Remez exchange):
+    ``1 − p`` equioscillates at ``l``, its two interior extrema ``q < r``, and ``u``."""
+    q, r = l + (u - l) / 4, l + 3 * (u - l) / 4
+    for _ in range(100):
+        points = torch.tensor([l, q, r, u], dtype=torch.float64)
+        signs = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+        system = torch.stack([points, points**3, points**5, signs], dim=1)  # p(x) + sign·E = 1
+        a, b, c, E = torch.linalg.solve(system, torch.ones(4, dtype=torch.float64)).tolist()
+        root = math.sqrt(max(9 * b * b - 20 * a * c, 0.0))  # p'(x) = a + 3b·x² + 5c·x⁴ = 0
+        q_next, r_next = math.sqrt((-3 * b - root) / (10 * c)), math.sqrt((-3 * b + root) / (10 * c))
+        if abs(q_next - q) + abs(r_next - r) < 1e-15:
+            break
+        q, r = q_next, r_next
+    return a, b, c, abs(E)
+
+
+POLAR_EXPRESS_COEFFICIENTS = polar_express_coefficients()  # the last one repeats for further steps
 _PE_SAFETY = 1.01
 _POWER_ITERS = 10
 
@@ -83,7 +122,7 @@ def orthogonalize(
     normalize: str | None = None,
     iters: int | None = None,
     tol: float | None = 1e-5,
-    check_every: int = 2,
+    check_every: int = 1,
     dtype: torch.dtype = torch.float32,
     on_degenerate: str = "skip",
     rcond: float | None = None,
@@ -95,55 +134,59 @@ def orthogonalize(
         method: ``newton_schulz`` | ``polar_express`` | ``svd``.
         normalize: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``; default:
             ``frobenius`` for Newton–Schulz (the reference), ``gram`` for Polar Express.
-        iters: with ``tol``, the most steps before the SVD fallback (default 60 NS / 30 PE);
-            with ``tol=None``, exactly this many steps (default 15 NS / 10 PE) and no fallback.
-        tol: target orthogonality error ``‖XᵀX − I‖_F/(2√n)``, checked every ``check_every`` steps.
+        iters: the most steps the iteration takes (default 60 Newton–Schulz, 30 Polar Express).
+        tol: stop once the orthogonality error ``‖XᵀX − I‖_F/(2√n)`` is below it; slices above it
+            after ``iters`` steps are solved by SVD. ``None``: run all ``iters`` steps, no check,
+            no SVD (a partial orthogonalization).
+        check_every: steps between error checks (each costs a host sync, no matrix product).
         dtype: compute dtype (float32 or float64); the result is cast back to ``W.dtype``.
-        on_degenerate: ``skip`` (warn, return those slices unchanged) or ``raise``.
-        rcond: singular values below ``rcond·σ_max`` count as zero in the SVD path
-            (default ``64·eps(dtype)``), so a rank-deficient matrix gets a partial isometry ``U_r V_rᵀ``.
+        on_degenerate: ``skip`` (warn, return all-zero / NaN / Inf slices unchanged) or ``raise``.
+        rcond: ``svd`` only. ``None`` (default): the full isometry ``U Vᵀ``. A number: the partial
+            isometry ``U_r V_rᵀ`` that maps singular values below ``rcond·σ_max`` to 0.
         return_info: also return a :class:`PolarInfo`.
 
-    The faithful FIRE reference is ``orthogonalize(W, "newton_schulz", "frobenius", iters=5, tol=None)``
+    The FIRE reference code is ``orthogonalize(W, "newton_schulz", "frobenius", iters=5, tol=None)``
     (10 in most of its experiments); the seed design log's is ``normalize="spectral", iters=15, tol=None``.
 
     Example:
         >>> Q, info = orthogonalize(torch.randn(256, 64), return_info=True)
         >>> torch.allclose(Q.T @ Q, torch.eye(64), atol=1e-4), info.iterations
     """
-    method, normalize, iters = _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate)
-    X = W.detach().to(dtype)
-    wide = X.shape[-2] < X.shape[-1]
-    if wide:
-        X = X.mT  # iterate on the tall orientation: the Gram matrix is the small one
-    norms = torch.linalg.matrix_norm(X)  # (...,) Frobenius
-    bad = ~torch.isfinite(norms) | (norms == 0)
-    n_bad = int(bad.sum())
-    if n_bad:
-        what = f"{n_bad} of {bad.numel()} slice(s) of shape {tuple(W.shape[-2:])} are all zero or contain NaN/Inf"
+    normalize, iters = _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond)
+    wide = W.shape[-2] < W.shape[-1]
+    tall = (W.mT if wide else W).detach()  # iterate on the tall orientation: the Gram is the small one
+    # Divide by the largest entry first: the squares behind every norm and Gram matrix then neither
+    # overflow (weights of 1e20) nor underflow (1e-25) in float32.
+    peak = tall.abs().amax(dim=(-2, -1)).to(dtype)
+    bad = ~torch.isfinite(peak) | (peak == 0)
+    info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
+    if info.skipped:
+        what = (f"{info.skipped} of {bad.numel()} slice(s) of shape {tuple(W.shape[-2:])} are all zero or "
+                "contain NaN/Inf")
         if on_degenerate == "raise":
             raise DegenerateMatrixError(f"orthogonalize: {what}; they have no polar factor")
         warnings.warn(f"orthogonalize: {what}; left unchanged (no polar factor)", stacklevel=2)
-        mask = bad[..., None, None]
-        X = torch.where(mask, torch.zeros((), dtype=dtype, device=X.device), X)  # zeros stay zero
-        norms = torch.where(bad, torch.ones_like(norms), norms)
-    info = PolarInfo(method=method, skipped=n_bad, slices=max(1, bad.numel()))
+        peak = torch.where(bad, torch.ones_like(peak), peak)
+
+    def scaled() -> torch.Tensor:  # a fresh copy each time, never held here: peak memory
+        X = tall.to(dtype) / peak[..., None, None]
+        return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
+
     if method == "svd":
-        Q = _svd_polar(X, rcond)
+        Q = _svd_polar(scaled(), rcond)
     else:
-        Q, reached = _iterate(X, norms, bad, method, normalize, iters, tol, check_every, rcond, info)
-        if not bool(reached.all()):  # missed tol within `iters`: solve those slices exactly
-            Q = _fallback(W, Q, ~reached, dtype, wide, rcond, info)
-    if n_bad:
-        original = W.detach().to(dtype)
-        Q = torch.where(bad[..., None, None], original.mT if wide else original, Q)
-    if wide:
-        Q = Q.mT
-    Q = Q.to(W.dtype).contiguous()
+        Q, converged = _iterate(scaled(), bad, method, normalize, iters, tol, check_every, info)
+        missed = ~(converged | bad)
+        if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
+            info.fell_back = int(missed.sum())
+            Q[missed] = _svd_polar(scaled()[missed])
+    if info.skipped:
+        Q = torch.where(bad[..., None, None], tall.to(dtype), Q)
+    Q = (Q.mT if wide else Q).to(W.dtype).contiguous()
     return (Q, info) if return_info else Q
 
 
-def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate):
+def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond):
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
     normalize = normalize or DEFAULT_NORMALIZE[method]
@@ -152,145 +195,107 @@ def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerat
     if method == "polar_express" and normalize == "spectral":
         raise ValueError("normalize='spectral' is an estimate from below, unsafe for polar_express's quintics; "
                          "use normalize='gram' or 'frobenius' (both upper bounds)")
-    if iters is not None and (not isinstance(iters, int) or iters < 0):
-        raise ValueError(f"iters={iters!r} must be a non-negative integer or None")
-    if tol is not None and not tol > 0:
-        raise ValueError(f"tol={tol!r} must be positive or None")
-    if not isinstance(check_every, int) or check_every < 1:
+    if iters is not None and (isinstance(iters, bool) or not isinstance(iters, int) or iters < 0):
+        raise ValueError(f"iters={iters!r} must be a non-negative integer or None (the method's default)")
+    if tol is not None and not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"tol={tol!r} must be a positive number or None")
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
         raise ValueError(f"check_every={check_every!r} must be a positive integer")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype={dtype} must be torch.float32 or torch.float64")
     if on_degenerate not in ON_DEGENERATE:
         raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
+    if rcond is not None and (method != "svd" or not 0 <= rcond < 1):
+        raise ValueError(f"rcond={rcond!r} (a partial isometry) needs method='svd' and 0 <= rcond < 1")
     if W.dim() < 2 or not W.is_floating_point():
         raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
                          f"and dtype {W.dtype}")
-    if method != "svd" and iters is None:
-        iters = (DEFAULT_FIXED_ITERS if tol is None else DEFAULT_MAX_ITERS)[method]
-    return method, normalize, iters
+    return normalize, DEFAULT_ITERS.get(method, 0) if iters is None else iters
 
 
-def _iterate(X, norms, bad, method, normalize, iters, tol, check_every, rcond, info):
-    """Run the iteration; return the iterate and, per slice, whether it reached ``tol``."""
-    n = X.shape[-1]
-    A = A2 = None
-    if normalize == "frobenius":
-        X = X / (norms * (_PE_SAFETY if method == "polar_express" else 1.0))[..., None, None]
-    elif normalize == "spectral":
-        X = X / _power_iteration_norm(X)[..., None, None]
-    else:  # gram: an upper bound on ‖X‖₂ from the Gram powers step 0 needs anyway
-        X = X / norms[..., None, None]  # first to unit Frobenius norm: A⁴ of 1e15-sized (or 1e-20) entries overflows
-        A = X.mT @ X
-        info.matmuls += 1
-        if method == "polar_express":
-            A2 = A @ A
-            # (Σσ¹⁶)^(1/16) = ‖A⁴‖_F^(1/8) ≥ σ_max: within 1.2× of σ_max on a square Gaussian
-            # (‖W‖_F is 14× off at 768), which saves a Polar Express step for one extra product.
-            bound = _frobenius_norm_of_square(A2).pow(0.125) * _PE_SAFETY
-            info.matmuls += 2
-        else:
-            bound = torch.linalg.matrix_norm(A).sqrt()  # (Σσ⁴)^(1/4) ≥ σ_max
-        bound = torch.where(bad, torch.ones_like(bound), bound)
-        X.div_(bound[..., None, None])
-        A.div_(bound.square()[..., None, None])  # in place: peak memory
-        A2 = None if A2 is None else A2.div_(bound.pow(4)[..., None, None])
-    reached = torch.ones_like(bad) if tol is None else bad.clone()
-    previous, final_step = None, False
-    # Rank: σ below rcond·σ_max count as zero. Follow one such σ (from a lower bound on the
-    # normalized σ_max) through the same polynomials: a few steps after it would have converged,
-    # any slice still off tol holds smaller σ — numerical noise of a rank-deficient matrix, which
-    # further steps would blow up into arbitrary directions. Stop there and let the SVD decide.
-    rcond = 64 * torch.finfo(X.dtype).eps if rcond is None else rcond
-    sigma_max_floor = (torch.linalg.matrix_norm(X) / math.sqrt(n))[~bad]
-    smallest_kept = rcond * float(sigma_max_floor.min()) if sigma_max_floor.numel() else 1.0
-    last = iters
-    for step in range(iters + (tol is not None)):  # with tol: one more Gram to judge the last iterate
-        if A is None:
+def _iterate(X, bad, method, normalize, iters, tol, check_every, info):
+    """Up to ``iters`` polynomial steps on ``X`` (tall, largest entry 1; ``bad`` slices all zero);
+    return the iterate and, per slice, whether it reached ``tol`` (all True when ``tol`` is None)."""
+    X, A, A2 = _normalized(X, method, normalize, info)
+    for step in range(iters + 1):
+        if tol is None and step == iters:  # a fixed count: no Gram matrix to judge the last iterate
+            return X, bad | True
+        if A is None:  # the Gram matrix: the step needs it, and the error is read off it for free
             A = X.mT @ X
             info.matmuls += 1
-        if tol is not None and (step % check_every == 0 or step == last):
+        if tol is not None and (step % check_every == 0 or step == iters):
             error = _isometry_error(A)
-            reached = bad | (error <= tol)
-            if previous is not None:
-                # Near 1 the error falls quadratically or faster. Once every σ is within ~10% of 1
-                # (error < 0.1/√n) and the error stops halving, it sits on the rounding floor.
-                reached |= (error < 0.1 / math.sqrt(n)) & (error > 0.5 * previous)
-            info.error = float(error[~bad].max()) if bool((~bad).any()) else 0.0
-            if bool(reached.all()):
-                break
-            previous = error
-            predicted = _predicted_error(error, method, step, n)
-            if predicted is not None and bool((reached | (predicted <= tol / 2)).all()):
-                final_step = True  # one more step provably lands below tol: skip the Gram that would check it
-                info.error = float(predicted[~bad].max())
-        if step == last:
-            break
-        if method == "newton_schulz":
-            Y = X @ A  # X ← 1.5·X − 0.5·X·XᵀX
-            info.matmuls += 1
-            del A
-            X = Y.mul_(-0.5).add_(X, alpha=1.5)
-        else:
-            a, b, c = POLAR_EXPRESS_COEFFICIENTS[min(step, len(POLAR_EXPRESS_COEFFICIENTS) - 1)]
-            if A2 is None:
-                A2 = A @ A
-                info.matmuls += 1
-            B = A2.mul_(c).add_(A, alpha=b)  # b·A + c·A², in A²'s buffer (peak memory)
-            del A, A2
-            Y = X @ B  # X ← a·X + X·(b·A + c·A²)
-            info.matmuls += 1
-            del B
-            X = Y.add_(X, alpha=a)
+            info.error = float(torch.where(bad, 0.0, error).max())
+            converged = bad | (error <= tol)
+            if bool(converged.all()) or step == iters:
+                return X, converged
+            bound = _error_after_one_cubic_step(error, X.shape[-1])
+            if bool((bad | (bound <= tol)).all()):  # finish with that step; no Gram needed to confirm it
+                info.error = float(torch.where(bad, 0.0, bound).max())  # a bound, not a measurement
+                return _polynomial_step(X, A, None, "newton_schulz", step, info), bad | True
+        X = _polynomial_step(X, A, A2, method, step, info)
         A = A2 = None
+
+
+def _error_after_one_cubic_step(error: torch.Tensor, n: int) -> torch.Tensor:
+    """A bound on the error after one cubic Newton–Schulz step (inf where it does not apply).
+
+    With ``d_i = (σ_i² − 1)/2`` the error is ``‖d‖/√n`` and the cubic step maps ``d`` to
+    ``−1.5d² + d³``; once every ``|d_i| ≤ ‖d‖ ≤ 0.1``, ``|d'_i| ≤ 1.65·d_i²``, so the error after
+    is at most ``1.65·‖d‖²/√n = 1.65·error²·√n``. Finishing on that bound saves the Gram matrix
+    that would only confirm convergence (one of about 25 products)."""
+    bound = 1.65 * error.square() * math.sqrt(n)
+    return torch.where(error * math.sqrt(n) <= 0.1, bound, torch.full_like(bound, math.inf))
+
+
+def _normalized(X, method, normalize, info):
+    """``X`` scaled in place so that every singular value lies in ``(0, 1]`` (up to 1.01 for Polar Express's
+    safety margin), with the Gram matrix ``A`` and ``A²`` where the normalization computed them."""
+    A = A2 = None
+    frobenius = torch.linalg.matrix_norm(X).clamp_min(torch.finfo(X.dtype).tiny)[..., None, None]
+    if normalize == "frobenius":
+        return X.div_(frobenius * (_PE_SAFETY if method == "polar_express" else 1.0)), A, A2
+    if normalize == "spectral":
+        return X.div_(_power_iteration_norm(X)[..., None, None]), A, A2
+    X.div_(frobenius)  # A² of unnormalized entries would overflow
+    A = X.mT @ X
+    info.matmuls += 1
+    if method == "polar_express":  # (Σσ⁸)^(1/8) = ‖A²‖_F^(1/4), from the A² the first step needs anyway
+        A2 = A @ A
+        info.matmuls += 1
+        bound = torch.linalg.matrix_norm(A2).pow(0.25) * _PE_SAFETY
+    else:  # (Σσ⁴)^(1/4) = ‖A‖_F^(1/2)
+        bound = torch.linalg.matrix_norm(A).sqrt()
+    bound = bound.clamp_min(torch.finfo(X.dtype).tiny)[..., None, None]
+    return X.div_(bound), A.div_(bound**2), None if A2 is None else A2.div_(bound**4)
+
+
+def _polynomial_step(X, A, A2, method, step, info):
+    """One step ``X ← X·q(A)`` with ``A = XᵀX``; in place where it saves an n×n or m×n buffer (peak memory)."""
+    if method == "newton_schulz":  # X ← 1.5·X − 0.5·X·A
+        info.matmuls += 1
         info.iterations += 1
-        smallest_kept = _step_scalar(smallest_kept, method, step)
-        if tol is not None and smallest_kept > 0.9 and last == iters:
-            last = min(iters, step + 4)
-        if final_step:
-            return X, torch.ones_like(bad)
-    return X, reached
-
-
-def _step_scalar(sigma: float, method: str, step: int) -> float:
-    if method == "newton_schulz":
-        return 1.5 * sigma - 0.5 * sigma**3
+        return (X @ A).mul_(-0.5).add_(X, alpha=1.5)
     a, b, c = POLAR_EXPRESS_COEFFICIENTS[min(step, len(POLAR_EXPRESS_COEFFICIENTS) - 1)]
-    return a * sigma + b * sigma**3 + c * sigma**5
+    if A2 is None:
+        A2 = A @ A
+        info.matmuls += 1
+    B = A2.mul_(c).add_(A, alpha=b)  # b·A + c·A², in A²'s buffer
+    info.matmuls += 1
+    info.iterations += 1
+    return (X @ B).add_(X, alpha=a)  # X ← a·X + X·(b·A + c·A²)
 
 
-def _predicted_error(error, method, step, n):
-    """A bound on the error after one more step, once every σ is within ~10% of 1 and the step's
-    polynomial converges locally: Newton–Schulz maps σ = 1 + δ to 1 − 1.5δ² + O(δ³); Polar
-    Express's final quintic to 1 + 2.5δ³ + O(δ⁴). With e ≈ ‖δ‖/√n and the worst case of all
-    the error in one σ: e' ≤ 1.5·e²·√n (cubic NS) or 2.5·e³·n (quintic). None if not applicable."""
-    if bool((error >= 0.1 / math.sqrt(n)).any()):
-        return None
-    if method == "newton_schulz":
-        return 1.5 * error.square() * math.sqrt(n) * 1.1  # 10% for the higher-order terms
-    if step >= len(POLAR_EXPRESS_COEFFICIENTS) - 1:
-        return 2.5 * error.pow(3) * n * 1.1
-    return None
-
-
-def _frobenius_norm_of_square(A: torch.Tensor) -> torch.Tensor:
-    """``‖A·A‖_F`` per slice, by blocks of rows, never holding the whole product (peak memory)."""
+def _isometry_error(A: torch.Tensor, target: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """``‖A − target·I‖_F / (2√n)`` per slice, in float64, summed over row blocks (no n×n
+    temporary: the check must not raise the peak memory of the iteration)."""
     n = A.shape[-1]
-    block = max(16, n // 8)
+    block = max(16, n // 16)
+    target = torch.as_tensor(target, dtype=torch.float64, device=A.device)[..., None]
     total = torch.zeros(A.shape[:-2], dtype=torch.float64, device=A.device)
     for start in range(0, n, block):
-        total += torch.linalg.matrix_norm(A[..., start:start + block, :] @ A).double().square()
-    return total.sqrt().to(A.dtype)
-
-
-def _isometry_error(A: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """``‖A − I‖_F / (2√n)`` per slice, summed in float64 over row blocks (no n×n temporary:
-    the check must not raise the peak memory of the iteration)."""
-    n = A.shape[-1]
-    block = block or max(16, n // 16)
-    total = torch.zeros(A.shape[:-2], dtype=torch.float64, device=A.device)
-    for start in range(0, n, block):
-        rows = A[..., start:start + block, :].to(torch.float64)
-        rows.diagonal(offset=start, dim1=-2, dim2=-1).sub_(1.0)
+        rows = A[..., start:start + block, :].to(torch.float64, copy=True)  # never write into A
+        rows.diagonal(offset=start, dim1=-2, dim2=-1).sub_(target)
         total += torch.linalg.matrix_norm(rows).square()
     return total.sqrt() / (2 * math.sqrt(n))
 
@@ -306,41 +311,31 @@ def _power_iteration_norm(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(X @ v, dim=(-2, -1)).clamp_min(torch.finfo(X.dtype).tiny)
 
 
-def _svd_polar(X: torch.Tensor, rcond: float | None) -> torch.Tensor:
+def _svd_polar(X: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
+    """``U Vᵀ`` of a tall ``X``: orthonormal columns whatever the singular values (LAPACK completes
+    the null directions); with ``rcond`` the directions of ``σ < rcond·σ_max`` are dropped instead."""
     U, S, Vh = torch.linalg.svd(X, full_matrices=False)
-    rcond = 64 * torch.finfo(X.dtype).eps if rcond is None else rcond
-    keep = (S > rcond * S[..., :1]).to(X.dtype)  # numerically zero σ → 0: a partial isometry
-    return (U * keep[..., None, :]) @ Vh
-
-
-def _fallback(W, Q, missed, dtype, wide, rcond, info) -> torch.Tensor:
-    """Replace the slices that missed ``tol`` within ``iters`` steps by their exact polar factor."""
-    info.fell_back = int(missed.sum())
-    X = W.detach().to(dtype)
-    X = X.mT if wide else X
-    if Q.dim() == 2:
-        return _svd_polar(X, rcond)
-    Q = Q.clone()
-    Q[missed] = _svd_polar(X[missed], rcond)
-    return Q
+    if rcond is not None:
+        U = U * (S > rcond * S[..., :1]).to(X.dtype)[..., None, :]
+    return U @ Vh
 
 
 # ---------------------------------------------------------------------------------- diagnostics
 
 
-def _tall(W: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    X = W.detach().to(dtype)
-    return X.mT if X.shape[-2] < X.shape[-1] else X
-
-
 def deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """DfI ``‖WᵀW − s²I‖²_F`` (``WWᵀ`` for wide ``W``), per slice of ``(..., m, n)``.
+    """DfI ``‖WᵀW − s²I‖²_F`` (``WWᵀ`` for wide ``W``) per slice of ``(..., m, n)``, as float64.
 
-    0 exactly when every singular value equals ``scale``. Example: ``deviation_from_isometry(W).item()``.
+    0 exactly when every singular value equals ``scale``. Any magnitude of ``W`` works: the Gram
+    matrix is taken of ``W`` divided by its largest entry. Example: ``deviation_from_isometry(W).item()``.
     """
-    X = _tall(W, dtype)
-    gram = (X.mT @ X).div_(scale**2)  # scale the Gram, not a copy of W (peak memory)
-    return (_isometry_error(gram) * (2 * math.sqrt(X.shape[-1]))).square() * scale**4
+    X = W.detach().to(dtype)
+    X = X.mT if X.shape[-2] < X.shape[-1] else X
+    peak = X.abs().amax(dim=(-2, -1)).clamp_min(torch.finfo(dtype).tiny)
+    X = X / peak[..., None, None]
+    peak = peak.double()
+    error = _isometry_error(X.mT @ X, (scale / peak) ** 2)  # ‖X̂ᵀX̂ − (s/p)²I‖_F / (2√n)
+    return (error * (2 * math.sqrt(X.shape[-1]))).square() * peak**4
 
 
 def squared_frobenius_error(W: torch.Tensor, W_new: torch.Tensor, normalized: bool = False,
