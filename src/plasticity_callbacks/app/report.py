@@ -453,8 +453,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="where to write report.md and the PNGs "
                                                                 "(default RUN_DIR/report)")
     args = parser.parse_args(argv)
+    from .stream_report import build_stream_report, has_stream_runs
+
     try:
-        text, figures = build_report(args.run_dir, args.out)
+        report = build_stream_report if has_stream_runs(args.run_dir) else build_report  # task streams: their own
+        text, figures = report(args.run_dir, args.out)
     except FileNotFoundError as err:
         parser.exit(2, f"plasticity-report: {err}\n")
     print(text)

@@ -15,6 +15,7 @@ from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
@@ -41,7 +42,9 @@ def config_dir() -> str:
     raise FileNotFoundError(f"no Hydra configs found next to {package}; reinstall the package")
 
 
-def build_module(cfg: DictConfig) -> GPTLightningModule:
+def build_module(cfg: DictConfig) -> L.LightningModule:
+    if "_target_" in cfg.model:  # any other LightningModule, e.g. model=digits_mlp for the task streams
+        return instantiate(cfg.model, _convert_="all")
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
     name = optimizer.pop("name")
     return GPTLightningModule(OmegaConf.to_container(cfg.model, resolve=True), optimizer=name, **optimizer)
@@ -56,10 +59,13 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 def fit(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)  # before anything runs
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg.threads)
     # _convert_="all": plain lists/dicts, so checkpoints hold no OmegaConf objects and load with weights_only.
     datamodule = instantiate(cfg.data, _convert_="all")
     module = build_module(cfg)
-    check_data_fits_model(datamodule, module.config)
+    if isinstance(module, GPTLightningModule):
+        check_data_fits_model(datamodule, module.config)
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
     callbacks = [guard, *build_callbacks(cfg)]
     if ckpt_path is not None:  # refuse before the logger empties the run's metrics file
@@ -81,7 +87,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     summary = {
         "parameters": sum(p.numel() for p in module.parameters()),
         "steps": trainer.global_step,
-        "tokens_seen": trainer.global_step * datamodule.batch_size * datamodule.sequence_len
+        "tokens_seen": trainer.global_step * datamodule.batch_size * getattr(datamodule, "sequence_len", 1)
         * trainer.accumulate_grad_batches * trainer.world_size,
         "val_loss_before": before,
         "train_loss_final": metrics.get("train/loss"),

@@ -1,0 +1,25 @@
+"""``FullReset``: every layer re-initialized and the optimizer's state dropped: training from scratch, mid-run."""
+from __future__ import annotations
+
+from .shrink_perturb import ShrinkPerturb
+
+
+class FullReset(ShrinkPerturb):
+    """Re-initialize every parameter by the model's own init code and drop its optimizer state.
+
+    The "from scratch" baseline of a task stream, in the same run as the other methods: Shrink &
+    Perturb with ``shrink = 0`` and ``perturb = 1`` (``θ ← θ_fresh``) and ``reset_optimizer=True``,
+    so it acts exactly when and where :class:`ShrinkPerturb` would (see its docstring).
+
+    Args:
+        schedule: when to reset (a :class:`~plasticity_callbacks.core.schedule.Schedule` or a mapping).
+        seed: mixed with the global step into the fresh draw.
+
+    Example:
+        >>> reset = FullReset(schedule=Schedule(at_task_boundaries=True))
+        >>> trainer = L.Trainer(max_epochs=1, callbacks=[reset])
+        >>> trainer.fit(DigitsClassifier(), datamodule=RandomLabelDigits())
+    """
+
+    def __init__(self, schedule=None, seed: int = 0):
+        super().__init__(shrink=0.0, perturb=1.0, reset_optimizer=True, seed=seed, schedule=schedule)

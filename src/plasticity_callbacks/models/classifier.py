@@ -1,0 +1,91 @@
+"""``DigitsClassifier``: a small MLP or CNN on 8×8 digits, for the task-stream benchmarks.
+
+Both networks are one ``nn.Sequential`` ending in the output layer, so the callbacks find
+their weights without help: the last Linear is the output head (``core.targets``), and every
+``Linear/conv → ReLU → Linear/conv`` run is a layer of neurons for ReDo.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.digits import CLASSES, PIXELS
+
+ARCHITECTURES = ("mlp", "cnn")
+
+
+def mlp(widths: Sequence[int] = (256, 256, 256), in_features: int = PIXELS, classes: int = CLASSES) -> nn.Sequential:
+    """``in → widths[0] → … → widths[-1] → classes``, ReLU between layers."""
+    layers, previous = [], in_features
+    for width in widths:
+        layers += [nn.Linear(previous, width), nn.ReLU()]
+        previous = width
+    return nn.Sequential(*layers, nn.Linear(previous, classes))
+
+
+def small_cnn(channels: Sequence[int] = (16, 32), hidden: int = 128, classes: int = CLASSES) -> nn.Sequential:
+    """Two 3×3 conv layers on the 8×8 image, a 2×2 max-pool, one hidden Linear layer, the output layer."""
+    c1, c2 = channels
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),  # (B, 64) -> (B, 1, 8, 8)
+        nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),  # (B, c1, 8, 8)
+        nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),  # (B, c2, 8, 8)
+        nn.MaxPool2d(2), nn.Flatten(),  # (B, c2 * 16)
+        nn.Linear(c2 * 16, hidden), nn.ReLU(),
+        nn.Linear(hidden, classes),
+    )
+
+
+class DigitsClassifier(L.LightningModule):
+    """Cross-entropy classification of flattened 8×8 digits with Adam.
+
+    Args:
+        architecture: ``mlp`` (Linear layers of ``widths``) or ``cnn`` (:func:`small_cnn`).
+        widths: hidden widths of the MLP.
+        channels / hidden: conv channels and hidden width of the CNN.
+        lr: Adam's learning rate (no weight decay, no schedule: the streams' measured setting).
+
+    Example:
+        >>> module = DigitsClassifier("mlp", widths=[256, 256, 256], lr=1e-3)
+        >>> L.Trainer(max_epochs=1).fit(module, datamodule=RandomLabelDigits())
+    """
+
+    def __init__(self, architecture: str = "mlp", widths: Sequence[int] = (256, 256, 256),
+                 channels: Sequence[int] = (16, 32), hidden: int = 128, lr: float = 1e-3):
+        super().__init__()
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"model.architecture={architecture!r} is not one of {ARCHITECTURES}")
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"model.widths={widths!r} must be a non-empty list of positive integers")
+        if len(channels) != 2 or any(not isinstance(c, int) or c < 1 for c in channels):
+            raise ValueError(f"model.channels={channels!r} must be two positive integers")
+        if not (isinstance(lr, (int, float)) and lr > 0):
+            raise ValueError(f"model.lr={lr!r} must be a positive number")
+        self.save_hyperparameters()
+        self.lr = float(lr)
+        self.network = mlp(list(widths)) if architecture == "mlp" else small_cnn(list(channels), hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x)  # (B, 10) logits
+
+    def hidden_activations(self, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Output of every ReLU, in order, as ``(name, activation)``; the last is the final hidden layer."""
+        out = []
+        for name, layer in self.network.named_children():
+            x = layer(x)
+            if isinstance(layer, nn.ReLU):
+                out.append((f"network.{name}", x))
+        return out
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=True)  # one kernel per op for all tensors

@@ -1,0 +1,50 @@
+"""``plasticity-train experiment=continual_digits`` runs a sweep end to end and ``plasticity-report``
+turns it into the task-stream table and figure."""
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+from plasticity_callbacks.app.stream_report import build_stream_report, find_stream_runs  # noqa: E402
+
+TINY = ["data.num_tasks=3", "data.steps_per_task=6", "data.samples_per_task=128", "data.batch_size=32",
+        "model.widths=[16,16]", "trainer.log_every_n_steps=3"]
+
+
+def train(args, cwd):
+    return subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_sweep_and_report(tmp_path):
+    pytest.importorskip("plasticity_callbacks.core.schedule")  # the boundary methods take schedule=
+    sweep = tmp_path / "sweep"
+    proc = train(["-m", "experiment=continual_digits", "+method=warm,fire_exact", "seed=0,1", *TINY,
+                  f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = find_stream_runs(sweep)
+    assert sorted((r.label, r.seed) for r in runs) == [("fire_exact", 0), ("fire_exact", 1), ("warm", 0), ("warm", 1)]
+    assert all([t["task"] for t in r.tasks] == [0, 1, 2] for r in runs)
+
+    text, figures = build_stream_report(sweep)
+    rows = [line for line in text.splitlines() if line.startswith("| warm") or line.startswith("| fire_exact")]
+    assert len(rows) == 2 and all(" 2 |" in row for row in rows)  # two seeds each
+    assert "accuracy first 1" in text and "accuracy last 1" in text
+    assert figures[0].is_file() and figures[0].stat().st_size > 10_000
+    assert (sweep / "report" / "report.md").is_file()
+
+
+def test_a_method_without_a_stream_row_fails_at_composition():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationKeyError
+
+    from plasticity_callbacks.app.train import config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=continual_digits", "+method=warm_reset",
+                                           "paths.output_dir=/tmp/plasticity-compose"])
+    with pytest.raises(InterpolationKeyError, match="stream_methods.warm_reset"):
+        OmegaConf.resolve(cfg)  # plasticity-train prints it as one "configuration error" line
