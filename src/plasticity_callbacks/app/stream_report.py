@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -79,8 +80,15 @@ def _order(labels) -> list[str]:
     return sorted(labels, key=key)
 
 
+def _std(values: list[float]) -> float:
+    """Sample std over seeds; NaN when a value is NaN (a task without a sample), 0 for one seed."""
+    if any(math.isnan(v) for v in values):
+        return math.nan  # statistics.stdev raises on NaN instead of propagating it
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+    return statistics.fmean(values), _std(values)
 
 
 def stream_table(runs: list[StreamRun], k: int = 3) -> str:
@@ -120,7 +128,7 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
             tasks = list(range(n_tasks))
             per_task = [[r.tasks[t][name] for r in members] for t in tasks]
             mean = [statistics.fmean(v) for v in per_task]
-            std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_task]
+            std = [_std(v) for v in per_task]
             line, = ax.plot(tasks, mean, marker=".", label=f"{label} (n={len(members)})")
             ax.fill_between(tasks, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.2, linewidth=0)
