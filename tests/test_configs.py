@@ -50,10 +50,7 @@ def test_no_callback_target_is_restated_outside_configs_callbacks():
                 for line in (CONFIGS / "callbacks" / f"{name}.yaml").read_text().splitlines()
                 if line.strip().startswith("_target_: plasticity_callbacks.") and "Schedule" not in line
                 and "FIREOptions" not in line}
-    # continual_digits keeps a table of one-callback rows (`stream_methods`) interpolated into a single
-    # slot per run; Hydra's defaults cannot place a callbacks/<name>.yaml file's `<name>:` node there.
-    experiments = [p for p in CONFIGS.glob("experiment/*.yaml") if p.stem != "continual_digits"]
-    for path in [*CONFIGS.glob("method/*.yaml"), *experiments]:
+    for path in [*CONFIGS.glob("method/*.yaml"), *CONFIGS.glob("experiment/*.yaml")]:
         text = path.read_text()
         assert not any(target in text for target in declared), f"{path.name} restates a callback's _target_"
 

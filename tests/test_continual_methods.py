@@ -8,7 +8,7 @@ from hydra.utils import instantiate
 
 pytest.importorskip("sklearn")
 
-from plasticity_callbacks.app.train import config_dir  # noqa: E402
+from plasticity_callbacks.app.train import callback_specs, config_dir  # noqa: E402
 from plasticity_callbacks.data.digits import RandomLabelDigits  # noqa: E402
 from plasticity_callbacks.models.classifier import DigitsClassifier  # noqa: E402
 
@@ -20,7 +20,9 @@ def boundary_callback(method: str, *overrides: str) -> L.Callback | None:
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=continual_digits", f"+method={method}",
                                            "paths.output_dir=/tmp/plasticity-compose", *overrides])
-    return instantiate(cfg.callbacks.boundary, _convert_="all")
+    specs = callback_specs({"boundary": cfg.callbacks.boundary})
+    assert len(specs) <= 1, f"{method}: a row names {len(specs)} callbacks"
+    return instantiate(specs[0], _convert_="all") if specs else None
 
 
 class Snapshot(L.Callback):
@@ -79,7 +81,7 @@ def test_each_method_acts_at_every_task_boundary(method):
     # 5-step tasks need activations collected at every step to have statistics for each decision.
     overrides = []
     if method == "redo":
-        overrides = ["stream_methods.redo.tau=0.9", "stream_methods.redo.collect_every_n_steps=1"]
+        overrides = ["stream_methods.redo.redo.tau=0.9", "stream_methods.redo.redo.collect_every_n_steps=1"]
     callback = boundary_callback(method, *overrides)
     assert type(callback).__module__.startswith("plasticity_callbacks.callbacks.")
     changed, boundaries = run_stream(callback)

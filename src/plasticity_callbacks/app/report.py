@@ -170,6 +170,9 @@ def last_phase(run: Run) -> dict:
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std over seeds; both NaN when a run has no finite value (a metric it did not measure)."""
+    if not all(math.isfinite(v) for v in values):
+        return math.nan, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 

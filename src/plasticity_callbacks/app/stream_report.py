@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from pathlib import Path
 from matplotlib.ticker import MaxNLocator
 
 from ..core.figures import plt
-from .report import read_overrides
+from .report import mean_std, read_overrides
 
 METRICS = [("accuracy", "end-of-task accuracy"), ("dormant", "dormant fraction (τ = 0.025)"),
            ("feature_rank", "feature rank (last hidden layer)"), ("stable_rank", "stable rank (last hidden layer)"),
@@ -80,17 +79,6 @@ def _order(labels) -> list[str]:
     return sorted(labels, key=key)
 
 
-def _std(values: list[float]) -> float:
-    """Sample std over seeds; NaN when a value is NaN (a task without a sample), 0 for one seed."""
-    if any(math.isnan(v) for v in values):
-        return math.nan  # statistics.stdev raises on NaN instead of propagating it
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), _std(values)
-
-
 def stream_table(runs: list[StreamRun], k: int = 3) -> str:
     """Markdown: per method, mean ± std over seeds of each metric's average over the first / last ``k`` tasks."""
     groups: dict[str, list[StreamRun]] = defaultdict(list)
@@ -107,9 +95,9 @@ def stream_table(runs: list[StreamRun], k: int = 3) -> str:
         cells = [label, str(len(members))]
         for name, digits in shown:
             for part in (slice(0, k), slice(-k, None)):
-                mean, std = _mean_std([statistics.fmean(t[name] for t in r.tasks[part]) for r in members])
+                mean, std = mean_std([statistics.fmean(t[name] for t in r.tasks[part]) for r in members])
                 cells.append(f"{mean:.{digits}f} ± {std:.{digits}f}")
-        mean, std = _mean_std([float(r.info.get("seconds", 0.0)) for r in members])
+        mean, std = mean_std([float(r.info.get("seconds", 0.0)) for r in members])
         cells.append(f"{mean:.0f} ± {std:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -127,8 +115,7 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
             n_tasks = min(len(r.tasks) for r in members)
             tasks = list(range(n_tasks))
             per_task = [[r.tasks[t][name] for r in members] for t in tasks]
-            mean = [statistics.fmean(v) for v in per_task]
-            std = [_std(v) for v in per_task]
+            mean, std = zip(*(mean_std(v) for v in per_task))
             line, = ax.plot(tasks, mean, marker=".", label=f"{label} (n={len(members)})")
             ax.fill_between(tasks, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.2, linewidth=0)

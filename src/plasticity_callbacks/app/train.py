@@ -51,9 +51,19 @@ def build_module(cfg: DictConfig) -> L.LightningModule:
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing."""
-    callbacks = [instantiate(spec, _convert_="all") for spec in (cfg.get("callbacks") or {}).values() if spec is not None]
+    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing. An entry
+    without ``_target_`` is a group of entries (a task-stream method is one: ``{name: spec}``)."""
+    callbacks = [instantiate(spec, _convert_="all") for spec in callback_specs(cfg.get("callbacks"))]
     return callbacks + [instantiate(cfg.checkpoint)]
+
+
+def callback_specs(group) -> list:
+    """The callback specs in ``group`` (a mapping of name -> spec, null, or a nested group), in order."""
+    specs = []
+    for spec in (group or {}).values():
+        if spec is not None:
+            specs.extend([spec] if "_target_" in spec else callback_specs(spec))
+    return specs
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
