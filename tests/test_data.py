@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,3 +72,23 @@ def test_clear_errors_for_bad_data(tmp_path):
         check_data_fits_model(CodeCorpusDataModule(sequence_len=512), GPTConfig())
     with pytest.raises(ConfigError, match="model.vocab_size=200"):
         check_data_fits_model(CodeCorpusDataModule(), GPTConfig(vocab_size=200))
+
+
+def test_user_files_split_does_not_depend_on_where_the_folder_lives(tmp_path):
+    held_out = []
+    for folder in ("a", "somewhere/else"):
+        root = tmp_path / folder
+        root.mkdir(parents=True)
+        for i in range(6):
+            (root / f"doc{i}.txt").write_text(f"document {i} " * 40)
+        dm = CodeCorpusDataModule(source="files", paths=str(root / "*.txt"), sequence_len=16, val_fraction=0.3)
+        dm.setup()
+        held_out.append(dm.val_set.tokens)
+    assert torch.equal(held_out[0], held_out[1])
+
+
+def test_a_tiny_corpus_keeps_a_file_on_each_side(tmp_path):
+    files = [tmp_path / f"f{i}.txt" for i in range(3)]
+    for val_fraction in (0.01, 0.99):  # (nearly) every file hashed to one side
+        train, val = split_files(files, val_fraction)
+        assert train and val and sorted(train + val) == sorted(files)

@@ -67,8 +67,11 @@ def is_validation(path: Path, root: Path | None, val_fraction: float) -> bool:
 def split_files(files: list[Path], val_fraction: float, root: Path | None = None) -> tuple[list[Path], list[Path]]:
     train = [f for f in files if not is_validation(f, root, val_fraction)]
     val = [f for f in files if is_validation(f, root, val_fraction)]
-    if val_fraction > 0 and not val and len(files) > 1:  # tiny corpora: hold out the last file
-        train, val = files[:-1], files[-1:]
+    if val_fraction > 0 and len(files) > 1:  # tiny corpora: each side keeps at least one file
+        if not val:
+            train, val = files[:-1], files[-1:]
+        elif not train:
+            train, val = val[:1], val[1:]
     return train, val
 
 

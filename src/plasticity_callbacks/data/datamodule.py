@@ -1,6 +1,7 @@
 """``CodeCorpusDataModule``: text files packed into fixed-length next-token windows."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lightning as L
@@ -123,7 +124,8 @@ class CodeCorpusDataModule(TrainValDataModule):
         files = glob_files(self.paths)
         if not files:
             raise ValueError(f"data.paths={self.paths!r} matches no files")
-        return files, None
+        # Split by the path below the files' common folder, so moving that folder keeps the split.
+        return files, Path(os.path.commonpath([f.parent for f in files]))
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
