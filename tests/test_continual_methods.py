@@ -8,7 +8,8 @@ from hydra.utils import instantiate
 
 pytest.importorskip("sklearn")
 
-from plasticity_callbacks.app.train import callback_specs, config_dir  # noqa: E402
+from plasticity_callbacks.app.pipeline import callback_specs  # noqa: E402
+from plasticity_callbacks.app.train import config_dir  # noqa: E402
 from plasticity_callbacks.data.digits import RandomLabelDigits  # noqa: E402
 from plasticity_callbacks.models.classifier import DigitsClassifier  # noqa: E402
 

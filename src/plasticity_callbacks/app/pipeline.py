@@ -300,7 +300,7 @@ class Pipeline:
         L.seed_everything(cfg.seed + phase.index, workers=True)
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)
-        callbacks = [instantiate(spec) for spec in phase.callbacks.values() if spec is not None]
+        callbacks = instantiate_callbacks(phase.callbacks)
         reinit = phase.index > 0 and bool(self.method.get("reinit_weights", False))
         if previous is not None and resume_from is None:
             saved = load_checkpoint(Path(previous))
@@ -406,3 +406,18 @@ def format_table(state: dict[str, Any]) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
     retention = "retention = loss on the first phase's validation set"
     return "\n".join(["", f"pipeline summary (method {state['method']}, seed {state['seed']}; {retention})", *lines])
+
+
+def callback_specs(group) -> list:
+    """The callback specs in ``group`` (a mapping of name -> spec, null, or a nested group), in order.
+    An entry without ``_target_`` is a group of entries (a task-stream method is one: ``{name: spec}``)."""
+    specs = []
+    for spec in (group or {}).values():
+        if spec is not None:
+            specs.extend([spec] if "_target_" in spec else callback_specs(spec))
+    return specs
+
+
+def instantiate_callbacks(group) -> list[L.Callback]:
+    """Every callback in ``group``, built one way for a single fit and for each pipeline phase."""
+    return [instantiate(spec, _convert_="all") for spec in callback_specs(group)]

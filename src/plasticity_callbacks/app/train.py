@@ -28,7 +28,7 @@ from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..models.registry import ConfigError
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
-from .pipeline import Pipeline, prepend_metrics, read_metrics
+from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +53,7 @@ def build_module(cfg: DictConfig) -> L.LightningModule:
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing. An entry
     without ``_target_`` is a group of entries (a task-stream method is one: ``{name: spec}``)."""
-    callbacks = [instantiate(spec, _convert_="all") for spec in callback_specs(cfg.get("callbacks"))]
-    return callbacks + [instantiate(cfg.checkpoint)]
-
-
-def callback_specs(group) -> list:
-    """The callback specs in ``group`` (a mapping of name -> spec, null, or a nested group), in order."""
-    specs = []
-    for spec in (group or {}).values():
-        if spec is not None:
-            specs.extend([spec] if "_target_" in spec else callback_specs(spec))
-    return specs
+    return instantiate_callbacks(cfg.get("callbacks")) + [instantiate(cfg.checkpoint)]
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
