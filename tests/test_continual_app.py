@@ -36,15 +36,16 @@ def test_sweep_and_report(tmp_path):
     assert (sweep / "report" / "report.md").is_file()
 
 
-def test_a_method_without_a_stream_row_fails_at_composition():
+def test_every_method_runs_in_the_stream_without_a_stream_table():
+    """warm_reset, the warm + fresh optimizer control, had no stream row: every method file runs now."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    from omegaconf.errors import InterpolationKeyError
 
+    from plasticity_callbacks.app.methods import task_stream_callbacks
+    from plasticity_callbacks.app.pipeline import resolve_method
     from plasticity_callbacks.app.train import config_dir
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=continual_digits", "+method=warm_reset",
                                            "paths.output_dir=/tmp/plasticity-compose"])
-    with pytest.raises(InterpolationKeyError, match="stream_methods.warm_reset"):
-        OmegaConf.resolve(cfg)  # plasticity-train prints it as one "configuration error" line
+    assert "stream_methods" not in cfg
+    assert list(task_stream_callbacks(resolve_method(cfg))) == ["fresh_optimizer_state"]

@@ -28,7 +28,8 @@ from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..models.registry import ConfigError
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
-from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics
+from .methods import task_stream_callbacks
+from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics, resolve_method
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,12 @@ def build_module(cfg: DictConfig) -> L.LightningModule:
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing. An entry
-    without ``_target_`` is a group of entries (a task-stream method is one: ``{name: spec}``)."""
-    return instantiate_callbacks(cfg.get("callbacks")) + [instantiate(cfg.checkpoint)]
+    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one), the method's callbacks when it acts
+    at task boundaries (``method_at_task_boundaries: true``, the task streams), and the checkpointing."""
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    if cfg.get("method_at_task_boundaries"):
+        callbacks += instantiate_callbacks(task_stream_callbacks(resolve_method(cfg)))
+    return callbacks + [instantiate(cfg.checkpoint)]
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
