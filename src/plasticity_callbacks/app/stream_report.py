@@ -88,7 +88,8 @@ def find_stream_runs(root: Path) -> list[StreamRun]:
     keys = sorted({k for r in runs for k in r.overrides if k != "method"})
     varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
     for run in runs:
-        run.label = " ".join([run.label, *(run.overrides[k] for k in varying if k in run.overrides)])
+        run.label = " ".join([run.label, *(run.overrides[k].removeprefix("method.callbacks.")
+                                           for k in varying if k in run.overrides)])
     return runs
 
 
