@@ -122,12 +122,14 @@ def task_overrides() -> list[str]:
 def report_outputs(run_dir: Path) -> None:
     """Write the run's figures (``report/``) and say where everything is."""
     from .report import build_report
+    from .stream_report import build_stream_report, has_stream_runs
 
     lines = [f"outputs in {run_dir}:", f"  log          {run_dir / 'train.log'}"]
     lines += [f"  metrics      {p}" for p in sorted(run_dir.glob("logs/**/metrics.csv"))]
     lines += [f"  checkpoints  {p}" for p in sorted(run_dir.glob("checkpoints/**/*.ckpt"))]
     try:
-        _, figures = build_report(run_dir)
+        # a task stream: its per-task panels (a classifier's loss is not in nats per byte; it validates nothing)
+        _, figures = (build_stream_report if has_stream_runs(run_dir) else build_report)(run_dir)
         lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
         lines += [f"  figures      {p}" for p in sorted(run_dir.glob("logs/**/figures/*.png"))]
     except FileNotFoundError as err:  # nothing logged (e.g. zero steps): no figures to draw
