@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
+from plasticity_callbacks.core.apply_fire import apply_fire
+from plasticity_callbacks.core.model_map import Selection
+from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
     POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, deviation_from_isometry, effective_rank, orthogonalize,
@@ -284,7 +286,7 @@ def test_gpt_at_init_skips_zero_projections_without_nan():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, n_kv_head=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        records = apply_fire(model, scope="attention")
+        records = apply_fire(model, selection=Selection(scope="attention"))
     skipped = sorted(r.name for r in records if r.skipped)
     assert skipped == ["blocks.0.attn.c_proj.weight", "blocks.1.attn.c_proj.weight"]
     assert sum("all zero" in str(w.message) for w in caught) == 2
