@@ -14,7 +14,7 @@ from ..core.optimizer_state import reset_optimizer_state
 from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
 from ..core.schedule import Schedule, ScheduleState
-from ..functional import factorization
+from ..core import factorization
 from ..functional.shrink import shrink_perturb_
 from ..core.callback_state import check_state
 
