@@ -102,7 +102,7 @@ FIRE_CASES = [
     ("FIREReinit", dict(schedule={"monitor": "val/loss", "min_delta": -1}), "min_delta"),
     ("FIREReinit", dict(schedule={"monitor": "val/loss", "min_delta": "0.1"}), "min_delta"),
     ("FIREReinit", dict(schedule={"at_fit_start": False}), "at_fit_start"),
-    ("FIREReinit", dict(scope="heads"), "scope"),
+    ("FIREReinit", dict(selection=dict(scope="heads")), "scope"),
     ("FIREReinit", dict(options={"normalize": "l2"}), "normalize"),
     ("FIREReinit", dict(options={"dtype": "float16"}), "dtype"),
     ("FIREReinit", dict(options={"tol": 0}), "tol"),
@@ -115,7 +115,7 @@ FIRE_CASES = [
     ("FIREReinit", dict(options=5), "options"),
     ("FIREReinit", dict(options={"scale": float("inf")}), "scale"),
     ("FIREReinit", dict(rewarmup_steps=-1), "rewarmup_steps"),
-    ("FIREReinit", dict(include="blocks.*"), "include"),
+    ("FIREReinit", dict(selection=dict(include="blocks.*")), "include"),
     ("ShrinkPerturb", dict(schedule={"every_n_steps": 0}), "every_n_steps"),
 ]
 
@@ -148,7 +148,7 @@ EMPTY_SELECTIONS = [
     ("DASHShrink", dict(scope="attention"), "on_fit_start"),  # the MLP declares no attention
     ("AdaptiveSVDSwitch", dict(exclude=["*"]), "setup"),
     ("AdaptiveSVDSwitch", dict(scope="mlp"), "setup"),
-    ("FIREReinit", dict(exclude=["*"]), "setup"),
+    ("FIREReinit", dict(selection=dict(exclude=["*"])), "setup"),
     ("ShrinkPerturb", dict(include=["no_such_layer.*"]), "on_fit_start"),
 ]
 
