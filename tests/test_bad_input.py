@@ -90,7 +90,7 @@ BAD_ARGUMENTS = [
     ("ShrinkPerturb", dict(shrink=1.1), "shrink"),
     ("ShrinkPerturb", dict(shrink="0.5"), "shrink"),
     ("ShrinkPerturb", dict(perturb=-1.0), "perturb"),
-    ("ShrinkPerturb", dict(include="blocks.*"), "include"),
+    ("ShrinkPerturb", dict(selection=dict(include="blocks.*")), "include"),
     ("ShrinkPerturb", dict(reset_optimizer="yes"), "reset_optimizer"),
     ("ShrinkPerturb", dict(seed=1.5), "seed"),
 ]
@@ -149,7 +149,7 @@ EMPTY_SELECTIONS = [
     ("AdaptiveSVDSwitch", dict(exclude=["*"]), "setup"),
     ("AdaptiveSVDSwitch", dict(scope="mlp"), "setup"),
     ("FIREReinit", dict(selection=dict(exclude=["*"])), "setup"),
-    ("ShrinkPerturb", dict(include=["no_such_layer.*"]), "on_fit_start"),
+    ("ShrinkPerturb", dict(selection=dict(include=["no_such_layer.*"])), "on_fit_start"),
 ]
 
 

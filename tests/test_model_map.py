@@ -108,7 +108,7 @@ class BareParameter(Wrapped):
 def test_shrink_perturb_refuses_a_parameter_no_init_reaches():
     with pytest.raises(RuntimeError, match="ShrinkPerturb: no init code draws a fresh value for \\['temperature'\\]"):
         fit(BareParameter(), [ShrinkPerturb()])
-    fit(BareParameter(), [ShrinkPerturb(exclude=["temperature"])])  # the fix the message names
+    fit(BareParameter(), [ShrinkPerturb(selection={"exclude": ["temperature"]})])  # the fix the message names
 
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
