@@ -152,6 +152,6 @@ class GPT(nn.Module):
 
     def projection_weights(self) -> list[tuple[str, nn.Parameter, str]]:
         """The 2D projection weights of the blocks as ``(name, parameter, role)``, role ∈ {attention, mlp}."""
-        from ..core.targets import select_targets
+        from ..core.model_map import select_targets
 
         return [(t.name, t.param, t.role) for t in select_targets(self, scope="all")]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..core.targets import select_targets
+from ..core.model_map import select_targets
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
