@@ -68,8 +68,8 @@ def test_declaration_is_read_by_every_selection():
                                neurons={"ffn": (["a", "b"], "c")}, head="out", roles={"a": "mlp", "b": "mlp"})
     views = {t.name: t for t in select_targets(model)}
     assert "out.weight" not in views and "spare.weight" in views
-    assert [(b.label, b.start, b.stop) for b in views["proj.weight"].blocks] == [("q", 0, 8), ("k", 8, 12),
-                                                                                 ("v", 12, 16)]
+    assert [(b.label, b.rows) for b in views["proj.weight"].blocks] == [("q", range(0, 8)), ("k", range(8, 12)),
+                                                                         ("v", range(12, 16))]
     assert {t.name for t in select_targets(model, scope="mlp")} == {"a.weight", "b.weight", "c.weight"}
     [layer] = [layer for layer in find_neuron_layers(model) if layer.name == "ffn"]
     assert layer.gate is model.a and layer.up is model.b and layer.down is model.c
@@ -178,7 +178,7 @@ def test_redo_warns_about_layers_it_never_observes():
 
 
 class GQAAttention(nn.Module):
-    """A fused QKV projection with grouped K/V heads (4 query heads, 1 key/value head)."""
+    """A fused QKV projection with grouped K/V heads (4 query heads, 1 key/value head), split ``[q | k | v]``."""
 
     def __init__(self):
         super().__init__()
@@ -186,12 +186,20 @@ class GQAAttention(nn.Module):
         self.qkv = nn.Linear(16, 16 + 4 + 4, bias=False)
         self.proj = nn.Linear(16, 16)
 
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([16, 4, 4], dim=-1)
+        q = q.view(B, T, 4, 4).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = (t.view(B, T, 1, 4).transpose(1, 2).expand(B, 4, T, 4) for t in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, 16))
 
-def test_fused_qkv_with_grouped_heads_splits_by_head_counts():
+
+def test_fused_qkv_with_grouped_heads_is_split_as_its_forward_splits():
     model = nn.Sequential(GQAAttention(), nn.Linear(16, 3))
     [qkv] = [t for t in select_targets(model) if t.name == "0.qkv.weight"]
     assert qkv.role == "attention"
-    assert [(b.label, b.stop - b.start) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
+    assert [(b.label, len(b)) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
     apply_fire(model, options=FIREOptions(method="svd"), include=["0.qkv.weight"])
     for start, stop in ((0, 16), (16, 20), (20, 24)):
         s = torch.linalg.svdvals(model[0].qkv.weight[start:stop].double())

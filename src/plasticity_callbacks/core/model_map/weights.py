@@ -17,7 +17,8 @@ A :class:`WeightView` hides how a layer stores its weight:
 
 Roles come from the model's structure: a module's ``plasticity_role`` class attribute, a
 declaration (:func:`~plasticity_callbacks.core.model_map.declare_plasticity`), attention modules
-(``nn.MultiheadAttention`` and classes named ``*Attention``), and the MLP layers the neuron
+(``nn.MultiheadAttention`` and classes named ``*Attention``), MLP blocks (classes named ``*MLP``,
+``*FeedForward``, ``*FFN``) and the MLP layers the neuron
 adapters recognise; every weight inherits the role of its nearest declaring ancestor, else
 ``"other"``.
 """
@@ -124,6 +125,11 @@ def is_attention(module: nn.Module) -> bool:
     return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
 
 
+def is_mlp(module: nn.Module) -> bool:
+    """An MLP block by its class name (``Phi3MLP``, ``GPTNeoXMLP``, ``BloomMLP``, ``FeedForward``, ...)."""
+    return type(module).__name__.lower().endswith(("mlp", "feedforward", "ffn"))
+
+
 def stored_param(module: nn.Module, attr: str) -> nn.Parameter | None:
     """The parameter behind ``module.<attr>``: the plain one, or ``W_p`` under a parametrization."""
     if parametrize.is_parametrized(module, attr):
@@ -146,6 +152,8 @@ def module_roles(model: nn.Module, mlp_modules: dict[int, str] | None = None) ->
         role = declared.get(name) or getattr(module, "plasticity_role", None)
         if role is None and is_attention(module):
             role = "attention"
+        if role is None and is_mlp(module) and parent == "other":
+            role = "mlp"
         if role is None and id(module) in mlp_modules and parent == "other":
             role = "mlp"
         roles[name] = role or parent
