@@ -326,3 +326,41 @@ def test_redo_model_init_redraws_rows_by_the_hugging_face_init(family):
             rows = (W != W0).any(0) if type(m).__name__ == "Conv1D" else (W != W0).any(1)
             new = W[:, rows].mT if type(m).__name__ == "Conv1D" else W[rows]
             assert rows.any() and abs(float(new.std()) / std - 1) < 0.35  # N(0, initializer_range) rows
+
+
+class RawMatrix(nn.Module):
+    """A weight used by a bare matmul: no layer type the model map knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(6, 6))
+        self.embed = nn.Embedding(5, 6)
+        self.fc = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.fc(self.embed(ids) @ self.mix)))
+
+
+def test_coverage_lists_every_matrix_with_its_reason_and_warns_about_unknown_ones(caplog):
+    import logging
+
+    from plasticity_callbacks.core.model_map import coverage_report, describe
+
+    model = RawMatrix()
+    with caplog.at_level(logging.INFO, logger="plasticity_callbacks"), \
+            pytest.warns(UserWarning, match=r"no plasticity callback treats \['mix'\]"):
+        assert names(select_targets(model)) == ["fc.weight"]
+    assert "fc.weight" in caplog.text and "mix" in caplog.text  # the table was logged
+    report = coverage_report(model, {"scope": "attention"})
+    lines = {line.split()[0]: line for line in report.splitlines() if line.startswith("  ")}
+    assert "outside the selection (scope='attention'" in lines["fc.weight"]
+    assert "output head" in lines["out.weight"] and "embedding" in lines["embed.weight"]
+    assert "no callback knows this layer (RawMatrix.mix)" in lines["mix"]
+    assert report in describe(model) or coverage_report(model) in describe(model)
+    lstm = nn.Sequential(nn.LSTM(4, 3), nn.Linear(3, 2))
+    assert "blocks[i=rows 0:3, f=rows 3:6, g=rows 6:9, o=rows 9:12]" in coverage_report(lstm)
+
+
+def names(targets):
+    return [t.name for t in targets]
