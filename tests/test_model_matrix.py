@@ -234,7 +234,7 @@ def _scaled_isometry(M, msg):
 def test_fire_makes_the_forwards_own_q_k_v_isometries(family):
     from model_zoo import LAYOUT_MODELS
     from plasticity_callbacks.core.model_map import select_targets
-    from plasticity_callbacks.functional.isometry import apply_fire
+    from plasticity_callbacks.core.apply_fire import apply_fire
 
     torch.manual_seed(0)
     model = LAYOUT_MODELS[family]()
@@ -279,7 +279,7 @@ def _operator_taps(layer, channels_in):
 
 def test_fire_treats_grouped_depthwise_and_transposed_convs_per_group_per_tap():
     from model_zoo import ConvZoo
-    from plasticity_callbacks.functional.isometry import apply_fire
+    from plasticity_callbacks.core.apply_fire import apply_fire
 
     torch.manual_seed(0)
     model = ConvZoo()
@@ -302,7 +302,7 @@ def test_fire_treats_grouped_depthwise_and_transposed_convs_per_group_per_tap():
 
 def test_fire_treats_each_recurrent_gate_on_its_own():
     from model_zoo import Recurrent
-    from plasticity_callbacks.functional.isometry import apply_fire
+    from plasticity_callbacks.core.apply_fire import apply_fire
 
     torch.manual_seed(0)
     model = Recurrent()

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import KVCache, rms_norm
-from .registry import ATTENTIONS, MLPS, POSITIONS, ConfigError
+from ..core.arguments import ConfigError
+from .registry import ATTENTIONS, MLPS, POSITIONS
 
 
 @dataclass
@@ -154,4 +155,4 @@ class GPT(nn.Module):
         """The 2D projection weights of the blocks as ``(name, parameter, role)``, role ∈ {attention, mlp}."""
         from ..core.model_map import select_targets
 
-        return [(t.name, t.param, t.role) for t in select_targets(self, scope="all")]
+        return [(t.name, t.param, t.role) for t in select_targets(self)]

@@ -19,18 +19,18 @@ from .layouts import HeadLayout, RowBlock, grouped_heads, interleaved_heads
 from .neurons import NeuronLayer
 from .select import (
     SCOPES,
+    Selection,
     find_neuron_layers,
     refuse_factorized,
     require_targets,
     select_targets,
     validate_patterns,
-    validate_selection,
 )
 from .weights import WeightView, is_conv1d, output_heads
 
 __all__ = [
-    "Declaration", "HeadLayout", "NeuronLayer", "RowBlock", "SCOPES", "WeightView", "coverage_report",
+    "Declaration", "HeadLayout", "NeuronLayer", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
     "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "grouped_heads",
-    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized",
-    "require_targets", "select_targets", "validate_patterns", "validate_selection",
+    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "require_targets", "select_targets",
+    "validate_patterns",
 ]

@@ -13,7 +13,6 @@ import math
 import re
 import warnings
 import weakref
-from collections.abc import Mapping
 
 from torch import nn
 
@@ -23,14 +22,11 @@ _BUSY: list[bool] = []  # non-empty while a coverage table is being built
 UNKNOWN = "no callback knows this layer"
 
 
-def _fields(selection) -> dict:
-    """``select_targets`` keyword arguments from a selection object or mapping (None: the defaults)."""
-    names = ("scope", "include", "exclude", "include_conv", "include_head")
-    if selection is None:
-        return {}
-    if isinstance(selection, Mapping):
-        return {k: selection[k] for k in names if k in selection}
-    return {k: getattr(selection, k) for k in names if hasattr(selection, k)}
+def _selection(selection):
+    """``selection`` as a :class:`~.select.Selection` (a mapping of its fields, or None: the defaults)."""
+    from .select import Selection
+
+    return Selection.build(selection, "coverage_report")
 
 
 def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...], str, str]]:
@@ -38,15 +34,14 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
 
     Args:
         model: any ``nn.Module``.
-        selection: the callback's selection (an object or mapping with ``scope``, ``include``, ``exclude``,
-            ``include_conv``, ``include_head``); None: the defaults.
+        selection: the callback's :class:`~.select.Selection` (or a mapping of its fields); None: the defaults.
     """
     from .select import select_targets, weight_views
     from .weights import output_heads
 
-    fields = _fields(selection)
+    selection = _selection(selection)
     views = {id(v.param): (module_name, v) for module_name, v in weight_views(model, include_conv=True)}
-    treated = {id(v.param) for v in select_targets(model, **fields)}
+    treated = {id(v.param) for v in select_targets(model, selection)}
     heads = output_heads(model)
     modules = dict(model.named_modules())
     rows = []
@@ -59,7 +54,7 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
             if id(param) in treated:
                 rows.append((name, shape, "treated", f"role={view.role} " + _structure(view)))
             else:
-                rows.append((name, shape, "untreated", _why_not(view, module_name, heads, fields)))
+                rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection)))
             continue
         owner = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
         rows.append((name, tuple(param.shape), "untreated", _unknown_reason(name, owner)))
@@ -84,14 +79,14 @@ def _structure(view) -> str:
     return " ".join(parts) or "whole"
 
 
-def _why_not(view, module_name: str, heads: set[str], fields: dict) -> str:
-    if module_name in heads and not fields.get("include_head", False):
+def _why_not(view, module_name: str, heads: set[str], selection) -> str:
+    if module_name in heads and not selection.include_head:
         return "output head (default; include_head=True treats it)"
-    if view.kind == "conv" and not fields.get("include_conv", True):
+    if view.kind == "conv" and not selection.include_conv:
         return "conv kernel (include_conv=False)"
-    if view.role == "position" and fields.get("include") is None:
+    if view.role == "position" and selection.include is None:
         return "positional block (default; include=[...] brings it back)"
-    return f"outside the selection (scope={fields.get('scope', 'all')!r}, include/exclude patterns)"
+    return f"outside the selection (scope={selection.scope!r}, include/exclude patterns)"
 
 
 def _unknown_reason(name: str, owner: nn.Module | None) -> str:
@@ -109,7 +104,7 @@ def coverage_report(model: nn.Module, selection=None) -> str:
     """The coverage table of ``model`` under ``selection`` as text, repeated layers folded into one line.
 
     Example:
-        >>> print(coverage_report(model, {"scope": "attention"}))
+        >>> print(coverage_report(model, Selection(scope="attention")))
     """
     _BUSY.append(True)
     try:
@@ -142,9 +137,9 @@ def log_coverage(model: nn.Module, selection=None, owner: str = "plasticity") ->
     """Log the coverage table once per model and selection; warn about weights no callback can treat.
 
     Example:
-        >>> log_coverage(pl_module, {"scope": "all"}, "FIREReinit")
+        >>> log_coverage(pl_module, Selection(scope="attention"), "FIREReinit")
     """
-    key = repr(sorted(_fields(selection).items()))
+    key = _selection(selection)
     done = _LOGGED.setdefault(model, set())
     if key in done or _BUSY:
         return
