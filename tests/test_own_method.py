@@ -67,7 +67,9 @@ def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder
     assert callback.firing.schedule == Schedule(at_task_boundaries=True)
     module = DigitsClassifier(widths=[8])
     before = [p.detach().clone() for p in module.parameters()]
-    callback.act("task 1 starts", module)
+    metrics = callback.act(None, module, "task 1 starts")
+    assert metrics["scale/weight_norm"] == pytest.approx(float(torch.cat(
+        [p.detach().flatten() for p in module.parameters() if p.ndim == 2]).norm()))
     for old, new in zip(before, module.parameters()):
         torch.testing.assert_close(new, old * 0.5 if old.ndim == 2 else old)
 
@@ -75,7 +77,7 @@ def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder
 def test_the_pre_check_finds_the_users_config_group(user_folder):
     from plasticity_callbacks.app.config_checks import check_command_line
     from plasticity_callbacks.app.train import config_dir
-    from plasticity_callbacks.models.registry import ConfigError
+    from plasticity_callbacks.core.arguments import ConfigError
 
     configs = str(user_folder / "my_configs")
     check_command_line(["--config-dir", configs, "experiment=continual_digits", "+method=scale"], config_dir())

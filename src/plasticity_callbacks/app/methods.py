@@ -30,7 +30,7 @@ from typing import Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..models.registry import ConfigError
+from ..core.arguments import ConfigError
 
 METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights", "task_stream", "sensitivity"}
 # The schedule of a callback that acts "at the boundary" of a pipeline phase; in a task stream that
