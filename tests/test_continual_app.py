@@ -29,9 +29,9 @@ def test_sweep_and_report(tmp_path):
     assert all([t["task"] for t in r.tasks] == [0, 1, 2] for r in runs)
 
     text, figures = build_stream_report(sweep)
-    rows = [line for line in text.splitlines() if line.startswith("| warm") or line.startswith("| fire_exact")]
-    assert len(rows) == 2 and all(" 2 |" in row for row in rows)  # two seeds each
-    assert "accuracy first 1" in text and "accuracy last 1" in text
+    ranked = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert sorted(line.split(" | ")[1:3] for line in ranked) == [["fire_exact", "2"], ["warm", "2"]]  # two seeds each
+    assert "online acc (all tasks)" in text and "end-of-task acc (last 1)" in text and "retained acc" in text
     assert figures[0].is_file() and figures[0].stat().st_size > 10_000
     assert (sweep / "report" / "report.md").is_file()
 
