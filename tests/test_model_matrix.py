@@ -372,3 +372,69 @@ def test_an_unknown_split_is_refused_by_fire_with_the_declaration_and_treated_wh
     fit(module, [FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))])
     for part, M in zip("qkv", _heads(module.attn.qkv.weight.detach(), 4, 3).unbind(1)):
         _scaled_isometry(M, part)
+
+
+def _out_in(name: str, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """A weight-shaped tensor in the operator's (out, in, *k) orientation, by PyTorch's documented layouts."""
+    if isinstance(module, nn.ConvTranspose2d):  # stored (C_in, C_out/groups, *k)
+        return tensor.unflatten(0, (module.groups, -1)).transpose(1, 2).flatten(0, 1)
+    return tensor
+
+
+@pytest.mark.parametrize("family", ["conv_zoo", "recurrent"])
+def test_dash_and_adaptive_svd_act_on_grouped_transposed_and_recurrent_weights(family):
+    module = Wrapped(family)
+    weights = {f"model.{n}": (module.model.get_submodule(n.rsplit(".", 1)[0]), p)
+               for n, p in module.model.named_parameters() if p.dim() >= 2 and not n.startswith("head")}
+    first = next(iter(torch.utils.data.DataLoader(batches(family), batch_size=4)))
+    module.train()
+    loss_of(family, module.model, first).backward()
+    grads = {n: p.grad.detach().clone() for n, (_, p) in weights.items()}
+    module.zero_grad()
+    before = {n: p.detach().clone() for n, (_, p) in weights.items()}
+    fit(module, [DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+                            gradient_mode="train")])
+    for name, (owner, param) in weights.items():
+        W0, G = _out_in(name, owner, before[name]).double(), -_out_in(name, owner, grads[name]).double()
+        flat_w, flat_g = (W0.flatten(2), G.flatten(2)) if W0.dim() > 2 else (W0, G)  # conv: per (out, in) slice
+        factor = torch.nn.functional.cosine_similarity(flat_g, flat_w, dim=-1).clamp(0.3, 1.0)
+        expected = W0 * factor.reshape(factor.shape + (1,) * (W0.dim() - factor.dim()))
+        torch.testing.assert_close(_out_in(name, owner, param.detach()).double(), expected, rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+    module = Wrapped(family, lr=0.1)
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
+                               clobber_alignment=0.0, r_min=1, initial_rank=1, svd_dtype="float64",
+                               save_figure=False, log_per_matrix=False, exclude=["*up_grouped*"])
+    checked = []
+
+    class Projected(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            for m in switch.matrices:
+                if m.state != "minor":
+                    continue
+                owner = pl_module.get_submodule(m.target.name.rsplit(".", 1)[0])
+                W = _out_in(m.target.name, owner, m.target.param.detach()).double().flatten(1)
+                G = _out_in(m.target.name, owner, m.target.param.grad).double().flatten(1)
+                U = torch.linalg.svd(W, full_matrices=False)[0][:, -m.r:]
+                assert (G - U @ (U.mT @ G)).norm() <= 1e-4 * G.norm() + 1e-12, m.target.name
+                checked.append(m.target.name)
+
+    fit(module, [switch, Projected()], steps=2)
+    # every weight with a gradient (a reverse RNN's W_hh gets none from the last step's output alone)
+    assert set(checked) == {n for n in weights if "up_grouped" not in n and grads[n].any()}
+
+
+def test_redo_recycles_a_fused_gate_up_unit_as_one_row_of_each_half_and_its_down_column():
+    module = Wrapped("phi3")
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, schedule=Schedule(steps=[1]))
+    snap = Snapshot()
+    fit(module, [snap, redo], steps=2)
+    mlp = module.model.model.layers[0].mlp
+    [layer] = redo.layers
+    assert layer.up is mlp.gate_up_proj and layer.down is mlp.down_proj and layer.width == 24
+    W, W0 = mlp.gate_up_proj.weight.detach(), snap.before["model.model.layers.0.mlp.gate_up_proj.weight"]
+    gate_changed, up_changed = (W != W0).any(1).chunk(2)  # the forward's chunk(2): gate rows, then up rows
+    assert gate_changed.any() and torch.equal(gate_changed, up_changed)  # a unit is a row of each half
+    down = mlp.down_proj.weight.detach()
+    assert down[:, gate_changed].abs().sum() == 0 and down[:, ~gate_changed].abs().sum() > 0

@@ -9,7 +9,8 @@ Found, first match wins per ``up`` layer:
 
 1. a declaration (:func:`~plasticity_callbacks.core.model_map.declare_plasticity` ``neurons=``);
 2. modules with ``neuron_layouts()`` (this package's GPT MLPs);
-3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; ``w1, w3, w2``;
+3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; Phi-3's fused
+   ``gate_up_proj, down_proj`` (unit ``i`` is row ``i`` of each half); ``w1, w3, w2``;
    GPT-2 ``c_fc, c_proj`` (HF ``Conv1D``); BERT-style ``intermediate.dense, output.dense``;
    ``fc1, fc2``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
 4. a ``torch.fx`` trace of each traceable submodule: Linear/conv -> [BatchNorm] -> activation ->
@@ -62,10 +63,15 @@ class NeuronLayer:
     down_offset: int = 0  # this layer's units start at down's input offset (several ups may share a down)
     group: int = 1  # down inputs per unit (a conv channel flattened over its positions)
     norm: nn.Module | None = None  # a BatchNorm between up and the activation
+    fused_gate: bool = False  # up's rows are [gate | up] (Phi-3 gate_up_proj): unit i is rows i and width + i
 
     @property
     def width(self) -> int:
-        return out_features(self.up)
+        return out_features(self.up) // (2 if self.fused_gate else 1)
+
+    def incoming_mask(self, units: torch.Tensor) -> torch.Tensor:
+        """A mask over units as a mask over ``up``'s rows (a fused gate/up: the unit's row in each half)."""
+        return units.repeat(2) if self.fused_gate else units
 
     def unit_activity(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``down``'s input ``x`` as ``(tensor, unit_dim)`` holding exactly this layer's units."""
@@ -150,9 +156,14 @@ _ADAPTERS = (
 
 
 def adapter_layers(model: nn.Module) -> list[NeuronLayer]:
-    """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``)."""
+    """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``), and fused
+    ``gate_up_proj -> down_proj`` (Phi-3: the forward chunks the output into gate, up)."""
     layers = []
     for name, module in model.named_modules():
+        fused, down = _child(module, "gate_up_proj"), _child(module, "down_proj")
+        if fused is not None and down is not None and out_features(fused) == 2 * in_features(down):
+            layers.append(check_layer(NeuronLayer(name or type(module).__name__, fused, down, fused_gate=True)))
+            continue
         for gate_path, up_path, down_path in _ADAPTERS:
             up, down = _child(module, up_path), _child(module, down_path)
             gate = _child(module, gate_path) if gate_path else None
