@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .declaration import declarations
-from .weights import CONV, is_conv1d, is_layer
+from .weights import CONV, CONV_TRANSPOSE, is_conv1d, is_layer
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # Activations that act on each unit alone; softmax-like and GLU modules mix units.
@@ -193,7 +193,9 @@ def traced_layers(model: nn.Module) -> list[NeuronLayer]:
             group = in_features(down) // width if flattened and isinstance(up, CONV) else 1
             layer = NeuronLayer(prefix + up_name, up, down, norm=modules.get(norm_name) if norm_name else None,
                                 group=group)
-            if in_features(down) == width * group and getattr(down, "groups", 1) == 1:
+            if getattr(down, "groups", 1) != 1:
+                _warn_grouped(prefix + up_name, prefix + down_name, down)
+            elif in_features(down) == width * group:
                 layers.append(layer)
     return layers
 
@@ -239,6 +241,8 @@ def _chains(graph, modules):
             module = target(current)
             if module is not None and is_layer(module):
                 break
+            if isinstance(module, CONV_TRANSPOSE) and activated:
+                _warn_grouped(node.target, current.target, module)
             if isinstance(module, ACTIVATIONS) or _is_call(current, _ACTIVATION_FUNCTIONS, _ACTIVATION_METHODS):
                 activated = True
             elif isinstance(module, nn.Flatten) or _is_call(current, _FLATTEN_FUNCTIONS, _FLATTEN_METHODS):
@@ -268,6 +272,18 @@ def _is_square(node) -> bool:
     return node.target is operator.mul and len(node.args) == 2 and node.args[0] is node.args[1]
 
 
+def _warn_grouped(up_name: str, down_name: str, down: nn.Module) -> None:
+    kind = "a transposed conv" if isinstance(down, CONV_TRANSPOSE) else f"a grouped conv (groups={down.groups})"
+    warnings.warn(f"ReDo: the units of {up_name} are not recycled: they feed {down_name}, {kind}, whose per-unit "
+                  "outgoing weights ReDo does not cut; FIRE, DASH, AdaptiveSVD and ShrinkPerturb still treat both "
+                  "layers", stacklevel=3)
+
+
+def recurrent_refusals(model: nn.Module) -> list[str]:
+    """Recurrent layers, whose hidden units ReDo does not treat (a unit's output feeds back through ``weight_hh``)."""
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
+
+
 def sequential_layers(model: nn.Module) -> list[NeuronLayer]:
     """``Linear/conv -> activation(s)/dropout -> Linear/conv`` runs among an ``nn.Sequential``'s children."""
     layers = []
@@ -286,7 +302,9 @@ def sequential_layers(model: nn.Module) -> list[NeuronLayer]:
                 j += 1
             down = children[j][1] if activated and j < len(children) else None
             same_kind = is_layer(down) if not isinstance(up, CONV) else type(down) is type(up)
-            if same_kind and getattr(down, "groups", 1) == 1 and in_features(down) == out_features(up):
+            if same_kind and getattr(down, "groups", 1) != 1:
+                _warn_grouped(f"{seq_name}.{up_name}" if seq_name else up_name, "the next conv", down)
+            elif same_kind and in_features(down) == out_features(up):
                 layers.append(NeuronLayer(f"{seq_name}.{up_name}" if seq_name else up_name, up, down, norm=norm))
     return layers
 
