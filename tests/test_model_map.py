@@ -12,7 +12,7 @@ from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.core.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
                                                  refuse_factorized, select_targets)
-from plasticity_callbacks.functional import factorization
+from plasticity_callbacks.core import factorization
 from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.core.apply_fire import apply_fire
 from plasticity_callbacks.functional.isometry import FIREOptions
@@ -108,7 +108,7 @@ class BareParameter(Wrapped):
 def test_shrink_perturb_refuses_a_parameter_no_init_reaches():
     with pytest.raises(RuntimeError, match="ShrinkPerturb: no init code draws a fresh value for \\['temperature'\\]"):
         fit(BareParameter(), [ShrinkPerturb()])
-    fit(BareParameter(), [ShrinkPerturb(exclude=["temperature"])])  # the fix the message names
+    fit(BareParameter(), [ShrinkPerturb(selection={"exclude": ["temperature"]})])  # the fix the message names
 
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])

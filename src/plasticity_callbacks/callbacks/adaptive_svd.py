@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..functional import factorization
+from ..core import factorization
 from ..core.distributed import MisconfigurationException, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.figures import save_figure
@@ -60,7 +60,7 @@ class AdaptiveSVDSwitch(L.Callback):
     Changes: ``minor_training="project"`` replaces the gradients of ``"minor"`` matrices by
     ``U_m U_mᵀ ∇W`` (and projects their linear momentum at each cycle). ``"factorize"``
     re-parametrizes them as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
-    optimizer param group (see :mod:`plasticity_callbacks.functional.factorization`); every cycle
+    optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
