@@ -438,3 +438,43 @@ def test_redo_recycles_a_fused_gate_up_unit_as_one_row_of_each_half_and_its_down
     assert gate_changed.any() and torch.equal(gate_changed, up_changed)  # a unit is a row of each half
     down = mlp.down_proj.weight.detach()
     assert down[:, gate_changed].abs().sum() == 0 and down[:, ~gate_changed].abs().sum() > 0
+
+
+MLP_OF = {  # (up, down) of each layout family's MLP, by module name
+    "gpt_neox": ("gpt_neox.layers.0.mlp.dense_h_to_4h", "gpt_neox.layers.0.mlp.dense_4h_to_h"),
+    "bloom": ("transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h"),
+    "falcon_gqa": ("transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h"),
+    "falcon_mqa": ("transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h"),
+    "bigcode_mqa": ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"),
+    "phi3": ("model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MLP_OF))
+def test_layout_families_give_redo_their_mlp_and_every_method_the_fused_weight(family):
+    from model_zoo import LAYOUT_MODELS
+    from plasticity_callbacks.core.model_map import Selection, find_neuron_layers, select_targets
+
+    model = LAYOUT_MODELS[family]()
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [(names[id(layer.up)], names[id(layer.down)]) for layer in find_neuron_layers(model)] == [MLP_OF[family]]
+    fused = f"{QKV_OF_FORWARD[family][0]}.weight"
+    attention = {t.name for t in select_targets(model, Selection(scope="attention"))}
+    mlp = {t.name for t in select_targets(model, Selection(scope="mlp"))}
+    assert fused in attention and {f"{n}.weight" for n in MLP_OF[family]} <= mlp and not attention & mlp
+
+
+def test_dash_shrinks_a_probed_fused_qkv_row_by_row():
+    module = Wrapped("falcon_gqa")
+    name = "model.transformer.h.0.self_attention.query_key_value.weight"
+    first = next(iter(torch.utils.data.DataLoader(batches("falcon_gqa"), batch_size=4)))
+    module.train()
+    loss_of("falcon_gqa", module.model, first).backward()
+    param = dict(module.named_parameters())[name]
+    W0, G = param.detach().clone().double(), -param.grad.detach().clone().double()
+    module.zero_grad()
+    fit(module, [DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+                            gradient_mode="train")])
+    factor = torch.nn.functional.cosine_similarity(G, W0, dim=-1).clamp(0.3, 1.0)
+    torch.testing.assert_close(dict(module.named_parameters())[name].detach().double(), W0 * factor[:, None],
+                               rtol=1e-4, atol=1e-6)

@@ -12,7 +12,7 @@ Found, first match wins per ``up`` layer:
 3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; Phi-3's fused
    ``gate_up_proj, down_proj`` (unit ``i`` is row ``i`` of each half); ``w1, w3, w2``;
    GPT-2 ``c_fc, c_proj`` (HF ``Conv1D``); BERT-style ``intermediate.dense, output.dense``;
-   ``fc1, fc2``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
+   ``fc1, fc2``; ``dense_h_to_4h, dense_4h_to_h``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
 4. a ``torch.fx`` trace of each traceable submodule: Linear/conv -> [BatchNorm] -> activation ->
    [dropout, pooling, flatten] -> Linear/conv where each value has exactly one user (so zeroing the
    outgoing weights removes the unit from the output: a residual ``add`` breaks the chain);
@@ -151,6 +151,7 @@ _ADAPTERS = (
     (None, "c_fc", "c_proj"),  # GPT-2 (HF Conv1D), nanoGPT
     (None, "intermediate.dense", "output.dense"),  # BERT, RoBERTa (on the layer module)
     (None, "fc1", "fc2"),  # OPT, ViT, CLIP, Phi
+    (None, "dense_h_to_4h", "dense_4h_to_h"),  # GPT-NeoX, Falcon, Bloom
     (None, "linear1", "linear2"),  # nn.TransformerEncoderLayer / DecoderLayer
 )
 
