@@ -171,7 +171,7 @@ LAYOUT_MODELS = {
     "falcon_mqa": lambda: _hf("FalconConfig", "FalconForCausalLM", hidden_size=WIDTH, num_hidden_layers=1,
                               num_attention_heads=HEADS_, multi_query=True, new_decoder_architecture=False),
     "bigcode_mqa": lambda: _hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=WIDTH, n_layer=1, n_head=HEADS_,
-                               multi_query=True, n_positions=SEQ),
+                               multi_query=True, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     # [q | k | v] with num_key_value_heads; fused gate_up_proj
     "phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=1,
                         num_attention_heads=HEADS_, num_key_value_heads=KV_, max_position_embeddings=SEQ,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from model_zoo import FAMILIES, Wrapped, batches, loss_of
+from model_zoo import FAMILIES, LAYOUT_MODELS, Wrapped, batches, loss_of
 from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.fire import FIREReinit
@@ -28,7 +28,10 @@ pytest.importorskip("transformers")
 
 HEADS = {"gpt2": "model.lm_head", "llama": "model.lm_head", "mistral": "model.lm_head",
          "bert": "model.cls.predictions.decoder",
-         "torch_encoder": "model.head", "resnet": "model.head", "mlp": "model.4"}
+         "torch_encoder": "model.head", "resnet": "model.head", "mlp": "model.4", "gpt_neox": "model.lm_head",
+         **{f: "model.lm_head" for f in ("bloom", "falcon_gqa", "falcon_mqa", "bigcode_mqa", "phi3")}}
+# The layout families (fused Q/K/V by head, by K/V group, multi-query; fused gate/up) in the generic cells too.
+WIDE = (*FAMILIES, *LAYOUT_MODELS)
 # Expected neuron layers: (up, gate, down, down inputs per unit, BatchNorm) by module name.
 NEURONS = {
     "gpt2": [(f"model.transformer.h.{i}.mlp.c_fc", None, f"model.transformer.h.{i}.mlp.c_proj", 1, None)
@@ -44,6 +47,11 @@ NEURONS = {
     "resnet": [("model.block.conv1", None, "model.block.conv2", 1, "model.block.bn1"),
                ("model.reduce", None, "model.fc", 36, None), ("model.fc", None, "model.head", 1, None)],
     "mlp": [("model.0", None, "model.2", 1, None), ("model.2", None, "model.4", 1, None)],
+    "gpt_neox": [("model.gpt_neox.layers.0.mlp.dense_h_to_4h", None, "model.gpt_neox.layers.0.mlp.dense_4h_to_h", 1,
+                  None)],
+    **{f: [("model.transformer.h.0.mlp.dense_h_to_4h", None, "model.transformer.h.0.mlp.dense_4h_to_h", 1, None)]
+       for f in ("bloom", "falcon_gqa", "falcon_mqa")},
+    "bigcode_mqa": [("model.transformer.h.0.mlp.c_fc", None, "model.transformer.h.0.mlp.c_proj", 1, None)],
 }
 
 
@@ -95,7 +103,7 @@ def test_fire_makes_every_block_a_scaled_isometry(family):
             torch.testing.assert_close(s, torch.full_like(s, scale), rtol=1e-4, atol=1e-6, msg=f"{name}: {s}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WIDE)
 def test_shrink_perturb_draws_fresh_values_everywhere(family):
     module = Wrapped(family)
     with torch.no_grad():  # a trained-looking model: no parameter sits at its init value
@@ -116,7 +124,7 @@ class Snapshot(L.Callback):
         self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sorted(NEURONS))  # phi3's fused gate/up: its own test below
 def test_redo_finds_every_mlp_and_recycles_by_layout(family):
     module = Wrapped(family)
     with torch.no_grad():
@@ -154,7 +162,7 @@ def test_redo_finds_every_mlp_and_recycles_by_layout(family):
             assert torch.all(norm.weight[changed] == 1) and torch.all(norm.weight[~changed] == 0.5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WIDE)
 def test_dash_one_factor_per_output_neuron(family):
     module = Wrapped(family)
     first = next(iter(torch.utils.data.DataLoader(batches(family), batch_size=4)))
@@ -195,7 +203,7 @@ class GradientProbe(L.Callback):
             self.checked += 1
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WIDE)
 def test_adaptive_svd_projects_onto_the_minor_subspace(family):
     module = Wrapped(family)
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
