@@ -116,7 +116,8 @@ def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDat
     if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS):
         ids = torch.randint(1, VOCAB, (n * batch, SEQ), generator=g)
         return TensorDataset(ids, ids.clone())
-    x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,), "conv_zoo": (8, 4, 4), "recurrent": (5, 6)}[family]
+    x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,), "conv_zoo": (8, 4, 4),
+         "recurrent": (5, 6)}[family]
     return TensorDataset(torch.randn(n * batch, *x, generator=g), torch.randint(0, 3, (n * batch,), generator=g))
 
 

@@ -51,8 +51,9 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
             if blocks is None:
                 blocks, unknown = (), unknown_split(model, module_name, module, rows)
         name = f"{module_name}.{attr}" if module_name else attr
-        views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr, transposed=transposed,
-                                              blocks=blocks, groups=groups, split_unknown=unknown)))
+        views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
+                                              transposed=transposed, blocks=blocks, groups=groups,
+                                              split_unknown=unknown)))
     return views
 
 
