@@ -164,7 +164,7 @@ def test_dash_one_factor_per_output_neuron(family):
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     module.zero_grad()
     snap = Snapshot()
-    fit(module, [snap, DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+    fit(module, [snap, DASHShrink(n_batches=1, gradient_ema_weight=1.0, min_factor=0.3, shrink_bias=False,
                                   gradient_mode="train")])  # the gradients above are taken in train mode
     for name, param, transposed, _ in treated(family, module):
         W0 = oriented(snap.before[name], transposed).double()

@@ -22,6 +22,7 @@ _LAZY = {
     "FIREReinit": "plasticity_callbacks.callbacks.fire",
     "ReDoMonitor": "plasticity_callbacks.callbacks.redo",
     "DASHShrink": "plasticity_callbacks.callbacks.dash",
+    "DASHPeriodic": "plasticity_callbacks.callbacks.dash_periodic",
     "AdaptiveSVDSwitch": "plasticity_callbacks.callbacks.adaptive_svd",
     "ShrinkPerturb": "plasticity_callbacks.callbacks.shrink_perturb",
     "FullReset": "plasticity_callbacks.callbacks.full_reset",

@@ -34,6 +34,9 @@ class PlasticityCallback(L.Callback):
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
         optional_state_types: keys :meth:`extra_state` may leave out (e.g. added in a later version).
+        logs_events: write each act's metrics once, straight to the trainer's loggers at the current
+            step, instead of through ``pl_module.log`` (whose step values repeat in every later row
+            of the epoch): one row per act, for methods whose metrics only mean something then.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -70,6 +73,7 @@ class PlasticityCallback(L.Callback):
     step_hook: ClassVar[str] = "on_train_batch_start"
     extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     optional_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+    logs_events: ClassVar[bool] = False
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
         super().__init__()
@@ -149,8 +153,14 @@ class PlasticityCallback(L.Callback):
     # ------------------------------------------------------------------ plumbing
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Call :meth:`act` when ``reason`` is not None and keep its metrics for logging."""
-        if reason is not None:
-            self.log_metrics(self.act(trainer, pl_module, reason) or {})
+        if reason is None:
+            return
+        metrics = self.act(trainer, pl_module, reason) or {}
+        if not self.logs_events:
+            self.log_metrics(metrics)
+        elif metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
 
     def log_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Keep ``metrics`` for ``pl_module.log`` at the next training batch hook (or now, in one)."""
