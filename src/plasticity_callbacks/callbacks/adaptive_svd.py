@@ -16,7 +16,7 @@ from ..core.distributed import MisconfigurationException, require_full_parameter
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
-from ..core.model_map import Selection, Target, require_targets, select_targets
+from ..core.model_map import Selection, WeightView, require_targets, select_targets
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
 from ..core.schedule import Schedule, ScheduleState
@@ -27,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclass
 class _Matrix:
-    target: Target
+    target: WeightView
     attr: str  # parameter name on target.module ("weight", "in_proj_weight")
     g: int
     state: str = "full"  # "full" | "minor"
