@@ -68,7 +68,7 @@ def test_compiled_gpt_across_fits_with_every_callback():
     # steps; the second cycle at the same rank re-splits in place and re-traces nothing.
     module.hparams.lr = 1e-3
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule={"every_n_steps": 3, "start_step": 3},
-                               clobber_alignment=0.0,
+                               thresholds={"clobber_alignment": 0.0},
                                initial_rank=4, r_min=4, save_figure=False)
     assert fit([switch], steps=10) <= 2
     assert {step for step, *_ in switch.history} == {3, 6, 9}

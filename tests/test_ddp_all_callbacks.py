@@ -28,7 +28,7 @@ def callbacks_for(model: str) -> list[dict]:
          "schedule": {"every_n_steps": 2}},
         {"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
          "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2,
-         "clobber_alignment": 0.0, "save_figure": False},
+         "thresholds": {"clobber_alignment": 0.0}, "save_figure": False},
     ]
     if model == "gpt":  # Muon owns the block matrices: DASH must be told to shrink them too
         specs.append({"_target_": CB + "DASHPeriodic", "schedule": {"every_n_steps": 2}, "cosine_threshold": -1.0,

@@ -266,7 +266,7 @@ def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
     module = Wrapped("gpt2")
     before = {n: m.weight.detach().clone() for n, m in module.named_modules() if type(m).__name__ == "Conv1D"}
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[0], every_n_steps=1),
-                               clobber_alignment=0.0, r_min=2,
+                               thresholds={"clobber_alignment": 0.0}, r_min=2,
                                initial_rank=3, save_figure=False, log_per_matrix=False)
     fit(module, [switch], steps=1)
     for name, W in before.items():

@@ -199,8 +199,8 @@ class GradientProbe(L.Callback):
 def test_adaptive_svd_projects_onto_the_minor_subspace(family):
     module = Wrapped(family)
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
-                               clobber_alignment=0.0, r_min=2,
-                               initial_rank=3, svd_dtype="float64", save_figure=False, log_per_matrix=False)
+                               thresholds={"clobber_alignment": 0.0}, r_min=2,
+                               initial_rank=3, svd={"dtype": "float64"}, save_figure=False, log_per_matrix=False)
     probe = GradientProbe(switch)
     fit(module, [switch, probe])
     assert probe.checked == len(treated(family, module))
