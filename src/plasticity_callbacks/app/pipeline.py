@@ -53,7 +53,7 @@ from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
-METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights"}
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer"}
 STATE_FILE = "pipeline.json"
 
 
@@ -301,12 +301,10 @@ class Pipeline:
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)
         callbacks = instantiate_callbacks(phase.callbacks)
-        reinit = phase.index > 0 and bool(self.method.get("reinit_weights", False))
         if previous is not None and resume_from is None:
             saved = load_checkpoint(Path(previous))
-            if not reinit:
-                module.load_state_dict(saved["state_dict"])
-            if phase.carry_optimizer and not reinit:
+            module.load_state_dict(saved["state_dict"])
+            if phase.carry_optimizer:
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
         # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
