@@ -36,7 +36,7 @@ def main() -> None:
                              report_to=[], use_cpu=True, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.add_callback(HFTrainerCallback(
-        FIREReinit(schedule=Schedule(steps=[steps // 2]), scope="attention"),
+        FIREReinit(schedule=Schedule(steps=[steps // 2]), selection={"scope": "attention"}),
         ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=max(1, steps // 4)),
         DASHShrink(rule="periodic", schedule=Schedule(every_n_steps=max(1, steps // 4))),
         trainer=trainer))

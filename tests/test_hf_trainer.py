@@ -76,7 +76,7 @@ def test_fire_at_a_step_makes_qkv_blocks_isometric_and_resets_their_optimizer_st
     attn = "transformer.h.1.attn.c_attn.weight"  # GPT-2's fused Conv1D (d_in, 3·d_out): Q, K, V side by side
     names = [attn, "transformer.h.1.attn.c_proj.weight", "transformer.h.1.mlp.c_fc.weight"]
     before, after = Snapshot("on_step_begin", 2, names), Snapshot("on_step_begin", 2, names)
-    fire = FIREReinit(schedule=Schedule(steps=[2]), scope="attention")
+    fire = FIREReinit(schedule=Schedule(steps=[2]), selection={"scope": "attention"})
     make_trainer(tmp_path, tiny_gpt2(), before, fire, after, max_steps=3).train()
 
     for block in range(3):  # each of Q, K, V is its own nearest isometry (square: scale 1)
@@ -128,7 +128,7 @@ def test_dash_rows_and_redo_dead_neurons_in_the_trainer_log(tmp_path):
 
 def test_resume_from_a_trainer_checkpoint_continues_the_schedule(tmp_path):
     def run(output, resume=None):
-        fire = FIREReinit(schedule=Schedule(steps=[2, 3, 5]), scope="attention")
+        fire = FIREReinit(schedule=Schedule(steps=[2, 3, 5]), selection={"scope": "attention"})
         trainer = make_trainer(output, tiny_gpt2(), fire, max_steps=6, save_steps=3)
         trainer.train(resume_from_checkpoint=resume)
         return fire, trainer

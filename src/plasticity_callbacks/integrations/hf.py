@@ -52,7 +52,7 @@ class HFTrainerCallback(TrainerCallback):
 
     Example:
         >>> trainer = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=2)), args=args, train_dataset=data)
-        >>> fire = FIREReinit(schedule=Schedule(steps=[500]), scope="attention")
+        >>> fire = FIREReinit(schedule=Schedule(steps=[500]), selection={"scope": "attention"})
         >>> trainer.add_callback(HFTrainerCallback(fire, ReDoMonitor(), trainer=trainer))
         >>> trainer.train()   # FIRE at step 500; fire/dfi_before, redo/dormant, … in trainer.state.log_history
     """
