@@ -11,9 +11,9 @@ exponential averages with decay ``η`` and Adam-style bias correction by ``1 - �
 and slowly-changing-regression configs use; ``kind="contribution"`` drops the mean and the ``1/mean|w_in|``
 factor). Units older than the maturity threshold ``m`` are eligible; ``ρ · #eligible`` accumulates
 per step and its integer part is the number of eligible units with the smallest ``û`` that are
-replaced: incoming weights re-drawn, incoming bias zeroed, the unit's mean contribution
-``w_out[:, i] · f̂_i`` moved into the next layer's bias, outgoing weights zeroed, age, utility and
-mean reset to 0.
+replaced: incoming weights re-drawn (:func:`draw_rows`, :func:`redraw_incoming_`), incoming bias
+zeroed, the unit's mean contribution ``w_out[:, i] · f̂_i`` moved into the next layer's bias and its
+outgoing weights zeroed (:func:`retire_outgoing_`); its age, utility and mean restart at 0.
 
 Example:
     >>> util, mean, corrected = update_statistics(util, mean, age + 1, 0.99, activity, batch_mean, out_mag, in_mag)
@@ -87,33 +87,45 @@ def units_to_replace(corrected_util: torch.Tensor, age: torch.Tensor, maturity: 
     return eligible[torch.topk(-corrected_util[eligible], count).indices], carry
 
 
+def draw_rows(count: int, like: torch.Tensor, bound: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``count`` new incoming rows shaped like ``like[0]``, from ``U(-bound, bound)`` (float32, ``uniform_``
+    as the reference draws them, so one seed gives the reference's rows)."""
+    return torch.empty((count, *like.shape[1:]), device=like.device).uniform_(-bound, bound, generator=generator)
+
+
 @torch.no_grad()
-def replace_units_(up_weight: torch.Tensor, up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-                   down_bias: torch.Tensor | None, units: torch.Tensor, new_rows: torch.Tensor,
-                   unit_mean: torch.Tensor | None, down_offset: int = 0, group: int = 1) -> None:
-    """In place: give ``units`` fresh incoming rows and zero outgoing columns.
+def redraw_incoming_(rows: torch.Tensor, bias: torch.Tensor | None, units: torch.Tensor, new_rows: torch.Tensor) -> None:
+    """In place: rows ``units`` of ``rows`` (``(hidden, in, *kernel)``) become ``new_rows``; their bias 0."""
+    rows[units] = new_rows.to(rows.dtype)
+    if bias is not None:
+        bias[units] = 0
+
+
+def unit_columns(units: torch.Tensor, down_offset: int = 0, group: int = 1) -> torch.Tensor:
+    """The inputs of ``down`` that read ``units``: ``down_offset + i·group + [0, group)`` (a conv channel
+    flattened over ``group`` positions is read ``group`` times)."""
+    return (down_offset + units[:, None] * group + torch.arange(group, device=units.device)).flatten()
+
+
+@torch.no_grad()
+def retire_outgoing_(down_rows: torch.Tensor, down_bias: torch.Tensor | None, units: torch.Tensor,
+                     unit_mean: torch.Tensor | None, down_offset: int = 0, group: int = 1) -> None:
+    """In place: zero the outgoing weights of ``units``, first moving their mean contribution into the bias.
 
     Args:
-        up_weight: ``(hidden, in, *kernel)``: unit ``i`` is row ``i``.
-        up_bias: ``(hidden,)`` or None; replaced units' entries are zeroed.
-        down_weight: ``(out, reads, *kernel)``: unit ``i`` is read at ``down_offset + i·group + [0, group)``.
-        down_bias: ``(out,)`` or None; gets ``Σ_i w_out[:, i] · f̂_i`` so the next layer's output keeps
-            the replaced units' mean contribution.
-        units: indices of the units to replace.
-        new_rows: ``(len(units), in, *kernel)``: their new incoming weights.
+        down_rows: ``(out, reads, *kernel)``, unit ``i`` read at :func:`unit_columns`.
+        down_bias: ``(out,)`` or None; gets ``Σ_i w_out[:, i] · f̂_i``, so the next layer's mean output is
+            kept when the units' outgoing weights go to 0.
+        units: indices of the replaced units.
         unit_mean: ``f̂`` per unit (all units), or None for no bias correction.
-        down_offset, group: where ``down`` reads the units (a conv channel flattened over ``group``
-            positions reads ``group`` inputs).
+        down_offset, group: where ``down`` reads the units.
     """
     if units.numel() == 0:
         return
-    up_weight[units] = new_rows.to(up_weight)
-    if up_bias is not None:
-        up_bias[units] = 0
-    columns = (down_offset + units[:, None] * group + torch.arange(group, device=units.device)).flatten()
+    columns = unit_columns(units, down_offset, group)
     if down_bias is not None and unit_mean is not None:
-        means = unit_mean[units].repeat_interleave(group).to(down_weight)  # (k·group,)
-        outgoing = down_weight[:, columns]  # (out, k·group, *kernel)
-        # A conv ``down`` sees the unit at every kernel tap of a constant input: its mean output is the tap sum.
-        down_bias += (outgoing.reshape(*outgoing.shape[:2], -1).sum(2) * means).sum(1)
-    down_weight[:, columns] = 0
+        means = unit_mean[units].repeat_interleave(group).to(down_rows.dtype)  # (k·group,)
+        outgoing = down_rows[:, columns]  # (out, k·group, *kernel)
+        # A conv ``down`` sees a constant input at every kernel tap (padding aside): its mean output is the tap sum.
+        down_bias += (outgoing.reshape(*outgoing.shape[:2], -1).sum(2) * means).sum(1).to(down_bias.dtype)
+    down_rows[:, columns] = 0
