@@ -3,20 +3,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..core.arguments import check_int, check_number
-from ..core.callback_state import check_state
-from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
+from ..core.distributed import all_reduce_mean, rank_identical_generator
 from ..core.model_map import NeuronLayer, find_neuron_layers, is_conv1d, validate_patterns
 from ..core.optimizer_state import zero_optimizer_state_slices
 from ..functional import continual_backprop as cbp
+from .base import PlasticityCallback
 
 
-class ContinualBackprop(L.Callback):
+class ContinualBackprop(PlasticityCallback):
     """Continual Backprop (Dohare et al., Nature 2024): every step, replace the ``ρ`` share of mature
     hidden units with the lowest utility by fresh ones.
 
@@ -46,6 +45,7 @@ class ContinualBackprop(L.Callback):
     **DDP**: the batch statistics are averaged over ranks before each update and the new rows come from a
     generator seeded from ``(seed, global_step)``, so every rank replaces the same units identically.
     Sharded strategies are refused in ``setup``. Statistics, ages and carried counts are in ``state_dict``.
+    It acts every step, so it takes no schedule.
 
     Args:
         replacement_rate: ``ρ``, the share of mature units replaced per step (paper: 1e-4 to 1e-6).
@@ -65,6 +65,10 @@ class ContinualBackprop(L.Callback):
         >>> trainer.fit(module, datamodule)   # logs cbp/replaced
     """
 
+    summary_metrics = ("cbp/replaced",)
+    default_schedule = None  # generate-and-test runs every step
+    extra_state_types = {"layers": list, "stats": list, "carry": list, "replaced": int}
+
     def __init__(self, replacement_rate: float = 1e-4, maturity_threshold: int = 100, decay_rate: float = 0.99,
                  utility: str = "adaptable_contribution", init: str = "kaiming", bias_correction: bool = True,
                  layer_map: Mapping | None = None, exclude: Sequence[str] | None = None, seed: int = 0):
@@ -80,6 +84,7 @@ class ContinualBackprop(L.Callback):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} must be an integer")
         validate_patterns(exclude=exclude)
+        super().__init__()
         self.rate, self.maturity, self.decay = float(replacement_rate), maturity_threshold, float(decay_rate)
         self.utility, self.init, self.bias_correction, self.seed = utility, init, bias_correction, seed
         self.layer_map = None if layer_map is None else {k: v for k, v in layer_map.items()}
@@ -97,7 +102,7 @@ class ContinualBackprop(L.Callback):
         return self._generate_state_key(rate=self.rate, maturity=self.maturity, layers=sorted(self.layer_map or {}))
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        require_full_parameters(trainer, "ContinualBackprop")
+        super().setup(trainer, pl_module, stage)
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
             raise ValueError("ContinualBackprop found no hidden-unit layers (Linear/conv → activation → Linear/conv "
@@ -149,6 +154,7 @@ class ContinualBackprop(L.Callback):
         self._batch[index] = (batch_mean, activity)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not pl_module.training:
             return
         missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None]
@@ -205,18 +211,17 @@ class ContinualBackprop(L.Callback):
                 if tensor is not None:
                     tensor[units] = value
 
-    def state_dict(self) -> dict:
+    def extra_state(self) -> dict:
         if not self.stats:
-            return dict(self._pending or {})
+            return dict(self._pending or {"layers": [], "stats": [], "carry": [], "replaced": 0})
         return {"layers": [l.name for l in self.layers],
                 "stats": [{k: v.detach().cpu().clone() for k, v in s.items()} for s in self.stats],
                 "carry": list(self.carry), "replaced": self.replaced}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        if not state_dict:
+    def load_extra_state(self, state: dict) -> None:
+        if not state["layers"]:  # saved before the first fit started: nothing to restore
             return
-        check_state(self, state_dict, {"layers": list, "stats": list, "carry": list, "replaced": int})
-        self._pending = dict(state_dict)
+        self._pending = dict(state)
         if self.stats:  # strategies that restore after on_fit_start
             self._restore(self._pending)
 
