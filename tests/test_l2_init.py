@@ -56,17 +56,17 @@ def test_exclude_leaves_parameters_free_and_empty_selection_is_refused():
     torch.manual_seed(0)
     module = Net("sgd")
     start = module.unused.detach().clone()
-    trainer = L.Trainer(max_steps=3, callbacks=[L2Init(strength=LAMBDA, exclude=["unused"])], logger=False,
+    trainer = L.Trainer(max_steps=3, callbacks=[L2Init(strength=LAMBDA, selection={"exclude": ["unused"]})], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(12, 5), torch.randn(12, 2)), batch_size=4))
     assert torch.equal(module.unused, start)
     with pytest.raises(ValueError, match="no trainable parameter matches"):
-        L.Trainer(max_steps=1, callbacks=[L2Init(include=["nothing.*"])], logger=False, enable_checkpointing=False,
+        L.Trainer(max_steps=1, callbacks=[L2Init(selection={"include": ["nothing.*"]})], logger=False, enable_checkpointing=False,
                   enable_progress_bar=False).fit(Net("sgd"), DataLoader(TensorDataset(torch.randn(4, 5),
                                                                                      torch.randn(4, 2)), batch_size=4))
 
 
-@pytest.mark.parametrize("bad", [dict(strength=-1.0), dict(strength="big"), dict(exclude="unused")])
+@pytest.mark.parametrize("bad", [dict(strength=-1.0), dict(strength="big"), dict(selection={"scope": "mlp"})])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(ValueError):
         L2Init(**bad)

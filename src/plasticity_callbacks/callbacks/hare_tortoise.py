@@ -1,15 +1,15 @@
 """``HareTortoise``: a slow EMA copy of the network (the tortoise) that the fast one (the hare) is reset to."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
-from ..core.model_map import validate_patterns
+from ..core.model_map import Selection
 from ..core.optimizer_state import reset_optimizer_state
-from ..core.parameter_patterns import matching_parameters
+from ..core.parameter_patterns import matching_parameters, name_selection
 from ..core.schedule import Schedule
 from ..functional.anchors import ema_toward_
 from .base import PlasticityCallback
@@ -32,8 +32,8 @@ class HareTortoise(PlasticityCallback):
         schedule: when the hare is reset to the tortoise (a Schedule or a mapping of its fields);
             None: ``Schedule(every_n_steps=1000)``.
         reset_optimizer: also drop the optimizer state of the reset parameters.
-        include: ``fnmatch`` patterns on parameter names in the pair; None: every trainable parameter.
-        exclude: ``fnmatch`` patterns on parameter names the tortoise does not track.
+        selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
+            parameter names) of the parameters in the pair; None: every trainable parameter.
 
     Example:
         >>> ht = HareTortoise(decay=0.999, schedule=Schedule(at_task_boundaries=True))
@@ -46,15 +46,12 @@ class HareTortoise(PlasticityCallback):
     extra_state_types = {"names": list, "tortoise": list, "resets": int}
 
     def __init__(self, decay: float = 0.999, schedule: Schedule | Mapping | None = None, reset_optimizer: bool = False,
-                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None):
+                 selection: Selection | Mapping | None = None):
         check_number("decay", decay, 0.0, 0.999999999, "(paper: 0.999)")
         if not isinstance(reset_optimizer, bool):
             raise ValueError(f"HareTortoise reset_optimizer={reset_optimizer!r} must be true or false")
-        validate_patterns(include=include, exclude=exclude)
-        super().__init__(schedule)
+        super().__init__(schedule, name_selection(selection, "HareTortoise"))
         self.decay, self.reset_optimizer = float(decay), reset_optimizer
-        self.include = None if include is None else list(include)
-        self.exclude = None if exclude is None else list(exclude)
         self.names: list[str] = []
         self.tortoise: list[torch.Tensor] = []
         self.resets = 0
@@ -63,21 +60,20 @@ class HareTortoise(PlasticityCallback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(decay=self.decay, schedule=self.schedule.describe(), include=self.include,
-                                        exclude=self.exclude)
+        return self._generate_state_key(decay=self.decay, schedule=self.schedule.describe(),
+                                        include=self.selection.include, exclude=self.selection.exclude)
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        matching_parameters(pl_module, self.include, self.exclude, self.owner)  # fails before any training
+    def check_targets(self, trainer, pl_module) -> None:
+        matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        chosen = matching_parameters(pl_module, self.include, self.exclude, self.owner)
+        chosen = matching_parameters(pl_module, self.selection, self.owner)
         if not self.tortoise:  # a restored checkpoint brings its tortoise
             self.names = [name for name, _ in chosen]
             self.tortoise = [p.detach().clone() for _, p in chosen]
         if [name for name, _ in chosen] != self.names:
             raise ValueError(f"HareTortoise: the checkpoint's tortoise tracks {len(self.names)} parameters, this model "
-                             f"selects {len(chosen)}; use the same model and include/exclude")
+                             f"selects {len(chosen)}; use the same model and selection")
         self._hare = [p for _, p in chosen]
         self.tortoise = [t.to(device=p.device, dtype=p.dtype) for t, p in zip(self.tortoise, self._hare)]
         rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "

@@ -1,14 +1,14 @@
 """``L2Init``: regenerative regularization, a pull ``λ‖θ - θ₀‖²`` toward the initial parameters."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
-from ..core.model_map import validate_patterns
-from ..core.parameter_patterns import matching_parameters
+from ..core.model_map import Selection
+from ..core.parameter_patterns import matching_parameters, name_selection
 from ..functional.anchors import l2_init_grad_
 from .base import PlasticityCallback
 
@@ -22,13 +22,13 @@ class L2Init(PlasticityCallback):
     selected parameter's gradient gets ``2λ(θ - θ₀)``. ``θ₀`` is the parameters at the start of the
     first fit (identical on every rank: DDP broadcasts rank 0's weights before any callback runs), kept
     in ``state_dict``, so a resumed run pulls toward the same point. Every trainable parameter is pulled,
-    biases and norms included, as the paper regularizes all of them; ``include``/``exclude`` narrow it.
+    biases and norms included, as the paper regularizes all of them; ``selection``'s name patterns narrow it.
     Logs ``l2_init/distance`` (``‖θ - θ₀‖``) every ``trainer.log_every_n_steps``.
 
     Args:
         strength: ``λ`` >= 0 (the paper sweeps 1e-2 to 1e-5).
-        include: ``fnmatch`` patterns on parameter names to pull; None: every trainable parameter.
-        exclude: ``fnmatch`` patterns on parameter names to leave free.
+        selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
+            parameter names); None: every trainable parameter.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[L2Init(strength=1e-3)], max_steps=10_000)
@@ -39,35 +39,31 @@ class L2Init(PlasticityCallback):
     default_schedule = None  # the pull acts at every optimizer step
     extra_state_types = {"names": list, "anchors": list}
 
-    def __init__(self, strength: float = 1e-3, include: Sequence[str] | None = None,
-                 exclude: Sequence[str] | None = None):
+    def __init__(self, strength: float = 1e-3, selection: Selection | Mapping | None = None):
         check_number("strength", strength, 0.0, hint="(paper: 1e-2 to 1e-5)")
-        validate_patterns(include=include, exclude=exclude)
-        super().__init__()
+        super().__init__(selection=name_selection(selection, "L2Init"))
         self.strength = float(strength)
-        self.include = None if include is None else list(include)
-        self.exclude = None if exclude is None else list(exclude)
         self.names: list[str] = []
         self.anchors: list[torch.Tensor] = []
         self._params: list[torch.nn.Parameter] = []
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(strength=self.strength, include=self.include, exclude=self.exclude)
+        return self._generate_state_key(strength=self.strength, include=self.selection.include,
+                                        exclude=self.selection.exclude)
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        matching_parameters(pl_module, self.include, self.exclude, self.owner)  # fails before any training
+    def check_targets(self, trainer, pl_module) -> None:
+        matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        chosen = matching_parameters(pl_module, self.include, self.exclude, self.owner)
+        chosen = matching_parameters(pl_module, self.selection, self.owner)
         if not self.anchors:  # a restored checkpoint keeps the θ₀ of the first fit
             self.names = [name for name, _ in chosen]
             self.anchors = [p.detach().clone() for _, p in chosen]
         if [name for name, _ in chosen] != self.names:
             raise ValueError(f"L2Init: the checkpoint anchored {len(self.names)} parameters {self.names[:3]}..., this "
                              f"model selects {len(chosen)} {[n for n, _ in chosen][:3]}...; use the same model and "
-                             "include/exclude")
+                             "selection")
         self._params = [p for _, p in chosen]
         self.anchors = [a.to(p.device) for a, p in zip(self.anchors, self._params)]
         rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")

@@ -1,15 +1,15 @@
 """``WeightClip``: after every optimizer step, every layer's weights stay within ``±κ`` times their init bound."""
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
-from ..core.model_map import is_conv1d, validate_patterns
+from ..core.model_map import Selection, is_conv1d
 from ..core.model_map.weights import is_layer
+from ..core.parameter_patterns import name_selection
 from ..functional.anchors import clip_to_bounds_, fan_in_bound
 from .base import PlasticityCallback
 
@@ -30,8 +30,8 @@ class WeightClip(PlasticityCallback):
     Args:
         kappa: ``κ`` > 0, the box in units of the init bound (the paper sweeps 1 to 4; the reference code's
             default is 1).
-        include: ``fnmatch`` patterns on parameter names to clip; None: every layer weight and bias.
-        exclude: ``fnmatch`` patterns on parameter names to leave alone.
+        selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
+            parameter names) of the weights and biases to clip; None: every layer weight and bias.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[WeightClip(kappa=2.0)], max_steps=10_000)
@@ -41,23 +41,20 @@ class WeightClip(PlasticityCallback):
     summary_metrics = ("weight_clip/clipped",)
     default_schedule = None  # clips after every optimizer step
 
-    def __init__(self, kappa: float = 2.0, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None):
+    def __init__(self, kappa: float = 2.0, selection: Selection | Mapping | None = None):
         check_number("kappa", kappa, 1e-12, hint="(paper: 1 to 4)")
-        validate_patterns(include=include, exclude=exclude)
-        super().__init__()
+        super().__init__(selection=name_selection(selection, "WeightClip"))
         self.kappa = float(kappa)
-        self.include = None if include is None else list(include)
-        self.exclude = None if exclude is None else list(exclude)
         self._params: list[torch.nn.Parameter] = []
         self._bounds: list[float] = []
         self._last_step = -1
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(kappa=self.kappa, include=self.include, exclude=self.exclude)
+        return self._generate_state_key(kappa=self.kappa, include=self.selection.include,
+                                        exclude=self.selection.exclude)
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+    def check_targets(self, trainer, pl_module) -> None:
         self._params, self._bounds = [], []
         for module_name, module in pl_module.named_modules():
             if not is_layer(module):
@@ -66,21 +63,16 @@ class WeightClip(PlasticityCallback):
             for attr in ("weight", "bias"):
                 param = getattr(module, attr, None)
                 name = f"{module_name}.{attr}" if module_name else attr
-                if isinstance(param, torch.nn.Parameter) and param.requires_grad and self._wanted(name):
+                if isinstance(param, torch.nn.Parameter) and param.requires_grad and self.selection.matches(name):
                     self._params.append(param)
                     self._bounds.append(bound)
         if not self._params:
-            raise ValueError(f"WeightClip found no Linear/conv/Conv1D weight matching include={self.include}, "
-                             f"exclude={self.exclude}")
+            raise ValueError(f"WeightClip found no Linear/conv/Conv1D weight matching include={self.selection.include}, "
+                             f"exclude={self.selection.exclude}")
         chosen = {id(p) for p in self._params}
         others = sum(1 for p in pl_module.parameters() if p.requires_grad and id(p) not in chosen)
         rank_zero_info(f"WeightClip keeps {len(self._params)} layer weights/biases within ±{self.kappa}/√fan_in; "
                        f"{others} other trainable tensors (norms, embeddings, excluded) are not clipped")
-
-    def _wanted(self, name: str) -> bool:
-        if self.include is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
-            return False
-        return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude or ())
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
