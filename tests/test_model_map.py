@@ -366,3 +366,13 @@ def test_coverage_lists_every_matrix_with_its_reason_and_warns_about_unknown_one
 
 def names(targets):
     return [t.name for t in targets]
+
+
+def test_redo_says_which_units_it_cannot_recycle():
+    from model_zoo import ConvZoo, Recurrent
+
+    with pytest.warns(UserWarning, match=r"units of grouped are not recycled: they feed depthwise, a grouped conv "
+                                         r"\(groups=8\)"):
+        assert find_neuron_layers(ConvZoo()) == []
+    with pytest.warns(UserWarning, match=r"ReDo does not recycle the hidden units of \['lstm \(LSTM\)', 'gru \(GRU\)'"):
+        find_neuron_layers(Recurrent())

@@ -124,6 +124,7 @@ class DirectionalShrink(PlasticityCallback):
                 weight = layer.view.read()  # a view: shrinking it shrinks the parameter
                 weight_factors = factor_fn(weight, layer.view.oriented(direction))
                 apply_shrink_(weight, weight_factors)
+                layer.view.write(weight)  # a grouped transposed conv's (out, in) view is a copy
                 if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
                     apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
                 stats.append((layer.name, weight_factors.detach().flatten()))

@@ -328,8 +328,9 @@ class ReDoMonitor(PlasticityCallback):
                         for i, m in enumerate((layer.up, layer.gate or layer.up))]
             else:
                 init = self.init
-            counts.append(reinit_incoming(layer.up, masks[layer.name], layer.gate, init, trainer.optimizers,
-                                          generator, norm=layer.norm))
+            reinit_incoming(layer.up, layer.incoming_mask(masks[layer.name]), layer.gate, init, trainer.optimizers,
+                            generator, norm=layer.norm)
+            counts.append(masks[layer.name].sum())
         # Outgoing weights only after every re-initialization (the reference's order): where one layer's
         # down is the next one's up, a weight joining two recycled neurons ends at 0, not re-sampled.
         for layer, count in zip(self.layers, counts):
