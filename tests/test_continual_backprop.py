@@ -210,13 +210,31 @@ def test_replaced_units_are_fresh_on_other_families(family):
             assert torch.equal(layer.norm.weight[new], torch.ones(int(new.sum())))
 
 
-def test_ranks_replace_the_same_units_under_ddp(tmp_path):
+def test_ages_count_optimizer_steps_under_gradient_accumulation():
+    torch.manual_seed(0)
+    callback = ContinualBackprop(replacement_rate=0.2, maturity_threshold=2)
+    x, y = _data(6, seed=4)
+    _fit(MLP(), callback, x, y, 3, accumulate_grad_batches=2)  # 6 batches, 3 optimizer steps
+    # only step 3 has mature units (age 3 > 2): int(0.2·10) + int(0.2·8) = 3 replaced
+    assert callback.replaced == 3
+    assert [int(s["age"].max()) for s in callback.stats] == [3, 3]
+
+
+def test_ranks_stay_identical_under_ddp_with_every_per_step_method(tmp_path):
+    """CBP's draws come from a rank-identical generator and its statistics are averaged over ranks; L2-Init,
+    weight clipping and Hare & Tortoise are deterministic: after 5 accumulated steps both ranks agree."""
     from ddp_harness import assert_ranks_identical, run_ddp
 
-    results = run_ddp(tmp_path, {"_target_": "plasticity_callbacks.callbacks.continual_backprop.ContinualBackprop",
-                                 "replacement_rate": 0.2, "maturity_threshold": 2}, model="mlp", steps=5)
+    cb = "plasticity_callbacks.callbacks."
+    results = run_ddp(tmp_path, [
+        {"_target_": cb + "continual_backprop.ContinualBackprop", "replacement_rate": 0.2, "maturity_threshold": 2},
+        {"_target_": cb + "l2_init.L2Init", "strength": 0.1},
+        {"_target_": cb + "weight_clip.WeightClip", "kappa": 0.5},
+        {"_target_": cb + "hare_tortoise.HareTortoise", "decay": 0.5, "schedule": {"every_n_steps": 2}},
+    ], model="mlp", steps=5, accumulate=2)
     assert_ranks_identical(results)
-    assert results[0]["metrics"]["cbp/replaced"] > 0
+    metrics = results[0]["metrics"]
+    assert metrics["cbp/replaced"] > 0 and metrics["weight_clip/clipped"] >= 0 and metrics["hare_tortoise/distance"] > 0
 
 
 @pytest.mark.parametrize("bad", [dict(replacement_rate=-0.1), dict(maturity_threshold=1.5), dict(decay_rate=1.0),

@@ -22,8 +22,8 @@ class ContinualBackprop(PlasticityCallback):
     **Units** are the model map's neuron layers (:func:`~plasticity_callbacks.core.model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
     BERT), or an explicit ``layer_map``. **Collects** in a forward pre-hook on each ``down`` layer (training
-    forwards only; with gradient accumulation, the step's last micro-batch) the batch mean ``E[h_i]`` and
-    ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end``, after the optimizer step, as the reference runs
+    forwards only; with gradient accumulation, the optimizer step's last micro-batch) the batch mean ``E[h_i]`` and
+    ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end`` of each batch whose optimizer stepped, as the reference runs
     generate-and-test after ``opt.step()``: the statistics of
     :mod:`plasticity_callbacks.functional.continual_backprop` are updated with the weight magnitudes after
     the step, and the chosen units get incoming rows from ``U(±bound(fan_in))`` (``init``; a gate's rows
@@ -96,6 +96,7 @@ class ContinualBackprop(PlasticityCallback):
         self._batch: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: (E[h], E|h - f̂|) of this step
         self._pending: dict | None = None
         self._hooks: list = []
+        self._last_step = -1
 
     @property
     def state_key(self) -> str:
@@ -127,6 +128,10 @@ class ContinualBackprop(PlasticityCallback):
             self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
         rank_zero_info(f"ContinualBackprop watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_step = trainer.global_step
+
     def on_fit_end(self, trainer, pl_module) -> None:
         self._remove_hooks()
 
@@ -155,8 +160,9 @@ class ContinualBackprop(PlasticityCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if not pl_module.training:
+        if not pl_module.training or trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
             return
+        self._last_step = trainer.global_step
         missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None]
         if missing:
             raise RuntimeError(f"ContinualBackprop saw no activations of {missing} in this training step: their forward "
