@@ -24,7 +24,6 @@ except ImportError:  # pragma: no cover - Lightning is a dependency, but keep th
     MisconfigurationException = RuntimeError  # type: ignore[misc,assignment]
 
 _SHARDED = ("FSDP", "DeepSpeed", "ModelParallel")
-_GATHERABLE = ("FSDP", "ModelParallel")  # FSDP1 (summon_full_params) and FSDP2 / DTensor (full_tensor)
 
 
 def is_sharded(trainer) -> bool:
@@ -32,19 +31,21 @@ def is_sharded(trainer) -> bool:
 
 
 def require_full_parameters(trainer, owner: str, gather: bool = False) -> None:
-    """Raise a clear error under a strategy whose parameters are sharded.
+    """Raise a clear error under a strategy whose sharded parameters the callbacks cannot read.
 
-    ``gather=True``: the caller reads and writes weights only inside :func:`full_parameters`, so
-    FSDP (1 and 2) is fine; DeepSpeed is still refused (its ZeRO-3 partitions have no gather here).
+    ``ModelParallelStrategy`` (FSDP2, ``DTensor`` parameters) is supported: the callbacks read and
+    write each rank's shard (:mod:`plasticity_callbacks.core.sharding`). FSDP1 (``FSDPStrategy``,
+    flat parameters) and DeepSpeed (ZeRO partitions) are refused with the fix. ``gather`` is accepted
+    for callers that gather inside :func:`full_parameters`; it allows nothing more.
     """
     name = type(trainer.strategy).__name__
-    if not is_sharded(trainer) or (gather and any(g in name for g in _GATHERABLE)):
+    if not is_sharded(trainer) or "ModelParallel" in name:
         return
-    how = ("DeepSpeed partitions have no gather path here" if gather else
-           "this callback does not gather full weights (plasticity_callbacks.core.distributed.full_parameters)")
     raise MisconfigurationException(
-        f"{owner} needs each weight matrix whole, but strategy {name} shards parameters and {how}. "
-        "Use strategy='ddp' (or a single device)."
+        f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "
+        "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy() with "
+        "fully_shard(..., mesh=self.device_mesh['data_parallel']) in configure_model (trainer=fsdp2), "
+        "or strategy='ddp'."
     )
 
 

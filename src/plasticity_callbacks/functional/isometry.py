@@ -20,7 +20,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..core.distributed import is_dtensor
 from ..core.optimizer_state import reset_optimizer_state
+from ..core.sharding import sharded_fire
 from .spectral import (
     DegenerateMatrixError,
     check_polar_options,
@@ -168,6 +170,11 @@ def apply_fire(
         targets = select_targets(module, scope, include, exclude, include_conv, include_head)
     records, fired = [], []
     for target in targets:
+        if is_dtensor(target.param):  # FSDP2: each rank writes its own rows, no whole matrix (core.sharding)
+            done = sharded_fire(target, options, record_spectra)
+            records.extend(done)
+            fired.extend(target.trainable() if any(r.skipped is None for r in done) else [])
+            continue
         blocks, changed = target.block_list(), False
         with torch.no_grad():
             weight = target.read()  # (out, in, *k); a view of the parameter unless factorized

@@ -104,9 +104,15 @@ class WeightView:
 Target = WeightView
 
 
+def class_name(module: nn.Module) -> str:
+    """The module's own class name: FSDP2's ``fully_shard`` swaps a ``Conv1D``'s class for ``FSDPConv1D``."""
+    name = type(module).__name__
+    return name.removeprefix("FSDP") if name.startswith("FSDP") and hasattr(module, "reshard") else name
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (a Linear stored ``(in, out)``), without importing it."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    return class_name(module) == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
 def is_layer(module: nn.Module) -> bool:
@@ -134,7 +140,7 @@ def module_roles(model: nn.Module, mlp_modules: dict[int, str] | None = None) ->
             continue
         parent = roles[name.rsplit(".", 1)[0] if "." in name else ""]
         role = declared.get(name) or getattr(module, "plasticity_role", None)
-        if role is None and (isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")):
+        if role is None and (isinstance(module, nn.MultiheadAttention) or class_name(module).endswith("Attention")):
             role = "attention"
         if role is None and id(module) in mlp_modules and parent == "other":
             role = "mlp"
