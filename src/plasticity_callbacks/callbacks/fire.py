@@ -35,7 +35,8 @@ class FIREReinit(L.Callback):
     ``fire/dfi_after`` (mean over layers), ``fire/sfe``, ``fire/sfe_normalized``, ``fire/seconds``
     (rank mean), ``fire/applications``, and per layer with ``log_per_layer``. ``save_spectra``
     saves singular-value spectra before/after as a figure in the logger's directory.
-    Every rank computes the same deterministic result; sharded strategies are refused at setup.
+    Every rank computes the same deterministic result; under FSDP2 each rank writes its own rows of the
+    polar factor from an all-reduced Gram matrix (:func:`plasticity_callbacks.core.sharding.sharded_fire`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
@@ -96,7 +97,7 @@ class FIREReinit(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.firing.begin_fit(stage)
-        require_full_parameters(trainer, "FIREReinit")
+        require_full_parameters(trainer, "FIREReinit", fsdp2=True)
         require_targets(select_targets(pl_module, **self.selection), "FIREReinit", self.selection["scope"],
                         self.selection["include"], self.selection["exclude"])
 
