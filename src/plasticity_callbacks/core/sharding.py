@@ -85,7 +85,7 @@ def sharded_fire(target, options, record_spectra: bool = False) -> list:
     """FIRE on one weight whose parameter is a ``Shard(0)`` DTensor: every row block, rows written in place.
 
     Args:
-        target: a :class:`~plasticity_callbacks.core.model_map.WeightView` (not factorized).
+        target: a :class:`~plasticity_callbacks.core.model_map.WeightView` (not factorized, not a grouped conv).
         options: :class:`~plasticity_callbacks.functional.isometry.FIREOptions`; ``scale``, ``on_degenerate``
             apply, and the polar factor is the exact one (``method`` does not apply: an iteration on the
             Gram matrix would reach the same factor).
@@ -97,44 +97,51 @@ def sharded_fire(target, options, record_spectra: bool = False) -> list:
     Example:
         >>> records = sharded_fire(view, FIREOptions())   # on every rank: it is a collective
     """
-    if target.factorized:
-        raise NotImplementedError(f"FIRE on the factorized weight {target.name} under FSDP2: its W_p + BA is not "
-                                  "sharded the same way; switch AdaptiveSVD's factorize mode off, or use DDP")
+    if target.factorized or target.groups != 1:
+        what = "factorized (W_p + BA)" if target.factorized else f"a grouped conv ({target.groups} groups)"
+        raise NotImplementedError(f"FIRE on {target.name} under FSDP2: the weight is {what}, which is not sharded "
+                                  "by rows; exclude it from FIRE's selection or train with strategy='ddp'")
     group = target.param.device_mesh.get_group()
     start, stop = local_span(target.param)
-    local = target.param.to_local()  # stored (out, in, *k) or HF Conv1D's (in, out); sharded on dim 0
+    local = target.param.to_local()  # stored (out, in, *k), or (in, out, *k) when transposed; sharded on dim 0
+    blocks = target.block_list()
     records = []
-    for block in target.block_list():
-        name = target.name if len(target.block_list()) == 1 else f"{target.name}[{block.label}]"
-        if target.transposed:  # rows of X = Wᵀ are the stored rows; a block is a set of stored columns
-            X_local, a, b = local[:, block.start:block.stop], start, stop
-            rows = target.param.shape[0]
-        else:
-            a, b = max(block.start, start), min(block.stop, stop)
-            X_local = local[a - start:max(a, b) - start]
-            a, b, rows = a - block.start, max(a, b) - block.start, block.stop - block.start
-        records.append(_fire_rows(name, target, X_local, (a, b), rows, options, record_spectra, group))
+    for block in blocks:
+        name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
+        rows = list(block.rows)  # the block's rows of the (out, in) view
+        if target.transposed:  # X = the block transposed: its rows are the stored rows this rank holds
+            index = (slice(None), torch.tensor(rows, dtype=torch.long))
+            positions, total = list(range(start, stop)), target.param.shape[0]
+        else:  # X = the block: this rank holds those of its rows in [start, stop)
+            mine = [(p, i - start) for p, i in enumerate(rows) if start <= i < stop]
+            index = (torch.tensor([i for _, i in mine], dtype=torch.long),)
+            positions, total = [p for p, _ in mine], len(rows)
+        X_local = local[index]  # a copy: (rows of X here, cols of X, *k)
+        record, new = _fire_rows(name, target.transposed, X_local, positions, total, options, record_spectra, group)
+        if new is not None:
+            local[index] = new.to(local.dtype)
+        records.append(record)
     return records
 
 
-def _fire_rows(name, target, X_local, span, rows, options, record_spectra, group):
-    """FIRE on one block given as ``X`` (the block, or its transpose) whose rows ``span`` this rank holds."""
+def _fire_rows(name, transposed, X_local, positions, rows, options, record_spectra, group):
+    """FIRE on one block given as ``X`` (the block, or its transpose) of ``rows`` rows, this rank
+    holding rows ``positions``. Returns the record and the new local rows (None when skipped)."""
     from ..functional.isometry import FireRecord, target_scale
 
     started = time.perf_counter()
     cols = X_local.shape[1]
-    view_shape = (cols, rows, *X_local.shape[2:]) if target.transposed else (rows, cols, *X_local.shape[2:])
+    view_shape = (cols, rows, *X_local.shape[2:]) if transposed else (rows, cols, *X_local.shape[2:])
     record = FireRecord(name, view_shape)
     flags = _all_reduce(torch.tensor([float(not bool(torch.isfinite(X_local).all()))], dtype=torch.float64,
                                      device=X_local.device), group)
     if flags.item():
-        return _skip(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate)
-    matrices = _matrices(X_local)  # (*k, local rows, cols): a view, writes go to the shard
-    X64 = matrices.double()
+        return _skip(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
+    X64 = _matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
     gram = _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
     squared_norm = float(gram.diagonal(dim1=-2, dim2=-1).sum())
     if squared_norm == 0.0:
-        return _skip(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate)
+        return _skip(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
     taps = math.prod(X_local.shape[2:])
     if options.scale == "preserve_norm":
         scale = math.sqrt(squared_norm / (min(rows, cols) * taps))
@@ -144,10 +151,10 @@ def _fire_rows(name, target, X_local, span, rows, options, record_spectra, group
     eigenvalues = torch.linalg.eigvalsh(gram)
     if rows < cols or bool((eigenvalues[..., 0] <= _GRAM_RCOND * eigenvalues[..., -1]).any()):
         # Wide or rank-deficient: this block whole on every rank, its polar factor by SVD, as on one process.
-        full = _gather_rows(X64, span, rows, group)
+        full = _gather_rows(X64, positions, rows, group)
         U, _, Vh = torch.linalg.svd(full, full_matrices=False)
         polar = (U @ Vh).mul_(scale)
-        new = polar[..., span[0]:span[1], :]
+        new = polar[..., positions, :]
         record.dfi_before = float(deviation_from_isometry(full, scale, torch.float64).sum())
         record.dfi_after = float(deviation_from_isometry(polar, scale, torch.float64).sum())
         if record_spectra:
@@ -163,9 +170,10 @@ def _fire_rows(name, target, X_local, span, rows, options, record_spectra, group
             record.spectrum_after = torch.linalg.eigvalsh(after).clamp_min(0).sqrt().flip(-1).float().cpu()
     record.sfe = float(_all_reduce((X64 - new).square().sum().reshape(1), group))
     record.sfe_normalized = record.sfe / squared_norm
-    matrices.copy_(new)
     record.seconds = time.perf_counter() - started
-    return record
+    # back to (local rows, cols, *k)
+    new = new if new.dim() == 2 else new.permute(new.dim() - 2, new.dim() - 1, *range(new.dim() - 2))
+    return record, new
 
 
 def _gram_deviation(gram: torch.Tensor, scale: float) -> torch.Tensor:
@@ -174,10 +182,10 @@ def _gram_deviation(gram: torch.Tensor, scale: float) -> torch.Tensor:
                                                                device=gram.device)).square()
 
 
-def _gather_rows(X64: torch.Tensor, span: tuple[int, int], rows: int, group) -> torch.Tensor:
-    """The whole block on every rank, from each rank's rows ``span``, by a zero-padded all-reduce."""
+def _gather_rows(X64: torch.Tensor, positions: list[int], rows: int, group) -> torch.Tensor:
+    """The whole block on every rank, from each rank's rows ``positions``, by a zero-padded all-reduce."""
     full = X64.new_zeros(*X64.shape[:-2], rows, X64.shape[-1])
-    full[..., span[0]:span[1], :] = X64
+    full[..., positions, :] = X64
     return _all_reduce(full, group)
 
 
