@@ -14,17 +14,23 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
+CRASH_EXIT = 3  # fsdp_worker.CRASH_EXIT
 RTOL, ATOL = 1e-4, 1e-5  # float32: FSDP2 reduce-scatters gradients in another order than one process sums them
 
 
-def run_fsdp2(tmp_path: Path, runs: list[dict], timeout: float = 600) -> dict[str, dict]:
-    """Every run on one 2-rank launch (one process-group start for all); each run's rank-0 result by name."""
+def run_fsdp2(tmp_path: Path, runs: list[dict], timeout: float = 600, crash: bool = False) -> dict[str, dict]:
+    """Every run on one 2-rank launch (one process-group start for all); each run's rank-0 result by name.
+    ``crash``: the launch must end by the worker's ``Crash`` (a run with ``crash_at``); nothing is returned."""
     spec_path = tmp_path / "fsdp_spec.json"
     spec_path.write_text(json.dumps({"out": str(tmp_path), "runs": runs}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run([sys.executable, str(WORKER), str(spec_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
+    if crash:
+        if proc.returncode != CRASH_EXIT:
+            raise AssertionError(f"expected the crash exit {CRASH_EXIT}, got {proc.returncode}:\n{proc.stderr[-6000:]}")
+        return {}
     if proc.returncode != 0:
         raise AssertionError(f"FSDP2 run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {run["name"]: torch.load(tmp_path / f"{run['name']}.pt", weights_only=False) for run in runs}

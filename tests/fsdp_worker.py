@@ -7,7 +7,7 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
 A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "optimizer",
-"batch", "ckpt_every", "stop_at", "resume"}``; the result: full parameters, full optimizer state by
+"batch", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by
 parameter name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
@@ -88,6 +88,22 @@ def shard_every_layer(module: L.LightningModule) -> None:
     fully_shard(root, mesh=mesh)
 
 
+class Crash(L.Callback):
+    """Every rank dies (``os._exit``, no clean-up) right after the checkpoint of step ``at`` is written."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.at:
+            import os
+
+            os._exit(CRASH_EXIT)
+
+
+CRASH_EXIT = 3
+
+
 def full(tensor):
     return tensor.full_tensor().detach().clone() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
 
@@ -118,11 +134,14 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     if spec.get("ckpt_every"):
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "ckpt", every_n_train_steps=spec["ckpt_every"],
                                          save_top_k=-1, save_last=True))
-    steps = spec.get("stop_at") or spec.get("steps", 4)
+    if spec.get("crash_at"):  # after ModelCheckpoint in the list: its checkpoint of that step is complete
+        callbacks.append(Crash(spec["crash_at"]))
+    steps = spec.get("steps", 4)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                       save_distributed_checkpoint=False) if devices > 1 else "auto",
+                                       save_distributed_checkpoint=spec.get("distributed_checkpoint", False))
+        if devices > 1 else "auto",
         logger=CSVLogger(run_dir, name="logs", version=""), log_every_n_steps=1,
         enable_checkpointing=bool(spec.get("ckpt_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,
