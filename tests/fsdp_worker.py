@@ -7,7 +7,7 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
 A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "optimizer",
-"batch", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by
+"batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by
 parameter name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
@@ -89,12 +89,13 @@ def shard_every_layer(module: L.LightningModule) -> None:
 
 
 class Crash(L.Callback):
-    """Every rank dies (``os._exit``, no clean-up) right after the checkpoint of step ``at`` is written."""
+    """Every rank dies (``os._exit``, no clean-up) as step ``at + 1`` begins: after the checkpoint of step
+    ``at`` (Lightning runs ``ModelCheckpoint`` after every other callback's ``on_train_batch_end``)."""
 
     def __init__(self, at: int):
         self.at = at
 
-    def on_train_batch_end(self, trainer, *args):
+    def on_train_batch_start(self, trainer, *args):
         if trainer.global_step == self.at:
             import os
 
@@ -110,11 +111,15 @@ def full(tensor):
 
 def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
-    samples = 16 * batch  # 8 global batches
+    samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
     if model == "mlp":
         return ShardedMLP(lr=lr), loader(tiny.regression_loader(n=samples).dataset, batch, devices)
     if model == "gpt":
-        return tiny.tiny_gpt_module(), loader(tiny.token_loader(n=samples).dataset, batch, devices)
+        from plasticity_callbacks.models import GPTLightningModule
+
+        config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16)
+        return (GPTLightningModule(config, lr=lr, schedule="constant"),
+                loader(tiny.token_loader(n=samples).dataset, batch, devices))
     # SGD for attention models: a key bias has a zero gradient (softmax ignores it), and Adam would turn
     # the rounding noise of two reduction orders into full-size, different steps.
     module = Sharded(model, lr, batch, devices, spec.get("optimizer", "adamw"))
@@ -134,7 +139,7 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     if spec.get("ckpt_every"):
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "ckpt", every_n_train_steps=spec["ckpt_every"],
                                          save_top_k=-1, save_last=True))
-    if spec.get("crash_at"):  # after ModelCheckpoint in the list: its checkpoint of that step is complete
+    if spec.get("crash_at"):
         callbacks.append(Crash(spec["crash_at"]))
     steps = spec.get("steps", 4)
     trainer = L.Trainer(

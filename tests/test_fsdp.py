@@ -23,17 +23,21 @@ RUNS = [
     {"name": "fire_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
     # nn.MultiheadAttention's in_proj (48×16): rank 0 holds rows 0..23, so the K block (16..31) is split across ranks.
     {"name": "fire_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
-    # The package's GPT sharded by its own configure_model, its head included; AdamW state reset.
-    {"name": "fire_gpt", "model": "gpt", "steps": 3,
-     "callbacks": [dict(FIRE, schedule={"at_fit_start": True, "steps": [2]}, selection={"include_head": True})]},
-    # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint.
-    {"name": "resume_reference", "model": "mlp", "steps": 6, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
-    {"name": "resume_resumed", "model": "mlp", "steps": 6, "resume": "crashed_2/ckpt/last.ckpt",
+    # The package's GPT sharded by its own configure_model, its head included, at fit start; AdamW's state of
+    # the treated weights is reset at step 2 (lr = 0: Adam would turn the rounding noise of two gradient
+    # reduction orders, on entries whose gradient is near zero, into lr-sized steps that differ).
+    {"name": "fire_gpt", "model": "gpt", "lr": 0.0, "steps": 3,
+     "callbacks": [dict(FIRE, schedule={"at_fit_start": True}, selection={"include_head": True})]},
+    # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
+    # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
+    {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
+     "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+    {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
      "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
 ]
 # Both ranks die right after the distributed checkpoint at step 3 (its own launch: the processes end there).
-CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "crash_at": 3, "ckpt_every": 3, "distributed_checkpoint": True,
-           "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]}
+CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "crash_at": 3, "ckpt_every": 3,
+           "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]}
 
 
 @pytest.fixture(scope="module")

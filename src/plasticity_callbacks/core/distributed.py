@@ -31,21 +31,23 @@ def is_sharded(trainer) -> bool:
     return any(name in type(trainer.strategy).__name__ for name in _SHARDED)
 
 
-def require_full_parameters(trainer, owner: str, gather: bool = False, fsdp2: bool = False) -> None:
+def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
     """Raise a clear error under a strategy whose sharded parameters the caller cannot act on.
 
     ``fsdp2=True``: the caller acts on each rank's shard of ``DTensor`` parameters
     (:mod:`plasticity_callbacks.core.sharding`), so ``ModelParallelStrategy`` (FSDP2) is accepted.
     FSDP1 (``FSDPStrategy``, flat parameters) and DeepSpeed (ZeRO partitions) are always refused with the fix.
-    ``gather`` is kept for callers that gather inside :func:`full_parameters`; it allows nothing more.
+
+    Example:
+        >>> require_full_parameters(trainer, "FIREReinit", fsdp2=True)   # in setup, on every rank
     """
     name = type(trainer.strategy).__name__
     if not is_sharded(trainer) or (fsdp2 and "ModelParallel" in name):
         return
     if "ModelParallel" in name:
         raise MisconfigurationException(
-            f"{owner} does not act on FSDP2's sharded weights yet (strategy {name}); FIREReinit does. "
-            "Use strategy='ddp' for this callback.")
+            f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit does. "
+            "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
         f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "
         "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "

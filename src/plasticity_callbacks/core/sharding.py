@@ -33,7 +33,8 @@ from ..functional.spectral import DegenerateMatrixError, deviation_from_isometry
 _GRAM_RCOND = 1e-12
 
 
-def polar_rows_from_gram(rows: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+def polar_rows_from_gram(rows: torch.Tensor, gram: torch.Tensor,
+                         eigh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``rows @ gram^{-1/2}`` for a symmetric positive definite ``gram``, in float64; batched over leading dims.
 
     With ``gram = XᵀX`` and ``rows`` any rows of ``X``, these are the same rows of ``X``'s polar factor.
@@ -41,12 +42,13 @@ def polar_rows_from_gram(rows: torch.Tensor, gram: torch.Tensor) -> torch.Tensor
     Args:
         rows: ``(..., m, n)``, some rows of ``X``.
         gram: ``(..., n, n)``, ``XᵀX`` of the whole ``X``.
+        eigh: ``torch.linalg.eigh(gram)`` in float64 when the caller has it already.
 
     Example:
         >>> X = torch.randn(8, 3, dtype=torch.float64)
         >>> polar_rows_from_gram(X[:5], X.mT @ X)   # rows 0..4 of U Vᵀ
     """
-    eigenvalues, eigenvectors = torch.linalg.eigh(gram.double())
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram.double()) if eigh is None else eigh
     inverse_root = (eigenvectors * eigenvalues.rsqrt()[..., None, :]) @ eigenvectors.mT
     return rows.double() @ inverse_root
 
@@ -148,7 +150,7 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     else:
         scale = target_scale(torch.empty(view_shape, device="meta"), options.scale)
     record.scale = scale
-    eigenvalues = torch.linalg.eigvalsh(gram)
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
     if rows < cols or bool((eigenvalues[..., 0] <= _GRAM_RCOND * eigenvalues[..., -1]).any()):
         # Wide or rank-deficient: this block whole on every rank, its polar factor by SVD, as on one process.
         full = _gather_rows(X64, positions, rows, group)
@@ -161,7 +163,7 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
             record.spectrum_before = torch.linalg.svdvals(full).float().cpu()
             record.spectrum_after = torch.linalg.svdvals(polar).float().cpu()
     else:
-        new = polar_rows_from_gram(X64, gram).mul_(scale)
+        new = polar_rows_from_gram(X64, gram, (eigenvalues, eigenvectors)).mul_(scale)
         after = _all_reduce(new.mT @ new, group)
         record.dfi_before = float(_gram_deviation(gram, scale).sum())
         record.dfi_after = float(_gram_deviation(after, scale).sum())
