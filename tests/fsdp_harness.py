@@ -32,7 +32,8 @@ def run_fsdp2(tmp_path: Path, runs: list[dict], timeout: float = 600, crash: boo
             raise AssertionError(f"expected the crash exit {CRASH_EXIT}, got {proc.returncode}:\n{proc.stderr[-6000:]}")
         return {}
     if proc.returncode != 0:
-        raise AssertionError(f"FSDP2 run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"FSDP2 run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return {run["name"]: torch.load(tmp_path / f"{run['name']}.pt", weights_only=False) for run in runs}
 
 
@@ -46,7 +47,8 @@ def run_single(tmp_path: Path, run: dict) -> dict:
 def assert_close(single, sharded, path: str = "") -> None:
     if torch.is_tensor(single):
         assert torch.is_tensor(sharded) and single.shape == sharded.shape, f"{path}: {single.shape} vs {sharded}"
-        torch.testing.assert_close(sharded.double(), single.double(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{path}: {m}")
+        torch.testing.assert_close(sharded.double(), single.double(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{path}: {m}")
     elif isinstance(single, dict):
         assert set(single) == set(sharded), f"{path}: keys {sorted(set(single) ^ set(sharded))} differ"
         for key in single:

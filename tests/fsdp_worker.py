@@ -6,9 +6,10 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
-A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "optimizer",
-"batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by
-parameter name, logged metrics and the callbacks' state.
+A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
+"optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
+"distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter name, logged
+metrics and the callbacks' state.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def shard_every_layer(module: L.LightningModule) -> None:
     inside_attention = {id(c) for m in root.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
     for layer in reversed(list(root.modules())):  # children first: a parent's unit takes what is left
         own = list(layer.parameters(recurse=False))
-        if layer is not root and id(layer) not in inside_attention and any(p.dim() >= 2 for p in own) and not any(id(p) in tied for p in own):
+        if (layer is not root and id(layer) not in inside_attention and any(p.dim() >= 2 for p in own)
+                and not any(id(p) in tied for p in own)):
             fully_shard(layer, mesh=mesh)
     fully_shard(root, mesh=mesh)
 

@@ -4,8 +4,8 @@ The model-level half of FIRE: select weights through the model map, orthogonaliz
 block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`; a block is any set
 of rows, a grouped conv is treated per group and tap), write them back (a factorized weight
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
-split is unknown is refused with the declarations that fit it.
-Under FSDP2 each rank writes its own rows of every polar factor (:func:`~plasticity_callbacks.core.sharding.sharded_fire`).
+split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
+rows of every polar factor (:func:`~plasticity_callbacks.core.sharding.sharded_fire`).
 """
 from __future__ import annotations
 
