@@ -178,7 +178,7 @@ class ContinualBackprop(PlasticityCallback):
             unit_mean = cbp.corrected_mean(stats["mean"], batch_mean, stats["age"], self.decay)
             stats["util"], stats["mean"], corrected = cbp.update_statistics(
                 stats["util"], stats["mean"], stats["age"], self.decay, activity, batch_mean,
-                _outgoing_magnitude(layer), _rows(layer.up).abs().flatten(1).float().mean(1), self.utility)
+                _outgoing_magnitude(layer), _incoming_magnitude(layer), self.utility)
             chosen.append((corrected, unit_mean))
         count = 0
         for index, (layer, stats, (corrected, unit_mean)) in enumerate(zip(self.layers, self.stats, chosen)):
@@ -199,9 +199,11 @@ class ContinualBackprop(PlasticityCallback):
             if incoming is None:
                 continue
             rows = _rows(incoming)
-            new = cbp.draw_rows(len(units), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
-            cbp.redraw_incoming_(rows, getattr(incoming, "bias", None), units, new)
-            mask = _mask(units, rows.shape[0])
+            # a fused [gate | up] layer: the unit is its row in each half
+            picked = torch.cat([units, units + layer.width]) if layer.fused_gate else units
+            new = cbp.draw_rows(len(picked), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
+            cbp.redraw_incoming_(rows, getattr(incoming, "bias", None), picked, new)
+            mask = _mask(picked, rows.shape[0])
             zero_optimizer_state_slices(trainer.optimizers, incoming.weight, mask, dim=int(is_conv1d(incoming)))
             if getattr(incoming, "bias", None) is not None:
                 zero_optimizer_state_slices(trainer.optimizers, incoming.bias, mask, dim=0)
@@ -256,6 +258,12 @@ def _rows(layer: nn.Module) -> torch.Tensor:
 
 def _mask(indices: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.bool, device=indices.device).index_fill_(0, indices, True)
+
+
+def _incoming_magnitude(layer: NeuronLayer) -> torch.Tensor:
+    """``mean |w_in[i, :]|`` per unit ``i`` (a fused [gate | up] layer: over the unit's row in both halves)."""
+    rows = _rows(layer.up).detach().abs().flatten(1).float().mean(1)
+    return rows.view(2, layer.width).mean(0) if layer.fused_gate else rows
 
 
 def _outgoing_magnitude(layer: NeuronLayer) -> torch.Tensor:
