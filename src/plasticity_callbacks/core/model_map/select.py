@@ -222,6 +222,15 @@ def require_targets(targets: list[WeightView], owner: str, selection: Selection)
     return targets
 
 
+def refuse_unknown_splits(views: Iterable[WeightView], owner: str) -> None:
+    """Raise, with the declarations that fit, when a method that treats each of Q, K, V on its own meets a
+    fused matrix whose split is unknown."""
+    unknown = [v.split_unknown for v in views if v.split_unknown]
+    if unknown:
+        raise ValueError(f"{owner} treats each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
+                         + " (or exclude the weight)")
+
+
 def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None:
     """Raise when a callback that cannot act through ``W_p + BA`` meets a factorized weight."""
     factorized = [v.name for v in views if v.factorized]
