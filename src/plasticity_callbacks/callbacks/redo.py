@@ -347,7 +347,9 @@ class ReDoMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
-        if not self.plot_scores or self.collections == 0:
+        from ..core.figures import can_draw
+
+        if not self.plot_scores or self.collections == 0 or not can_draw("ReDoMonitor", "plot_scores"):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:
