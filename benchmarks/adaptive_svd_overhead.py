@@ -161,7 +161,8 @@ def memory(ranks: list[int]) -> None:
             # head and output projections start at zero, so every block gradient is nonzero only from
             # step 2 on: split once at step 3, then take two steps so the factors' moments exist
             callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]),
-                                           thresholds={"clobber_alignment": 0.0}, initial_rank=r, r_min=r, save_figure=False, log_per_matrix=False)]
+                                           thresholds={"clobber_alignment": 0.0}, initial_rank=r, r_min=r,
+                                           save_figure=False, log_per_matrix=False)]
         trainer = cpu_trainer(max_steps=5, callbacks=callbacks)
         trainer.fit(module, token_loader(n=5, sequence_len=module.config.sequence_len, vocab=256, batch_size=1))
         if callbacks:

@@ -166,7 +166,15 @@ def groups_of(runs: list[Run]) -> dict[str, list[Run]]:
 # ------------------------------------------------------------------------------ the table
 
 def last_phase(run: Run) -> dict:
-    return list(run.state["phases"].values())[-1]
+    """The run's last phase, with each method's summary values (``summary_metrics``) as columns of their own."""
+    phase = list(run.state["phases"].values())[-1]
+    return {**phase, **phase.get("summary", {})}
+
+
+def summary_columns(runs: list[Run]) -> list[tuple[str, str]]:
+    """One column per summary metric any run's methods named (e.g. ``fire/dfi_after``), in first-seen order."""
+    names = dict.fromkeys(name for r in runs for name in list(r.state["phases"].values())[-1].get("summary", {}))
+    return [(name, name) for name in names]
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -433,7 +441,7 @@ def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     out = out or root / "report"
     out.mkdir(parents=True, exist_ok=True)
     single = all(r.state.get("single_fit") for r in runs)
-    columns = SINGLE_FIT_COLUMNS if single else COLUMNS
+    columns = SINGLE_FIT_COLUMNS if single else [*COLUMNS[:-1], *summary_columns(runs), COLUMNS[-1]]
     table = markdown_table(summarize(runs, columns), columns)
     figures = plot_curves(runs, out)
     phases = " → ".join(runs[0].state.get("phase_order") or runs[0].state["phases"])

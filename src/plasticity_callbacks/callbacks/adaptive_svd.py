@@ -193,7 +193,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         grouped_transposed = [t.name for t in targets if t.transposed and t.groups > 1]
         if grouped_transposed:
             raise ValueError(f"AdaptiveSVDSwitch: {grouped_transposed} are grouped transposed convolutions, whose "
-                             "(out, in) matrix is not a view of the stored kernel; exclude them (exclude=[...])")
+                             "(out, in) matrix is not a view of the stored kernel; exclude them "
+                             "(selection={'exclude': [...]})")
         for t in targets:
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ..core.apply_fire import apply_fire
 from ..core.arguments import build_options, check_int
 from ..core.callback_state import OPTIONAL_INT
-from ..core.distributed import all_reduce_mean
+from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..core.model_map import Selection
 from ..core.optimizer_state import leaf_optimizers
 from ..core.schedule import Schedule
@@ -37,7 +37,9 @@ class FIREReinit(PlasticityCallback):
     ``fire/sfe``, ``fire/sfe_normalized``, ``fire/seconds`` (rank mean), ``fire/applications``,
     ``fire/layers``, and per layer with ``log_per_layer``. ``save_spectra`` saves singular-value
     spectra before/after as a figure in the logger's directory.
-    Every rank computes the same deterministic result; sharded strategies are refused at setup.
+    Every rank computes the same deterministic result; under FSDP2 (``ModelParallelStrategy``) each rank
+    writes its own rows of the polar factor from an all-reduced Gram matrix
+    (:mod:`~plasticity_callbacks.core.sharding`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
@@ -100,6 +102,9 @@ class FIREReinit(PlasticityCallback):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.history = list(state["history"])
         self.warmup_start = state["warmup_start"]
+
+    def check_strategy(self, trainer: L.Trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2 shards: core.sharding
 
     def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
         with warnings.catch_warnings(record=True) as caught:

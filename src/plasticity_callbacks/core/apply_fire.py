@@ -4,7 +4,8 @@ The model-level half of FIRE: select weights through the model map, orthogonaliz
 block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`; a block is any set
 of rows, a grouped conv is treated per group and tap), write them back (a factorized weight
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
-split is unknown is refused with the declarations that fit it.
+split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
+rows of every polar factor (:func:`~plasticity_callbacks.core.sharding.sharded_fire`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from torch import nn
 
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
 from .model_map import Selection, WeightView, select_targets
+from .distributed import is_dtensor
 from .optimizer_state import reset_optimizer_state
+from .sharding import sharded_fire
 
 
 def apply_fire(
@@ -53,6 +56,11 @@ def apply_fire(
                          + " (or exclude the weight)")
     records, fired = [], []
     for target in targets:
+        if is_dtensor(target.param):  # FSDP2: each rank writes its own rows, no whole matrix (core.sharding)
+            done = sharded_fire(target, options, record_spectra)
+            records.extend(done)
+            fired.extend(target.trainable() if any(r.skipped is None for r in done) else [])
+            continue
         blocks, changed = target.block_list(), False
         with torch.no_grad():
             weight = target.read()  # (out, in, *k); a view of the parameter unless factorized

@@ -133,7 +133,8 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
 
 
 def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
-    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``."""
+    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``,
+    else the model on one token id."""
     device = next(model.parameters()).device
     hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
               None)
@@ -144,6 +145,13 @@ def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
         for name, layer in layers.items():
             inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
             model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
+        return True
+    except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
+        pass
+    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        return False
+    try:  # a token model (nanoGPT, litgpt): forward(idx)
+        model(torch.zeros(1, 1, dtype=torch.long, device=device))
         return True
     except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
         return False
