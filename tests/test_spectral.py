@@ -6,11 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
+from plasticity_callbacks.core.apply_fire import apply_fire
+from plasticity_callbacks.core.model_map import Selection
+from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
     POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, PolarOptions, RankDeficientError, choose_method,
-    deviation_from_isometry, effective_rank, orthogonalize, polar_express_coefficients, polar_from_gram, singular_value_summary, squared_frobenius_error, stable_rank,
+    deviation_from_isometry, effective_rank, orthogonalize, polar_express_coefficients, polar_from_gram,
+    singular_value_summary, squared_frobenius_error, stable_rank,
 )
 from tiny import TinyMLPModule, make_optimizer
 
@@ -257,8 +260,8 @@ def test_apply_fire_scales_skips_and_touches_only_weights():
     for name in ("0.bias", "2.bias", "4.weight", "4.bias"):  # biases and the head untouched
         assert torch.equal(dict(model.named_parameters())[name], before[name])
     one_d = nn.Parameter(torch.randn(5))
-    from plasticity_callbacks.core.model_map import Target
-    assert apply_fire(model, targets=[Target("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
+    from plasticity_callbacks.core.model_map import WeightView
+    assert apply_fire(model, targets=[WeightView("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
 
 
 def test_apply_fire_on_nan_weight_warns_and_writes_nothing():
@@ -301,7 +304,7 @@ def test_gpt_at_init_skips_zero_projections_without_nan():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, n_kv_head=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        records = apply_fire(model, scope="attention")
+        records = apply_fire(model, selection=Selection(scope="attention"))
     skipped = sorted(r.name for r in records if r.skipped)
     assert skipped == ["blocks.0.attn.c_proj.weight", "blocks.1.attn.c_proj.weight"]
     assert sum("all zero" in str(w.message) for w in caught) == 2

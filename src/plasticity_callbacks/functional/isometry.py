@@ -1,10 +1,10 @@
-"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No
-Lightning.
+"""FIRE (Han et al., arXiv 2602.08040) on one weight: ``scale · polar(W)``, its options and its record.
 
-Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
+:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
 ``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
-code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the reference
-code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
+code does, and per group for a grouped or depthwise conv, whose operator is block-diagonal over
+groups; a fused matrix such as Q/K/V, gate/up or an LSTM's gates: one polar factor per row block,
+as the reference code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
 factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
 time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
 the model.
@@ -15,12 +15,9 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
-from torch import nn
 
-from ..core.optimizer_state import reset_optimizer_state
 from .spectral import (
     DegenerateMatrixError,
     PolarOptions,
@@ -29,7 +26,6 @@ from .spectral import (
     singular_values,
     squared_frobenius_error,
 )
-from ..core.model_map import Target, select_targets
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
 
@@ -54,21 +50,25 @@ class FireRecord:
     spectrum_after: torch.Tensor | None = field(default=None, repr=False)
 
 
-def as_matrices(param: torch.Tensor) -> torch.Tensor:
+def as_matrices(param: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """A view of a weight as a batch of matrices: ``(d_out, d_in)`` stays; a conv kernel
-    ``(C_out, C_in, *k)`` becomes ``(*k, C_out, C_in)``, one matrix per spatial tap."""
+    ``(C_out, C_in/groups, *k)`` becomes ``(groups, *k, C_out/groups, C_in/groups)`` (no group axis
+    when ``groups == 1``), one matrix per group and spatial tap."""
     if param.dim() == 2:
         return param
-    return param.permute(*range(2, param.dim()), 0, 1)
+    if groups == 1:
+        return param.permute(*range(2, param.dim()), 0, 1)
+    grouped = param.unflatten(0, (groups, -1))  # (groups, C_out/groups, C_in/groups, *k)
+    return grouped.permute(0, *range(3, grouped.dim()), 1, 2)
 
 
-def target_scale(param: torch.Tensor, rule: str | float) -> float:
-    """``sqrt_dout_din``: ``√(d_out/d_in)`` (conv: ``√(C_out/C_in)/(k_h·k_w)``, the reference's);
-    ``unit``: 1 (a pure isometry); ``preserve_norm``: keep ``‖W‖_F``; a number: that scale."""
+def target_scale(param: torch.Tensor, rule: str | float, groups: int = 1) -> float:
+    """``sqrt_dout_din``: ``√(d_out/d_in)`` (conv: ``√(C_out/C_in)/(k_h·k_w)``, the reference's; per group
+    for a grouped conv); ``unit``: 1 (a pure isometry); ``preserve_norm``: keep ``‖W‖_F``; a number: that scale."""
     if not isinstance(rule, str):
         return float(rule)
-    d_out, d_in = param.shape[0], param.shape[1]
-    taps = math.prod(param.shape[2:])
+    d_out, d_in = param.shape[0] // groups, param.shape[1]
+    taps = math.prod(param.shape[2:]) * groups if rule == "preserve_norm" else math.prod(param.shape[2:])
     if rule == "sqrt_dout_din":
         return math.sqrt(d_out / d_in) / taps
     if rule == "unit":
@@ -112,70 +112,30 @@ class FIREOptions(PolarOptions):
             raise ValueError(f"reset_optimizer={self.reset_optimizer!r} must be true or false")
 
 
-def apply_fire(
-    module: nn.Module,
-    optimizers=None,
-    options: FIREOptions | None = None,
-    scope: str = "all",
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
-    include_conv: bool = True,
-    include_head: bool = False,
-    record_spectra: bool = False,
-    targets: list[Target] | None = None,
-) -> list[FireRecord]:
-    """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
-
-    Args:
-        module: the model whose weights change.
-        optimizers: an optimizer or a list of them (None: no optimizer state to reset).
-        options: how to orthogonalize and rescale (:class:`FIREOptions`; None: its defaults).
-        scope, include, exclude, include_conv, include_head: which weights, see
-            :func:`plasticity_callbacks.core.model_map.select_targets`; ignored when ``targets`` is given.
-        record_spectra: keep singular values before/after in each record.
-        targets: the exact weights to change.
-
-    A parameter with NaN/Inf, or all zero (nanochat's zero-initialized ``c_proj``), is skipped with
-    a warning (or raises, ``on_degenerate="raise"``). Returns one :class:`FireRecord` per target.
-
-    Example:
-        >>> records = apply_fire(model, optimizer, FIREOptions(method="svd"), scope="attention")
-        >>> sum(r.dfi_after for r in records)
-    """
-    options = FIREOptions() if options is None else options
-    if not isinstance(options, FIREOptions):
-        raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
-    if targets is None:
-        targets = select_targets(module, scope, include, exclude, include_conv, include_head)
-    records, fired = [], []
-    for target in targets:
-        blocks, changed = target.block_list(), False
-        with torch.no_grad():
-            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
-            for block in blocks:
-                name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
-                record = _fire_one(name, weight[block.start:block.stop], options, record_spectra)
-                records.append(record)
-                changed |= record.skipped is None
-            target.write(weight)
-        if changed:
-            fired.extend(target.trainable())
-    if options.reset_optimizer and optimizers is not None and fired:
-        reset_optimizer_state(optimizers, fired)
-    return records
-
-
 def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerate: str) -> FireRecord:
     """A matrix with no polar factor is never written: raise, or warn and record why it was skipped."""
     if on_degenerate == "raise":
         raise DegenerateMatrixError(message)
-    warnings.warn(message + "; left unchanged", stacklevel=4)  # point at apply_fire's caller, as before
+    warnings.warn(message + "; left unchanged", stacklevel=4)  # point at apply_fire's caller
     record.skipped = reason
     return record
 
 
-def _fire_one(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool) -> FireRecord:
-    """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place."""
+def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool = False,
+                groups: int = 1) -> FireRecord:
+    """FIRE on one matrix (or conv kernel of ``groups`` groups) ``param`` in ``(out, in, *k)`` orientation,
+    written in place.
+
+    Args:
+        name: the weight's name, for the record and warnings.
+        param: the weight (or one row block of it), changed in place.
+        options: how to orthogonalize and rescale.
+        record_spectra: keep singular values before/after in the record.
+        groups: a grouped conv's groups: one polar factor per group and tap.
+
+    Example:
+        >>> record = fire_matrix("w", torch.randn(64, 32), FIREOptions(method="svd"))
+    """
     dtype, on_degenerate = options.torch_dtype, options.on_degenerate
     record = FireRecord(name, tuple(param.shape))
     if param.dim() < 2:
@@ -186,10 +146,10 @@ def _fire_one(name: str, param: torch.Tensor, options: FIREOptions, record_spect
     started = time.perf_counter()
     if not bool(torch.isfinite(param).all()):
         return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
-    matrices = as_matrices(param)  # a view: writing into it writes the parameter
+    matrices = as_matrices(param, groups)  # a view: writing into it writes the parameter
     if not bool(matrices.any()):
         return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
-    s = target_scale(param, options.scale)
+    s = target_scale(param, options.scale, groups)
     record.scale = s
     record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
     if record_spectra:

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
+from ..arguments import build_options
 from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers
-from .weights import CONV, WeightView, fused_blocks, is_conv1d, module_roles, output_heads, stored_param
+from .coverage import log_coverage
+from .probe import probe_fused_layouts
+from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
+                      stored_param, unknown_split)
 
 SCOPES = ("all", "attention", "mlp")
 
@@ -22,42 +27,51 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
                    for m in (layer.up, layer.down, layer.gate) if m is not None}
     roles = module_roles(model, dict.fromkeys(mlp_modules, "mlp"))
     seen: set[int] = set()
-    views = []
+    found = []
     for module_name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
             continue
         for attr, kind in _weight_attributes(module, include_conv):
             param = stored_param(module, attr)
-            if param is None or id(param) in seen:
+            if param is None or id(param) in seen or param.dim() < 2:
                 continue
             seen.add(id(param))
-            name = f"{module_name}.{attr}" if module_name else attr
-            rows = param.shape[1] if is_conv1d(module) else param.shape[0]
-            views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
-                                                  transposed=is_conv1d(module),
-                                                  blocks=fused_blocks(model, module_name, module, attr, rows))))
+            transposed = is_conv1d(module) or isinstance(module, CONV_TRANSPOSE)
+            groups = getattr(module, "groups", 1) if kind == "conv" else 1
+            rows = param.shape[1] * groups if transposed else param.shape[0]  # of the (out, in) view
+            found.append((module_name, module, attr, kind, param, transposed, groups,
+                          known_blocks(model, module_name, module, attr, rows), rows))
+    probed = probe_fused_layouts(model, {n: m for n, m, *_, blocks, _ in found if blocks is None})
+    views = []
+    for module_name, module, attr, kind, param, transposed, groups, blocks, rows in found:
+        unknown = ""
+        if blocks is None:
+            blocks = probed.get(module_name)
+            if blocks is None:
+                blocks, unknown = (), unknown_split(model, module_name, module, rows)
+        name = f"{module_name}.{attr}" if module_name else attr
+        views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr, transposed=transposed,
+                                              blocks=blocks, groups=groups, split_unknown=unknown)))
     return views
 
 
 def _weight_attributes(module: nn.Module, include_conv: bool):
     if isinstance(module, nn.Linear) or is_conv1d(module):
         yield "weight", "linear"
-    elif isinstance(module, CONV) and include_conv:
+    elif isinstance(module, (*CONV, *CONV_TRANSPOSE)) and include_conv:
         yield "weight", "conv"
     elif isinstance(module, nn.MultiheadAttention):
         for attr in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
             yield attr, "matrix"
+    elif isinstance(module, nn.RNNBase):
+        for attr, _ in module.named_parameters(recurse=False):
+            if attr.startswith(("weight_ih", "weight_hh", "weight_hr")):
+                yield attr, "matrix"
 
 
-def select_targets(
-    model: nn.Module,
-    scope: str = "all",
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
-    include_conv: bool = True,
-    include_head: bool = False,
-) -> list[WeightView]:
-    """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
+@dataclass(frozen=True)
+class Selection:
+    """Which weights a callback treats; checked here once, then passed whole to :func:`select_targets`.
 
     Args:
         scope: ``all`` (every role except positional), ``attention`` or ``mlp``.
@@ -68,14 +82,56 @@ def select_targets(
         include_head: also treat the output head(s).
 
     Example:
-        >>> targets = select_targets(model, scope="mlp", exclude=["blocks.0.*"])
+        >>> selection = Selection(scope="mlp", exclude=["blocks.0.*"])
+        >>> [t.name for t in select_targets(model, selection)]
+        >>> Selection.build({"scope": "attention"}, "FIREReinit")   # from a config mapping
+    """
+
+    scope: str = "all"
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    include_conv: bool = True
+    include_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope={self.scope!r} is not one of {SCOPES}")
+        validate_patterns(include=self.include, exclude=self.exclude)
+        for name in ("include_conv", "include_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Selection {name}={getattr(self, name)!r} must be true or false")
+        # Lists (a config system's list type too) are kept as tuples: hashable, picklable, comparable.
+        for name in ("include", "exclude"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @classmethod
+    def build(cls, value: Selection | Mapping | None, owner: str) -> Selection:
+        """``value`` as a Selection: a Selection is kept, a mapping of its fields becomes one, None the default."""
+        return cls() if value is None else build_options(cls, value, owner, "selection")
+
+    def matches(self, name: str) -> bool:
+        """Whether the parameter ``name`` passes ``include`` and ``exclude`` (the name patterns only)."""
+        return ((self.include is None or _matches(name, self.include))
+                and (self.exclude is None or not _matches(name, self.exclude)))
+
+
+def select_targets(model: nn.Module, selection: Selection | None = None) -> list[WeightView]:
+    """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
+
+    Args:
+        model: any ``nn.Module``.
+        selection: which weights (:class:`Selection`); None: every treatable weight but the head.
+
+    Example:
+        >>> targets = select_targets(model, Selection(scope="mlp", exclude=["blocks.0.*"]))
         >>> [(t.name, t.shape, [b.label for b in t.block_list()]) for t in targets]
     """
-    if scope not in SCOPES:
-        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
-    heads = set() if include_head else output_heads(model)
+    selection = Selection() if selection is None else selection
+    include, exclude = selection.include, selection.exclude
+    heads = set() if selection.include_head else output_heads(model)
     targets = []
-    for module_name, view in weight_views(model, include_conv):
+    for module_name, view in weight_views(model, selection.include_conv):
         if module_name in heads:
             continue
         explicitly_included = include is not None and _matches(view.name, include)
@@ -83,11 +139,12 @@ def select_targets(
             continue
         if view.role == "position" and not explicitly_included:
             continue
-        if scope != "all" and view.role != scope:
+        if selection.scope != "all" and view.role != selection.scope:
             continue
         if exclude is not None and _matches(view.name, exclude):
             continue
         targets.append(view)
+    log_coverage(model, selection, "select_targets")
     return targets
 
 
@@ -116,7 +173,7 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
             layers.append(check_layer(NeuronLayer(name, up, modules[-1], gate)))
         return layers
-    allowed = {id(t.module) for t in select_targets(model, exclude=exclude, include_conv=True)}
+    allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
     found, _ = find_layers(model)
     return [layer for layer in found
             if id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
@@ -140,22 +197,16 @@ def validate_patterns(**patterns) -> None:
             raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
 
 
-def validate_selection(scope: str, include=None, exclude=None) -> None:
-    """Check selection arguments at construction time, so a typo fails before training starts."""
-    if scope not in SCOPES:
-        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
-    validate_patterns(include=include, exclude=exclude)
-
-
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def require_targets(targets: list[WeightView], owner: str, scope: str, include, exclude) -> list[WeightView]:
+def require_targets(targets: list[WeightView], owner: str, selection: Selection) -> list[WeightView]:
     """Raise a clear error when a selection came back empty (a callback that silently does nothing is a bug)."""
     if not targets:
         raise ValueError(
-            f"{owner}: no weights selected (scope={scope!r}, include={include}, exclude={exclude}). "
+            f"{owner}: no weights selected (scope={selection.scope!r}, include={selection.include}, "
+            f"exclude={selection.exclude}). "
             "Targets are Linear / conv / HF Conv1D / MultiheadAttention weights outside embeddings and the output "
             "head; check the scope (roles 'attention'/'mlp' come from attention modules, recognised MLPs, "
             "plasticity_role attributes or declare_plasticity(roles=...)) and the include/exclude patterns."
@@ -169,28 +220,3 @@ def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None
     if factorized:
         raise RuntimeError(f"{owner}: {factorized} are factorized by AdaptiveSVDSwitch(minor_training='factorize') and {why}; "
                            "use AdaptiveSVDSwitch(minor_training='project') (same minor-subspace training) or exclude them")
-
-
-def describe(model: nn.Module) -> str:
-    """A readable summary of what the callbacks see in ``model``: heads, weight views, neuron layers.
-
-    Example:
-        >>> print(describe(model))   # check the map before a long run
-    """
-    heads = output_heads(model)
-    lines = [f"output heads (never treated by default): {sorted(heads)}", "weights (out, in) orientation:"]
-    for module_name, view in weight_views(model):
-        blocks = ", ".join(f"{b.label}={b.stop - b.start}" for b in view.blocks)
-        flags = [f for f, on in (("head", module_name in heads), ("stored (in, out)", view.transposed),
-                                 ("factorized", view.factorized)) if on]
-        lines.append(f"  {view.name} {tuple(view.shape)} role={view.role} kind={view.kind}"
-                     + (f" blocks[{blocks}]" if blocks else "") + (f" ({', '.join(flags)})" if flags else ""))
-    names = {id(m): n for n, m in model.named_modules()}
-    lines.append("neuron layers (ReDo):")
-    for layer in find_neuron_layers(model):
-        gate = f"gate={names[id(layer.gate)]} " if layer.gate is not None else ""
-        extra = (f" group={layer.group}" if layer.group > 1 else "") + (
-            f" norm={names[id(layer.norm)]}" if layer.norm is not None else "")
-        lines.append(f"  {layer.name}: {gate}up={names[id(layer.up)]} -> down={names[id(layer.down)]} "
-                     f"width={layer.width}{extra}")
-    return "\n".join(lines)
