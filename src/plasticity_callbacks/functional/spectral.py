@@ -248,7 +248,7 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     tall = (W.mT if wide else W).detach()  # work on the tall orientation: the Gram is the small one
     # Divide by the largest entry first: the squares behind every norm and Gram matrix then neither
     # overflow (weights of 1e20) nor underflow (1e-25) in float32.
-    peak = tall.abs().amax(dim=(-2, -1)).to(dtype)
+    peak = torch.linalg.vector_norm(tall, ord=math.inf, dim=(-2, -1)).to(dtype)  # largest |entry|, no |W| copy
     bad = ~torch.isfinite(peak) | (peak == 0)
     info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
     if info.skipped:
@@ -263,8 +263,9 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
         X = tall.to(dtype) / peak[..., None, None]
         return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
 
-    if method == "svd":
-        Q, converged = _svd_polar(scaled(), options.rcond), bad | True
+    if method == "svd":  # LAPACK scales extreme magnitudes itself: no scaled copy to make
+        X = tall.to(dtype).masked_fill(bad[..., None, None], 0.0) if info.skipped else tall.to(dtype)
+        Q, converged = _svd_polar(X, options.rcond), bad | True
     elif method == "eigh":
         Q, converged = _eigh_polar(scaled(), bad)
     else:
