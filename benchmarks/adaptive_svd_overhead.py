@@ -46,21 +46,34 @@ class TimedSwitch(AdaptiveSVDSwitch):
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         self.hook_seconds += time.process_time() - started
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        started = time.process_time()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.hook_seconds += time.process_time() - started
+
 
 class StepClock(L.Callback):
-    """Process CPU time of each whole step, and the switch's share of it; first in the callback list."""
+    """Process CPU time from one step's first hook to the next's, and the switch's share of it; first in
+    the callback list, so every hook of the switch falls inside the step it belongs to."""
 
     def __init__(self, switch: TimedSwitch):
         self.switch = switch
         self.steps: list[tuple[int, float, float, bool]] = []  # (step, step seconds, hook seconds, cycled)
+        self._open: tuple[int, float] | None = None
+
+    def _close(self) -> None:
+        if self._open is not None:
+            step, started = self._open
+            self.steps.append((step, time.process_time() - started, self.switch.hook_seconds, self.switch.cycled))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._close()
         self.switch.hook_seconds, self.switch.cycled = 0.0, False
-        self._started = time.process_time()
+        self._open = (trainer.global_step, time.process_time())
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append((trainer.global_step - 1, time.process_time() - self._started, self.switch.hook_seconds,
-                           self.switch.cycled))
+    def on_train_end(self, trainer, pl_module):
+        self._close()
+        self._open = None
 
 
 def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule:
@@ -78,7 +91,8 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
     L.seed_everything(0)
     module = gpt_module(width, layers, sequence_len)
     switch = TimedSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
-                         clobber_alignment=0.0, save_figure=False, log_per_matrix=False, **switch_options)
+                         thresholds={"clobber_alignment": 0.0}, save_figure=False, log_per_matrix=False,
+                         **switch_options)
     clock = StepClock(switch)
     steps = every * (cycles + 1) + 1
     loader = token_loader(n=steps * batch_size, sequence_len=sequence_len, vocab=256, batch_size=batch_size)
@@ -106,8 +120,8 @@ def memory(ranks: list[int]) -> None:
         callbacks = []
         if r != "full":  # split once at step 3 (the zero-initialized projections have gradients by then)
             callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]),
-                                           clobber_alignment=0.0, initial_rank=r, r_min=r, save_figure=False,
-                                           log_per_matrix=False)]
+                                           thresholds={"clobber_alignment": 0.0}, initial_rank=r, r_min=r,
+                                           save_figure=False, log_per_matrix=False)]
         trainer = cpu_trainer(max_steps=5, callbacks=callbacks)
         trainer.fit(module, token_loader(n=5, sequence_len=module.config.sequence_len, vocab=256, batch_size=1))
         total = state_bytes(trainer.optimizers[0])
@@ -123,11 +137,11 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=100, help="steps between SVD cycles (the default: 100)")
     parser.add_argument("--every", type=int, default=4, help="cycle spacing in the measured fit")
     parser.add_argument("--cycles", type=int, default=3)
-    parser.add_argument("--svd-method", default=None, help="full | randomized | warm (default: the callback's)")
+    parser.add_argument("--svd-method", default=None, help="full | randomized (default: the callback's)")
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time on one thread: comparable on a shared machine
-    options = {} if args.svd_method is None else {"svd_method": args.svd_method}
+    options = {} if args.svd_method is None else {"svd": {"method": args.svd_method}}
     print(f"AdaptiveSVDSwitch through trainer.fit's hooks, GPT 4 layers x width, sequence 256, every matrix "
           f"projecting; one thread, process CPU time; share at interval {args.interval}")
     for width in [int(w) for w in args.widths.split(",")]:
