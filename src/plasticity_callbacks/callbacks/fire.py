@@ -151,7 +151,10 @@ class FIREReinit(PlasticityCallback):
         return summary
 
     def _save_spectra(self, trainer: L.Trainer, name: str, records: list[FireRecord], reason: str) -> None:
-        from ..core.figures import save_figure
+        from ..core.figures import can_draw, save_figure
+
+        if not can_draw("FIREReinit", "save_spectra"):
+            return
 
         fig = spectra_figure(records, f"FIRE at {reason} (step {trainer.global_step}): singular values of each "
                                       "treated weight")

@@ -118,18 +118,19 @@ class Selection:
                 and (self.exclude is None or not _matches(name, self.exclude)))
 
 
-def select_targets(model: nn.Module, selection: Selection | None = None) -> list[WeightView]:
+def select_targets(model: nn.Module, selection: Selection | Mapping | None = None) -> list[WeightView]:
     """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
 
     Args:
         model: any ``nn.Module``.
-        selection: which weights (:class:`Selection`); None: every treatable weight but the head.
+        selection: which weights (:class:`Selection` or a mapping of its fields); None: every treatable weight
+            but the head.
 
     Example:
         >>> targets = select_targets(model, Selection(scope="mlp", exclude=["blocks.0.*"]))
         >>> [(t.name, t.shape, [b.label for b in t.block_list()]) for t in targets]
     """
-    selection = Selection() if selection is None else selection
+    selection = Selection.build(selection, "select_targets")  # a mapping of its fields works too
     include, exclude = selection.include, selection.exclude
     heads = set() if selection.include_head else output_heads(model)
     targets = []
