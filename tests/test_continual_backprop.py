@@ -156,13 +156,13 @@ class ConvNet(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _gpt2_module():
-    from model_zoo import gpt2
+def _hf_module(family: str):
+    import model_zoo
 
     class Wrapped(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = gpt2()
+            self.model = getattr(model_zoo, family)()
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -173,7 +173,7 @@ def _gpt2_module():
     return Wrapped(), (torch.randint(0, 40, (64, 8)),)
 
 
-@pytest.mark.parametrize("family", ["cnn", "gpt2"])
+@pytest.mark.parametrize("family", ["cnn", "gpt2", "llama"])
 def test_replaced_units_are_fresh_on_other_families(family):
     """A unit replaced at the last step has zero outgoing weights, a new incoming row inside the bound and
     zeroed Adam moments on both; units not replaced that step keep what the optimizer gave them."""
@@ -181,8 +181,8 @@ def test_replaced_units_are_fresh_on_other_families(family):
     if family == "cnn":
         module = ConvNet()
         data = (torch.randn(64, 1, 6, 6), torch.randint(0, 3, (64,)))
-    else:
-        module, data = _gpt2_module()
+    else:  # GPT-2's Conv1D (stored (in, out)); Llama's gated MLP (gate rows re-drawn with up's)
+        module, data = _hf_module(family)
     callback = ContinualBackprop(replacement_rate=0.3, maturity_threshold=2, decay_rate=0.9, init="default")
     trainer = _fit(module, callback, *data, 3) if family == "cnn" else None
     if trainer is None:
@@ -202,6 +202,10 @@ def test_replaced_units_are_fresh_on_other_families(family):
         kept = ~redrawn[0] if redrawn else torch.ones(down.shape[0], dtype=torch.bool)
         assert torch.equal(down[kept][:, columns], torch.zeros_like(down[kept][:, columns]))
         assert rows[new].abs().max() <= 1 / math.sqrt(rows[0].numel())
+        if layer.gate is not None:
+            assert layer.gate.weight[new].abs().max() <= 1 / math.sqrt(layer.gate.weight.shape[1])
+            gate_moments = optimizer.state[layer.gate.weight]["exp_avg"]
+            assert torch.equal(gate_moments[new], torch.zeros_like(gate_moments[new]))
         moments = optimizer.state[layer.up.weight]["exp_avg"]
         moments = moments.mT if type(layer.up).__name__ == "Conv1D" else moments
         assert torch.equal(moments[new], torch.zeros_like(moments[new]))
