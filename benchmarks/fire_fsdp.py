@@ -94,6 +94,10 @@ def _worker(rank: int, world: int, port: int, shapes, out: str) -> None:
 
 
 def measure(shapes, world: int) -> list[dict]:
+    # glibc serves large blocks from its heap once a big block was freed (its mmap threshold grows), and the
+    # heap is not given back: a fixed threshold keeps every matrix-sized block an mmap, returned when freed,
+    # so each call's peak resident set is its own.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

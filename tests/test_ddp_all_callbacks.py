@@ -73,13 +73,13 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     from torch import nn
 
     from plasticity_callbacks.core.distributed import full_parameters, gather_full, is_dtensor
-    from plasticity_callbacks.functional.spectral import orthogonalize
+    from plasticity_callbacks.functional.spectral import PolarOptions, orthogonalize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)  # the same initial weights on both ranks
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))  # 5 rows: uneven shards
-    expected = orthogonalize(model[0].weight.detach(), method="svd")
+    expected = orthogonalize(model[0].weight.detach(), PolarOptions(method="svd"))
     result = {}
     try:
         if flavour == "fsdp2":
@@ -100,7 +100,7 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
             weight = inner[0].weight
             result["full_inside"] = tuple(weight.shape) == (5, 6) and not is_dtensor(weight)
             with torch.no_grad():
-                weight.copy_(orthogonalize(weight.detach(), method="svd"))
+                weight.copy_(orthogonalize(weight.detach(), PolarOptions(method="svd")))
         if flavour == "fsdp2":
             result["same_parameter_object"] = model[0].weight is original
             gathered = gather_full(model[0].weight)

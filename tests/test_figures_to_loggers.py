@@ -45,3 +45,24 @@ def test_tensorboard_receives_the_figure(tmp_path):
     assert "figures/curve" in events.Tags()["images"]
     image = events.Images("figures/curve")[0]
     assert image.step == 1 and image.width > 100
+
+
+def test_the_report_reads_a_run_logged_with_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from plasticity_callbacks.app.metric_logs import read_rows
+    from plasticity_callbacks.app.report import build_report
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\ncallbacks:\n  fire: {}\n")
+    writer = SummaryWriter(run / "tensorboard")  # where configs/logger/tensorboard.yaml writes a single fit
+    for step, (val, dormant) in enumerate([(5.5, 0.1), (4.25, 0.2), (3.125, 0.3)]):
+        writer.add_scalar("val/loss", val, step)
+        writer.add_scalar("redo/dormant", dormant, step)
+    writer.close()
+    assert [r["step"] for r in read_rows(run, None)] == [0, 1, 2]
+    text, figures = build_report(tmp_path)
+    assert "| 1 | 3.1250 ± 0.0000 | 0.3000 ± 0.0000 |" in text  # one seed; the last step's values
+    assert (tmp_path / "report" / "loss_curves.png") in figures

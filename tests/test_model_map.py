@@ -429,3 +429,15 @@ def test_a_litgpt_style_grouped_qkv_is_read_from_the_whole_models_forward():
 class TokenModelWithoutForward(TokenModel):
     def forward(self, idx, extra):
         raise NotImplementedError
+
+
+def test_the_probe_reads_the_same_split_in_half_precision():
+    from model_zoo import LAYOUT_MODELS
+
+    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+    index = torch.arange(48).view(4, 3, 4)  # the forward's (heads, 3, head_dim)
+    expected = [(label, index[:, i].flatten().tolist()) for i, label in enumerate("qkv")]
+    for dtype in (torch.bfloat16, torch.float16):
+        model = LAYOUT_MODELS["gpt_neox"]().to(dtype)
+        [view] = [t for t in select_targets(model) if t.name == name]
+        assert [(b.label, sorted(b.rows)) for b in view.blocks] == expected, dtype

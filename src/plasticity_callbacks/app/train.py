@@ -126,7 +126,8 @@ def report_outputs(run_dir: Path) -> None:
     try:
         _, figures = build_report(run_dir)
         lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
-        lines += [f"  figures      {p}" for p in sorted(run_dir.glob("logs/**/figures/*.png"))]
+        lines += [f"  figures      {p}" for folder in ("logs", "tensorboard")
+                  for p in sorted(run_dir.glob(f"{folder}/**/figures/*.png"))]
     except FileNotFoundError as err:  # nothing logged (e.g. zero steps): no figures to draw
         lines.append(f"  figures      none ({err})")
     except Exception as err:  # the run's results are saved; a figure that fails must not hide them

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..core import factorization
 from ..core.arguments import build_options, check_int, check_number
 from ..core.distributed import MisconfigurationException
-from ..core.figures import save_figure
+from ..core.figures import can_draw, save_figure
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
@@ -376,7 +376,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.save_figure or not self.history:
+        if not self.save_figure or not self.history or not can_draw("AdaptiveSVDSwitch", "save_figure"):
             return
         sizes = {m.target.name: m.g for m in self.matrices}
         path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")

@@ -13,7 +13,7 @@ from ..core.apply_fire import apply_fire
 from ..core.arguments import build_options, check_int
 from ..core.callback_state import OPTIONAL_INT
 from ..core.distributed import all_reduce_mean, require_full_parameters
-from ..core.model_map import Selection
+from ..core.model_map import Selection, refuse_unknown_splits, select_targets
 from ..core.optimizer_state import leaf_optimizers
 from ..core.schedule import Schedule
 from ..functional.isometry import FIREOptions, FireRecord
@@ -85,6 +85,11 @@ class FIREReinit(PlasticityCallback):
         return self._generate_state_key(scope=self.selection.scope, method=self.options.method,
                                         schedule=self.schedule.describe())
 
+    def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Also refuse, at setup, a fused matrix whose Q/K/V rows the model map could not read."""
+        super().check_targets(trainer, pl_module)
+        refuse_unknown_splits(select_targets(pl_module, self.selection), self.owner)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.rewarmup_steps:
             self._install_rewarmup_hooks(trainer)
@@ -146,7 +151,10 @@ class FIREReinit(PlasticityCallback):
         return summary
 
     def _save_spectra(self, trainer: L.Trainer, name: str, records: list[FireRecord], reason: str) -> None:
-        from ..core.figures import save_figure
+        from ..core.figures import can_draw, save_figure
+
+        if not can_draw("FIREReinit", "save_spectra"):
+            return
 
         fig = spectra_figure(records, f"FIRE at {reason} (step {trainer.global_step}): singular values of each "
                                       "treated weight")

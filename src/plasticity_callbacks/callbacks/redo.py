@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..core.arguments import check_int, check_number
-from ..core.distributed import all_reduce_mean, rank_identical_generator
+from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
 from ..core.model_map import NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
 from ..core.neuron_reset import reinit_incoming, zero_outgoing
 from ..core.schedule import Schedule
@@ -260,6 +260,9 @@ class ReDoMonitor(PlasticityCallback):
         self._step_scores = None
         self.flush_logs(pl_module)
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows and columns of shards (core.sharding)
+
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor]:
         if self.collections == 0:
             rank_zero_warn(f"ReDoMonitor ({reason}): no training step observed yet in this fit; nothing recycled")
@@ -347,7 +350,9 @@ class ReDoMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
-        if not self.plot_scores or self.collections == 0:
+        from ..core.figures import can_draw
+
+        if not self.plot_scores or self.collections == 0 or not can_draw("ReDoMonitor", "plot_scores"):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
-from .model_map import Selection, WeightView, select_targets
+from .model_map import Selection, WeightView, refuse_unknown_splits, select_targets
 from .distributed import is_dtensor
 from .optimizer_state import reset_optimizer_state
 from .sharding import sharded_fire
@@ -50,10 +50,7 @@ def apply_fire(
         raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
     if targets is None:
         targets = select_targets(module, selection)
-    unknown = [t.split_unknown for t in targets if t.split_unknown]
-    if unknown:
-        raise ValueError("FIRE orthogonalizes each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
-                         + " (or exclude the weight)")
+    refuse_unknown_splits(targets, "FIRE")
     records, fired = [], []
     for target in targets:
         if is_dtensor(target.param):  # FSDP2: each rank writes its own rows, no whole matrix (core.sharding)

@@ -14,6 +14,32 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
+def can_draw(owner: str, option: str) -> bool:
+    """Whether matplotlib is installed; if not, warn once that ``owner``'s ``option`` draws nothing and how to fix it.
+
+    A missing figure never stops training: the metrics are logged either way.
+
+    Args:
+        owner: the callback's name, e.g. ``"FIREReinit"``.
+        option: the argument that asked for the figure, e.g. ``"save_spectra"``.
+    """
+    from .extras import MissingExtraError, require_module
+
+    try:
+        require_module("matplotlib", "plots", f"{owner}({option}=True)")
+    except MissingExtraError as error:
+        if (owner, option) not in _WARNED:
+            _WARNED.add((owner, option))
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"{error}; no figure is drawn (or set {option}=False)")
+        return False
+    return True
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
 def new_figure(**kwargs) -> Figure:
     """A matplotlib ``Figure`` (keyword arguments as ``Figure``'s, e.g. ``figsize``); axes: ``fig.subplots()``."""
     from matplotlib.figure import Figure

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..functional.spectral import DegenerateMatrixError, deviation_from_isometry
+from .distributed import is_dtensor
 
 # G = XᵀX squares X's condition number: past this eigenvalue ratio (cond(X) ≈ 1e6) the inverse root
 # loses digits, and the block is gathered and solved by SVD instead.
@@ -70,6 +71,21 @@ def local_span(tensor: torch.Tensor) -> tuple[int, int]:
         raise NotImplementedError(f"local shard of {tuple(tensor.to_local().shape)} is not torch.chunk's slice "
                                   f"[{start}:{stop}] of {tuple(tensor.shape)}")
     return start, stop
+
+
+def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """``(what this rank writes, the rows of dim 0 it covers)``: a ``Shard(0)`` DTensor's local shard and its
+    rows, or a plain tensor and all of them. An edit of whole rows or columns of a full-size tensor then
+    reads ``local.copy_(full[rows])``, and a mask along dim 0 is sliced the same way.
+
+    Example:
+        >>> local, rows = local_part(layer.weight)
+        >>> local.masked_fill_(dead[rows, None], 0)   # rows of dead units, on every rank
+    """
+    if not is_dtensor(tensor):
+        return tensor, slice(None)
+    start, stop = local_span(tensor)
+    return tensor.to_local(), slice(start, stop)
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:

@@ -22,6 +22,7 @@ from .select import (
     Selection,
     find_neuron_layers,
     refuse_factorized,
+    refuse_unknown_splits,
     require_targets,
     select_targets,
     validate_patterns,
@@ -31,6 +32,6 @@ from .weights import WeightView, is_conv1d, output_heads
 __all__ = [
     "Declaration", "HeadLayout", "NeuronLayer", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
     "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "grouped_heads",
-    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "require_targets", "select_targets",
-    "validate_patterns",
+    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "refuse_unknown_splits", "require_targets",
+    "select_targets", "validate_patterns",
 ]
