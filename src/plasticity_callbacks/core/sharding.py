@@ -135,8 +135,10 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     if flags.item():
         return _skip(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
     X64 = _matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
-    gram = _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
-    squared_norm = float(gram.diagonal(dim1=-2, dim2=-1).sum())
+    wide = rows < cols  # gathered: G would be larger than the block itself
+    gram = None if wide else _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
+    squared_norm = float(_all_reduce(X64.square().sum().reshape(1), group) if wide
+                         else gram.diagonal(dim1=-2, dim2=-1).sum())
     if squared_norm == 0.0:
         return _skip(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
     taps = math.prod(X_local.shape[2:])
@@ -146,7 +148,7 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
         scale = target_scale(torch.empty(view_shape, device="meta"), options.scale)
     record.scale = scale
     new = None
-    if rows >= cols:  # tall: X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows alone)
+    if not wide:  # tall: X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows alone)
         try:
             new = polar_from_gram(X64, gram, total_rows=rows).mul_(scale)
         except RankDeficientError:
