@@ -8,6 +8,7 @@ from torch import nn
 
 from model_zoo import Wrapped
 from plasticity_callbacks.callbacks.dash import DASHShrink
+from plasticity_callbacks.callbacks.dash_periodic import DASHPeriodic
 from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.core.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
@@ -119,7 +120,7 @@ def test_bf16_true_redo_and_dash_act(family):
     assert redo.collections > 0 and bool(redo._observed.all()) and int(redo._recycled.sum()) > 0
     module = Wrapped(family)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    fit(module, [DASHShrink(rule="dash", n_batches=1)], precision="bf16-true")
+    fit(module, [DASHShrink(n_batches=1)], precision="bf16-true")
     assert any(not torch.equal(before[n], p) for n, p in module.named_parameters())
 
 
@@ -154,7 +155,7 @@ def test_dash_gradient_pass_never_steps_a_manual_optimizer():
     module = Manual()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     after = AfterDash()
-    fit(module, [DASHShrink(rule="dash", n_batches=2), after], steps=1)
+    fit(module, [DASHShrink(n_batches=2), after], steps=1)
     assert after.state == 0 and after.lr == 0.1 and after.step == 0  # no optimizer or scheduler step
     # The head is no DASH target; the hidden layers moved by one factor in [lam, 1] per row
     assert torch.equal(after.params["model.4.weight"], before["model.4.weight"])
@@ -218,8 +219,8 @@ def test_gradient_accumulation_dash_periodic_uses_the_accumulated_gradient():
     grads = {n: p.grad.clone() for n, p in module.named_parameters()}
     module.zero_grad()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    dash = DASHShrink(rule="periodic", schedule=Schedule(steps=[0], every_n_steps=1), alpha=-1.0, rate=1.0, floor=0.5,
-                      shrink_bias=False)
+    dash = DASHPeriodic(schedule=Schedule(steps=[0], every_n_steps=1), cosine_threshold=-1.0, shrink_rate=1.0,
+                        min_factor=0.5, shrink_bias=False)
     fit(module, [dash], steps=1, accumulate_grad_batches=2)
     assert dash.shrinks == 1  # once per optimizer step, not per micro-batch
     for name in ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_fc.weight"):
@@ -265,7 +266,7 @@ def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
     module = Wrapped("gpt2")
     before = {n: m.weight.detach().clone() for n, m in module.named_modules() if type(m).__name__ == "Conv1D"}
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[0], every_n_steps=1),
-                               clobber_alignment=0.0, r_min=2,
+                               thresholds={"clobber_alignment": 0.0}, r_min=2,
                                initial_rank=3, save_figure=False, log_per_matrix=False)
     fit(module, [switch], steps=1)
     for name, W in before.items():
@@ -365,3 +366,78 @@ def test_coverage_lists_every_matrix_with_its_reason_and_warns_about_unknown_one
 
 def names(targets):
     return [t.name for t in targets]
+
+
+def test_redo_says_which_units_it_cannot_recycle():
+    from model_zoo import ConvZoo, Recurrent
+
+    with pytest.warns(UserWarning, match=r"units of grouped are not recycled: they feed depthwise, a grouped conv "
+                                         r"\(groups=8\)"):
+        assert find_neuron_layers(ConvZoo()) == []
+    with pytest.warns(UserWarning, match=r"ReDo does not recycle the hidden units of \['lstm \(LSTM\)', 'gru \(GRU\)'"):
+        find_neuron_layers(Recurrent())
+
+
+class GroupedQueryAttention(nn.Module):
+    """litgpt-style: ``qkv`` rows laid out ``[n_query_groups, q_per_kv + 2, head_size]``; needs a mask argument."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.qkv = nn.Linear(16, (4 + 2 * 2) * 4, bias=False)
+        self.proj = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, 2, 4, 4)  # (B, T, groups, q_per_kv + 2, hs)
+        q, k, v = qkv.split((2, 1, 1), dim=3)
+        q = q.reshape(B, T, 4, 4).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.expand(B, T, 2, 2, 4).reshape(B, T, 4, 4).transpose(1, 2) for t in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, 16))
+
+
+class TokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = type("Config", (), {"n_head": 4, "n_query_groups": 2})()
+        self.wte, self.attn, self.lm_head = nn.Embedding(10, 16), GroupedQueryAttention(config), nn.Linear(16, 10)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        return self.lm_head(self.attn(self.wte(idx), torch.ones(T, T, dtype=torch.bool).tril()))
+
+
+def test_a_litgpt_style_grouped_qkv_is_read_from_the_whole_models_forward():
+    model = TokenModel()
+    [qkv] = [t for t in select_targets(model) if t.name == "attn.qkv.weight"]
+    index = torch.arange(32).view(2, 4, 4)  # the forward's (groups, q_per_kv + 2, hs)
+    assert [(b.label, sorted(b.rows)) for b in qkv.blocks] == [
+        ("q", index[:, :2].flatten().tolist()), ("k", index[:, 2].flatten().tolist()),
+        ("v", index[:, 3].flatten().tolist())]
+    apply_fire(model, options=FIREOptions(method="svd"))
+    W = model.attn.qkv.weight.detach().view(2, 4, 4, 16)
+    for M in (W[:, :2], W[:, 2], W[:, 3]):
+        s = torch.linalg.svdvals(M.reshape(-1, 16).double())
+        scale = (M.reshape(-1, 16).shape[0] / 16) ** 0.5
+        torch.testing.assert_close(s, torch.full_like(s, scale), rtol=1e-5, atol=1e-6)
+    # a model the probe cannot run: FIRE names the grouped declaration, from the config's n_query_groups
+    with pytest.raises(ValueError, match=r"grouped_heads\(kv_groups=2, q_per_kv=2\)"):
+        apply_fire(TokenModelWithoutForward(), options=FIREOptions(method="svd"))
+
+
+class TokenModelWithoutForward(TokenModel):
+    def forward(self, idx, extra):
+        raise NotImplementedError
+
+
+def test_the_probe_reads_the_same_split_in_half_precision():
+    from model_zoo import LAYOUT_MODELS
+
+    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+    index = torch.arange(48).view(4, 3, 4)  # the forward's (heads, 3, head_dim)
+    expected = [(label, index[:, i].flatten().tolist()) for i, label in enumerate("qkv")]
+    for dtype in (torch.bfloat16, torch.float16):
+        model = LAYOUT_MODELS["gpt_neox"]().to(dtype)
+        [view] = [t for t in select_targets(model) if t.name == name]
+        assert [(b.label, sorted(b.rows)) for b in view.blocks] == expected, dtype

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..core.arguments import ConfigError
 
-METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights", "task_stream", "sensitivity"}
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity"}
 # The schedule of a callback that acts "at the boundary" of a pipeline phase; in a task stream that
 # boundary is every task boundary.
 AT_TASK_BOUNDARIES = {"_target_": "plasticity_callbacks.core.schedule.Schedule", "at_task_boundaries": True}
