@@ -71,6 +71,16 @@ def at_phase_boundary(schedule) -> bool:
     return fields == {"at_fit_start": True}
 
 
+def takes_schedule(spec) -> bool:
+    """Whether the spec's ``_target_`` accepts ``schedule=`` (a method acting at every step may not)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    target = spec.get("_target_")
+    return target is not None and "schedule" in inspect.signature(get_object(target)).parameters
+
+
 def task_stream_callbacks(method: DictConfig) -> DictConfig:
     """The method's callbacks as they act in a task stream (one Trainer for every task).
 
@@ -89,7 +99,7 @@ def task_stream_callbacks(method: DictConfig) -> DictConfig:
     declared = method.get("callbacks")
     callbacks = OmegaConf.create(OmegaConf.to_container(declared, resolve=True) if declared else {})
     for name, spec in callbacks.items():
-        if spec is not None and at_phase_boundary(spec.get("schedule")):
+        if spec is not None and takes_schedule(spec) and at_phase_boundary(spec.get("schedule")):
             spec.schedule = dict(AT_TASK_BOUNDARIES)
     extra = method.get("task_stream") or {}
     unknown = set(extra) - set(callbacks)
