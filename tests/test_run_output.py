@@ -63,7 +63,7 @@ def test_fire_on_fresh_zero_initialized_weights_is_one_line_no_warnings(caplog):
     trainer.strategy.connect(module)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
-        fire._apply("fit start", trainer, module)
+        fire.act_if("fit start", trainer, module)
     assert not [w for w in caught if "zero" in str(w.message)]
     lines = [r.getMessage() for r in caplog.records if "FIREReinit" in r.getMessage()]
     assert len(lines) == 1 and "left 4 weights unchanged: 4 all zero" in lines[0]
