@@ -487,3 +487,19 @@ def test_dash_shrinks_a_probed_fused_qkv_row_by_row():
     factor = torch.nn.functional.cosine_similarity(G, W0, dim=-1).clamp(0.3, 1.0)
     torch.testing.assert_close(dict(module.named_parameters())[name].detach().double(), W0 * factor[:, None],
                                rtol=1e-4, atol=1e-6)
+
+
+def test_continual_backprop_replaces_a_fused_gate_up_unit_in_both_halves():
+    from plasticity_callbacks.callbacks.continual_backprop import ContinualBackprop
+
+    module = Wrapped("phi3")
+    callback = ContinualBackprop(replacement_rate=0.3, maturity_threshold=2, decay_rate=0.9, init="default")
+    snap = Snapshot()
+    fit(module, [snap, callback], steps=3)
+    [layer], [stats] = callback.layers, callback.stats
+    new = stats["age"] == 0
+    assert new.any() and not new.all()
+    W, W0 = layer.up.weight.detach(), snap.before["model.model.layers.0.mlp.gate_up_proj.weight"]
+    gate_changed, up_changed = (W != W0).any(1).chunk(2)  # the forward's chunk(2): gate rows, then up rows
+    assert torch.equal(gate_changed, new) and torch.equal(up_changed, new)
+    assert layer.down.weight.detach()[:, new].abs().sum() == 0

@@ -10,7 +10,7 @@ from torch.nn.utils import parametrize
 
 from ..core.arguments import check_int, check_number
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..core.model_map import NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
+from ..core.model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
 from ..core.neuron_reset import reinit_incoming, zero_outgoing
 from ..core.schedule import Schedule
 from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
@@ -125,7 +125,7 @@ class ReDoMonitor(PlasticityCallback):
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps
         self.exclude, self.plot_scores, self.seed = list(exclude) if exclude else None, plot_scores, seed
 
-        self.layers: list[NeuronLayer] = []
+        self.layers: list[HiddenUnits] = []
         self.collections = 0  # training batches whose activations entered the EMA
         self.last_logged_step = -1
         self._ema: torch.Tensor | None = None  # flat over layers: EMA of mean |h| per neuron
@@ -424,7 +424,7 @@ class _HiddenCollector:
         self.monitor._collect(module, args[0], self.entries)
 
 
-def _init_stds(layer: NeuronLayer) -> torch.Tensor:
+def _init_stds(layer: HiddenUnits) -> torch.Tensor:
     """``[std(up.weight), std(gate.weight)]`` (the gate's is up's when there is no gate), on device."""
     gate = layer.up if layer.gate is None else layer.gate
     return torch.stack([finite_std(layer.up.weight), finite_std(gate.weight)])

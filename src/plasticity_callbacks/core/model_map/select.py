@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..arguments import build_options
-from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
+from .neurons import HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
 from .coverage import log_coverage
 from .probe import probe_fused_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
@@ -152,7 +152,7 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
 
 
 def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None
-                       ) -> list[NeuronLayer]:
+                       ) -> list[HiddenUnits]:
     """The layers of neurons ReDo watches in ``model`` (see :mod:`.neurons` for how they are found).
 
     ``layer_map`` (``{name: (up | [gate, up], down)}`` by module names) is used as given. Otherwise
@@ -174,7 +174,7 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                 raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
                                  "layer, which ReDo never recycles")
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
-            layers.append(check_layer(NeuronLayer(name, up, modules[-1], gate)))
+            layers.append(check_layer(HiddenUnits(name, up, modules[-1], gate)))
         return layers
     recurrent = recurrent_refusals(model)
     if recurrent:
