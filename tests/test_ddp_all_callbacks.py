@@ -63,22 +63,6 @@ def test_conv_callbacks_on_cnn_with_sgd_keep_ranks_identical(tmp_path):
     assert_acted(results[0]["metrics"], "cnn")
 
 
-@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"])
-def test_sharded_strategies_are_refused_unless_the_callback_gathers(strategy):
-    from types import SimpleNamespace
-
-    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
-
-    trainer = SimpleNamespace(strategy=type(strategy, (), {})())
-    with pytest.raises(MisconfigurationException, match=f"Owner needs each weight matrix whole.*{strategy}.*ddp"):
-        require_full_parameters(trainer, "Owner")
-    if strategy == "DeepSpeedStrategy":
-        with pytest.raises(MisconfigurationException, match="DeepSpeed partitions have no gather path"):
-            require_full_parameters(trainer, "Owner", gather=True)
-    else:
-        require_full_parameters(trainer, "Owner", gather=True)
-
-
 # ------------------------------------------------------------------ the FSDP gather path, on CPU (gloo)
 
 def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
