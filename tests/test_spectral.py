@@ -499,3 +499,19 @@ def test_slices_of_a_batch_get_their_own_schedule():
     assert batch.lower <= 1e-5 < alone.lower  # the batch's smallest bound is the ill-conditioned slice's
     assert rel(Q[0], exact_polar(good)) < 5e-6  # the well-conditioned slice is not run on the tiny bound's
     assert rel(Q[1], exact_polar(bad)) < 5e-3   # huge first coefficients (float32 rounding × κ)
+
+
+def test_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypatch):
+    """LAPACK's divide-and-conquer SVD can fail on clustered singular values (a weight FIRE already made
+    a near-isometry); the polar factor then comes from a float64 SVD instead of an exception."""
+    svd = torch.linalg.svd
+
+    def flaky(X, *args, **kwargs):
+        if X.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return svd(X, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "svd", flaky)
+    W = torch.randn(40, 40)
+    Q = orthogonalize(W, PolarOptions("svd"))
+    assert Q.dtype == torch.float32 and rel(Q, exact_polar(W)) < 1e-6

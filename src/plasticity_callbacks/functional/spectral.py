@@ -263,9 +263,8 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
         X = tall.to(dtype) / peak[..., None, None]
         return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
 
-    if method == "svd":  # LAPACK scales extreme magnitudes itself: no scaled copy to make
-        X = tall.to(dtype).masked_fill(bad[..., None, None], 0.0) if info.skipped else tall.to(dtype)
-        Q, converged = _svd_polar(X, options.rcond), bad | True
+    if method == "svd":
+        Q, converged = _svd_polar(scaled(), options.rcond), bad | True
     elif method == "eigh":
         Q, converged = _eigh_polar(scaled(), bad)
     else:
@@ -548,7 +547,10 @@ def _power_iteration_norm(X: torch.Tensor) -> torch.Tensor:
 def _svd_polar(X: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
     """``U Vᵀ`` of a tall ``X``: orthonormal columns whatever the singular values (LAPACK completes
     the null directions); with ``rcond`` the directions of ``σ < rcond·σ_max`` are dropped instead."""
-    U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    try:
+        U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    except torch.linalg.LinAlgError:  # LAPACK's divide and conquer can miss on clustered σ (a near-isometry)
+        U, S, Vh = (t.to(X.dtype) for t in torch.linalg.svd(X.to(torch.float64), full_matrices=False))
     if rcond is not None:
         U = U * (S > rcond * S[..., :1]).to(X.dtype)[..., None, :]
     return U @ Vh
