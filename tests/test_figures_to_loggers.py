@@ -66,3 +66,35 @@ def test_the_report_reads_a_run_logged_with_tensorboard(tmp_path):
     text, figures = build_report(tmp_path)
     assert "| 1 | 3.1250 ± 0.0000 | 0.3000 ± 0.0000 |" in text  # one seed; the last step's values
     assert (tmp_path / "report" / "loss_curves.png") in figures
+
+
+class _TrainerView:
+    """What save_figure reads from a trainer: rank, step, loggers, root dir."""
+
+    def __init__(self, logger, root):
+        self.global_rank, self.global_step, self.logger, self.loggers = 0, 3, logger, [logger]
+        self.default_root_dir = str(root)
+
+
+def test_mlflow_receives_the_figure(tmp_path):
+    pytest.importorskip("mlflow")
+    from plasticity_callbacks.app.loggers import mlflow_logger
+
+    logger = mlflow_logger(version="sft", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+                           artifact_location=str(tmp_path / "artifacts"), experiment_name="test")
+    save_figure(drawn(), _TrainerView(logger, tmp_path / "run"), "curve")
+    run = logger.experiment.get_run(logger.run_id)
+    assert run.info.run_name == "sft"
+    assert [a.path for a in logger.experiment.list_artifacts(logger.run_id, "figures")] == ["figures/curve.png"]
+
+
+def test_wandb_offline_receives_the_figure(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from plasticity_callbacks.app.loggers import wandb_logger
+
+    logger = wandb_logger(version="sft", save_dir=str(tmp_path), offline=True, project="test")
+    save_figure(drawn(), _TrainerView(logger, tmp_path / "run"), "curve")
+    logger.experiment.finish()
+    images = list(tmp_path.glob("wandb/offline-run-*/files/media/images/figures/curve_*.png"))
+    assert len(images) == 1

@@ -81,19 +81,6 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
-# ------------------------------------------------------------------ the math, on one process
-
-def test_polar_rows_from_gram_are_the_rows_of_the_svd_polar_factor():
-    from plasticity_callbacks.core.sharding import polar_rows_from_gram
-
-    g = torch.Generator().manual_seed(1)
-    for shape in [(9, 4), (6, 6), (3, 12, 5)]:  # tall, square, a batch of conv taps
-        X = torch.randn(*shape, generator=g, dtype=torch.float64)
-        U, _, Vh = torch.linalg.svd(X, full_matrices=False)
-        rows = [0, 2, 5] if shape[-2] > 5 else [1, 3]
-        torch.testing.assert_close(polar_rows_from_gram(X[..., rows, :], X.mT @ X), (U @ Vh)[..., rows, :])
-
-
 # ------------------------------------------------------------------ strategies and callbacks that refuse
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])

@@ -7,12 +7,14 @@ FIRE's polar factor without gathering: let ``X`` be a weight seen so that its ro
 dimension (``W`` for ``nn.Linear``; ``Wᵀ`` for Hugging Face's ``Conv1D``, stored ``(in, out)``).
 ``XᵀX = Σ_r X_rᵀX_r``, so one all-reduce of a small Gram matrix gives every rank ``G = XᵀX``, and
 each rank writes its own rows of ``polar(X) = X G^{-1/2}`` (float64 eigendecomposition of ``G``).
-``polar(Wᵀ) = polar(W)ᵀ``, so the transposed layout is the same computation. A row block of a fused
-matrix (Q/K/V) is a set of rows: each rank contributes the Gram matrix of the rows of the block it
-holds, whichever shard boundaries fall inside the block. The route is exact when ``X`` is tall or
-square and has full column rank; a wide ``X`` (its full isometry needs the other side's Gram, which
-couples rows across ranks) or a rank-deficient one (``G^{-1/2}`` does not exist) is gathered, that
-block alone, and its polar factor computed by SVD as on one process.
+``polar(Wᵀ) = polar(W)ᵀ``, so the transposed layout is the same computation
+(:func:`~plasticity_callbacks.functional.spectral.polar_from_gram` does each rank's product). A row
+block of a fused matrix (Q/K/V) is a set of rows: each rank contributes the Gram matrix of the rows of
+the block it holds, whichever shard boundaries fall inside the block. The route is exact when ``X`` is
+tall or square and has full column rank. A wide ``X`` (``m < n``: ``G`` would be ``n × n``, larger
+than the block itself, to send and to decompose) or a rank-deficient one (no full isometry from ``G``
+alone: the null directions must be completed from the whole matrix) is gathered, that block alone,
+and its polar factor computed by SVD as on one process.
 Extra memory per rank: one float64 copy of the local rows of a block plus ``O(d²)`` for ``G``, its
 eigenvectors and ``G^{-1/2}``, ``d`` the block's smaller dimension; never the whole matrix, except a
 gathered (wide or degenerate) block.
@@ -26,32 +28,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..functional.spectral import DegenerateMatrixError, deviation_from_isometry
+from ..functional.spectral import (DegenerateMatrixError, RankDeficientError, deviation_from_isometry,
+                                   polar_from_gram)
 from .distributed import is_dtensor
-
-# G = XᵀX squares X's condition number: past this eigenvalue ratio (cond(X) ≈ 1e6) the inverse root
-# loses digits, and the block is gathered and solved by SVD instead.
-_GRAM_RCOND = 1e-12
-
-
-def polar_rows_from_gram(rows: torch.Tensor, gram: torch.Tensor,
-                         eigh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``rows @ gram^{-1/2}`` for a symmetric positive definite ``gram``, in float64; batched over leading dims.
-
-    With ``gram = XᵀX`` and ``rows`` any rows of ``X``, these are the same rows of ``X``'s polar factor.
-
-    Args:
-        rows: ``(..., m, n)``, some rows of ``X``.
-        gram: ``(..., n, n)``, ``XᵀX`` of the whole ``X``.
-        eigh: ``torch.linalg.eigh(gram)`` in float64 when the caller has it already.
-
-    Example:
-        >>> X = torch.randn(8, 3, dtype=torch.float64)
-        >>> polar_rows_from_gram(X[:5], X.mT @ X)   # rows 0..4 of U Vᵀ
-    """
-    eigenvalues, eigenvectors = torch.linalg.eigh(gram.double()) if eigh is None else eigh
-    inverse_root = (eigenvectors * eigenvalues.rsqrt()[..., None, :]) @ eigenvectors.mT
-    return rows.double() @ inverse_root
 
 
 def local_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -156,8 +135,10 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     if flags.item():
         return _skip(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
     X64 = _matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
-    gram = _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
-    squared_norm = float(gram.diagonal(dim1=-2, dim2=-1).sum())
+    wide = rows < cols  # gathered: G would be larger than the block itself
+    gram = None if wide else _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
+    squared_norm = float(_all_reduce(X64.square().sum().reshape(1), group) if wide
+                         else gram.diagonal(dim1=-2, dim2=-1).sum())
     if squared_norm == 0.0:
         return _skip(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
     taps = math.prod(X_local.shape[2:])
@@ -166,9 +147,15 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     else:
         scale = target_scale(torch.empty(view_shape, device="meta"), options.scale)
     record.scale = scale
-    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
-    if rows < cols or bool((eigenvalues[..., 0] <= _GRAM_RCOND * eigenvalues[..., -1]).any()):
-        # Wide or rank-deficient: this block whole on every rank, its polar factor by SVD, as on one process.
+    new = None
+    if not wide:  # tall: X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows alone)
+        try:
+            new = polar_from_gram(X64, gram, total_rows=rows).mul_(scale)
+        except RankDeficientError:
+            pass
+    if new is None:
+        # Wide (G of the larger side would cost more than the block) or rank-deficient: this block whole on
+        # every rank, its polar factor by SVD, as on one process.
         full = _gather_rows(X64, positions, rows, group)
         U, _, Vh = torch.linalg.svd(full, full_matrices=False)
         polar = (U @ Vh).mul_(scale)
@@ -179,12 +166,11 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
             record.spectrum_before = torch.linalg.svdvals(full).float().cpu()
             record.spectrum_after = torch.linalg.svdvals(polar).float().cpu()
     else:
-        new = polar_rows_from_gram(X64, gram, (eigenvalues, eigenvectors)).mul_(scale)
         after = _all_reduce(new.mT @ new, group)
         record.dfi_before = float(_gram_deviation(gram, scale).sum())
         record.dfi_after = float(_gram_deviation(after, scale).sum())
         if record_spectra:
-            record.spectrum_before = eigenvalues.clamp_min(0).sqrt().flip(-1).float().cpu()
+            record.spectrum_before = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1).float().cpu()
             record.spectrum_after = torch.linalg.eigvalsh(after).clamp_min(0).sqrt().flip(-1).float().cpu()
     record.sfe = float(_all_reduce((X64 - new).square().sum().reshape(1), group))
     record.sfe_normalized = record.sfe / squared_norm
