@@ -5,10 +5,11 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.callback_state import check_state
 from ..core.distributed import require_full_parameters
-from ..core.model_map import Selection, require_targets, select_targets
+from ..core.model_map import Selection, coverage_report, require_targets, select_targets
 from ..core.schedule import Schedule, ScheduleState
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
@@ -107,9 +108,11 @@ class PlasticityCallback(L.Callback):
         require_full_parameters(trainer, self.owner)
 
     def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Fail at setup, before any training, when the selection finds no weight."""
+        """Fail at setup, before any training, when the selection finds no weight; show what it treats and
+        why every other weight is left alone (the model map's coverage table)."""
         if self.selection is not None:
             require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
+            rank_zero_info(f"{self.owner} coverage:\n{coverage_report(pl_module, self.selection)}")
 
     # ------------------------------------------------------------------ hooks the base owns
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
