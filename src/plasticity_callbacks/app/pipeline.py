@@ -281,11 +281,13 @@ class Pipeline:
             write_state(self.run_dir / STATE_FILE, self.state)
 
     def build_data(self, phase: Phase) -> L.LightningDataModule:
-        main = instantiate(phase.data)
+        # _convert_="all": plain lists and dicts in the data's hyperparameters, so checkpoints load with weights_only.
+        main = instantiate(phase.data, _convert_="all")
         if not phase.retention:
             return main
         earlier = {p.name: p for p in self.phases}
-        return MultiValidationDataModule(main, {name: instantiate(earlier[name].data) for name in phase.retention})
+        return MultiValidationDataModule(main, {name: instantiate(earlier[name].data, _convert_="all")
+                                                for name in phase.retention})
 
     def build_module(self, phase: Phase) -> PhaseModule:
         optimizer = dict(phase.optimizer)

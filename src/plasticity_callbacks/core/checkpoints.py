@@ -23,6 +23,8 @@ import contextlib
 import hashlib
 import io
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,18 +139,55 @@ def verify_file(path: str | Path) -> Path:
     return path
 
 
-def read_checkpoint(path: str | Path, map_location: Any = "cpu", **load_kwargs) -> dict:
-    """``torch.load`` of a verified checkpoint; an unreadable file is a one-line :class:`CheckpointError`."""
+TRUST_ENV = "PLASTICITY_TRUST_CHECKPOINTS"  # =1: load checkpoints with full unpickling (runs code they carry)
+
+
+def trusted_by_environment() -> bool:
+    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | None = None, **load_kwargs) -> dict:
+    """``torch.load`` of a verified checkpoint with ``weights_only=True``: loading never runs code.
+
+    A checkpoint whose pickle names anything beyond tensors, containers, numbers and strings (a class,
+    a function: what arbitrary code rides on) is refused in one line naming the file and the opt-in;
+    an unreadable file is a one-line :class:`CheckpointError` too.
+
+    Args:
+        path: the checkpoint file (its ``.sha256`` is checked first when there is one).
+        map_location: as for ``torch.load``.
+        trust: load with full unpickling (``weights_only=False``); None: the ``PLASTICITY_TRUST_CHECKPOINTS``
+            environment variable decides. Only for checkpoints from a source you trust.
+        load_kwargs: more ``torch.load`` arguments (``mmap=True``); ``weights_only`` is not one of them.
+
+    Example:
+        >>> checkpoint = read_checkpoint("outputs/run/checkpoints/last.ckpt")
+        >>> module.load_state_dict(checkpoint["state_dict"])
+    """
     path = verify_file(path)
+    if "weights_only" in load_kwargs:
+        raise TypeError("read_checkpoint loads with weights_only=True; pass trust=True for a checkpoint you trust")
+    trust = trusted_by_environment() if trust is None else trust
     try:
-        checkpoint = torch.load(path, map_location=map_location, **{"weights_only": False, **load_kwargs})
-    except Exception as err:  # EOFError, OSError, UnpicklingError, RuntimeError ...: whatever a damaged file raises
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
-                              f"{first[:200]}") from err
+        checkpoint = torch.load(path, map_location=map_location, weights_only=not trust, **load_kwargs)
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower() and "weights_only" not in str(err).lower():
+            raise unreadable(path, err) from err
+        found = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(err))
+        what = found.group(1) if found else "an object that is not a tensor or plain data"
+        raise CheckpointError(f"checkpoint {path} needs arbitrary code to load ({what}) and was refused; only if you "
+                              f"trust its source, load it with {TRUST_ENV}=1") from None
+    except Exception as err:  # EOFError, OSError, RuntimeError ...: whatever a damaged file raises
+        raise unreadable(path, err) from err
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
+
+
+def unreadable(path: Path, err: Exception) -> CheckpointError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
+                           f"{first[:200]}")
 
 
 def remove_with_checksum(path: str | Path) -> None:
@@ -164,14 +203,20 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     save ignores a ``PermissionError``). ``load_checkpoint`` checks the checksum beside the file and
     turns an empty, truncated, altered or foreign file into a one-line :class:`CheckpointError`;
     then ``inspect_on_load(checkpoint, path)``, when set (``ResumeGuard`` sets it), may refuse the
-    checkpoint before Lightning restores anything from it.
+    checkpoint before Lightning restores anything from it. Loading never unpickles arbitrary objects
+    (``weights_only=True``, whatever ``Trainer.fit(weights_only=...)`` says) unless ``trust`` is set.
+
+    Args:
+        trust: load checkpoints with full unpickling; None: the ``PLASTICITY_TRUST_CHECKPOINTS`` environment
+            variable decides (see :func:`read_checkpoint`).
 
     Example:
         >>> trainer = L.Trainer(plugins=[VerifiedCheckpointIO()], ...)
     """
 
-    def __init__(self):
+    def __init__(self, trust: bool | None = None):
         super().__init__()
+        self.trust = trust
         self.inspect_on_load = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -183,8 +228,8 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = read_checkpoint(path, map_location=map_location,
-                                     **({} if weights_only is None else {"weights_only": weights_only}))
+        # ``weights_only`` from Lightning is ignored: only ``trust`` / PLASTICITY_TRUST_CHECKPOINTS unlock pickles.
+        checkpoint = read_checkpoint(path, map_location=map_location, trust=self.trust)
         if self.inspect_on_load is not None:
             self.inspect_on_load(checkpoint, str(path))
         return checkpoint
