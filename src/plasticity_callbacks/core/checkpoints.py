@@ -25,13 +25,15 @@ import io
 import os
 import pickle
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 CHECKSUM_SUFFIX = ".sha256"
 PENDING_SUFFIX = ".writing"  # the new bytes, renamed over the checkpoint once its checksum is recorded
@@ -43,6 +45,22 @@ class CheckpointError(ValueError):
 
 class ResumeError(RuntimeError):
     """A resume (or a second run) that would not continue the interrupted run faithfully; one-line message."""
+
+
+class RunInterrupted(SystemExit):
+    """SIGTERM or SIGINT stopped a fit after saving (and verifying) the checkpoint of the step it reached.
+
+    Its exit status is the conventional ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), so a
+    scheduler records the run as stopped, not as finished; ``str()`` is the one line to print.
+    """
+
+    def __init__(self, signum: int, path: Path, step: int):
+        super().__init__(128 + signum)
+        self.signum, self.path, self.step = signum, Path(path), step
+
+    def __str__(self) -> str:
+        return (f"stopped by {signal.Signals(self.signum).name} at step {self.step}; checkpoint {self.path} saved and "
+                "verified: resume with the same command and ckpt_path=last (a pipeline: pipeline.resume=true)")
 
 
 def sha256_of(data: bytes) -> str:
@@ -81,6 +99,29 @@ def recorded_checksum(path: Path) -> tuple[str, int] | None:
     if len(fields) < 2 or len(fields[0]) != 64 or not fields[1].isdigit():
         raise CheckpointError(f"checkpoint checksum file {side} is malformed; delete it to load {path.name} unverified")
     return fields[0], int(fields[1])
+
+
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """SIGTERM and SIGINT that arrive inside the block act when it ends (a file write is never cut in half).
+
+    Example:
+        >>> with stop_signals_deferred():
+        ...     path.write_text(text)
+    """
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+        yield
+        return
+    received: list[int] = []
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
 
 
 def write_verified(data: bytes, path: str | Path) -> None:
@@ -260,23 +301,72 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
     ``on_validation_end``: Lightning runs checkpoint callbacks last), and Lightning's loop restores
     such a checkpoint without repeating the validation. The saved checkpoint can also rank by
     ``val/loss`` (``monitor``) at that step. ``fit(ckpt_path="last")`` with no last checkpoint in
-    ``dirpath`` is a :class:`ResumeError` (Lightning would warn and start a fresh run). Same
-    arguments as ``ModelCheckpoint``.
+    ``dirpath`` is a :class:`ResumeError` (Lightning would warn and start a fresh run).
+
+    SIGTERM or SIGINT during the fit is held until the current step ends (after its validation when
+    one follows); then ``last.ckpt`` of that step is saved, verified, and the fit stops with
+    :class:`RunInterrupted` (exit status 128 + signal). A second signal stops at once. Same arguments
+    as ``ModelCheckpoint``.
 
     Example:
         >>> checkpoint = ModelCheckpointAfterValidation(dirpath="ckpt", every_n_train_steps=100, save_last=True)
         >>> L.Trainer(callbacks=[checkpoint], val_check_interval=100)
     """
 
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._save_after_validation = False
+        self._received: int | None = None  # the stop signal held until the current step ends
+        self._previous_handlers: dict[int, Any] = {}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._received = None
+        if stage == "fit" and threading.current_thread() is threading.main_thread():
+            self._previous_handlers = {s: signal.getsignal(s) for s in self.STOP_SIGNALS}
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._hold_stop_signals()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._hold_stop_signals()
+
+    def _hold_stop_signals(self) -> None:
+        # Here, not in setup: Lightning registers its own SIGTERM handler after setup, and that one would
+        # stop the run (mid-validation too) with exit status 0. Lightning's teardown restores the handlers
+        # from before the fit, on an exception as well; ``teardown`` below does the same otherwise.
+        if self._previous_handlers:
+            for signum in self.STOP_SIGNALS:
+                signal.signal(signum, self._hold_signal)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+        super().teardown(trainer, pl_module, stage)
+
+    def _hold_signal(self, signum: int, frame) -> None:
+        if self._received is not None:  # asked twice: stop now, from the last checkpoint written
+            raise KeyboardInterrupt
+        self._received = signum
+        rank_zero_info(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping")
+
+    def _save_and_stop(self, trainer) -> None:
+        path = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        self._save_checkpoint(trainer, str(path))
+        trainer.strategy.barrier("stop_signal_checkpoint")
+        verify_file(path)
+        raise RunInterrupted(self._received, path, trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if pl_module.automatic_optimization and validation_follows(trainer):
             self._save_after_validation = True
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._received is not None:
+            self._save_and_stop(trainer)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
         # Lightning asks this only to resolve ckpt_path="last": a resume with nothing to resume from.
@@ -291,3 +381,5 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
             self._save_after_validation = False
             super().on_train_batch_end(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)
         super().on_validation_end(trainer, pl_module)
+        if self._received is not None and not trainer.sanity_checking:
+            self._save_and_stop(trainer)
