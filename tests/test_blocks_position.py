@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from plasticity_callbacks.models import GPT, ConfigError, GPTConfig
+from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.position_bias import (
     alibi_slopes, clamped_interpolation, fire_interpolation, relative_distance, t5_causal_buckets)

@@ -10,11 +10,12 @@ from model_zoo import Wrapped
 from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
-from plasticity_callbacks.core.model_map import (declare_plasticity, find_neuron_layers, output_heads,
+from plasticity_callbacks.core.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
                                                  refuse_factorized, select_targets)
 from plasticity_callbacks.functional import factorization
 from plasticity_callbacks.core.schedule import Schedule
-from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
+from plasticity_callbacks.core.apply_fire import apply_fire
+from plasticity_callbacks.functional.isometry import FIREOptions
 
 pytest.importorskip("transformers")
 
@@ -70,10 +71,10 @@ def test_declaration_is_read_by_every_selection():
     assert "out.weight" not in views and "spare.weight" in views
     assert [(b.label, b.start, b.stop) for b in views["proj.weight"].blocks] == [("q", 0, 8), ("k", 8, 12),
                                                                                  ("v", 12, 16)]
-    assert {t.name for t in select_targets(model, scope="mlp")} == {"a.weight", "b.weight", "c.weight"}
+    assert {t.name for t in select_targets(model, Selection(scope="mlp"))} == {"a.weight", "b.weight", "c.weight"}
     [layer] = [layer for layer in find_neuron_layers(model) if layer.name == "ffn"]
     assert layer.gate is model.a and layer.up is model.b and layer.down is model.c
-    apply_fire(model, options=FIREOptions(method="svd"), include=["proj.weight"])
+    apply_fire(model, options=FIREOptions(method="svd"), selection=Selection(include=["proj.weight"]))
     for start, stop in ((0, 8), (8, 12), (12, 16)):
         s = torch.linalg.svdvals(model.proj.weight[start:stop].double())
         torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 8) ** 0.5), rtol=1e-5, atol=1e-6)
@@ -192,7 +193,7 @@ def test_fused_qkv_with_grouped_heads_splits_by_head_counts():
     [qkv] = [t for t in select_targets(model) if t.name == "0.qkv.weight"]
     assert qkv.role == "attention"
     assert [(b.label, b.stop - b.start) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
-    apply_fire(model, options=FIREOptions(method="svd"), include=["0.qkv.weight"])
+    apply_fire(model, options=FIREOptions(method="svd"), selection=Selection(include=["0.qkv.weight"]))
     for start, stop in ((0, 16), (16, 20), (20, 24)):
         s = torch.linalg.svdvals(model[0].qkv.weight[start:stop].double())
         torch.testing.assert_close(s, torch.full_like(s, ((stop - start) / 16) ** 0.5), rtol=1e-5, atol=1e-6)

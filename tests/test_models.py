@@ -3,7 +3,8 @@ import itertools
 import pytest
 import torch
 
-from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, ConfigError, GPTConfig, KVCache
+from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks.mlp import gated_hidden_width
 
 SMALL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, sequence_len=16)

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from plasticity_callbacks.models.registry import ConfigError
+from plasticity_callbacks.core.arguments import ConfigError
 from plasticity_callbacks.app.pipeline import Pipeline, with_saved_moments
 from plasticity_callbacks.app.train import config_dir
 

@@ -6,11 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.functional.isometry import FIREOptions, apply_fire
+from plasticity_callbacks.core.apply_fire import apply_fire
+from plasticity_callbacks.core.model_map import Selection
+from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
-    POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, deviation_from_isometry, effective_rank, orthogonalize,
-    polar_express_coefficients, singular_value_summary, squared_frobenius_error, stable_rank,
+    POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, RankDeficientError, deviation_from_isometry, effective_rank,
+    orthogonalize, polar_express_coefficients, polar_from_gram, singular_value_summary, squared_frobenius_error, stable_rank,
 )
 from tiny import TinyMLPModule, make_optimizer
 
@@ -284,7 +286,7 @@ def test_gpt_at_init_skips_zero_projections_without_nan():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, n_kv_head=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        records = apply_fire(model, scope="attention")
+        records = apply_fire(model, selection=Selection(scope="attention"))
     skipped = sorted(r.name for r in records if r.skipped)
     assert skipped == ["blocks.0.attn.c_proj.weight", "blocks.1.attn.c_proj.weight"]
     assert sum("all zero" in str(w.message) for w in caught) == 2
@@ -365,3 +367,81 @@ def test_apply_fire_restores_weak_directions_of_a_trained_like_layer(method):
     assert float((S - 1).abs().max()) < 1e-3  # no direction dropped or left short
     exact = float(squared_frobenius_error(W.double(), exact_polar(W)))
     assert abs(float(squared_frobenius_error(W, layer.weight)) - exact) <= 1e-4 * exact
+
+
+# ------------------------------------------------------------------------ polar_from_gram (row-split W)
+
+
+def gram64(W: torch.Tensor) -> torch.Tensor:
+    X = W.double()
+    return X.mT @ X
+
+
+GRAM_MATRICES = {
+    "square": lambda: torch.randn(80, 80, dtype=torch.float64),
+    "tall": lambda: torch.randn(120, 48, dtype=torch.float64),
+    "wide": lambda: torch.randn(36, 90, dtype=torch.float64),
+    "ill_conditioned": lambda: with_spectrum(70, 50, torch.logspace(0, -5, 50, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRAM_MATRICES))
+def test_polar_from_gram_of_row_shards_assembles_the_svd_polar_factor(kind):
+    W = GRAM_MATRICES[kind]()
+    cuts = sorted(torch.randperm(W.shape[0] - 1)[:2].add(1).tolist())
+    shards = [W[:cuts[0]], W[cuts[0]:cuts[1]], W[cuts[1]:]]
+    G = sum(gram64(s) for s in shards)  # what an all-reduce of each shard's Gram matrix gives
+    Q = torch.cat([polar_from_gram(s, G, total_rows=W.shape[0]) for s in shards])
+    assert Q.dtype == torch.float64 and Q.shape == W.shape
+    accepted = 1e-6 if kind == "ill_conditioned" else 1e-10  # a float64 Gram: exact up to ~eps·κ² (κ = 1e5)
+    assert rel(Q, exact_polar(W)) < accepted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_polar_from_gram_keeps_the_dtype_of_the_rows(dtype):
+    W = torch.randn(64, 32).to(dtype)
+    Q = polar_from_gram(W, gram64(W))
+    assert Q.dtype == dtype
+    accepted = 1e-5 if dtype == torch.float32 else 1e-2  # the cast back to bfloat16 alone is ~4e-3
+    assert rel(Q, exact_polar(W)) < accepted
+    assert float((Q.double().mT @ Q.double() - torch.eye(32, dtype=torch.float64)).abs().max()) < 50 * accepted
+
+
+def test_polar_from_gram_of_a_batch_equals_one_matrix_at_a_time():
+    W = torch.randn(3, 40, 24, dtype=torch.float64)
+    Q = polar_from_gram(W, gram64(W))
+    for i in range(3):
+        assert torch.allclose(Q[i], polar_from_gram(W[i], gram64(W[i])), atol=1e-12)
+        assert rel(Q[i], exact_polar(W[i])) < 1e-10
+
+
+def test_polar_from_gram_refuses_rank_deficiency_or_returns_the_partial_isometry():
+    W = low_rank(60, 30, 20, torch.float64)
+    with pytest.raises(RankDeficientError, match="rank 20 < min\\(m, n\\) = 30.*orthogonalize.*partial=True"):
+        polar_from_gram(W, gram64(W))
+    Q = polar_from_gram(W, gram64(W), partial=True)
+    assert rel(Q, exact_polar(W, rank=20)) < 1e-9  # U_r V_rᵀ: the null directions map to zero
+    # A shard that holds fewer rows than n is fine when the whole W has full column rank.
+    W = torch.randn(60, 30, dtype=torch.float64)
+    assert rel(polar_from_gram(W[:10], gram64(W), total_rows=60), exact_polar(W)[:10]) < 1e-10
+    with pytest.raises(RankDeficientError, match="rank 10 < min"):  # a shard's own Gram, not the all-reduced one
+        polar_from_gram(W[:10], gram64(W[:10]), total_rows=60)
+    assert rel(polar_from_gram(W[:10], gram64(W[:10])), exact_polar(W[:10])) < 1e-10  # 10 rows alone: a wide W
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf])
+def test_polar_from_gram_refuses_a_zero_or_non_finite_gram(bad):
+    W = torch.randn(20, 10, dtype=torch.float64)
+    G = torch.zeros(10, 10, dtype=torch.float64) if bad == 0.0 else gram64(W).index_fill(0, torch.tensor([3]), bad)
+    with pytest.raises(DegenerateMatrixError, match="zero or has NaN/Inf"):
+        polar_from_gram(W, G)
+
+
+def test_polar_from_gram_names_bad_arguments():
+    W = torch.randn(20, 10)
+    with pytest.raises(ValueError, match="rows \\(..., r, n\\) and gram"):
+        polar_from_gram(W, torch.eye(9))
+    with pytest.raises(ValueError, match="total_rows=5"):
+        polar_from_gram(W, gram64(W), total_rows=5)
+    with pytest.raises(ValueError, match="rcond=2"):
+        polar_from_gram(W, gram64(W), rcond=2)

@@ -5,7 +5,7 @@ from torch import nn
 from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.models.optimizers import CombinedOptimizer
 from plasticity_callbacks.core.optimizer_state import reset_optimizer_state, zero_optimizer_state_slices
-from plasticity_callbacks.core.model_map import require_targets, select_targets
+from plasticity_callbacks.core.model_map import Selection, require_targets, select_targets
 from tiny import TinyCNNModule, TinyMLPModule, make_optimizer
 
 
@@ -15,19 +15,19 @@ def names(targets):
 
 def test_gpt_scopes_follow_declared_roles():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, n_kv_head=2, mlp="swiglu"))
-    attention = select_targets(model, scope="attention")
-    mlp = select_targets(model, scope="mlp")
+    attention = select_targets(model, Selection(scope="attention"))
+    mlp = select_targets(model, Selection(scope="mlp"))
     assert {t.role for t in attention} == {"attention"} and len(attention) == 8
     assert {t.role for t in mlp} == {"mlp"} and len(mlp) == 6
     assert sorted(names(select_targets(model))) == sorted(names(attention) + names(mlp))
-    assert "lm_head.weight" in names(select_targets(model, include_head=True))
+    assert "lm_head.weight" in names(select_targets(model, Selection(include_head=True)))
 
 
 def test_include_and_exclude_patterns():
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, n_kv_head=2))
-    only_first = select_targets(model, include=["blocks.0.*"])
+    only_first = select_targets(model, Selection(include=["blocks.0.*"]))
     assert only_first and all(n.startswith("blocks.0.") for n in names(only_first))
-    no_proj = select_targets(model, exclude=["*.c_proj.weight"])
+    no_proj = select_targets(model, Selection(exclude=["*.c_proj.weight"]))
     assert not any("c_proj" in n for n in names(no_proj))
 
 
@@ -37,7 +37,7 @@ def test_generic_models_skip_head_biases_and_norms():
     cnn = TinyCNNModule()
     targets = select_targets(cnn)
     assert names(targets) == ["features.0.weight", "features.2.weight"] and {t.kind for t in targets} == {"conv"}
-    assert names(select_targets(cnn, include_conv=False)) == []
+    assert names(select_targets(cnn, Selection(include_conv=False))) == []
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.MultiheadAttention(4, 2), nn.Linear(4, 2))
     got = {t.name: t.role for t in select_targets(model)}
     assert got == {"0.weight": "other", "2.in_proj_weight": "attention", "2.out_proj.weight": "attention"}
@@ -45,9 +45,10 @@ def test_generic_models_skip_head_biases_and_norms():
 
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="scope='mpl'"):
-        select_targets(TinyMLPModule(), scope="mpl")
+        select_targets(TinyMLPModule(), Selection(scope="mpl"))
+    attention = Selection(scope="attention")
     with pytest.raises(ValueError, match="no weights selected"):
-        require_targets(select_targets(TinyMLPModule(), scope="attention"), "FIREReinit", "attention", None, None)
+        require_targets(select_targets(TinyMLPModule(), attention), "FIREReinit", attention)
 
 
 def _stepped(optimizer_name):

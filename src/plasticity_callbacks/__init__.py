@@ -24,8 +24,11 @@ _LAZY = {
     "DASHShrink": "plasticity_callbacks.callbacks.dash",
     "AdaptiveSVDSwitch": "plasticity_callbacks.callbacks.adaptive_svd",
     "ShrinkPerturb": "plasticity_callbacks.callbacks.shrink_perturb",
+    "FullReset": "plasticity_callbacks.callbacks.full_reset",
     "GateLogger": "plasticity_callbacks.callbacks.gate_logger",
+    "PlasticityCallback": "plasticity_callbacks.callbacks.base",
     "Schedule": "plasticity_callbacks.core.schedule",
+    "Selection": "plasticity_callbacks.core.model_map",
     "FIREOptions": "plasticity_callbacks.functional.isometry",
 }
 

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from ..models.lightning_module import GPTLightningModule
-from ..models.registry import ConfigError
+from ..core.arguments import ConfigError
 
 log = logging.getLogger(__name__)
 

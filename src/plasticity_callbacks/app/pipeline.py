@@ -53,7 +53,7 @@ from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refus
 from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
-from ..models.registry import ConfigError
+from ..core.arguments import ConfigError
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
 METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights"}

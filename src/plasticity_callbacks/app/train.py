@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..core.checkpoints import CheckpointError, RunInterrupted, VerifiedCheckpointIO, read_checkpoint
 from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
-from ..models.registry import ConfigError
+from ..core.arguments import ConfigError
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
 from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics

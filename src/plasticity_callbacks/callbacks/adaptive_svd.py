@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import lightning as L
 import torch
@@ -16,7 +16,7 @@ from ..core.distributed import MisconfigurationException, require_full_parameter
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
-from ..core.model_map import Target, require_targets, select_targets, validate_selection
+from ..core.model_map import Selection, Target, require_targets, select_targets
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
 from ..core.schedule import Schedule, ScheduleState
@@ -123,7 +123,6 @@ class AdaptiveSVDSwitch(L.Callback):
         check_int("r_min", r_min)
         check_int("svd_niter", svd_niter, minimum=0)
         check_int("initial_rank", initial_rank, optional=True)
-        validate_selection(scope, include, exclude)
         for name, value in (("clobber_alignment", clobber_alignment), ("safe_minor_alignment", safe_minor_alignment),
                             ("max_reconstruction_error", max_reconstruction_error)):
             check_number(name, value, 0.0, 1.0)
@@ -136,8 +135,8 @@ class AdaptiveSVDSwitch(L.Callback):
         self.minor_training = minor_training
         self.firing = ScheduleState(self.schedule, "AdaptiveSVDSwitch")
         self._cycle_now = False  # the schedule said so at this step's first batch
-        self.selection = dict(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
-                              include_head=include_head)
+        self.selection = Selection(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
+                                   include_head=include_head)
         self.r_min, self.initial_rank = r_min, initial_rank
         self.thresholds = dict(clobber_alignment=clobber_alignment, stable_angle=stable_angle,
                                safe_minor_alignment=safe_minor_alignment,
@@ -150,7 +149,8 @@ class AdaptiveSVDSwitch(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(minor_training=self.minor_training, **self.selection)
+        return self._generate_state_key(minor_training=self.minor_training,
+                                        **asdict(self.selection))
 
     # ---------------------------------------------------------------- setup and resume
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -165,9 +165,7 @@ class AdaptiveSVDSwitch(L.Callback):
             )
         if self.matrices:
             return
-        targets = select_targets(pl_module, **self.selection)
-        require_targets(targets, "AdaptiveSVDSwitch", self.selection["scope"], self.selection["include"],
-                        self.selection["exclude"])
+        targets = require_targets(select_targets(pl_module, self.selection), "AdaptiveSVDSwitch", self.selection)
         for t in targets:
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split

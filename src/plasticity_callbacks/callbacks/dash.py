@@ -17,7 +17,7 @@ from torch import nn
 from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..core.optimizer_state import owning_optimizer
 from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
-from ..core.model_map import WeightView, refuse_factorized, require_targets, select_targets, validate_selection
+from ..core.model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
 from ..core.schedule import Schedule, ScheduleState
@@ -138,7 +138,8 @@ class DASHShrink(L.Callback):
         if rule == "periodic":
             self.schedule.require_step_triggers("DASHShrink(rule='periodic')",
                                                 "uses the step's gradient (rule='dash' acts at any trigger)")
-        validate_selection(scope, include, exclude)
+        self.selection = Selection(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
+                                   include_head=include_head)
         check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
         check_number("alpha", alpha, -1.0, 1.0, "(a cosine threshold)")
         check_number("rate", rate, 0.0)
@@ -227,8 +228,7 @@ class DASHShrink(L.Callback):
 
     def _select_layers(self, trainer, pl_module) -> list[_Layer]:
         targets = require_targets(
-            select_targets(pl_module, self.scope, self.include, self.exclude, self.include_conv, self.include_head),
-            "DASHShrink", self.scope, self.include, self.exclude)
+            select_targets(pl_module, self.selection), "DASHShrink", self.selection)
         if self.skip_muon_params:
             targets = [t for t in targets
                        if not isinstance(owning_optimizer(trainer.optimizers, t.param), torch.optim.Muon)]

@@ -10,10 +10,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core.distributed import all_reduce_mean, require_full_parameters
-from ..functional.isometry import FIREOptions, FireRecord, apply_fire
+from ..core.apply_fire import apply_fire
+from ..functional.isometry import FIREOptions, FireRecord
 from ..core.optimizer_state import leaf_optimizers
 from ..core.schedule import Schedule, ScheduleState
-from ..core.model_map import require_targets, select_targets, validate_selection
+from ..core.model_map import Selection, require_targets, select_targets
 from ..core.arguments import build_options, check_int
 from ..core.callback_state import OPTIONAL_INT, check_state
 
@@ -26,7 +27,7 @@ class FIREReinit(L.Callback):
     boundaries in ``on_train_batch_start`` (so the new step already trains the new weights), plateaus
     in ``on_validation_end``. Each trigger acts once, also across a resume.
 
-    What changes: the target weights (see :func:`plasticity_callbacks.functional.isometry.apply_fire`) and the
+    What changes: the target weights (see :func:`plasticity_callbacks.core.apply_fire.apply_fire`) and the
     optimizer state of exactly those weights (``options.reset_optimizer``). With ``rewarmup_steps = K`` the
     learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
     each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
@@ -74,10 +75,8 @@ class FIREReinit(L.Callback):
         self.options = FIREOptions() if options is None else build_options(FIREOptions, options, "FIREReinit",
                                                                              "options")
         check_int("rewarmup_steps", rewarmup_steps, minimum=0)
-        validate_selection(scope, include, exclude)
-        self.selection = dict(scope=scope, include=list(include) if include else None,
-                              exclude=list(exclude) if exclude else None, include_conv=include_conv,
-                              include_head=include_head)
+        self.selection = Selection(scope=scope, include=include or None, exclude=exclude or None,
+                                   include_conv=include_conv, include_head=include_head)
         self.rewarmup_steps, self.log_per_layer, self.save_spectra = rewarmup_steps, log_per_layer, save_spectra
         self.firing = ScheduleState(self.schedule, "FIREReinit")
         # State that survives a resume (state_dict): the schedule's, the applications' summaries, warmup.
@@ -89,7 +88,7 @@ class FIREReinit(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(scope=self.selection["scope"], method=self.options.method,
+        return self._generate_state_key(scope=self.selection.scope, method=self.options.method,
                                         schedule=self.schedule.describe())
 
     # ------------------------------------------------------------------------------------- hooks
@@ -97,8 +96,7 @@ class FIREReinit(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.firing.begin_fit(stage)
         require_full_parameters(trainer, "FIREReinit")
-        require_targets(select_targets(pl_module, **self.selection), "FIREReinit", self.selection["scope"],
-                        self.selection["include"], self.selection["exclude"])
+        require_targets(select_targets(pl_module, self.selection), "FIREReinit", self.selection)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.rewarmup_steps:
@@ -141,8 +139,8 @@ class FIREReinit(L.Callback):
             return
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            records = apply_fire(pl_module, trainer.optimizers, self.options, record_spectra=self.save_spectra,
-                                 **self.selection)
+            records = apply_fire(pl_module, trainer.optimizers, self.options, self.selection,
+                                 record_spectra=self.save_spectra)
         for warning in caught:  # all-zero weights (fresh zero-initialized projections) are summed up below
             if not any(r.skipped == "zero" and r.name in str(warning.message) for r in records):
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)

@@ -15,14 +15,8 @@ from ..core.model_map import fresh_parameters, validate_patterns
 from ..core.arguments import check_number
 from ..core.schedule import Schedule, ScheduleState
 from ..functional import factorization
+from ..functional.shrink import shrink_perturb_
 from ..core.callback_state import check_state
-
-
-def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
-    """In place: ``p ← shrink·p + perturb·f`` for every pair (the pure math, no Lightning)."""
-    with torch.no_grad():
-        for p, f in zip(params, fresh, strict=True):
-            p.mul_(shrink).add_(f.to(device=p.device, dtype=p.dtype), alpha=perturb)
 
 
 class ShrinkPerturb(L.Callback):

@@ -1,7 +1,6 @@
-"""``apply_fire``: FIRE (Han et al., arXiv 2602.08040) on a model, once, as a plain function. No
-Lightning.
+"""FIRE (Han et al., arXiv 2602.08040) on one weight: ``scale · polar(W)``, its options and its record.
 
-Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
+:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
 ``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
 code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the reference
 code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
@@ -15,12 +14,9 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
-from torch import nn
 
-from ..core.optimizer_state import reset_optimizer_state
 from .spectral import (
     DegenerateMatrixError,
     check_polar_options,
@@ -29,7 +25,6 @@ from .spectral import (
     singular_values,
     squared_frobenius_error,
 )
-from ..core.model_map import Target, select_targets
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
 
@@ -131,70 +126,27 @@ class FIREOptions:
         return DTYPES[self.dtype]
 
 
-def apply_fire(
-    module: nn.Module,
-    optimizers=None,
-    options: FIREOptions | None = None,
-    scope: str = "all",
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
-    include_conv: bool = True,
-    include_head: bool = False,
-    record_spectra: bool = False,
-    targets: list[Target] | None = None,
-) -> list[FireRecord]:
-    """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
-
-    Args:
-        module: the model whose weights change.
-        optimizers: an optimizer or a list of them (None: no optimizer state to reset).
-        options: how to orthogonalize and rescale (:class:`FIREOptions`; None: its defaults).
-        scope, include, exclude, include_conv, include_head: which weights, see
-            :func:`plasticity_callbacks.core.model_map.select_targets`; ignored when ``targets`` is given.
-        record_spectra: keep singular values before/after in each record.
-        targets: the exact weights to change.
-
-    A parameter with NaN/Inf, or all zero (nanochat's zero-initialized ``c_proj``), is skipped with
-    a warning (or raises, ``on_degenerate="raise"``). Returns one :class:`FireRecord` per target.
-
-    Example:
-        >>> records = apply_fire(model, optimizer, FIREOptions(method="svd"), scope="attention")
-        >>> sum(r.dfi_after for r in records)
-    """
-    options = FIREOptions() if options is None else options
-    if not isinstance(options, FIREOptions):
-        raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
-    if targets is None:
-        targets = select_targets(module, scope, include, exclude, include_conv, include_head)
-    records, fired = [], []
-    for target in targets:
-        blocks, changed = target.block_list(), False
-        with torch.no_grad():
-            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
-            for block in blocks:
-                name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
-                record = _fire_one(name, weight[block.start:block.stop], options, record_spectra)
-                records.append(record)
-                changed |= record.skipped is None
-            target.write(weight)
-        if changed:
-            fired.extend(target.trainable())
-    if options.reset_optimizer and optimizers is not None and fired:
-        reset_optimizer_state(optimizers, fired)
-    return records
-
-
 def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerate: str) -> FireRecord:
     """A matrix with no polar factor is never written: raise, or warn and record why it was skipped."""
     if on_degenerate == "raise":
         raise DegenerateMatrixError(message)
-    warnings.warn(message + "; left unchanged", stacklevel=4)  # point at apply_fire's caller, as before
+    warnings.warn(message + "; left unchanged", stacklevel=4)  # point at apply_fire's caller
     record.skipped = reason
     return record
 
 
-def _fire_one(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool) -> FireRecord:
-    """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place."""
+def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool = False) -> FireRecord:
+    """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place.
+
+    Args:
+        name: the weight's name, for the record and warnings.
+        param: the weight (or one row block of it), changed in place.
+        options: how to orthogonalize and rescale.
+        record_spectra: keep singular values before/after in the record.
+
+    Example:
+        >>> record = fire_matrix("w", torch.randn(64, 32), FIREOptions(method="svd"))
+    """
     dtype, on_degenerate = options.torch_dtype, options.on_degenerate
     record = FireRecord(name, tuple(param.shape))
     if param.dim() < 2:

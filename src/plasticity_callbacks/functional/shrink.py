@@ -1,4 +1,4 @@
-"""Direction-aware shrink factors (DASH) as plain tensor functions; no Lightning here.
+"""Shrink rules as plain tensor functions: DASH's direction-aware factors and Shrink & Perturb; no Lightning.
 
 Two rules, both "shrink a neuron whose weights point against where the loss wants them":
 
@@ -100,3 +100,10 @@ def apply_shrink_(tensor: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
                          f"of a tensor shaped {tuple(tensor.shape)}")
     scale = factors.reshape(factors.shape + (1,) * (tensor.dim() - factors.dim()))
     return tensor.mul_(scale.to(tensor.dtype))
+
+
+def shrink_perturb_(params: list[torch.Tensor], fresh: list[torch.Tensor], shrink: float, perturb: float) -> None:
+    """In place: ``p ← shrink·p + perturb·f`` for every pair (the pure math, no Lightning)."""
+    with torch.no_grad():
+        for p, f in zip(params, fresh, strict=True):
+            p.mul_(shrink).add_(f.to(device=p.device, dtype=p.dtype), alpha=perturb)

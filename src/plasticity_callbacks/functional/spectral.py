@@ -186,6 +186,79 @@ def orthogonalize(
     return (Q, info) if return_info else Q
 
 
+class RankDeficientError(ValueError):
+    """A Gram matrix whose rank is below ``min(m, n)``: ``W (WᵀW)^(-1/2)`` is then only a partial
+    isometry, and the rows alone cannot complete it to a full one."""
+
+
+def polar_from_gram(rows: torch.Tensor, gram: torch.Tensor, total_rows: int | None = None,
+                    rcond: float | None = None, partial: bool = False) -> torch.Tensor:
+    """``rows @ gram^(-1/2)``: the rows of the polar factor of ``W`` that ``rows`` holds, given ``gram = WᵀW``.
+
+    ``W`` (``(m, n)``, or a batch ``(..., m, n)``) may be split by rows, e.g. across ranks: each part
+    holds some of its rows, ``gram`` is the sum of every part's ``rowsᵀ rows`` (an all-reduce), and each
+    part multiplies its own rows; together they form ``U Vᵀ``, as ``orthogonalize`` would. The inverse
+    square root comes from a float64 ``eigh`` of ``gram``. A wide ``W`` (``m < n``, ``gram`` of rank
+    ``m``) works too: the inverse square root is taken on the range of ``gram`` (a pseudo-inverse),
+    which for a full-row-rank ``W`` is exactly its polar factor.
+
+    Accuracy: the result is as accurate as ``gram``; its rounding error is amplified by ``κ(W)²``, so
+    build it in float64 (``rows.double().mT @ rows.double()``) unless ``W`` is well conditioned.
+    ``rows`` are multiplied in float64 when they are float64, else in float32; the result has
+    ``rows.dtype``.
+
+    Rank deficiency: eigenvalues at most ``rcond·λ_max`` count as zero (default ``rcond``:
+    ``n·eps`` of ``gram``'s dtype). A rank below ``min(total_rows, n)`` means ``W`` has no unique
+    polar factor, and completing the null directions needs all of ``W``: this raises
+    :class:`RankDeficientError` (gather ``W`` and use :func:`orthogonalize`, which completes them),
+    unless ``partial=True``, which returns the partial isometry ``U_r V_rᵀ`` (null directions map to 0).
+    A zero or non-finite ``gram`` raises :class:`DegenerateMatrixError`.
+
+    Args:
+        rows: ``(..., r, n)`` rows of ``W`` (all of ``W`` when it is not split).
+        gram: ``(..., n, n)`` symmetric positive semi-definite ``WᵀW`` of the whole ``W``.
+        total_rows: ``m``, the rows of the whole ``W`` (default: ``rows`` is all of ``W``).
+        rcond: relative eigenvalue threshold below which a direction counts as null.
+        partial: return the partial isometry instead of raising on rank deficiency.
+
+    Example:
+        >>> W = torch.randn(512, 128)
+        >>> top, bottom = W[:300], W[300:]                       # two shards of rows
+        >>> G = top.double().mT @ top.double() + bottom.double().mT @ bottom.double()
+        >>> Q_top = polar_from_gram(top, G, total_rows=512)       # == orthogonalize(W)[:300]
+    """
+    n = gram.shape[-1]
+    if gram.dim() < 2 or gram.shape[-2] != n or rows.shape[-1] != n or rows.shape[:-2] != gram.shape[:-2]:
+        raise ValueError(f"polar_from_gram needs rows (..., r, n) and gram (..., n, n) with the same batch and n; "
+                         f"got rows {tuple(rows.shape)} and gram {tuple(gram.shape)}")
+    if not (rows.is_floating_point() and gram.is_floating_point()):
+        raise ValueError(f"polar_from_gram needs floating-point tensors, got {rows.dtype} and {gram.dtype}")
+    m = rows.shape[-2] if total_rows is None else total_rows
+    if isinstance(m, bool) or not isinstance(m, int) or m < rows.shape[-2]:
+        raise ValueError(f"total_rows={total_rows!r} must be an integer >= the {rows.shape[-2]} rows given")
+    if rcond is None:
+        rcond = n * torch.finfo(gram.dtype).eps
+    elif not 0 <= rcond < 1:
+        raise ValueError(f"rcond={rcond!r} must be in [0, 1)")
+    G = gram.detach().to(torch.float64)
+    if not bool(torch.isfinite(G).all()) or bool((G.diagonal(dim1=-2, dim2=-1).amax(-1) <= 0).any()):
+        raise DegenerateMatrixError("polar_from_gram: a Gram matrix is zero or has NaN/Inf entries; "
+                                    "W has no polar factor (skip it)")
+    G = (G + G.mT) / 2  # a Gram matrix summed over ranks may be asymmetric in the last bit
+    eigenvalues, V = torch.linalg.eigh(G)  # ascending
+    kept = eigenvalues > rcond * eigenvalues[..., -1:]
+    rank, needed = kept.sum(-1), min(m, n)
+    if not partial and bool((rank < needed).any()):
+        raise RankDeficientError(
+            f"polar_from_gram: rank {int(rank.min())} < min(m, n) = {needed} (eigenvalues below rcond={rcond:.1e} "
+            "of the largest): no full isometry from rows alone; gather W and use orthogonalize (it completes "
+            "the null directions), or pass partial=True for the partial isometry U_r V_rᵀ")
+    inverse_root = torch.where(kept, eigenvalues.clamp_min(torch.finfo(torch.float64).tiny).rsqrt(), 0.0)
+    compute = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    inverse_sqrt = (V * inverse_root[..., None, :]) @ V.mT  # V diag(λ^(-1/2)) Vᵀ on the range
+    return (rows.detach().to(compute) @ inverse_sqrt.to(compute)).to(rows.dtype)
+
+
 def check_polar_options(method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond=None) -> None:
     """Raise a ValueError naming the first bad option of :func:`orthogonalize` (the one place they are checked)."""
     if method not in METHODS:

@@ -1,11 +1,11 @@
 """The GPT, its pluggable blocks and its LightningModule."""
 from .blocks import KVCache, NeuronLayout
 from .gpt import GPT, Block, GPTConfig
-from .registry import ATTENTIONS, MLPS, POSITIONS, ConfigError, Registry
+from .registry import ATTENTIONS, MLPS, POSITIONS, Registry
 
 __all__ = [
     "GPT", "GPTConfig", "Block", "KVCache", "NeuronLayout", "ATTENTIONS", "MLPS", "POSITIONS",
-    "ConfigError", "Registry", "GPTLightningModule",
+    "Registry", "GPTLightningModule",
 ]
 
 

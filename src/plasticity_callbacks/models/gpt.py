@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import KVCache, rms_norm
-from .registry import ATTENTIONS, MLPS, POSITIONS, ConfigError
+from ..core.arguments import ConfigError
+from .registry import ATTENTIONS, MLPS, POSITIONS
 
 
 @dataclass
@@ -152,6 +153,6 @@ class GPT(nn.Module):
 
     def projection_weights(self) -> list[tuple[str, nn.Parameter, str]]:
         """The 2D projection weights of the blocks as ``(name, parameter, role)``, role ∈ {attention, mlp}."""
-        from ..core.targets import select_targets
+        from ..core.model_map import select_targets
 
-        return [(t.name, t.param, t.role) for t in select_targets(self, scope="all")]
+        return [(t.name, t.param, t.role) for t in select_targets(self)]

@@ -13,7 +13,7 @@ from torchmetrics.text import Perplexity
 from ..data.tokenizer import IGNORE_INDEX
 from .optimizers import build_optimizer, lr_lambda
 from .gpt import GPT, GPTConfig
-from .registry import ConfigError
+from ..core.arguments import ConfigError
 
 
 class GPTLightningModule(L.LightningModule):

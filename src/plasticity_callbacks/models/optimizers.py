@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..core.targets import select_targets
+from ..core.model_map import Selection, select_targets
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -110,7 +110,7 @@ def build_optimizer(
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
-    matrices = [t.param for t in select_targets(model, include_conv=False) if t.param.dim() == 2]
+    matrices = [t.param for t in select_targets(model, Selection(include_conv=False)) if t.param.dim() == 2]
     matrix_ids = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in matrix_ids]
     muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay)

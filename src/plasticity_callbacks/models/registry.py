@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
 
+from ..core.arguments import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration value is not allowed; the message names the field and the choices."""
 
 
 class Registry(Generic[T]):

@@ -16,18 +16,18 @@ from .fresh import fresh_layer_weight, fresh_parameters
 from .neurons import NeuronLayer
 from .select import (
     SCOPES,
+    Selection,
     describe,
     find_neuron_layers,
     refuse_factorized,
     require_targets,
     select_targets,
     validate_patterns,
-    validate_selection,
 )
 from .weights import Block, Target, WeightView, is_conv1d, output_head, output_heads
 
 __all__ = [
-    "Block", "Declaration", "NeuronLayer", "SCOPES", "Target", "WeightView", "declare_plasticity", "describe",
+    "Block", "Declaration", "NeuronLayer", "SCOPES", "Selection", "Target", "WeightView", "declare_plasticity", "describe",
     "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "is_conv1d", "output_head", "output_heads", "refuse_factorized",
-    "require_targets", "select_targets", "validate_patterns", "validate_selection",
+    "require_targets", "select_targets", "validate_patterns",
 ]

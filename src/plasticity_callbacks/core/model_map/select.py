@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
+from ..arguments import build_options
 from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers
 from .weights import CONV, WeightView, fused_blocks, is_conv1d, module_roles, output_heads, stored_param
 
@@ -49,15 +51,9 @@ def _weight_attributes(module: nn.Module, include_conv: bool):
             yield attr, "matrix"
 
 
-def select_targets(
-    model: nn.Module,
-    scope: str = "all",
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
-    include_conv: bool = True,
-    include_head: bool = False,
-) -> list[WeightView]:
-    """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
+@dataclass(frozen=True)
+class Selection:
+    """Which weights a callback treats; checked here once, then passed whole to :func:`select_targets`.
 
     Args:
         scope: ``all`` (every role except positional), ``attention`` or ``mlp``.
@@ -68,14 +64,56 @@ def select_targets(
         include_head: also treat the output head(s).
 
     Example:
-        >>> targets = select_targets(model, scope="mlp", exclude=["blocks.0.*"])
+        >>> selection = Selection(scope="mlp", exclude=["blocks.0.*"])
+        >>> [t.name for t in select_targets(model, selection)]
+        >>> Selection.build({"scope": "attention"}, "FIREReinit")   # from a config mapping
+    """
+
+    scope: str = "all"
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    include_conv: bool = True
+    include_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope={self.scope!r} is not one of {SCOPES}")
+        validate_patterns(include=self.include, exclude=self.exclude)
+        for name in ("include_conv", "include_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Selection {name}={getattr(self, name)!r} must be true or false")
+        # Lists (a config system's list type too) are kept as tuples: hashable, picklable, comparable.
+        for name in ("include", "exclude"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @classmethod
+    def build(cls, value: Selection | Mapping | None, owner: str) -> Selection:
+        """``value`` as a Selection: a Selection is kept, a mapping of its fields becomes one, None the default."""
+        return cls() if value is None else build_options(cls, value, owner, "selection")
+
+    def matches(self, name: str) -> bool:
+        """Whether the parameter ``name`` passes ``include`` and ``exclude`` (the name patterns only)."""
+        return ((self.include is None or _matches(name, self.include))
+                and (self.exclude is None or not _matches(name, self.exclude)))
+
+
+def select_targets(model: nn.Module, selection: Selection | None = None) -> list[WeightView]:
+    """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
+
+    Args:
+        model: any ``nn.Module``.
+        selection: which weights (:class:`Selection`); None: every treatable weight but the head.
+
+    Example:
+        >>> targets = select_targets(model, Selection(scope="mlp", exclude=["blocks.0.*"]))
         >>> [(t.name, t.shape, [b.label for b in t.block_list()]) for t in targets]
     """
-    if scope not in SCOPES:
-        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
-    heads = set() if include_head else output_heads(model)
+    selection = Selection() if selection is None else selection
+    include, exclude = selection.include, selection.exclude
+    heads = set() if selection.include_head else output_heads(model)
     targets = []
-    for module_name, view in weight_views(model, include_conv):
+    for module_name, view in weight_views(model, selection.include_conv):
         if module_name in heads:
             continue
         explicitly_included = include is not None and _matches(view.name, include)
@@ -83,7 +121,7 @@ def select_targets(
             continue
         if view.role == "position" and not explicitly_included:
             continue
-        if scope != "all" and view.role != scope:
+        if selection.scope != "all" and view.role != selection.scope:
             continue
         if exclude is not None and _matches(view.name, exclude):
             continue
@@ -116,7 +154,7 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
             layers.append(check_layer(NeuronLayer(name, up, modules[-1], gate)))
         return layers
-    allowed = {id(t.module) for t in select_targets(model, exclude=exclude, include_conv=True)}
+    allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
     found, _ = find_layers(model)
     return [layer for layer in found
             if id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
@@ -140,22 +178,16 @@ def validate_patterns(**patterns) -> None:
             raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
 
 
-def validate_selection(scope: str, include=None, exclude=None) -> None:
-    """Check selection arguments at construction time, so a typo fails before training starts."""
-    if scope not in SCOPES:
-        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
-    validate_patterns(include=include, exclude=exclude)
-
-
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def require_targets(targets: list[WeightView], owner: str, scope: str, include, exclude) -> list[WeightView]:
+def require_targets(targets: list[WeightView], owner: str, selection: Selection) -> list[WeightView]:
     """Raise a clear error when a selection came back empty (a callback that silently does nothing is a bug)."""
     if not targets:
         raise ValueError(
-            f"{owner}: no weights selected (scope={scope!r}, include={include}, exclude={exclude}). "
+            f"{owner}: no weights selected (scope={selection.scope!r}, include={selection.include}, "
+            f"exclude={selection.exclude}). "
             "Targets are Linear / conv / HF Conv1D / MultiheadAttention weights outside embeddings and the output "
             "head; check the scope (roles 'attention'/'mlp' come from attention modules, recognised MLPs, "
             "plasticity_role attributes or declare_plasticity(roles=...)) and the include/exclude patterns."

@@ -16,7 +16,8 @@ import weakref
 import torch
 from torch import nn
 
-from ..registry import POSITIONS, ConfigError
+from ...core.arguments import ConfigError
+from ..registry import POSITIONS
 from .position import PositionBlock
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import ATTENTIONS, ConfigError
+from ...core.arguments import ConfigError
+from ..registry import ATTENTIONS
 from .attention import KVCache, causal_attention, rms_norm
 from .position import PositionBlock
 

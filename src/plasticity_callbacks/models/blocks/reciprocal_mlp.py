@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import MLPS, ConfigError
+from ...core.arguments import ConfigError
+from ..registry import MLPS
 from .mlp import MLPBlock, NeuronLayout
 
 ACTIVATIONS = {"relu2": lambda h: F.relu(h).square(), "gelu": F.gelu}

@@ -1,0 +1,161 @@
+"""``PlasticityCallback``: the base of every method that acts on a :class:`~..core.schedule.Schedule`."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import lightning as L
+
+from ..core.callback_state import check_state
+from ..core.distributed import require_full_parameters
+from ..core.model_map import Selection, require_targets, select_targets
+from ..core.schedule import Schedule, ScheduleState
+
+STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+class PlasticityCallback(L.Callback):
+    """A plasticity method: the base owns *when* (hooks, schedule, resume), the subclass writes *what* in ``act``.
+
+    When: ``on_train_start`` (fit start), ``on_train_epoch_start`` (epochs), ``step_hook``
+    (steps, task boundaries; ``on_train_batch_start`` unless a subclass names another) and
+    ``on_validation_end`` (plateaus) ask the :class:`ScheduleState` whether the schedule is due and,
+    if so, call ``act(trainer, pl_module, reason)``. ``setup`` starts a new fit's schedule state,
+    checks the strategy (:meth:`check_strategy`) and that the selection finds weights
+    (:meth:`check_targets`). The metrics ``act`` returns are logged through ``pl_module.log``
+    (``on_step=True``), at once where Lightning allows it, else at the next training batch.
+    ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
+    ``check_state`` against ``extra_state_types``. A subclass that needs more hooks overrides them
+    and calls ``super()``.
+
+    Class attributes a subclass sets:
+        summary_metrics: logged names a pipeline or report summarizes for this method.
+        default_schedule: the schedule when none is given (None: the method needs no schedule).
+        step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
+        extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
+
+    Args:
+        schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
+        selection: which weights (a :class:`Selection` or a mapping of its fields); None: the
+            method does not select weights (no target check at setup).
+
+    Example:
+        >>> class HalveWeights(PlasticityCallback):
+        ...     summary_metrics = ("halve/norm",)
+        ...     extra_state_types = {"halvings": int}
+        ...
+        ...     def __init__(self, schedule=None, selection=None):
+        ...         super().__init__(schedule, Selection.build(selection, "HalveWeights"))
+        ...         self.halvings = 0
+        ...
+        ...     def act(self, trainer, pl_module, reason):
+        ...         targets = select_targets(pl_module, self.selection)
+        ...         with torch.no_grad():
+        ...             for t in targets:
+        ...                 t.param.mul_(0.5)
+        ...         self.halvings += 1
+        ...         return {"halve/norm": float(sum(t.param.norm() for t in targets))}
+        ...
+        ...     def extra_state(self):
+        ...         return {"halvings": self.halvings}
+        ...
+        ...     def load_extra_state(self, state):
+        ...         self.halvings = state["halvings"]
+        >>> trainer = L.Trainer(callbacks=[HalveWeights(Schedule(every_n_steps=100))], max_steps=1000)
+    """
+
+    summary_metrics: ClassVar[tuple[str, ...]] = ()
+    default_schedule: ClassVar[Schedule | None] = Schedule(at_fit_start=True)
+    step_hook: ClassVar[str] = "on_train_batch_start"
+    extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+
+    def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
+        super().__init__()
+        if self.step_hook not in STEP_HOOKS:
+            raise TypeError(f"{self.owner}.step_hook={self.step_hook!r} is not one of {STEP_HOOKS}")
+        self.schedule = self.default_schedule if schedule is None else Schedule.build(schedule, self.owner)
+        self.selection = selection
+        self.firing = None if self.schedule is None else ScheduleState(self.schedule, self.owner)
+        self._pending_logs: dict[str, float] = {}
+
+    @property
+    def owner(self) -> str:
+        """The name used in messages and state keys: the class name."""
+        return type(self).__name__
+
+    # ------------------------------------------------------------------ what a subclass writes
+    def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
+        """Change the model now (``reason`` says why: ``"fit start"``, ``"step 100"``); return metrics to log."""
+        raise NotImplementedError(f"{self.owner} must implement act(trainer, pl_module, reason)")
+
+    def extra_state(self) -> dict[str, Any]:
+        """The method's own state that must survive a resume (keys of ``extra_state_types``)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`extra_state` (already checked against ``extra_state_types``)."""
+
+    def check_strategy(self, trainer: L.Trainer) -> None:
+        """Refuse strategies the method cannot act under; by default sharded parameters (FSDP, DeepSpeed 3)."""
+        require_full_parameters(trainer, self.owner)
+
+    def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Fail at setup, before any training, when the selection finds no weight."""
+        if self.selection is not None:
+            require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
+
+    # ------------------------------------------------------------------ hooks the base owns
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.firing is not None:
+            self.firing.begin_fit(stage)
+        self.check_strategy(trainer)
+        self.check_targets(trainer, pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.firing is not None:
+            self.act_if(self.firing.due_at_train_start(trainer), trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.firing is not None:
+            self.act_if(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._step_trigger("on_train_batch_start", trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        self._step_trigger("on_before_optimizer_step", trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        self._step_trigger("on_train_batch_end", trainer, pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.firing is not None:
+            self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedule": None if self.firing is None else self.firing.state_dict(), **self.extra_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state(self, state_dict, {"schedule": type(None) if self.firing is None else dict,
+                                       **self.extra_state_types})
+        if self.firing is not None:
+            self.firing.load_state_dict(state_dict["schedule"])
+        self.load_extra_state({k: v for k, v in state_dict.items() if k != "schedule"})
+
+    # ------------------------------------------------------------------ plumbing
+    def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Call :meth:`act` when ``reason`` is not None and keep its metrics for logging."""
+        if reason is not None:
+            self._pending_logs.update(self.act(trainer, pl_module, reason) or {})
+
+    def _step_trigger(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if hook == self.step_hook and self.firing is not None:
+            self.act_if(self.firing.due_at_step(trainer), trainer, pl_module)
+        self.flush_logs(pl_module)  # Lightning allows logging in the step hooks, not at fit start or validation end
+
+    def flush_logs(self, pl_module: L.LightningModule) -> None:
+        """Log the metrics kept since the last training batch hook through ``pl_module.log``."""
+        for name, value in self._pending_logs.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False)
+        self._pending_logs = {}

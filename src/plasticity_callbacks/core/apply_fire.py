@@ -1,0 +1,63 @@
+"""``apply_fire``: FIRE on the selected weights of a model, once, as a plain function (no Lightning).
+
+The model-level half of FIRE: select weights through the model map, orthogonalize each (one row
+block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`), write them back
+(a factorized weight through ``W_p + BA``) and drop the optimizer state of exactly those weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
+from .model_map import Selection, WeightView, select_targets
+from .optimizer_state import reset_optimizer_state
+
+
+def apply_fire(
+    module: nn.Module,
+    optimizers=None,
+    options: FIREOptions | None = None,
+    selection: Selection | None = None,
+    record_spectra: bool = False,
+    targets: list[WeightView] | None = None,
+) -> list[FireRecord]:
+    """Orthogonalize the selected weights of ``module`` in place, rescale them, reset their optimizer state.
+
+    Args:
+        module: the model whose weights change.
+        optimizers: an optimizer or a list of them (None: no optimizer state to reset).
+        options: how to orthogonalize and rescale (:class:`FIREOptions`; None: its defaults).
+        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection`; None: every
+            weight but the head); ignored when ``targets`` is given.
+        record_spectra: keep singular values before/after in each record.
+        targets: the exact weights to change.
+
+    A parameter with NaN/Inf, or all zero (nanochat's zero-initialized ``c_proj``), is skipped with
+    a warning (or raises, ``on_degenerate="raise"``). Returns one :class:`FireRecord` per target.
+
+    Example:
+        >>> records = apply_fire(model, optimizer, FIREOptions(method="svd"), Selection(scope="attention"))
+        >>> sum(r.dfi_after for r in records)
+    """
+    options = FIREOptions() if options is None else options
+    if not isinstance(options, FIREOptions):
+        raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
+    if targets is None:
+        targets = select_targets(module, selection)
+    records, fired = [], []
+    for target in targets:
+        blocks, changed = target.block_list(), False
+        with torch.no_grad():
+            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
+            for block in blocks:
+                name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
+                record = fire_matrix(name, weight[block.start:block.stop], options, record_spectra)
+                records.append(record)
+                changed |= record.skipped is None
+            target.write(weight)
+        if changed:
+            fired.extend(target.trainable())
+    if options.reset_optimizer and optimizers is not None and fired:
+        reset_optimizer_state(optimizers, fired)
+    return records
