@@ -16,6 +16,7 @@ from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weigh
                               validate_patterns)
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
+from ..core.checkpoints import CheckpointError
 from ..core.schedule import Schedule, ScheduleState
 
 CALLBACK_INITS = ("init_std", "model", *INITS)
@@ -387,6 +388,7 @@ class ReDoMonitor(L.Callback):
                                        "recycled": torch.Tensor, "init_std": torch.Tensor, "collections": int,
                                        "last_logged_step": int, "schedule": (dict, type(None))},
                     optional={"nonfinite_batches": torch.Tensor})
+        check_state_shapes(state_dict)
         if self.firing is not None and state_dict.get("schedule") is not None:
             self.firing.load_state_dict(state_dict["schedule"])
         self._pending_state = dict(state_dict)
@@ -426,6 +428,22 @@ class _HiddenCollector:
 
     def pre_hook(self, module: nn.Module, args: tuple) -> None:
         self.monitor._collect(module, args[0], self.entries)
+
+
+def check_state_shapes(state: dict) -> None:
+    """Refuse, at load, a ReDoMonitor state whose tensors do not fit its own ``layers`` and ``widths``
+    (a damaged or edited checkpoint would otherwise load and fail mid-fit)."""
+    widths = state["widths"]
+    if len(widths) != len(state["layers"]) or not all(isinstance(w, int) and w > 0 for w in widths):
+        raise CheckpointError(f"ReDoMonitor.load_state_dict: widths {widths} do not match layers {state['layers']} "
+                              "(a positive neuron count per layer); the checkpoint is damaged or from another model")
+    total, n = sum(widths), len(widths)
+    expected = {"ema": (total,), "observed": (total,), "recycled": (n,), "init_std": (n, 2), "nonfinite_batches": (n,)}
+    wrong = [f"{key} {tuple(state[key].shape)} (expected {shape})" for key, shape in expected.items()
+             if key in state and tuple(state[key].shape) != shape]
+    if wrong:
+        raise CheckpointError(f"ReDoMonitor.load_state_dict: tensors of the wrong shape for {n} layers of "
+                              f"{total} neurons: {', '.join(wrong)}; the checkpoint is damaged or from another model")
 
 
 def _init_stds(layer: NeuronLayer) -> torch.Tensor:

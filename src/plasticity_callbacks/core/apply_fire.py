@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
-from .model_map import Selection, WeightView, select_targets
-from .optimizer_state import reset_optimizer_state
+from .model_map import Selection, WeightView, require_targets, select_targets
+from .optimizer_state import leaf_optimizers, reset_optimizer_state
 
 
 def apply_fire(
@@ -43,8 +43,14 @@ def apply_fire(
     options = FIREOptions() if options is None else options
     if not isinstance(options, FIREOptions):
         raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
-    if targets is None:
-        targets = select_targets(module, selection)
+    leaves = list(leaf_optimizers(optimizers))  # checked before any weight changes
+    foreign = [type(o).__name__ for o in leaves if not (hasattr(o, "state") and hasattr(o, "param_groups"))]
+    if foreign:
+        raise TypeError(f"apply_fire(optimizers=...) takes a torch optimizer, a list of them or None, got a "
+                        f"{foreign[0]}")
+    if targets is None:  # an empty selection (a pattern that matches nothing) is an error, not a silent no-op
+        selection = Selection() if selection is None else selection
+        targets = require_targets(select_targets(module, selection), "apply_fire", selection)
     records, fired = [], []
     for target in targets:
         blocks, changed = target.block_list(), False

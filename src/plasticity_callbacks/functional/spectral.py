@@ -289,6 +289,9 @@ def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerat
     if W.dim() < 2 or not W.is_floating_point():
         raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
                          f"and dtype {W.dtype}")
+    if W.numel() == 0:
+        raise ValueError(f"orthogonalize got an empty matrix of shape {tuple(W.shape)}: a layer without inputs or "
+                         "outputs has no polar factor; leave it out of the selection")
     return normalize, DEFAULT_ITERS.get(method, 0) if iters is None else iters
 
 
