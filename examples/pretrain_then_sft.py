@@ -32,7 +32,7 @@ def main() -> None:
     sft.load_state_dict(pretrain.state_dict())
     data = MultiValidationDataModule(SFTDataModule(packages=["operator", "numbers", "stat", "asyncio"],
                                                    sequence_len=192, batch_size=8, val_fraction=0.2), {"code": code})
-    phase2 = trainer(100, [FIREReinit(method="svd"), ReDoMonitor(log_every_n_steps=50)])
+    phase2 = trainer(100, [FIREReinit(options={"method": "svd"}), ReDoMonitor(log_every_n_steps=50)])
     phase2.fit(sft, datamodule=data)
     metrics = {k: round(float(v), 4) for k, v in phase2.callback_metrics.items() if v.numel() == 1}
     print({k: v for k, v in metrics.items() if k.startswith(("val/loss", "retention", "fire/dfi", "redo/dormant"))})

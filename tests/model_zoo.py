@@ -147,3 +147,64 @@ class Wrapped(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(batches(self.family), batch_size=4)
+
+
+# Families by layout class of their fused or structured weights (FIRE and the map's coverage are
+# checked on these against each family's own forward code, see test_model_matrix.py).
+def _hf(config_name: str, model_name: str, **fields):
+    import transformers
+
+    config = getattr(transformers, config_name)(vocab_size=VOCAB, **fields)
+    return _quiet(lambda: getattr(transformers, model_name)(config))
+
+
+HEADS_, KV_ = 4, 2  # query heads, key/value heads of the grouped-query families
+LAYOUT_MODELS = {
+    # [heads, 3, head_dim]: view(..., heads, 3·head_dim) then chunk(3)
+    "gpt_neox": lambda: _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=WIDTH, intermediate_size=32,
+                            num_hidden_layers=1, num_attention_heads=HEADS_, max_position_embeddings=SEQ),
+    "bloom": lambda: _hf("BloomConfig", "BloomForCausalLM", hidden_size=WIDTH, n_layer=1, n_head=HEADS_),
+    # [kv_groups, q_per_kv + 2, head_dim], K/V head count in the config field num_kv_heads
+    "falcon_gqa": lambda: _hf("FalconConfig", "FalconForCausalLM", hidden_size=WIDTH, num_hidden_layers=1,
+                              num_attention_heads=HEADS_, num_kv_heads=KV_, new_decoder_architecture=True, alibi=False),
+    # [q | k | v] with one K/V head, from multi_query=True
+    "falcon_mqa": lambda: _hf("FalconConfig", "FalconForCausalLM", hidden_size=WIDTH, num_hidden_layers=1,
+                              num_attention_heads=HEADS_, multi_query=True, new_decoder_architecture=False),
+    "bigcode_mqa": lambda: _hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=WIDTH, n_layer=1, n_head=HEADS_,
+                               multi_query=True, n_positions=SEQ),
+    # [q | k | v] with num_key_value_heads; fused gate_up_proj
+    "phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=1,
+                        num_attention_heads=HEADS_, num_key_value_heads=KV_, max_position_embeddings=SEQ,
+                        pad_token_id=0, bos_token_id=0, eos_token_id=0),
+}
+
+
+class ConvZoo(nn.Module):
+    """Grouped, depthwise (with a channel multiplier) and transposed convolutions, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+        self.depthwise = nn.Conv2d(8, 16, 3, padding=1, groups=8)
+        self.up = nn.ConvTranspose2d(16, 6, 2, stride=2)
+        self.up_grouped = nn.ConvTranspose2d(6, 4, 3, padding=1, groups=2)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # (B, 8, H, W)
+        x = self.up_grouped(F.relu(self.up(F.relu(self.depthwise(F.relu(self.grouped(x)))))))
+        return self.head(x.mean((2, 3)))
+
+
+class Recurrent(nn.Module):
+    """An LSTM (4 gates), a GRU (3 gates), a bidirectional RNN and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(8, 5, batch_first=True)
+        self.rnn = nn.RNN(5, 4, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # (B, T, 6)
+        x = self.rnn(self.gru(self.lstm(x)[0])[0])[0]
+        return self.head(x[:, -1])

@@ -12,7 +12,7 @@ from torch import nn
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import AdaptiveSVDSwitch
 from plasticity_callbacks.core.schedule import Schedule
-from plasticity_callbacks.functional import factorization
+from plasticity_callbacks.core import factorization
 from plasticity_callbacks.functional.subspace import as_matrix, svd_triplets
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
 

@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from plasticity_callbacks.functional import dormancy, factorization, shrink, spectral, subspace
+from plasticity_callbacks.core import factorization
+from plasticity_callbacks.functional import dormancy, shrink, spectral, subspace
 
-from tiny import TinyMLPModule
+from tiny import TinyMLPModule, recycle
 
 FAST = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -89,7 +90,7 @@ BAD_ARGUMENTS = [
     ("ShrinkPerturb", dict(shrink=1.1), "shrink"),
     ("ShrinkPerturb", dict(shrink="0.5"), "shrink"),
     ("ShrinkPerturb", dict(perturb=-1.0), "perturb"),
-    ("ShrinkPerturb", dict(include="blocks.*"), "include"),
+    ("ShrinkPerturb", dict(selection=dict(include="blocks.*")), "include"),
     ("ShrinkPerturb", dict(reset_optimizer="yes"), "reset_optimizer"),
     ("ShrinkPerturb", dict(seed=1.5), "seed"),
 ]
@@ -101,7 +102,7 @@ FIRE_CASES = [
     ("FIREReinit", dict(schedule={"monitor": "val/loss", "min_delta": -1}), "min_delta"),
     ("FIREReinit", dict(schedule={"monitor": "val/loss", "min_delta": "0.1"}), "min_delta"),
     ("FIREReinit", dict(schedule={"at_fit_start": False}), "at_fit_start"),
-    ("FIREReinit", dict(scope="heads"), "scope"),
+    ("FIREReinit", dict(selection=dict(scope="heads")), "scope"),
     ("FIREReinit", dict(options={"normalize": "l2"}), "normalize"),
     ("FIREReinit", dict(options={"dtype": "float16"}), "dtype"),
     ("FIREReinit", dict(options={"tol": 0}), "tol"),
@@ -114,7 +115,7 @@ FIRE_CASES = [
     ("FIREReinit", dict(options=5), "options"),
     ("FIREReinit", dict(options={"scale": float("inf")}), "scale"),
     ("FIREReinit", dict(rewarmup_steps=-1), "rewarmup_steps"),
-    ("FIREReinit", dict(include="blocks.*"), "include"),
+    ("FIREReinit", dict(selection=dict(include="blocks.*")), "include"),
     ("ShrinkPerturb", dict(schedule={"every_n_steps": 0}), "every_n_steps"),
 ]
 
@@ -147,8 +148,8 @@ EMPTY_SELECTIONS = [
     ("DASHShrink", dict(scope="attention"), "on_fit_start"),  # the MLP declares no attention
     ("AdaptiveSVDSwitch", dict(exclude=["*"]), "setup"),
     ("AdaptiveSVDSwitch", dict(scope="mlp"), "setup"),
-    ("FIREReinit", dict(exclude=["*"]), "setup"),
-    ("ShrinkPerturb", dict(include=["no_such_layer.*"]), "on_fit_start"),
+    ("FIREReinit", dict(selection=dict(exclude=["*"])), "setup"),
+    ("ShrinkPerturb", dict(selection=dict(include=["no_such_layer.*"])), "on_fit_start"),
 ]
 
 
@@ -319,7 +320,7 @@ def test_recycling_dead_neurons_leaves_the_output_unchanged(hidden, d_in, d_out,
         return down(h * torch.sigmoid(gate(x)) if gate is not None else h)
 
     before = forward()
-    count = dormancy.recycle_neurons(up, down, dead, gate, init, generator=torch.Generator().manual_seed(seed))
+    count = recycle(up, down, dead, gate, init, generator=torch.Generator().manual_seed(seed))
     assert int(count) == int(dead.sum())
     assert finite(up.weight, down.weight) and torch.equal(forward(), before)
 
@@ -328,7 +329,7 @@ def test_weight_std_init_of_a_one_element_layer_is_not_nan():
     """``init="weight_std"`` (and ReDoMonitor's recorded ``init_std``) take ``std()`` of the weight: with one
     element that is NaN (Bessel's correction divides by 0), so the recycled row becomes NaN."""
     up, down = nn.Linear(1, 1), nn.Linear(1, 1)
-    dormancy.recycle_neurons(up, down, torch.ones(1, dtype=torch.bool), init="weight_std")
+    recycle(up, down, torch.ones(1, dtype=torch.bool), init="weight_std")
     assert finite(up.weight), up.weight
 
 
@@ -357,7 +358,7 @@ def test_shape_mismatches_name_the_shapes():
     with pytest.raises(ValueError, match=r"\(3, 4\).*\(4, 3\)"):
         shrink.group_cosine(torch.ones(3, 4), torch.ones(4, 3))
     with pytest.raises(ValueError, match="mask has shape"):
-        dormancy.recycle_neurons(nn.Linear(2, 3), nn.Linear(3, 2), torch.ones(4, dtype=torch.bool))
+        recycle(nn.Linear(2, 3), nn.Linear(3, 2), torch.ones(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="method="):
         subspace.svd_triplets(torch.ones(2, 2), method="qr")
     with pytest.raises(ValueError, match="tau"):

@@ -38,7 +38,7 @@ def callbacks_for(model: str) -> list[dict]:
         specs.append({"_target_": CB + "DASHShrink", "rule": "dash", "n_batches": 2})
     if _exists("fire"):
         specs.append({"_target_": CB + "FIREReinit", "schedule": {"at_fit_start": True, "steps": [2]},
-                      "include_conv": True})
+                      "selection": {"include_conv": True}})
     return specs
 
 

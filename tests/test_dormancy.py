@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plasticity_callbacks.functional.dormancy import (dormancy_scores, dormant_fraction, dormant_mask, fresh_weights,
-                                           mean_abs_activation, recycle_neurons)
-from tiny import OPTIMIZERS, make_optimizer
+                                           mean_abs_activation)
+from tiny import OPTIMIZERS, make_optimizer, recycle
 
 
 def test_scores_are_activity_over_layer_mean():
@@ -75,7 +75,7 @@ def test_recycling_dead_neurons_keeps_output_and_touches_only_their_rows_and_col
               + ([("gate", gate.weight)] if gated else [])}
     out_before = _forward(up, down, gate, x).detach()
 
-    count = recycle_neurons(up, down, mask, gate=gate, init=0.5, generator=torch.Generator().manual_seed(1))
+    count = recycle(up, down, mask, gate=gate, init=0.5, generator=torch.Generator().manual_seed(1))
 
     assert int(count) == 3
     torch.testing.assert_close(_forward(up, down, gate, x), out_before, rtol=0, atol=1e-6)
@@ -96,7 +96,7 @@ def test_recycling_dormant_but_alive_neurons_equals_ablating_them():
     mask[[0, 7]] = True
     h = F.relu(up(x)).detach()
     ablated = (h * (~mask).float()) @ down.weight.detach().T + down.bias.detach()  # independent
-    recycle_neurons(up, down, mask)
+    recycle(up, down, mask)
     torch.testing.assert_close(down(F.relu(up(x)) * (~mask).float()), ablated)
     torch.testing.assert_close(down(F.relu(up(x))), ablated)
 
@@ -110,7 +110,7 @@ def test_conv_channel_is_a_neuron():
     mask = dormant_mask(dormancy_scores(h.abs().mean(dim=(0, 2, 3)).detach()), 0.0)
     assert mask.nonzero().flatten().tolist() == [2]
     out_before, w_before = down(h).detach(), up.weight.detach().clone()
-    recycle_neurons(up, down, mask, init="default")
+    recycle(up, down, mask, init="default")
     torch.testing.assert_close(down(F.relu(up(x))), out_before, rtol=0, atol=1e-6)
     assert torch.equal(down.weight[:, 2], torch.zeros(4, 3, 3))
     assert not torch.equal(up.weight[2], w_before[2]) and torch.equal(up.weight[:2], w_before[:2])
@@ -121,7 +121,7 @@ def test_down_offset_zeroes_the_right_columns():
     up, down = nn.Linear(4, 3), nn.Linear(8, 2)
     mask = torch.tensor([False, True, False])
     before = down.weight.detach().clone()
-    recycle_neurons(up, down, mask, down_offset=5)
+    recycle(up, down, mask, down_offset=5)
     changed = (down.weight != before).any(0).nonzero().flatten().tolist()
     assert changed == [6] and float(down.weight[:, 6].abs().sum()) == 0.0
 
@@ -137,7 +137,7 @@ def test_init_scales(init, expected_std):
     if expected_std is None:
         expected_std = float(up.weight.std())
     mask = torch.arange(512) % 2 == 0
-    recycle_neurons(up, down, mask, init=init, generator=torch.Generator().manual_seed(0))
+    recycle(up, down, mask, init=init, generator=torch.Generator().manual_seed(0))
     assert float(up.weight[mask].std()) == pytest.approx(expected_std, rel=0.03)
     if isinstance(init, str) and init != "weight_std":  # uniform: bounded by √3·std
         assert float(up.weight[mask].abs().max()) <= expected_std * math.sqrt(3) + 1e-7
@@ -148,14 +148,14 @@ def test_same_generator_seed_same_weights():
     for seed in (3, 3, 4):
         torch.manual_seed(0)
         up, down = nn.Linear(4, 6), nn.Linear(6, 2)
-        recycle_neurons(up, down, torch.ones(6, dtype=torch.bool), generator=torch.Generator().manual_seed(seed))
+        recycle(up, down, torch.ones(6, dtype=torch.bool), generator=torch.Generator().manual_seed(seed))
         layers.append(up.weight.detach().clone())
     assert torch.equal(layers[0], layers[1]) and not torch.equal(layers[0], layers[2])
 
 
 def test_bad_mask_shape_is_rejected():
     with pytest.raises(ValueError, match="mask"):
-        recycle_neurons(nn.Linear(4, 6), nn.Linear(6, 2), torch.ones(5, dtype=torch.bool))
+        recycle(nn.Linear(4, 6), nn.Linear(6, 2), torch.ones(5, dtype=torch.bool))
     with pytest.raises(ValueError, match="init"):
         fresh_weights(torch.zeros(3, 3), "kaiming")
 
@@ -176,7 +176,7 @@ def test_optimizer_moments_of_exactly_the_recycled_slices_are_zeroed(optimizer):
             snapshot[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
     mask = torch.zeros(10, dtype=torch.bool)
     mask[[2, 3, 8]] = True
-    recycle_neurons(model[0], model[2], mask, optimizer=opt)
+    recycle(model[0], model[2], mask, optimizer=opt)
 
     zeroed = {model[0].weight: (0, mask), model[0].bias: (0, mask), model[2].weight: (1, mask)}
     checked = 0

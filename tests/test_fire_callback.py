@@ -36,7 +36,7 @@ def quiet(trainer_fn):
 
 @pytest.mark.parametrize("kwargs,name", [
     ({"schedule": {"at_fit_start": False}}, "trigger"), ({"schedule": {"epochs": [-1]}}, "epochs"),
-    ({"schedule": {"at_start": True}}, "at_start"), ({"scope": "heads"}, "scope"),
+    ({"schedule": {"at_start": True}}, "at_start"), ({"selection": {"scope": "heads"}}, "scope"),
     ({"options": {"method": "qr"}}, "method"), ({"options": {"normalize": "l1"}}, "normalize"),
     ({"options": {"dtype": "float16"}}, "dtype"), ({"options": {"scale": "orthogonal"}}, "scale"),
     ({"options": {"on_degenerate": "zero"}}, "on_degenerate"), ({"options": {"tol": -1.0}}, "tol"),
@@ -158,7 +158,7 @@ def test_state_key_and_state_dict_round_trip():
     other = FIREReinit(schedule=schedule)
     other.load_state_dict(fire.state_dict())
     assert (other.firing.fit_start_fired, other.firing.best, other.firing.wait, other.warmup_start) == (True, 1.5, 2, 3)
-    assert FIREReinit(scope="mlp").state_key != FIREReinit(scope="attention").state_key
+    assert FIREReinit(selection={"scope": "mlp"}).state_key != FIREReinit(selection={"scope": "attention"}).state_key
 
 
 def test_hydra_config_instantiates_with_overrides():

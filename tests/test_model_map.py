@@ -12,7 +12,7 @@ from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.core.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
                                                  refuse_factorized, select_targets)
-from plasticity_callbacks.functional import factorization
+from plasticity_callbacks.core import factorization
 from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.core.apply_fire import apply_fire
 from plasticity_callbacks.functional.isometry import FIREOptions
@@ -69,8 +69,8 @@ def test_declaration_is_read_by_every_selection():
                                neurons={"ffn": (["a", "b"], "c")}, head="out", roles={"a": "mlp", "b": "mlp"})
     views = {t.name: t for t in select_targets(model)}
     assert "out.weight" not in views and "spare.weight" in views
-    assert [(b.label, b.start, b.stop) for b in views["proj.weight"].blocks] == [("q", 0, 8), ("k", 8, 12),
-                                                                                 ("v", 12, 16)]
+    assert [(b.label, b.rows) for b in views["proj.weight"].blocks] == [("q", range(0, 8)), ("k", range(8, 12)),
+                                                                         ("v", range(12, 16))]
     assert {t.name for t in select_targets(model, Selection(scope="mlp"))} == {"a.weight", "b.weight", "c.weight"}
     [layer] = [layer for layer in find_neuron_layers(model) if layer.name == "ffn"]
     assert layer.gate is model.a and layer.up is model.b and layer.down is model.c
@@ -108,7 +108,7 @@ class BareParameter(Wrapped):
 def test_shrink_perturb_refuses_a_parameter_no_init_reaches():
     with pytest.raises(RuntimeError, match="ShrinkPerturb: no init code draws a fresh value for \\['temperature'\\]"):
         fit(BareParameter(), [ShrinkPerturb()])
-    fit(BareParameter(), [ShrinkPerturb(exclude=["temperature"])])  # the fix the message names
+    fit(BareParameter(), [ShrinkPerturb(selection={"exclude": ["temperature"]})])  # the fix the message names
 
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
@@ -179,7 +179,7 @@ def test_redo_warns_about_layers_it_never_observes():
 
 
 class GQAAttention(nn.Module):
-    """A fused QKV projection with grouped K/V heads (4 query heads, 1 key/value head)."""
+    """A fused QKV projection with grouped K/V heads (4 query heads, 1 key/value head), split ``[q | k | v]``."""
 
     def __init__(self):
         super().__init__()
@@ -187,12 +187,20 @@ class GQAAttention(nn.Module):
         self.qkv = nn.Linear(16, 16 + 4 + 4, bias=False)
         self.proj = nn.Linear(16, 16)
 
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([16, 4, 4], dim=-1)
+        q = q.view(B, T, 4, 4).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = (t.view(B, T, 1, 4).transpose(1, 2).expand(B, 4, T, 4) for t in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, 16))
 
-def test_fused_qkv_with_grouped_heads_splits_by_head_counts():
+
+def test_fused_qkv_with_grouped_heads_is_split_as_its_forward_splits():
     model = nn.Sequential(GQAAttention(), nn.Linear(16, 3))
     [qkv] = [t for t in select_targets(model) if t.name == "0.qkv.weight"]
     assert qkv.role == "attention"
-    assert [(b.label, b.stop - b.start) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
+    assert [(b.label, len(b)) for b in qkv.blocks] == [("q", 16), ("k", 4), ("v", 4)]
     apply_fire(model, options=FIREOptions(method="svd"), selection=Selection(include=["0.qkv.weight"]))
     for start, stop in ((0, 16), (16, 20), (20, 24)):
         s = torch.linalg.svdvals(model[0].qkv.weight[start:stop].double())
@@ -319,3 +327,41 @@ def test_redo_model_init_redraws_rows_by_the_hugging_face_init(family):
             rows = (W != W0).any(0) if type(m).__name__ == "Conv1D" else (W != W0).any(1)
             new = W[:, rows].mT if type(m).__name__ == "Conv1D" else W[rows]
             assert rows.any() and abs(float(new.std()) / std - 1) < 0.35  # N(0, initializer_range) rows
+
+
+class RawMatrix(nn.Module):
+    """A weight used by a bare matmul: no layer type the model map knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(6, 6))
+        self.embed = nn.Embedding(5, 6)
+        self.fc = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.fc(self.embed(ids) @ self.mix)))
+
+
+def test_coverage_lists_every_matrix_with_its_reason_and_warns_about_unknown_ones(caplog):
+    import logging
+
+    from plasticity_callbacks.core.model_map import coverage_report, describe
+
+    model = RawMatrix()
+    with caplog.at_level(logging.INFO, logger="plasticity_callbacks"), \
+            pytest.warns(UserWarning, match=r"no plasticity callback treats \['mix'\]"):
+        assert names(select_targets(model)) == ["fc.weight"]
+    assert "fc.weight" in caplog.text and "mix" in caplog.text  # the table was logged
+    report = coverage_report(model, {"scope": "attention"})
+    lines = {line.split()[0]: line for line in report.splitlines() if line.startswith("  ")}
+    assert "outside the selection (scope='attention'" in lines["fc.weight"]
+    assert "output head" in lines["out.weight"] and "embedding" in lines["embed.weight"]
+    assert "no callback knows this layer (RawMatrix.mix)" in lines["mix"]
+    assert report in describe(model) or coverage_report(model) in describe(model)
+    lstm = nn.Sequential(nn.LSTM(4, 3), nn.Linear(3, 2))
+    assert "blocks[i=rows 0:3, f=rows 3:6, g=rows 6:9, o=rows 9:12]" in coverage_report(lstm)
+
+
+def names(targets):
+    return [t.name for t in targets]

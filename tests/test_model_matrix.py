@@ -204,3 +204,171 @@ def test_adaptive_svd_projects_onto_the_minor_subspace(family):
     probe = GradientProbe(switch)
     fit(module, [switch, probe])
     assert probe.checked == len(treated(family, module))
+
+
+# Layout classes: each family's Q/K/V (or gates, groups, taps) recomputed the way its own forward
+# computes them, never read from the model map.
+def _heads(W, groups, slots):  # W (rows, d) viewed as the forward's [groups, slots, head_dim]
+    return W.view(groups, slots, -1, W.shape[-1])
+
+
+QKV_OF_FORWARD = {  # the fused weight and how the family's forward splits its (out, in) rows
+    "gpt_neox": ("gpt_neox.layers.0.attention.query_key_value", lambda W: _heads(W, 4, 3).unbind(1)),
+    "bloom": ("transformer.h.0.self_attention.query_key_value", lambda W: _heads(W, 4, 3).unbind(1)),
+    "falcon_gqa": ("transformer.h.0.self_attention.query_key_value",
+                   lambda W: (_heads(W, 2, 4)[:, :2], _heads(W, 2, 4)[:, 2], _heads(W, 2, 4)[:, 3])),
+    "falcon_mqa": ("transformer.h.0.self_attention.query_key_value", lambda W: W.split([16, 4, 4])),
+    "bigcode_mqa": ("transformer.h.0.attn.c_attn", lambda W: W.split([16, 4, 4])),
+    "phi3": ("model.layers.0.self_attn.qkv_proj", lambda W: W.split([16, 8, 8])),
+}
+
+
+def _scaled_isometry(M, msg):
+    M = M.reshape(-1, M.shape[-1]).double()
+    s = torch.linalg.svdvals(M)
+    scale = math.sqrt(M.shape[0] / M.shape[1])
+    torch.testing.assert_close(s, torch.full_like(s, scale), rtol=1e-4, atol=1e-6, msg=f"{msg}: {s}")
+
+
+@pytest.mark.parametrize("family", sorted(QKV_OF_FORWARD))
+def test_fire_makes_the_forwards_own_q_k_v_isometries(family):
+    from model_zoo import LAYOUT_MODELS
+    from plasticity_callbacks.core.model_map import select_targets
+    from plasticity_callbacks.core.apply_fire import apply_fire
+
+    torch.manual_seed(0)
+    model = LAYOUT_MODELS[family]()
+    name, split = QKV_OF_FORWARD[family]
+    layer = model.get_submodule(name)
+    views = {v.name: v for v in select_targets(model)}
+    assert views[f"{name}.weight"].role == "attention" and not views[f"{name}.weight"].split_unknown
+    apply_fire(model, options=FIREOptions(method="svd"))
+    W = layer.weight.detach().mT if type(layer).__name__ == "Conv1D" else layer.weight.detach()
+    for part, M in zip("qkv", split(W)):
+        _scaled_isometry(M, f"{family} {part}")
+    if family == "phi3":  # gate_up_proj: forward chunk(2) -> gate, up; both MLP
+        gate_up = model.model.layers[0].mlp.gate_up_proj
+        for half in gate_up.weight.detach().chunk(2):
+            _scaled_isometry(half, "phi3 gate_up")
+        assert views["model.layers.0.mlp.gate_up_proj.weight"].role == "mlp"
+        assert views["model.layers.0.mlp.down_proj.weight"].role == "mlp"
+
+
+def _operator_taps(layer, channels_in):
+    """The conv's own operator per kernel tap, ``(taps, C_out, C_in)``, from one-hot inputs through its forward."""
+    k = layer.kernel_size[0]
+    columns = []
+    with torch.no_grad():
+        for c in range(channels_in):
+            x = torch.zeros(k * k, channels_in, k, k) if isinstance(layer, nn.Conv2d) else \
+                torch.zeros(k * k, channels_in, 1, 1)
+            for t in range(k * k):
+                if isinstance(layer, nn.Conv2d):  # valid conv over a k×k input: output = Σ W[:, :, tap] x[tap]
+                    x[t, c, t // k, t % k] = 1.0
+                else:
+                    x[t, c, 0, 0] = 1.0
+            y = torch.nn.functional.conv2d(x, layer.weight, None, 1, 0, 1, layer.groups) \
+                if isinstance(layer, nn.Conv2d) else \
+                torch.nn.functional.conv_transpose2d(x, layer.weight, None, 1, 0, 0, layer.groups)
+            if isinstance(layer, nn.Conv2d):
+                columns.append(y[:, :, 0, 0])  # (taps, C_out)
+            else:
+                columns.append(torch.stack([y[t, :, t // k, t % k] for t in range(k * k)]))
+    return torch.stack(columns, -1)  # (taps, C_out, C_in)
+
+
+def test_fire_treats_grouped_depthwise_and_transposed_convs_per_group_per_tap():
+    from model_zoo import ConvZoo
+    from plasticity_callbacks.core.apply_fire import apply_fire
+
+    torch.manual_seed(0)
+    model = ConvZoo()
+    apply_fire(model, options=FIREOptions(method="svd"))
+    for name in ("grouped", "depthwise", "up", "up_grouped"):
+        layer = getattr(model, name)
+        c_in = layer.in_channels
+        taps = _operator_taps(layer, c_in)
+        g, c_out = layer.groups, layer.out_channels
+        og, ig = c_out // g, c_in // g
+        for group in range(g):
+            block = taps[:, group * og:(group + 1) * og, group * ig:(group + 1) * ig]
+            off = taps[:, group * og:(group + 1) * og].clone()
+            off[:, :, group * ig:(group + 1) * ig] = 0
+            assert off.abs().max() == 0  # the operator is block-diagonal over groups
+            scale = math.sqrt(og / ig) / taps.shape[0]
+            s = torch.linalg.svdvals(block.double())
+            torch.testing.assert_close(s, torch.full_like(s, scale), rtol=1e-4, atol=1e-6, msg=f"{name}: {s}")
+
+
+def test_fire_treats_each_recurrent_gate_on_its_own():
+    from model_zoo import Recurrent
+    from plasticity_callbacks.core.apply_fire import apply_fire
+
+    torch.manual_seed(0)
+    model = Recurrent()
+    records = apply_fire(model, options=FIREOptions(method="svd"))
+    gates = {"lstm": 4, "gru": 3, "rnn": 1}
+    count = 0
+    for module_name, n in gates.items():
+        for name, param in getattr(model, module_name).named_parameters():
+            if name.startswith("weight_"):  # PyTorch stacks the gates by rows: (W_i | W_f | W_g | W_o)
+                for gate in param.detach().chunk(n):
+                    _scaled_isometry(gate, f"{module_name}.{name}")
+                    count += 1
+    assert len(records) == count
+
+
+class TwoArgumentAttention(nn.Module):
+    """A fused per-head QKV whose forward needs a mask argument, so no probe can run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads = 4
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 4, 12).transpose(1, 2).chunk(3, dim=-1)  # [heads, 3, head_dim]
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, 16))
+
+
+class MaskedModel(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = TwoArgumentAttention(), nn.Linear(16, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        return torch.nn.functional.cross_entropy(self.head(self.attn(x, mask).mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4, 16), torch.randint(0, 3, (8,)))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def test_an_unknown_split_is_refused_by_fire_with_the_declaration_and_treated_whole_by_the_rest():
+    from plasticity_callbacks.core.model_map import declare_plasticity, interleaved_heads
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"interleaved_heads\(heads=4\)"):
+        fit(MaskedModel(), [FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))])
+    for callback in (DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False),
+                     AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0]), r_min=2,
+                                       initial_rank=3, save_figure=False, log_per_matrix=False),
+                     ShrinkPerturb(shrink=0.5, perturb=0.1, seed=1)):
+        module = MaskedModel()
+        before = module.attn.qkv.weight.detach().clone()
+        fit(module, [callback])
+        if not isinstance(callback, AdaptiveSVDSwitch):
+            assert not torch.equal(module.attn.qkv.weight, before), type(callback).__name__
+    module = MaskedModel()  # the suggested declaration, written by the user: FIRE acts on the forward's blocks
+    declare_plasticity(module, fused={"attn.qkv.weight": interleaved_heads(heads=4)})
+    fit(module, [FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))])
+    for part, M in zip("qkv", _heads(module.attn.qkv.weight.detach(), 4, 3).unbind(1)):
+        _scaled_isometry(M, part)

@@ -28,9 +28,8 @@ from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.train import config_dir
 from plasticity_callbacks.core.checkpoints import CheckpointError, VerifiedCheckpointIO, verify_file, write_verified
 from plasticity_callbacks.core.resume import ResumeError, ResumeGuard, RunLock
-from plasticity_callbacks.functional.dormancy import recycle_neurons
 
-from tiny import TinyMLPModule, cpu_trainer, regression_loader
+from tiny import TinyMLPModule, cpu_trainer, recycle, regression_loader
 
 
 def compose_pipeline(run_dir, *overrides):
@@ -312,7 +311,7 @@ def test_weight_std_recycling_next_to_a_nan_row_is_finite():
     up, down = nn.Linear(4, 6), nn.Linear(6, 3)
     with torch.no_grad():
         up.weight[0] = float("nan")
-    recycle_neurons(up, down, torch.tensor([False, True, False, False, False, False]), init="weight_std")
+    recycle(up, down, torch.tensor([False, True, False, False, False, False]), init="weight_std")
     assert torch.isfinite(up.weight[1:]).all()
     assert float(up.weight[1].std()) > 0  # re-sampled, not zeroed
 

@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyCNNModule, TinyMLPModule, build, cpu_trainer
 
-from plasticity_callbacks import ShrinkPerturb
+from plasticity_callbacks import Selection, ShrinkPerturb
 from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.core.distributed import rank_identical_generator
 
@@ -64,7 +64,7 @@ def test_exact_formula_on_trained_weights(kind):
 def test_include_exclude_and_once_per_fit():
     module, loader = build("mlp")
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    callback = ShrinkPerturb(shrink=0.5, perturb=0.0, include=["net.*"], exclude=["net.4.*"])
+    callback = ShrinkPerturb(shrink=0.5, perturb=0.0, selection=Selection(include=["net.*"], exclude=["net.4.*"]))
     snapshot = Snapshot()
     trainer = cpu_trainer(max_steps=1, callbacks=[callback, snapshot])
     trainer.fit(module, loader)
@@ -112,7 +112,8 @@ def test_resume_from_checkpoint_does_not_reapply(tmp_path):
 
 @pytest.mark.parametrize("kwargs,name", [
     (dict(shrink=1.5), "shrink"), (dict(shrink=-0.1), "shrink"), (dict(perturb=-1), "perturb"),
-    (dict(shrink="0.4"), "shrink"), (dict(include="net.*"), "include"), (dict(exclude=[3]), "exclude"),
+    (dict(shrink="0.4"), "shrink"), (dict(selection={"include": "net.*"}), "include"),
+    (dict(selection={"exclude": [3]}), "exclude"), (dict(selection={"scope": "mlp"}), "scope"),
     (dict(reset_optimizer=1), "reset_optimizer"), (dict(seed=1.5), "seed"),
     (dict(schedule={"at_fit_start": False}), "no trigger"), (dict(schedule={"steps": [-3]}), "steps"),
 ])
@@ -124,7 +125,7 @@ def test_bad_arguments_name_the_argument(kwargs, name):
 def test_no_matching_parameters_is_an_error():
     module, loader = build("mlp")
     with pytest.raises(ValueError, match="no parameters"):
-        cpu_trainer(max_steps=1, callbacks=[ShrinkPerturb(include=["nothing.*"])]).fit(module, loader)
+        cpu_trainer(max_steps=1, callbacks=[ShrinkPerturb(selection={"include": ["nothing.*"]})]).fit(module, loader)
 
 
 def test_reset_optimizer_drops_state_of_changed_parameters():
@@ -134,7 +135,7 @@ def test_reset_optimizer_drops_state_of_changed_parameters():
             self.states = len(trainer.optimizers[0].state)
 
     probe = StateProbe()
-    callback = ShrinkPerturb(include=["net.0.*"], reset_optimizer=True)
+    callback = ShrinkPerturb(selection={"include": ["net.0.*"]}, reset_optimizer=True)
 
     class FakeState(L.Callback):  # give the fresh optimizer some state to drop
         def on_fit_start(self, trainer, pl_module):

@@ -242,8 +242,8 @@ def test_apply_fire_scales_skips_and_touches_only_weights():
     for name in ("0.bias", "2.bias", "4.weight", "4.bias"):  # biases and the head untouched
         assert torch.equal(dict(model.named_parameters())[name], before[name])
     one_d = nn.Parameter(torch.randn(5))
-    from plasticity_callbacks.core.model_map import Target
-    assert apply_fire(model, targets=[Target("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
+    from plasticity_callbacks.core.model_map import WeightView
+    assert apply_fire(model, targets=[WeightView("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
 
 
 def test_apply_fire_on_nan_weight_warns_and_writes_nothing():

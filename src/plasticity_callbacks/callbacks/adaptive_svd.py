@@ -11,12 +11,12 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..functional import factorization
+from ..core import factorization
 from ..core.distributed import MisconfigurationException, require_full_parameters
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.figures import save_figure
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
-from ..core.model_map import Selection, Target, require_targets, select_targets
+from ..core.model_map import Selection, WeightView, require_targets, select_targets
 from ..core.arguments import check_int, check_number
 from ..core.callback_state import check_state
 from ..core.schedule import Schedule, ScheduleState
@@ -27,7 +27,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclass
 class _Matrix:
-    target: Target
+    target: WeightView
     attr: str  # parameter name on target.module ("weight", "in_proj_weight")
     g: int
     state: str = "full"  # "full" | "minor"
@@ -60,7 +60,7 @@ class AdaptiveSVDSwitch(L.Callback):
     Changes: ``minor_training="project"`` replaces the gradients of ``"minor"`` matrices by
     ``U_m U_mᵀ ∇W`` (and projects their linear momentum at each cycle). ``"factorize"``
     re-parametrizes them as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
-    optimizer param group (see :mod:`plasticity_callbacks.functional.factorization`); every cycle
+    optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,

@@ -2,88 +2,80 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..core.distributed import all_reduce_mean, require_full_parameters
 from ..core.apply_fire import apply_fire
-from ..functional.isometry import FIREOptions, FireRecord
-from ..core.optimizer_state import leaf_optimizers
-from ..core.schedule import Schedule, ScheduleState
-from ..core.model_map import Selection, require_targets, select_targets
 from ..core.arguments import build_options, check_int
-from ..core.callback_state import OPTIONAL_INT, check_state
+from ..core.callback_state import OPTIONAL_INT
+from ..core.distributed import all_reduce_mean
+from ..core.model_map import Selection
+from ..core.optimizer_state import leaf_optimizers
+from ..core.schedule import Schedule
+from ..functional.isometry import FIREOptions, FireRecord
+from .base import PlasticityCallback
 
 
-class FIREReinit(L.Callback):
+class FIREReinit(PlasticityCallback):
     """Replace the selected weights by ``scale · polar(W)``, the nearest isometry, and reset their optimizer state.
 
-    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; default: once at fit start,
-    in ``on_train_start``). Epoch triggers act in ``on_train_epoch_start``, step triggers and task
-    boundaries in ``on_train_batch_start`` (so the new step already trains the new weights), plateaus
-    in ``on_validation_end``. Each trigger acts once, also across a resume.
+    When: ``schedule`` (default: once at fit start, in ``on_train_start``); the hooks are
+    :class:`~plasticity_callbacks.callbacks.base.PlasticityCallback`'s, so step triggers act in
+    ``on_train_batch_start`` (the new step already trains the new weights). Each trigger acts once,
+    also across a resume.
 
     What changes: the target weights (see :func:`plasticity_callbacks.core.apply_fire.apply_fire`) and the
     optimizer state of exactly those weights (``options.reset_optimizer``). With ``rewarmup_steps = K`` the
     learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
     each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
     scheduler steps, so the user's scheduler is neither replaced nor disturbed.
-    Logged (through ``pl_module.log``, at the next training batch): ``fire/dfi_before``,
-    ``fire/dfi_after`` (mean over layers), ``fire/sfe``, ``fire/sfe_normalized``, ``fire/seconds``
-    (rank mean), ``fire/applications``, and per layer with ``log_per_layer``. ``save_spectra``
-    saves singular-value spectra before/after as a figure in the logger's directory.
+    Logged (at the next training batch): ``fire/dfi_before``, ``fire/dfi_after`` (mean over layers),
+    ``fire/sfe``, ``fire/sfe_normalized``, ``fire/seconds`` (rank mean), ``fire/applications``,
+    ``fire/layers``, and per layer with ``log_per_layer``. ``save_spectra`` saves singular-value
+    spectra before/after as a figure in the logger's directory.
     Every rank computes the same deterministic result; sharded strategies are refused at setup.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
         options: how to orthogonalize and rescale (:class:`~plasticity_callbacks.functional.isometry.FIREOptions`
             or a mapping of its fields); None: its defaults (Polar Express to ``tol=1e-5``, ``√(d_out/d_in)``).
-        scope: ``all`` | ``attention`` | ``mlp``: which weights.
-        include: ``fnmatch`` patterns on parameter names to keep (None: all in ``scope``).
-        exclude: ``fnmatch`` patterns on parameter names to leave alone.
-        include_conv: also conv kernels (one polar factor per spatial tap).
-        include_head: also the output head.
+        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping of
+            its fields); None: every weight but the output head, conv kernels included (one polar
+            factor per spatial tap).
         rewarmup_steps: re-warm the learning rate linearly over this many steps after each application.
         log_per_layer: also log DfI and SFE per weight.
         save_spectra: save a figure of the singular values before/after each application.
 
     Example:
-        >>> fire = FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))
+        >>> fire = FIREReinit(options=FIREOptions(method="svd"), selection=Selection(scope="mlp"))
         >>> trainer = L.Trainer(callbacks=[fire], max_steps=1000)
         >>> trainer.fit(model, datamodule=next_phase_data)
     """
+
+    summary_metrics = ("fire/dfi_before", "fire/dfi_after")
+    extra_state_types = {"history": list, "warmup_start": OPTIONAL_INT}
 
     def __init__(
         self,
         schedule: Schedule | Mapping | None = None,
         options: FIREOptions | Mapping | None = None,
-        scope: str = "all",
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
-        include_conv: bool = True,
-        include_head: bool = False,
+        selection: Selection | Mapping | None = None,
         rewarmup_steps: int = 0,
         log_per_layer: bool = False,
         save_spectra: bool = False,
     ):
-        super().__init__()
-        self.schedule = Schedule(at_fit_start=True) if schedule is None else Schedule.build(schedule, "FIREReinit")
+        super().__init__(schedule, Selection.build(selection, "FIREReinit"))
         self.options = FIREOptions() if options is None else build_options(FIREOptions, options, "FIREReinit",
                                                                              "options")
         check_int("rewarmup_steps", rewarmup_steps, minimum=0)
-        self.selection = Selection(scope=scope, include=include or None, exclude=exclude or None,
-                                   include_conv=include_conv, include_head=include_head)
         self.rewarmup_steps, self.log_per_layer, self.save_spectra = rewarmup_steps, log_per_layer, save_spectra
-        self.firing = ScheduleState(self.schedule, "FIREReinit")
-        # State that survives a resume (state_dict): the schedule's, the applications' summaries, warmup.
         self.history: list[dict[str, Any]] = []  # per application: reason, global_step, mean DfI before/after
         self.warmup_start: int | None = None  # global step of the first re-warmed step
         self.last_records: list[FireRecord] = []
-        self._pending_logs: dict[str, float] = {}
         self._hook_handles: list = []
 
     @property
@@ -91,30 +83,10 @@ class FIREReinit(L.Callback):
         return self._generate_state_key(scope=self.selection.scope, method=self.options.method,
                                         schedule=self.schedule.describe())
 
-    # ------------------------------------------------------------------------------------- hooks
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.firing.begin_fit(stage)
-        require_full_parameters(trainer, "FIREReinit")
-        require_targets(select_targets(pl_module, self.selection), "FIREReinit", self.selection)
-
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.rewarmup_steps:
             self._install_rewarmup_hooks(trainer)
-        self._apply(self.firing.due_at_train_start(trainer), trainer, pl_module)
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._apply(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        self._apply(self.firing.due_at_step(trainer), trainer, pl_module)
-        if self._pending_logs:
-            for name, value in self._pending_logs.items():
-                pl_module.log(name, value, on_step=True, on_epoch=False)
-            self._pending_logs = {}
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._apply(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
+        super().on_train_start(trainer, pl_module)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_rewarmup_hooks()
@@ -122,21 +94,14 @@ class FIREReinit(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._remove_rewarmup_hooks()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"schedule": self.firing.state_dict(), "history": list(self.history),
-                "warmup_start": self.warmup_start}
+    def extra_state(self) -> dict[str, Any]:
+        return {"history": list(self.history), "warmup_start": self.warmup_start}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state(self, state_dict, {"schedule": dict, "history": list, "warmup_start": OPTIONAL_INT})
-        self.firing.load_state_dict(state_dict["schedule"])
-        self.history = list(state_dict["history"])
-        self.warmup_start = state_dict["warmup_start"]
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.history = list(state["history"])
+        self.warmup_start = state["warmup_start"]
 
-    # ----------------------------------------------------------------------------------- actions
-
-    def _apply(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if reason is None:
-            return
+    def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             records = apply_fire(pl_module, trainer.optimizers, self.options, self.selection,
@@ -161,7 +126,6 @@ class FIREReinit(L.Callback):
                 summary[f"fire/dfi_before/{r.name}"] = r.dfi_before
                 summary[f"fire/dfi_after/{r.name}"] = r.dfi_after
                 summary[f"fire/sfe/{r.name}"] = r.sfe
-        self._pending_logs.update(summary)
         self.history.append({"reason": reason, "global_step": trainer.global_step,
                              "dfi_before": summary["fire/dfi_before"], "dfi_after": summary["fire/dfi_after"],
                              "layers": len(done)})
@@ -174,6 +138,7 @@ class FIREReinit(L.Callback):
         if self.save_spectra and done:
             name = "fit_start" if reason == "fit start" else f"step_{trainer.global_step}"
             self._save_spectra(trainer, name, done, reason)
+        return summary
 
     def _save_spectra(self, trainer: L.Trainer, name: str, records: list[FireRecord], reason: str) -> None:
         from ..core.figures import save_figure

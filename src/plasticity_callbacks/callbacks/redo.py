@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..functional.dormancy import (INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation,
-                                   reinit_incoming, zero_outgoing)
+from ..core.neuron_reset import reinit_incoming, zero_outgoing
+from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
 from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d,
                               validate_patterns)
 from ..core.arguments import check_int, check_number
@@ -53,7 +53,7 @@ class ReDoMonitor(L.Callback):
     **Recycles** (off unless a ``schedule`` is given) when the schedule says so: step triggers and
     task boundaries in ``on_train_batch_end`` (after the step whose statistics it uses), epoch
     triggers in ``on_train_epoch_start``, plateaus in ``on_validation_end``; each trigger once, also
-    across a resume. ``dormancy.reinit_incoming`` (every layer first, then ``dormancy.zero_outgoing``,
+    across a resume. ``neuron_reset.reinit_incoming`` (every layer first, then ``neuron_reset.zero_outgoing``,
     the reference's order) re-samples the τ-dormant neurons' incoming rows (``init="init_std"``:
     ``N(0, σ)`` with σ the layer's weight std recorded at the start of fit, i.e. its own init scale;
     ``init="model"``: rows of a fresh draw by the layer's own init code, Hugging Face

@@ -1,25 +1,23 @@
 """``ShrinkPerturb``: Ash & Adams' warm-starting fix, ``θ ← λ·θ + p·θ_fresh``, on a schedule."""
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..core.distributed import rank_identical_generator, require_full_parameters
-from ..core.optimizer_state import reset_optimizer_state
-from ..core.model_map import fresh_parameters, validate_patterns
+from ..core import factorization
 from ..core.arguments import check_number
-from ..core.schedule import Schedule, ScheduleState
-from ..functional import factorization
+from ..core.distributed import rank_identical_generator
+from ..core.model_map import Selection, fresh_parameters
+from ..core.optimizer_state import reset_optimizer_state
+from ..core.schedule import Schedule
 from ..functional.shrink import shrink_perturb_
-from ..core.callback_state import check_state
+from .base import PlasticityCallback
 
 
-class ShrinkPerturb(L.Callback):
+class ShrinkPerturb(PlasticityCallback):
     """Shrink & Perturb (Ash & Adams, NeurIPS 2020): ``θ ← shrink·θ + perturb·θ_fresh``.
 
     When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; default: once at fit
@@ -41,8 +39,9 @@ class ShrinkPerturb(L.Callback):
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
         perturb: p >= 0, scale of the fresh initialization (paper default 0.1).
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
-        include: ``fnmatch`` patterns on parameter names to change (``model.blocks.*``); None: all.
-        exclude: ``fnmatch`` patterns on parameter names to leave alone.
+        selection: which parameters, by name: a :class:`~plasticity_callbacks.core.model_map.Selection`
+            (or a mapping of its fields) whose ``include``/``exclude`` patterns are matched against
+            parameter names (``model.blocks.*``); None: every parameter, biases, norms and the head too.
         reset_optimizer: also drop the optimizer state of the changed parameters.
         seed: mixed with the global step into the fresh draw.
 
@@ -52,28 +51,26 @@ class ShrinkPerturb(L.Callback):
         >>> trainer.fit(module, datamodule=data)  # shrinks and perturbs at epochs 10, 20, ...
     """
 
+    summary_metrics = ("shrink_perturb/norm_ratio",)
+    extra_state_types = {"applications": int}
+
     def __init__(self, shrink: float = 0.4, perturb: float = 0.1, schedule: Schedule | Mapping | None = None,
-                 include: list[str] | None = None, exclude: list[str] | None = None, reset_optimizer: bool = False,
-                 seed: int = 0):
+                 selection: Selection | Mapping | None = None, reset_optimizer: bool = False, seed: int = 0):
         check_number("shrink", shrink, 0.0, 1.0, "(paper: 0.4)")
         check_number("perturb", perturb, 0.0, hint="(paper: 0.1)")
-        validate_patterns(include=include, exclude=exclude)
         if not isinstance(reset_optimizer, bool):
-            raise ValueError(f"ShrinkPerturb reset_optimizer={reset_optimizer!r} must be true or false")
+            raise ValueError(f"{self.owner} reset_optimizer={reset_optimizer!r} must be true or false")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"ShrinkPerturb seed={seed!r} must be an integer")
-        self.schedule = Schedule(at_fit_start=True) if schedule is None else Schedule.build(schedule, "ShrinkPerturb")
+            raise ValueError(f"{self.owner} seed={seed!r} must be an integer")
+        super().__init__(schedule, _name_patterns(Selection.build(selection, self.owner), self.owner))
         self.shrink, self.perturb, self.seed = float(shrink), float(perturb), seed
-        self.include = None if include is None else list(include)
-        self.exclude = None if exclude is None else list(exclude)
         self.reset_optimizer = reset_optimizer
-        self.firing = ScheduleState(self.schedule, "ShrinkPerturb")
         self.applications = 0
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(shrink=self.shrink, perturb=self.perturb, include=self.include,
-                                        exclude=self.exclude, schedule=self.schedule.describe())
+        return self._generate_state_key(shrink=self.shrink, perturb=self.perturb, include=self.selection.include,
+                                        exclude=self.selection.exclude, schedule=self.schedule.describe())
 
     def selected(self, pl_module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` pairs to treat. A factorized weight (``W_p + BA``) appears once, under its
@@ -84,37 +81,17 @@ class ShrinkPerturb(L.Callback):
                 if not name.endswith(".original"):
                     continue  # B, A: inside the effective weight
                 name = name.replace(".parametrizations.", ".").removesuffix(".original")
-            if self.include is not None and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
-                continue
-            if self.exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
-                continue
-            chosen.append((name, param))
+            if self.selection.matches(name):
+                chosen.append((name, param))
         if not chosen:
-            raise ValueError(f"ShrinkPerturb: no parameters match include={self.include}, exclude={self.exclude}")
+            raise ValueError(f"{self.owner}: no parameters match include={self.selection.include}, "
+                             f"exclude={self.selection.exclude}")
         return chosen
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        self.firing.begin_fit(stage)
-        require_full_parameters(trainer, "ShrinkPerturb")
-
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def check_targets(self, trainer, pl_module) -> None:
         self.selected(pl_module)  # an empty selection fails before any training
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._apply(self.firing.due_at_train_start(trainer), trainer, pl_module)
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._apply(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        self._apply(self.firing.due_at_step(trainer), trainer, pl_module)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        self._apply(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
-
-    def _apply(self, reason: str | None, trainer, pl_module) -> None:
-        if reason is None:
-            return
+    def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
         chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
         fresh = _checked_fresh(pl_module, chosen, seed)
@@ -135,20 +112,24 @@ class ShrinkPerturb(L.Callback):
                                                  for q in factorization.components(*_owner(pl_module, n)).parameters()]
             reset_optimizer_state(trainer.optimizers, trainable)
         self.applications += 1
-        rank_zero_info(f"ShrinkPerturb ({reason}): θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on "
+        rank_zero_info(f"{self.owner} ({reason}): θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on "
                        f"{len(chosen)} parameters at step {trainer.global_step}; norm {float(norm_before):.4g} → "
                        f"{float(norm_after):.4g}")
-        if trainer.logger is not None:
-            trainer.logger.log_metrics({"shrink_perturb/norm_ratio": float(norm_after / norm_before.clamp_min(1e-12))},
-                                       step=trainer.global_step)
+        return {"shrink_perturb/norm_ratio": float(norm_after / norm_before.clamp_min(1e-12))}
 
-    def state_dict(self) -> dict:
-        return {"schedule": self.firing.state_dict(), "applications": self.applications}
+    def extra_state(self) -> dict:
+        return {"applications": self.applications}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        check_state(self, state_dict, {"schedule": dict, "applications": int})
-        self.firing.load_state_dict(state_dict["schedule"])
-        self.applications = int(state_dict["applications"])
+    def load_extra_state(self, state: dict) -> None:
+        self.applications = int(state["applications"])
+
+
+def _name_patterns(selection: Selection, owner: str) -> Selection:
+    """Shrink & Perturb treats every parameter (biases, norms, the head): only name patterns can narrow it."""
+    if (selection.scope, selection.include_conv, selection.include_head) != ("all", True, False):
+        raise ValueError(f"{owner} selection={selection}: this method selects parameters by name only; set "
+                         "include/exclude patterns (scope, include_conv and include_head do not apply)")
+    return selection
 
 
 def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:
@@ -157,8 +138,8 @@ def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]],
     missing = [name for name, _ in chosen if name not in fresh]
     if missing:
         raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
-                           "reset_parameters() (or init_weights()), or exclude them, e.g. exclude="
-                           f"{[missing[0]]}")
+                           "reset_parameters() (or init_weights()), or exclude them, e.g. selection="
+                           f"{ {'exclude': [missing[0]]} }")
     unchanged = [name for name, p in chosen
                  if p.dim() >= 2 and torch.equal(fresh[name].to(p.device), _value(pl_module, name, p))]
     if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale

@@ -1,7 +1,8 @@
 """``apply_fire``: FIRE on the selected weights of a model, once, as a plain function (no Lightning).
 
 The model-level half of FIRE: select weights through the model map, orthogonalize each (one row
-block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`), write them back
+block at a time, a block being any set of rows; a grouped conv per group and tap; a fused matrix
+whose split is unknown is refused with the declaration to write, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`), write them back
 (a factorized weight through ``W_p + BA``) and drop the optimizer state of exactly those weights.
 """
 from __future__ import annotations
@@ -51,6 +52,10 @@ def apply_fire(
     if targets is None:  # an empty selection (a pattern that matches nothing) is an error, not a silent no-op
         selection = Selection() if selection is None else selection
         targets = require_targets(select_targets(module, selection), "apply_fire", selection)
+    unknown = [t.split_unknown for t in targets if t.split_unknown]
+    if unknown:
+        raise ValueError("FIRE orthogonalizes each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
+                         + " (or exclude the weight)")
     records, fired = [], []
     for target in targets:
         blocks, changed = target.block_list(), False
@@ -58,7 +63,9 @@ def apply_fire(
             weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
             for block in blocks:
                 name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
-                record = fire_matrix(name, weight[block.start:block.stop], options, record_spectra)
+                rows = block.take(weight)  # a view for contiguous rows, else a copy put back below
+                record = fire_matrix(name, rows, options, record_spectra, target.groups)
+                block.put(weight, rows)
                 records.append(record)
                 changed |= record.skipped is None
             target.write(weight)

@@ -5,5 +5,4 @@
 - :mod:`.dormancy`: dormancy scores and neuron recycling (ReDo).
 - :mod:`.shrink`: direction-aware shrink factors (DASH) and ``shrink_perturb_`` (Shrink & Perturb).
 - :mod:`.subspace`: successive-SVD metrics and the full/minor decision (AdaptiveSVDSwitch).
-- :mod:`.factorization`: the minor-component re-parametrization ``W_p + B A`` (MiLoRA-style).
 """

@@ -1,4 +1,4 @@
-"""Dormant neurons (ReDo, Sokar et al., ICML 2023): scores, masks and recycling, as plain tensor functions.
+"""Dormant neurons (ReDo, Sokar et al., ICML 2023): scores, masks and fresh rows, as plain tensor functions.
 
 A *neuron* is hidden unit ``i`` between two layers: row ``i`` of the incoming weight ``up``
 (and of ``gate`` in a gated MLP, where the unit is ``act(gate x) * up x``) and column ``i`` of
@@ -15,12 +15,10 @@ No Lightning import.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from typing import Union
 
 import torch
-from torch import nn
 
-from ..core.optimizer_state import zero_optimizer_state_slices
 
 INITS = ("weight_std", "default", "xavier_uniform")
 Init = Union[str, float, torch.Tensor]  # a name in INITS, or the std of a normal
@@ -124,130 +122,3 @@ def fresh_weights(weight: torch.Tensor, init: Init, generator: torch.Generator |
         std = init
     normal = torch.randn(weight.shape, generator=generator, device=weight.device, dtype=torch.float32)
     return (normal * std).to(weight.dtype)
-
-
-def _along(mask: torch.Tensor, ndim: int, dim: int) -> torch.Tensor:
-    shape = [1] * ndim
-    shape[dim] = -1
-    return mask.reshape(shape)
-
-
-@torch.no_grad()
-def recycle_neurons(
-    up: nn.Module,
-    down: nn.Module,
-    mask: torch.Tensor,
-    gate: nn.Module | None = None,
-    init: Init | Sequence[Init] = "weight_std",
-    optimizer=None,
-    generator: torch.Generator | None = None,
-    down_offset: int = 0,
-    group: int = 1,
-    norm: nn.Module | None = None,
-) -> torch.Tensor:
-    """Recycle the neurons where ``mask`` is set; return how many (a 0-D tensor, no host sync).
-
-    Rows and columns are those of each weight's ``(out, in)`` orientation (HF ``Conv1D`` stores
-    ``(in, out)`` and is transposed here). ``group`` inputs of ``down`` per unit (a conv channel
-    flattened into a Linear); ``norm``, a BatchNorm between ``up`` and the activation, gets the
-    recycled channels' affine parameters and running statistics reset to a fresh layer's.
-
-    For each masked neuron ``i``: row ``i`` of ``up.weight`` (and ``gate.weight``) is re-sampled
-    from ``init`` (see :func:`fresh_weights`; a pair ``(up_init, gate_init)`` gives each layer
-    its own), its bias is zeroed, and column ``down_offset + i`` of ``down.weight`` is zeroed (an offset
-    lets several up projections feed slices of one down projection). A neuron's
-    contribution to the output is its activation times its outgoing column, so with zero
-    columns the network's output is unchanged by the recycling (up to the contribution the
-    dormant neurons made before, which is zero for dead ones); ``down.bias`` is left alone.
-
-    When several layers are recycled at once and one layer's ``down`` is the next one's ``up``
-    (a plain MLP), call :func:`reinit_incoming` for every layer first and :func:`zero_outgoing`
-    after, as the ReDo reference does: a weight ``down[j, i]`` whose neuron ``i`` and neuron ``j``
-    are both recycled then ends at 0, not re-sampled.
-
-    With ``optimizer`` (any ``torch.optim.Optimizer``, a list, a LightningOptimizer or our
-    CombinedOptimizer), the optimizer moments of exactly those rows and columns are zeroed
-    (Adam's ``exp_avg``/``exp_avg_sq``, SGD's and Muon's ``momentum_buffer``); all other entries
-    are untouched. ``step`` is kept: PyTorch keeps one counter per *tensor*, so resetting it
-    would restart Adam's bias correction for every row of the layer, not only the recycled
-    ones (the ReDo reference code keeps it too). The price: a recycled row's first Adam update
-    is ``(1-β1)/√(1-β2)`` times a fresh one (≈3.2 with betas 0.9/0.999, ≈0.9 with 0.8/0.95).
-
-    Example:
-        >>> scores = dormancy_scores(mean_abs)                  # (H,)
-        >>> recycle_neurons(fc1, fc2, dormant_mask(scores, 0.025), optimizer=opt)
-    """
-    count = reinit_incoming(up, mask, gate, init, optimizer, generator, norm)
-    zero_outgoing(down, mask, optimizer, down_offset, group)
-    return count
-
-
-@torch.no_grad()
-def reinit_incoming(
-    up: nn.Module,
-    mask: torch.Tensor,
-    gate: nn.Module | None = None,
-    init: Init | Sequence[Init] = "weight_std",
-    optimizer=None,
-    generator: torch.Generator | None = None,
-    norm: nn.Module | None = None,
-) -> torch.Tensor:
-    """The first half of :func:`recycle_neurons`: re-sample the masked rows of ``up`` (and ``gate``),
-    zero their biases, reset ``norm``'s channels and those slices' optimizer moments. Returns the count."""
-    from ..core.model_map import is_conv1d
-
-    inits = list(init) if isinstance(init, (list, tuple)) else [init, init]
-    if len(inits) != 2:
-        raise ValueError(f"init must be one init or a pair (up_init, gate_init), got {init!r}")
-    incoming = [(up, inits[0])] + ([(gate, inits[1])] if gate is not None else [])
-    hidden = up.weight.shape[1] if is_conv1d(up) else up.weight.shape[0]
-    mask = mask.to(device=up.weight.device, dtype=torch.bool)
-    if mask.shape != (hidden,):
-        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({hidden},) = up's output width")
-    for layer, _ in incoming[1:]:
-        if layer.weight.shape[int(is_conv1d(layer))] != hidden:
-            raise ValueError(f"gate has {layer.weight.shape[int(is_conv1d(layer))]} outputs, up has {hidden}")
-    for layer, layer_init in incoming:
-        w = layer.weight.mT if is_conv1d(layer) else layer.weight  # (out, in, *k): a view
-        rows = _along(mask, w.dim(), 0)
-        w.copy_(torch.where(rows, fresh_weights(w, layer_init, generator), w))
-        zero_optimizer_state_slices(optimizer, layer.weight, mask, dim=int(is_conv1d(layer)))
-        if getattr(layer, "bias", None) is not None:
-            layer.bias.masked_fill_(mask, 0)
-            zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
-    if norm is not None:
-        _reset_norm_channels(norm, mask, optimizer)
-    return mask.sum()
-
-
-@torch.no_grad()
-def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offset: int = 0, group: int = 1) -> None:
-    """The second half of :func:`recycle_neurons`: zero the inputs ``down_offset + i`` (``group`` per
-    unit) of ``down.weight`` for the masked units ``i``, and those columns' optimizer moments."""
-    from ..core.model_map import is_conv1d
-
-    hidden = mask.shape[0]
-    mask = mask.to(device=down.weight.device, dtype=torch.bool)
-    down_width = down.weight.shape[0] if is_conv1d(down) else down.weight.shape[1]
-    if down_width < down_offset + hidden * group:
-        raise ValueError(f"down reads {down_width} inputs, fewer than down_offset + up's "
-                         f"{hidden} x group {group} = {down_offset + hidden * group}; groups/transposed convs are "
-                         "not supported")
-    down_mask = mask.repeat_interleave(group) if group > 1 else mask
-    if down_width != down_mask.numel():  # pad to down's width: a slice copy, still no host sync
-        padded = torch.zeros(down_width, dtype=torch.bool, device=mask.device)
-        padded[down_offset:down_offset + down_mask.numel()] = down_mask
-        down_mask = padded
-    read_dim = 0 if is_conv1d(down) else 1
-    down.weight.masked_fill_(_along(down_mask, down.weight.dim(), read_dim), 0)
-    zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
-
-
-def _reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:
-    """A recycled channel's BatchNorm starts as a fresh layer's: scale 1, shift 0, mean 0, variance 1."""
-    for name, fresh in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
-        tensor = getattr(norm, name, None)
-        if tensor is not None:
-            tensor.masked_fill_(mask, fresh)
-            if isinstance(tensor, nn.Parameter):
-                zero_optimizer_state_slices(optimizer, tensor, mask, dim=0)

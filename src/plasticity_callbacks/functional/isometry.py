@@ -2,8 +2,9 @@
 
 :func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
 ``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
-code does; a fused matrix such as Q/K/V or gate/up: one polar factor per row block, as the reference
-code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
+code does, and per group for a grouped or depthwise conv, whose operator is block-diagonal over
+groups; a fused matrix such as Q/K/V, gate/up or an LSTM's gates: one polar factor per row block,
+as the reference code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
 factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
 time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
 the model.
@@ -49,21 +50,25 @@ class FireRecord:
     spectrum_after: torch.Tensor | None = field(default=None, repr=False)
 
 
-def as_matrices(param: torch.Tensor) -> torch.Tensor:
+def as_matrices(param: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """A view of a weight as a batch of matrices: ``(d_out, d_in)`` stays; a conv kernel
-    ``(C_out, C_in, *k)`` becomes ``(*k, C_out, C_in)``, one matrix per spatial tap."""
+    ``(C_out, C_in/groups, *k)`` becomes ``(groups, *k, C_out/groups, C_in/groups)`` (no group axis
+    when ``groups == 1``), one matrix per group and spatial tap."""
     if param.dim() == 2:
         return param
-    return param.permute(*range(2, param.dim()), 0, 1)
+    if groups == 1:
+        return param.permute(*range(2, param.dim()), 0, 1)
+    grouped = param.unflatten(0, (groups, -1))  # (groups, C_out/groups, C_in/groups, *k)
+    return grouped.permute(0, *range(3, grouped.dim()), 1, 2)
 
 
-def target_scale(param: torch.Tensor, rule: str | float) -> float:
-    """``sqrt_dout_din``: ``√(d_out/d_in)`` (conv: ``√(C_out/C_in)/(k_h·k_w)``, the reference's);
-    ``unit``: 1 (a pure isometry); ``preserve_norm``: keep ``‖W‖_F``; a number: that scale."""
+def target_scale(param: torch.Tensor, rule: str | float, groups: int = 1) -> float:
+    """``sqrt_dout_din``: ``√(d_out/d_in)`` (conv: ``√(C_out/C_in)/(k_h·k_w)``, the reference's; per group
+    for a grouped conv); ``unit``: 1 (a pure isometry); ``preserve_norm``: keep ``‖W‖_F``; a number: that scale."""
     if not isinstance(rule, str):
         return float(rule)
-    d_out, d_in = param.shape[0], param.shape[1]
-    taps = math.prod(param.shape[2:])
+    d_out, d_in = param.shape[0] // groups, param.shape[1]
+    taps = math.prod(param.shape[2:]) * groups if rule == "preserve_norm" else math.prod(param.shape[2:])
     if rule == "sqrt_dout_din":
         return math.sqrt(d_out / d_in) / taps
     if rule == "unit":
@@ -135,14 +140,17 @@ def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerat
     return record
 
 
-def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool = False) -> FireRecord:
-    """FIRE on one matrix (or conv kernel) ``param`` in ``(out, in, *k)`` orientation, written in place.
+def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool = False,
+                groups: int = 1) -> FireRecord:
+    """FIRE on one matrix (or conv kernel of ``groups`` groups) ``param`` in ``(out, in, *k)`` orientation,
+    written in place.
 
     Args:
         name: the weight's name, for the record and warnings.
         param: the weight (or one row block of it), changed in place.
         options: how to orthogonalize and rescale.
         record_spectra: keep singular values before/after in the record.
+        groups: a grouped conv's groups: one polar factor per group and tap.
 
     Example:
         >>> record = fire_matrix("w", torch.randn(64, 32), FIREOptions(method="svd"))
@@ -157,10 +165,10 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
     started = time.perf_counter()
     if not bool(torch.isfinite(param).all()):
         return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
-    matrices = as_matrices(param)  # a view: writing into it writes the parameter
+    matrices = as_matrices(param, groups)  # a view: writing into it writes the parameter
     if not bool(matrices.any()):
         return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
-    s = target_scale(param, options.scale)
+    s = target_scale(param, options.scale, groups)
     record.scale = s
     record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
     if record_spectra:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .layouts import HeadLayout, parse_fused
+
 ROLES = ("attention", "mlp", "position", "other")
 ATTRIBUTE = "plasticity_declaration"
 
@@ -20,14 +22,14 @@ class Declaration:
     """What a user declares about a module (names relative to it).
 
     Attributes:
-        fused: parameter name -> row blocks of its ``(out, in)`` matrix, ``{"q": 64, "k": 16, "v": 16}``
-            or ``[64, 16, 16]``; FIRE treats each block as its own matrix.
+        fused: parameter name -> row blocks of its ``(out, in)`` matrix: ``(label, count)`` pairs
+            (contiguous), ``(label, row indices)`` pairs, or a :class:`~.layouts.HeadLayout`.
         neurons: layout name -> ``(up | [gate, up], down)`` module names (ReDo's hidden units).
         heads: module names of output layers, never treated by default.
         roles: module name -> ``attention`` | ``mlp`` | ``position`` | ``other`` (inherited by submodules).
     """
 
-    fused: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    fused: dict[str, HeadLayout | tuple[tuple[str, object], ...]] = field(default_factory=dict)
     neurons: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
     heads: tuple[str, ...] = ()
     roles: dict[str, str] = field(default_factory=dict)
@@ -39,19 +41,23 @@ def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neuro
 
     Args:
         module: any ``nn.Module``; names below are relative to it.
-        fused: ``{param_name: {"q": rows, "k": rows, "v": rows}}`` (or a list of row counts): a fused
-            matrix split into row blocks of its ``(out, in)`` orientation; the sizes must add up.
+        fused: ``{param_name: layout}``, how a fused matrix's rows (``(out, in)`` orientation) split:
+            contiguous counts ``{"q": 64, "k": 16, "v": 16}`` or ``[64, 16, 16]``; row index lists
+            ``{"q": [0, 1, ...], ...}``; ``interleaved_heads(heads=8)`` (``[heads, 3, head_dim]``) or
+            ``grouped_heads(kv_groups=2, q_per_kv=4)`` (``[kv_groups, q_per_kv + 2, head_dim]``).
+            The blocks must cover every row once.
         neurons: ``{name: (up, down)}`` or ``{name: ([gate, up], down)}`` by module names.
         head: the output layer(s); never treated unless a callback is told ``include_head=True``.
         roles: ``{module_name: role}``, so ``scope="attention"``/``"mlp"`` find the right weights.
 
     Example:
-        >>> declare_plasticity(model, fused={"blocks.0.qkv.weight": {"q": 64, "k": 16, "v": 16}},
+        >>> declare_plasticity(model, fused={"blocks.0.qkv.weight": {"q": 64, "k": 16, "v": 16},
+        ...                                  "blocks.1.qkv.weight": interleaved_heads(heads=4)},
         ...                    neurons={"mlp0": ("blocks.0.fc_in", "blocks.0.fc_out")}, head="out")
         >>> FIREReinit(schedule=Schedule(at_fit_start=True))  # reads the declaration like every other callback
     """
     declaration = Declaration(
-        fused={str(k): _blocks(k, v) for k, v in (fused or {}).items()},
+        fused={str(k): parse_fused(k, v) for k, v in (fused or {}).items()},
         neurons={str(k): _neurons(k, v) for k, v in (neurons or {}).items()},
         heads=(head,) if isinstance(head, str) else tuple(head or ()),
         roles={str(k): _role(k, v) for k, v in (roles or {}).items()},
@@ -85,14 +91,6 @@ def _has_module(module: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-def _blocks(name, spec) -> tuple[tuple[str, int], ...]:
-    items = list(spec.items()) if isinstance(spec, Mapping) else [(f"block{i}", s) for i, s in enumerate(spec)]
-    if not items or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for _, s in items):
-        raise ValueError(f"declare_plasticity(fused={{{name!r}: {spec!r}}}): give positive row counts, "
-                         "e.g. {'q': 64, 'k': 16, 'v': 16} or [64, 16, 16]")
-    return tuple((str(label), int(size)) for label, size in items)
 
 
 def _neurons(name, spec) -> tuple[tuple[str, ...], str]:

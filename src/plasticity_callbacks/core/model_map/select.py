@@ -13,7 +13,10 @@ from torch import nn
 
 from ..arguments import build_options
 from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers
-from .weights import CONV, WeightView, fused_blocks, is_conv1d, module_roles, output_heads, stored_param
+from .coverage import log_coverage
+from .probe import probe_fused_layouts
+from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
+                      stored_param, unknown_split)
 
 SCOPES = ("all", "attention", "mlp")
 
@@ -24,31 +27,46 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
                    for m in (layer.up, layer.down, layer.gate) if m is not None}
     roles = module_roles(model, dict.fromkeys(mlp_modules, "mlp"))
     seen: set[int] = set()
-    views = []
+    found = []
     for module_name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
             continue
         for attr, kind in _weight_attributes(module, include_conv):
             param = stored_param(module, attr)
-            if param is None or id(param) in seen:
+            if param is None or id(param) in seen or param.dim() < 2:
                 continue
             seen.add(id(param))
-            name = f"{module_name}.{attr}" if module_name else attr
-            rows = param.shape[1] if is_conv1d(module) else param.shape[0]
-            views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
-                                                  transposed=is_conv1d(module),
-                                                  blocks=fused_blocks(model, module_name, module, attr, rows))))
+            transposed = is_conv1d(module) or isinstance(module, CONV_TRANSPOSE)
+            groups = getattr(module, "groups", 1) if kind == "conv" else 1
+            rows = param.shape[1] * groups if transposed else param.shape[0]  # of the (out, in) view
+            found.append((module_name, module, attr, kind, param, transposed, groups,
+                          known_blocks(model, module_name, module, attr, rows), rows))
+    probed = probe_fused_layouts(model, {n: m for n, m, *_, blocks, _ in found if blocks is None})
+    views = []
+    for module_name, module, attr, kind, param, transposed, groups, blocks, rows in found:
+        unknown = ""
+        if blocks is None:
+            blocks = probed.get(module_name)
+            if blocks is None:
+                blocks, unknown = (), unknown_split(model, module_name, module, rows)
+        name = f"{module_name}.{attr}" if module_name else attr
+        views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr, transposed=transposed,
+                                              blocks=blocks, groups=groups, split_unknown=unknown)))
     return views
 
 
 def _weight_attributes(module: nn.Module, include_conv: bool):
     if isinstance(module, nn.Linear) or is_conv1d(module):
         yield "weight", "linear"
-    elif isinstance(module, CONV) and include_conv:
+    elif isinstance(module, (*CONV, *CONV_TRANSPOSE)) and include_conv:
         yield "weight", "conv"
     elif isinstance(module, nn.MultiheadAttention):
         for attr in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
             yield attr, "matrix"
+    elif isinstance(module, nn.RNNBase):
+        for attr, _ in module.named_parameters(recurse=False):
+            if attr.startswith(("weight_ih", "weight_hh", "weight_hr")):
+                yield attr, "matrix"
 
 
 @dataclass(frozen=True)
@@ -126,6 +144,7 @@ def select_targets(model: nn.Module, selection: Selection | None = None) -> list
         if exclude is not None and _matches(view.name, exclude):
             continue
         targets.append(view)
+    log_coverage(model, selection, "select_targets")
     return targets
 
 
@@ -201,28 +220,3 @@ def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None
     if factorized:
         raise RuntimeError(f"{owner}: {factorized} are factorized by AdaptiveSVDSwitch(minor_training='factorize') and {why}; "
                            "use AdaptiveSVDSwitch(minor_training='project') (same minor-subspace training) or exclude them")
-
-
-def describe(model: nn.Module) -> str:
-    """A readable summary of what the callbacks see in ``model``: heads, weight views, neuron layers.
-
-    Example:
-        >>> print(describe(model))   # check the map before a long run
-    """
-    heads = output_heads(model)
-    lines = [f"output heads (never treated by default): {sorted(heads)}", "weights (out, in) orientation:"]
-    for module_name, view in weight_views(model):
-        blocks = ", ".join(f"{b.label}={b.stop - b.start}" for b in view.blocks)
-        flags = [f for f, on in (("head", module_name in heads), ("stored (in, out)", view.transposed),
-                                 ("factorized", view.factorized)) if on]
-        lines.append(f"  {view.name} {tuple(view.shape)} role={view.role} kind={view.kind}"
-                     + (f" blocks[{blocks}]" if blocks else "") + (f" ({', '.join(flags)})" if flags else ""))
-    names = {id(m): n for n, m in model.named_modules()}
-    lines.append("neuron layers (ReDo):")
-    for layer in find_neuron_layers(model):
-        gate = f"gate={names[id(layer.gate)]} " if layer.gate is not None else ""
-        extra = (f" group={layer.group}" if layer.group > 1 else "") + (
-            f" norm={names[id(layer.norm)]}" if layer.norm is not None else "")
-        lines.append(f"  {layer.name}: {gate}up={names[id(layer.up)]} -> down={names[id(layer.down)]} "
-                     f"width={layer.width}{extra}")
-    return "\n".join(lines)

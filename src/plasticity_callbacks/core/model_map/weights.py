@@ -3,17 +3,22 @@
 A :class:`WeightView` hides how a layer stores its weight:
 
 * orientation: ``nn.Linear`` and conv store ``(out, in, *k)``; Hugging Face's GPT-2 ``Conv1D``
-  stores ``(in, out)``, so its view is the transpose (a view: writing it writes the parameter);
-* fused matrices: ``nn.MultiheadAttention.in_proj_weight`` and GPT-2's ``c_attn`` are Q, K and V
-  stacked by rows; ``gate_up_proj`` is gate and up. ``blocks`` lists the row blocks, and FIRE
-  treats each as its own matrix;
+  stores ``(in, out)`` and ``ConvTranspose*`` ``(in, out/groups, *k)``, so their view swaps the first
+  two dims (a view: writing it writes the parameter; a grouped transposed conv's is a copy);
+* grouped convolutions (``groups > 1``, depthwise): the operator is block-diagonal over groups, so
+  ``groups`` row blocks of ``(out/groups, in/groups)`` matrices, one per tap;
+* fused matrices: Q/K/V of ``in_proj_weight``, ``c_attn``, ``query_key_value``, ``qkv_proj``; gate and
+  up of ``gate_up_proj``; the gates of ``nn.LSTM``/``GRU``. ``blocks`` lists the row blocks (index
+  sets, see :mod:`.layouts`), and FIRE treats each as its own matrix. A fused matrix whose split
+  could not be read has ``split_unknown`` set (callbacks that need the split refuse it);
 * factorization: under ``AdaptiveSVDSwitch(minor_training="factorize")`` the stored parameter is the frozen
   ``W_p`` and the layer computes ``W_p + BA``; :meth:`WeightView.read` returns that effective
   weight and :meth:`WeightView.write` sets it (by writing ``W_p``).
 
 Roles come from the model's structure: a module's ``plasticity_role`` class attribute, a
 declaration (:func:`~plasticity_callbacks.core.model_map.declare_plasticity`), attention modules
-(``nn.MultiheadAttention`` and classes named ``*Attention``), and the MLP layers the neuron
+(``nn.MultiheadAttention`` and classes named ``*Attention``), MLP blocks (classes named ``*MLP``,
+``*FeedForward``, ``*FFN``) and the MLP layers the neuron
 adapters recognise; every weight inherits the role of its nearest declaring ancestor, else
 ``"other"``.
 """
@@ -26,20 +31,17 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .declaration import declarations
+from .layouts import RowBlock, contiguous, declared_blocks, head_counts, suggested_declarations
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+RECURRENT_GATES = {nn.LSTM: ("i", "f", "g", "o"), nn.GRU: ("r", "z", "n"), nn.RNN: ("h",)}
 # Fused projections by attribute name: Q/K/V stacks and gate/up pairs (Hugging Face and common code).
-QKV_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "in_proj"}
+QKV_NAMES = {"c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "in_proj", "fused_qkv"}
 GATE_UP_NAMES = {"gate_up_proj"}
-
-
-@dataclass(frozen=True)
-class Block:
-    """Rows ``start:stop`` of a weight's ``(out, in)`` view, e.g. the K block of a fused QKV."""
-
-    label: str
-    start: int
-    stop: int
+# Attention classes whose fused projection is known to be split contiguously [q | k | v] (the fast path;
+# every other fused projection is probed, see :mod:`.probe`).
+CONTIGUOUS_QKV = {"GPT2Attention", "DecisionTransformerGPT2Attention", "ImageGPTAttention"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,8 +54,10 @@ class WeightView:
     role: str  # attention | mlp | position | other
     kind: str  # linear | conv | matrix (a bare 2-D parameter such as in_proj_weight)
     attr: str = ""  # attribute on ``module`` ("weight", "in_proj_weight"); derived from ``name`` if empty
-    transposed: bool = False  # stored (in, out), as HF Conv1D
-    blocks: tuple[Block, ...] = field(default=())  # row blocks of the (out, in) view; () = one block
+    transposed: bool = False  # stored (in, out, *k), as HF Conv1D and ConvTranspose
+    blocks: tuple[RowBlock, ...] = field(default=())  # row blocks of the (out, in) view; () = one block
+    groups: int = 1  # a grouped conv: block-diagonal over this many groups of rows
+    split_unknown: str = ""  # a fused matrix whose row split is unknown: why, and what to declare
 
     @property
     def attribute(self) -> str:
@@ -69,8 +73,14 @@ class WeightView:
         return tuple(self.oriented(self.param).shape)
 
     def oriented(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (shaped like the stored parameter) as ``(out, in, *k)``: a view, writes go through."""
-        return tensor.mT if self.transposed else tensor
+        """``tensor`` (shaped like the stored parameter) as ``(out, in, *k)``: a view, writes go through
+        (a grouped transposed conv: a copy). The same swap turns an oriented tensor back into a stored one."""
+        if not self.transposed:
+            return tensor
+        if self.groups == 1:
+            return tensor.transpose(0, 1)
+        # (groups·a, b, *k) <-> (groups·b, a, *k): swap within each group
+        return tensor.unflatten(0, (self.groups, -1)).transpose(1, 2).flatten(0, 1)
 
     def read(self) -> torch.Tensor:
         """The effective weight as ``(out, in, *k)``, detached. Not factorized: a view of the parameter."""
@@ -81,7 +91,7 @@ class WeightView:
     @torch.no_grad()
     def write(self, value: torch.Tensor) -> None:
         """Set the effective weight to ``value`` (``(out, in, *k)``); factorized: ``W_p = value − BA``."""
-        stored = value.mT if self.transposed else value
+        stored = self.oriented(value)
         if self.factorized:
             parts = getattr(self.module.parametrizations, self.attribute)[0]
             delta = parts.delta(self.param)
@@ -89,8 +99,9 @@ class WeightView:
         elif stored.data_ptr() != self.param.data_ptr() or stored.stride() != self.param.stride():
             self.param.copy_(stored)
 
-    def block_list(self) -> tuple[Block, ...]:
-        return self.blocks or (Block("all", 0, self.shape[0]),)
+    def block_list(self) -> tuple[RowBlock, ...]:
+        """The row blocks FIRE treats as separate matrices (the whole weight when not fused)."""
+        return self.blocks or (RowBlock("all", range(self.shape[0])),)
 
     def trainable(self) -> list[nn.Parameter]:
         """The parameters an optimizer updates for this weight: the weight, or ``B, A`` when factorized."""
@@ -98,10 +109,6 @@ class WeightView:
             parts = getattr(self.module.parametrizations, self.attribute)[0]
             return [p for p in parts.parameters()]
         return [self.param]
-
-
-# What a callback acts on; selection code calls a weight view a target.
-Target = WeightView
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -112,6 +119,15 @@ def is_conv1d(module: nn.Module) -> bool:
 def is_layer(module: nn.Module) -> bool:
     """A layer whose ``weight`` maps inputs to outputs: Linear, conv or HF Conv1D."""
     return isinstance(module, (nn.Linear, *CONV)) or is_conv1d(module)
+
+
+def is_attention(module: nn.Module) -> bool:
+    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
+
+
+def is_mlp(module: nn.Module) -> bool:
+    """An MLP block by its class name (``Phi3MLP``, ``GPTNeoXMLP``, ``BloomMLP``, ``FeedForward``, ...)."""
+    return type(module).__name__.lower().endswith(("mlp", "feedforward", "ffn"))
 
 
 def stored_param(module: nn.Module, attr: str) -> nn.Parameter | None:
@@ -134,8 +150,10 @@ def module_roles(model: nn.Module, mlp_modules: dict[int, str] | None = None) ->
             continue
         parent = roles[name.rsplit(".", 1)[0] if "." in name else ""]
         role = declared.get(name) or getattr(module, "plasticity_role", None)
-        if role is None and (isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")):
+        if role is None and is_attention(module):
             role = "attention"
+        if role is None and is_mlp(module) and parent == "other":
+            role = "mlp"
         if role is None and id(module) in mlp_modules and parent == "other":
             role = "mlp"
         roles[name] = role or parent
@@ -182,51 +200,59 @@ def output_heads(model: nn.Module) -> set[str]:
     return heads
 
 
-def output_head(model: nn.Module) -> str | None:
-    """One output layer's name (see :func:`output_heads`), for callers that expect a single head."""
-    heads = sorted(output_heads(model))
-    return heads[0] if heads else None
+def known_blocks(model: nn.Module, module_name: str, module: nn.Module, attr: str, rows: int
+                 ) -> tuple[RowBlock, ...] | None:
+    """Row blocks a weight is known to have without running the model, or None when only a probe can tell.
 
-
-def fused_blocks(model: nn.Module, module_name: str, module: nn.Module, attr: str, rows: int) -> tuple[Block, ...]:
-    """Row blocks of a fused matrix: declared, ``nn.MultiheadAttention`` Q/K/V, or a known fused name."""
+    Declared layouts first, then structure that fixes the split: ``nn.MultiheadAttention`` Q/K/V,
+    recurrent gates, GPT-2-style contiguous ``c_attn``, ``gate_up_proj`` halves. ``()``: not fused.
+    """
     full = f"{module_name}.{attr}" if module_name else attr
     for prefix, declaration in declarations(model):
         if full.startswith(prefix) and full[len(prefix):] in declaration.fused:
-            sizes = declaration.fused[full[len(prefix):]]
-            if sum(s for _, s in sizes) != rows:
-                raise ValueError(f"declare_plasticity(fused=...): blocks of {full} add up to "
-                                 f"{sum(s for _, s in sizes)} rows, the matrix has {rows}")
-            return _stack(sizes)
+            return declared_blocks(declaration.fused[full[len(prefix):]], rows, f"declare_plasticity(fused={{{full!r}: ...}})")
     if isinstance(module, nn.MultiheadAttention) and attr == "in_proj_weight":
-        return _stack((("q", module.embed_dim), ("k", module.embed_dim), ("v", module.embed_dim)))
+        return contiguous((("q", module.embed_dim), ("k", module.embed_dim), ("v", module.embed_dim)))
+    gates = next((g for cls, g in RECURRENT_GATES.items() if isinstance(module, cls)), None)
+    if gates is not None and attr.startswith(("weight_ih", "weight_hh")):
+        return contiguous(tuple((gate, rows // len(gates)) for gate in gates)) if len(gates) > 1 else ()
     leaf = module_name.rsplit(".", 1)[-1]
-    if leaf in QKV_NAMES and attr == "weight":
-        q, kv = _qkv_sizes(model, module_name, rows)
-        return _stack((("q", q), ("k", kv), ("v", kv)))
     if leaf in GATE_UP_NAMES and attr == "weight" and rows % 2 == 0:
-        return _stack((("gate", rows // 2), ("up", rows // 2)))
+        return contiguous((("gate", rows // 2), ("up", rows // 2)))
+    parent = _parent_of(model, module_name)
+    if leaf == "c_attn" and type(parent).__name__ in CONTIGUOUS_QKV and rows % 3 == 0 \
+            and not getattr(parent, "is_cross_attention", False):
+        return contiguous((("q", rows // 3), ("k", rows // 3), ("v", rows // 3)))
+    if is_probe_candidate(model, module_name, module, attr):
+        return None
     return ()
 
 
-def _qkv_sizes(model: nn.Module, module_name: str, rows: int) -> tuple[int, int]:
-    """Q and K/V row counts of a fused projection: from the enclosing attention's head counts (GQA), else thirds."""
-    parent = model.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else model
-    config = getattr(parent, "config", None)
-    heads = getattr(parent, "num_heads", None) or getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(parent, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(parent, "head_dim", None)
-    if heads and kv_heads and head_dim and heads * head_dim + 2 * kv_heads * head_dim == rows:
-        return heads * head_dim, kv_heads * head_dim
-    if rows % 3:
-        raise ValueError(f"{module_name}: a fused QKV projection of {rows} rows is not three equal blocks; "
-                         "declare its split with declare_plasticity(fused={...})")
-    return rows // 3, rows // 3
+def is_probe_candidate(model: nn.Module, module_name: str, module: nn.Module, attr: str) -> bool:
+    """A Linear/Conv1D inside an attention module that may compute several of Q, K, V at once."""
+    if attr != "weight" or not (isinstance(module, nn.Linear) or is_conv1d(module)) or not module_name:
+        return False
+    parent = _parent_of(model, module_name)
+    if parent is None or not is_attention(parent) or isinstance(parent, nn.MultiheadAttention):
+        return False
+    out_features, in_features = (module.nf, module.nx) if is_conv1d(module) else module.weight.shape
+    return module_name.rsplit(".", 1)[-1] in QKV_NAMES or out_features > in_features
 
 
-def _stack(sizes) -> tuple[Block, ...]:
-    blocks, start = [], 0
-    for label, size in sizes:
-        blocks.append(Block(label, start, start + size))
-        start += size
-    return tuple(blocks)
+def unknown_split(model: nn.Module, module_name: str, module: nn.Module, rows: int) -> str:
+    """Why a probed fused projection has no known split, with the declarations that fit its head counts."""
+    parent = _parent_of(model, module_name)
+    heads, kv_heads = head_counts(parent, getattr(parent, "config", None))
+    name = f"{module_name}.weight"
+    options = suggested_declarations(name, rows, heads, kv_heads)
+    return (f"{name} ({rows} rows) looks like a fused Q/K/V projection, but its split could not be read from the "
+            f"forward; declare the one its forward uses: " + " or ".join(options))
+
+
+def _parent_of(model: nn.Module, module_name: str) -> nn.Module | None:
+    if not module_name:
+        return None
+    try:
+        return model.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else model
+    except AttributeError:
+        return None

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..core.optimizer_state import leaf_optimizers, reset_optimizer_state
-from .subspace import SVD, as_matrix
+from ..functional.subspace import SVD, as_matrix
+from .optimizer_state import leaf_optimizers, reset_optimizer_state
 
 MINOR_TRAINING = ("project", "factorize")  # how a matrix in the "minor" state trains
 _LINEAR_STATE = ("exp_avg", "momentum_buffer")  # moments that are linear in the gradient (projectable)

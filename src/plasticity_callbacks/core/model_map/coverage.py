@@ -1,0 +1,177 @@
+"""Coverage: what a selection treats in a model, and why every other weight is left alone.
+
+Every parameter with two or more dimensions gets one line: treated (with the row blocks, groups or
+taps a callback sees) or untreated with the reason. Layers repeated per block are folded into one
+line (``h.*.attn.c_attn.weight ×12``), so a whole model fits on a screen. A weight left untreated
+for a reason other than the user's selection or the documented defaults (embeddings, output
+head, positional blocks) is one no callback knows how to treat: :func:`log_coverage` warns about it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import warnings
+import weakref
+
+from torch import nn
+
+log = logging.getLogger("plasticity_callbacks")
+_LOGGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> selections already logged
+_BUSY: list[bool] = []  # non-empty while a coverage table is being built
+UNKNOWN = "no callback knows this layer"
+
+
+def _selection(selection):
+    """``selection`` as a :class:`~.select.Selection` (a mapping of its fields, or None: the defaults)."""
+    from .select import Selection
+
+    return Selection.build(selection, "coverage_report")
+
+
+def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """``(name, shape, "treated" | "untreated", detail)`` for every >=2-D parameter of ``model``.
+
+    Args:
+        model: any ``nn.Module``.
+        selection: the callback's :class:`~.select.Selection` (or a mapping of its fields); None: the defaults.
+    """
+    from .select import select_targets, weight_views
+    from .weights import output_heads
+
+    selection = _selection(selection)
+    views = {id(v.param): (module_name, v) for module_name, v in weight_views(model, include_conv=True)}
+    treated = {id(v.param) for v in select_targets(model, selection)}
+    heads = output_heads(model)
+    modules = dict(model.named_modules())
+    rows = []
+    for name, param in model.named_parameters():
+        if param.dim() < 2:
+            continue
+        if id(param) in views:
+            module_name, view = views[id(param)]
+            shape = tuple(view.shape)
+            if id(param) in treated:
+                rows.append((name, shape, "treated", f"role={view.role} " + _structure(view)))
+            else:
+                rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection)))
+            continue
+        owner = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+        rows.append((name, tuple(param.shape), "untreated", _unknown_reason(name, owner)))
+    return rows
+
+
+def _structure(view) -> str:
+    taps = math.prod(view.shape[2:])
+    parts = []
+    if view.split_unknown:
+        parts.append("fused, split unknown: FIRE refuses it, the others treat it whole")
+    elif view.blocks:
+        parts.append("blocks[" + ", ".join(b.describe() for b in view.blocks) + "]")
+    if view.groups > 1:
+        parts.append(f"{view.groups} groups of ({view.shape[0] // view.groups}, {view.shape[1]})")
+    if taps > 1:
+        parts.append(f"{taps} taps")
+    if view.transposed:
+        parts.append("stored transposed")
+    if view.factorized:
+        parts.append("factorized")
+    return " ".join(parts) or "whole"
+
+
+def _why_not(view, module_name: str, heads: set[str], selection) -> str:
+    if module_name in heads and not selection.include_head:
+        return "output head (default; include_head=True treats it)"
+    if view.kind == "conv" and not selection.include_conv:
+        return "conv kernel (include_conv=False)"
+    if view.role == "position" and selection.include is None:
+        return "positional block (default; include=[...] brings it back)"
+    return f"outside the selection (scope={selection.scope!r}, include/exclude patterns)"
+
+
+def _unknown_reason(name: str, owner: nn.Module | None) -> str:
+    if isinstance(owner, nn.Embedding) or isinstance(owner, nn.EmbeddingBag):
+        return "embedding (default)"
+    if ".parametrizations." in name:
+        return "low-rank factor of a factorized weight (AdaptiveSVDSwitch)"
+    if owner is not None and "norm" in type(owner).__name__.lower():
+        return "normalization (default)"
+    kind = type(owner).__name__ if owner is not None else "parameter"
+    return f"{UNKNOWN} ({kind}.{name.rsplit('.', 1)[-1]}); exclude it, or compute it with nn.Linear/conv"
+
+
+def coverage_report(model: nn.Module, selection=None) -> str:
+    """The coverage table of ``model`` under ``selection`` as text, repeated layers folded into one line.
+
+    Example:
+        >>> print(coverage_report(model, Selection(scope="attention")))
+    """
+    _BUSY.append(True)
+    try:
+        return _table(coverage(model, selection))
+    finally:
+        _BUSY.pop()
+
+
+def _table(rows) -> str:
+    folded: dict[tuple, list[str]] = {}
+    for name, shape, status, detail in rows:
+        key = (re.sub(r"\.\d+(?=\.)", ".*", name), shape, status, detail)
+        folded.setdefault(key, []).append(name)
+    treated = [k for k in folded if k[2] == "treated"]
+    lines = [f"treated ({sum(len(folded[k]) for k in treated)} weights):"]
+    lines += [_line(k, folded[k]) for k in treated]
+    untreated = [k for k in folded if k[2] != "treated"]
+    lines.append(f"untreated ({sum(len(folded[k]) for k in untreated)} weights):")
+    lines += [_line(k, folded[k]) for k in untreated]
+    return "\n".join(lines)
+
+
+def _line(key, names: list[str]) -> str:
+    pattern, shape, _, detail = key
+    label = names[0] if len(names) == 1 else f"{pattern} ×{len(names)}"
+    return f"  {label} {shape} {detail}"
+
+
+def log_coverage(model: nn.Module, selection=None, owner: str = "plasticity") -> None:
+    """Log the coverage table once per model and selection; warn about weights no callback can treat.
+
+    Example:
+        >>> log_coverage(pl_module, Selection(scope="attention"), "FIREReinit")
+    """
+    key = _selection(selection)
+    done = _LOGGED.setdefault(model, set())
+    if key in done or _BUSY:
+        return
+    done.add(key)
+    _BUSY.append(True)  # coverage() selects too; that selection must not log again
+    try:
+        rows = coverage(model, selection)
+    finally:
+        _BUSY.pop()
+    log.info("%s coverage:\n%s", owner, _table(rows))
+    unknown = [name for name, _, status, detail in rows if detail.startswith(UNKNOWN)]
+    if unknown:
+        warnings.warn(f"{owner}: no plasticity callback treats {unknown} (a parameter of a layer type the model map "
+                      "does not know); exclude it explicitly, or compute it with nn.Linear/conv", stacklevel=3)
+
+
+def describe(model: nn.Module) -> str:
+    """What the callbacks see in ``model``: output heads, the coverage table and ReDo's neuron layers.
+
+    Example:
+        >>> print(describe(model))   # check the map before a long run
+    """
+    from .select import find_neuron_layers
+    from .weights import output_heads
+
+    names = {id(m): n for n, m in model.named_modules()}
+    lines = [f"output heads (never treated by default): {sorted(output_heads(model))}",
+             "weights, (out, in, *k) orientation:", coverage_report(model), "neuron layers (ReDo):"]
+    for layer in find_neuron_layers(model):
+        gate = f"gate={names[id(layer.gate)]} " if layer.gate is not None else ""
+        extra = (f" group={layer.group}" if layer.group > 1 else "") + (
+            f" norm={names[id(layer.norm)]}" if layer.norm is not None else "")
+        lines.append(f"  {layer.name}: {gate}up={names[id(layer.up)]} -> down={names[id(layer.down)]} "
+                     f"width={layer.width}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""Read a fused projection's Q/K/V split from the model's own forward, by a probe.
+
+The fused layer's output is replaced by a known pattern (feature ``r`` holds ``r + 1``) and the
+attention call that follows (``scaled_dot_product_attention``, or the eager ``matmul``/``bmm``
+pair) is intercepted with a ``TorchFunctionMode``: the values that reach its query, key and value
+arguments name the rows each one came from, whatever ``view``/``split``/``chunk``/``transpose`` the
+forward did in between. A second run with every feature at ``1`` gives the scale each argument was
+multiplied by on the way (``q · head_dim^-½`` in some code), so the ratio of the two runs is exact.
+One token (position 0) keeps rotary embeddings the identity.
+
+The result is accepted only when it is a clean partition: every row of the layer reaches exactly
+one of Q, K, V. Anything else (a norm on q/k, a model that cannot run without real inputs, half
+precision) gives ``None``: the layout is then unknown, never guessed.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .layouts import RowBlock
+
+_SDPA = F.scaled_dot_product_attention
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_BADDBMM = {torch.baddbmm, torch.Tensor.baddbmm}
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weight shape, blocks or None)
+
+
+class _Recorder(TorchFunctionMode):
+    """Keeps the operands of attention-like calls made while a probed attention module runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.active: list[str] = []
+        self.calls: dict[str, list[tuple[str, list[torch.Tensor]]]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active:
+            calls = self.calls.setdefault(self.active[-1], [])
+            if func is _SDPA:
+                names = ("query", "key", "value")
+                operands = [*args[:3], *(kwargs[n] for n in names[len(args[:3]):] if n in kwargs)]
+                calls.append(("sdpa", [t.detach().clone() for t in operands]))
+            elif func in _MATMULS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+                calls.append(("matmul", [args[0].detach().clone(), args[1].detach().clone()]))
+            elif func in _BADDBMM:  # baddbmm(input, batch1, batch2), batch1/batch2 possibly by keyword
+                operands = [kwargs.get(n, args[i] if len(args) > i else None) for i, n in ((1, "batch1"), (2, "batch2"))]
+                if all(isinstance(t, torch.Tensor) for t in operands):
+                    calls.append(("matmul", [t.detach().clone() for t in operands]))
+        return func(*args, **kwargs)
+
+
+def probe_fused_layouts(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, tuple[RowBlock, ...] | None]:
+    """Q/K/V row blocks of each fused ``layers[name]`` (an ``nn.Linear`` or HF ``Conv1D`` inside an attention
+    module), read from ``model``'s forward. ``()`` means the layer feeds one part whole (not fused), ``None``
+    that the probe could not tell.
+
+    Example:
+        >>> probe_fused_layouts(model, {"gpt_neox.layers.0.attention.query_key_value": layer})
+    """
+    found, pending = {}, {}
+    for name, layer in layers.items():
+        cached = _CACHE.get(layer)
+        if cached is not None and cached[0] == tuple(layer.weight.shape):
+            found[name] = cached[1]
+        else:
+            pending[name] = layer
+    if not pending:
+        return found
+    if any(p.dtype not in (torch.float32, torch.float64) for p in model.parameters()):
+        return {**found, **dict.fromkeys(pending)}  # half precision cannot carry the row numbers exactly
+    # Layers under one attention module get disjoint numbers, so each value names one layer's row.
+    offsets, used = {}, {}
+    for name, layer in pending.items():
+        offsets[name] = used.get(_parent(name), 0)
+        used[_parent(name)] = offsets[name] + _width(layer)
+    scale = _run(model, pending, offsets, numbered=False)
+    numbered = _run(model, pending, offsets, numbered=True)
+    for name, layer in pending.items():
+        blocks = _decode(name, layer, offsets[name], used[_parent(name)], scale, numbered)
+        _CACHE[layer] = (tuple(layer.weight.shape), blocks)
+        found[name] = blocks
+    return found
+
+
+def _width(layer: nn.Module) -> int:
+    return layer.nf if hasattr(layer, "nf") else layer.weight.shape[0]
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int], numbered: bool):
+    """One probing forward; returns ``{parent name: recorded calls}`` or None when the model would not run."""
+    recorder = _Recorder()
+    handles = []
+    for name, layer in layers.items():
+        def replace(module, inputs, output, width=_width(layer), offset=offsets[name]):
+            values = torch.arange(offset + 1, offset + width + 1, dtype=output.dtype, device=output.device) if numbered else \
+                torch.ones(width, dtype=output.dtype, device=output.device)
+            return values.expand_as(output).clone()
+
+        parent = model.get_submodule(_parent(name))
+
+        def enter(module, args, parent_name=_parent(name)):
+            recorder.active.append(parent_name)
+
+        def leave(module, args, output):
+            recorder.active.pop()
+
+        handles += [layer.register_forward_hook(replace), parent.register_forward_pre_hook(enter),
+                    parent.register_forward_hook(leave)]
+    training = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), warnings.catch_warnings(), recorder:
+            warnings.simplefilter("ignore")
+            ran = _forward(model, layers)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in training:
+            module.training = mode
+    return recorder.calls if ran else None
+
+
+def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
+    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``."""
+    device = next(model.parameters()).device
+    hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
+              None)
+    try:
+        if hf is not None:
+            hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+            return True
+        for name, layer in layers.items():
+            inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
+            model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
+        return True
+    except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
+        return False
+
+
+def _operands(calls) -> list[torch.Tensor] | None:
+    """(query, key, value) of the first attention in ``calls``: an SDPA call, or an eager matmul pair."""
+    if not calls:
+        return None
+    for kind, operands in calls:
+        if kind == "sdpa" and len(operands) == 3:
+            return operands
+    matmuls = [operands for kind, operands in calls if kind == "matmul"]
+    if len(matmuls) < 2:
+        return None
+    (query, key), (_, value) = matmuls[:2]
+    return [query, key, value]
+
+
+def _decode(name: str, layer: nn.Module, offset: int, total: int, scale, numbered
+            ) -> tuple[RowBlock, ...] | None:
+    """This layer's rows in each of Q, K, V; ``offset``: its first number, ``total``: all numbers under its parent."""
+    if scale is None or numbered is None:
+        return None
+    parent = _parent(name)
+    ones, numbers = _operands(scale.get(parent)), _operands(numbered.get(parent))
+    if ones is None or numbers is None or [t.shape for t in ones] != [t.shape for t in numbers]:
+        return None
+    width, parts = _width(layer), []
+    for one, number in zip(ones, numbers):
+        if not bool((one != 0).all()):
+            return None
+        ratio = (number.double() / one.double()).flatten()
+        rows = torch.round(ratio)
+        if not bool(torch.allclose(ratio, rows, atol=1e-3)) or rows.min() < 1 or rows.max() > total:
+            return None
+        mine = rows[(rows > offset) & (rows <= offset + width)]
+        parts.append(sorted(set((mine.long() - offset - 1).tolist())))
+    if sum(len(p) for p in parts) != width or sorted(r for p in parts for r in p) != list(range(width)):
+        return None  # not a partition of the layer's rows: unknown, never guessed
+    if sum(bool(p) for p in parts) == 1:
+        return ()
+    blocks = []
+    for label, rows in zip(("q", "k", "v"), parts):
+        contiguous = rows == list(range(rows[0], rows[-1] + 1)) if rows else False
+        blocks.append(RowBlock(label, range(rows[0], rows[-1] + 1) if contiguous else tuple(rows)))
+    return tuple(b for b in blocks if len(b))

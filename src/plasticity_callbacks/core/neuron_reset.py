@@ -1,0 +1,116 @@
+"""Recycling dormant neurons in a model (ReDo): fresh incoming rows, zero outgoing columns, their optimizer state.
+
+A neuron ``i`` of a layer is row ``i`` of its incoming weight ``up`` (and ``gate``) and column ``i`` of its
+outgoing weight ``down``; which neurons are dormant comes from :mod:`plasticity_callbacks.functional.dormancy`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..functional.dormancy import Init, fresh_weights
+from .model_map import is_conv1d
+from .optimizer_state import zero_optimizer_state_slices
+
+
+@torch.no_grad()
+def reinit_incoming(
+    up: nn.Module,
+    mask: torch.Tensor,
+    gate: nn.Module | None = None,
+    init: Init | Sequence[Init] = "weight_std",
+    optimizer=None,
+    generator: torch.Generator | None = None,
+    norm: nn.Module | None = None,
+) -> torch.Tensor:
+    """Re-sample the masked rows of ``up`` (and ``gate``), zero their biases, reset ``norm``'s channels and
+    those slices' optimizer moments; return how many neurons (a 0-D tensor, no host sync).
+
+    Args:
+        up: the layer whose output units are the neurons (``nn.Linear``, conv, HF ``Conv1D``).
+        mask: ``(hidden,)`` bool, the neurons to recycle.
+        gate: the gate projection of a gated MLP (its rows are re-sampled too).
+        init: how to draw a fresh row (see :func:`~plasticity_callbacks.functional.dormancy.fresh_weights`);
+            a pair ``(up_init, gate_init)`` gives each layer its own.
+        optimizer: an optimizer, a list of them or None: the moments of exactly those rows are zeroed
+            (``step`` is kept: PyTorch keeps one counter per tensor, so resetting it would restart
+            Adam's bias correction for every row of the layer, as the ReDo reference also avoids).
+        generator: the random generator of the fresh rows.
+        norm: a BatchNorm between ``up`` and the activation; the recycled channels start as a fresh layer's.
+
+    When several layers are recycled at once and one layer's ``down`` is the next one's ``up`` (a
+    plain MLP), call this for every layer first and :func:`zero_outgoing` after, as the ReDo
+    reference does: a weight ``down[j, i]`` whose neurons ``i`` and ``j`` are both recycled then ends at
+    0, not re-sampled. Rows are those of each weight's ``(out, in)`` orientation (HF ``Conv1D`` is
+    transposed here).
+
+    Example:
+        >>> mask = dormant_mask(dormancy_scores(mean_abs), 0.025)
+        >>> reinit_incoming(fc1, mask, optimizer=opt); zero_outgoing(fc2, mask, optimizer=opt)
+    """
+    inits = list(init) if isinstance(init, (list, tuple)) else [init, init]
+    if len(inits) != 2:
+        raise ValueError(f"init must be one init or a pair (up_init, gate_init), got {init!r}")
+    incoming = [(up, inits[0])] + ([(gate, inits[1])] if gate is not None else [])
+    hidden = up.weight.shape[1] if is_conv1d(up) else up.weight.shape[0]
+    mask = mask.to(device=up.weight.device, dtype=torch.bool)
+    if mask.shape != (hidden,):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({hidden},) = up's output width")
+    for layer, _ in incoming[1:]:
+        if layer.weight.shape[int(is_conv1d(layer))] != hidden:
+            raise ValueError(f"gate has {layer.weight.shape[int(is_conv1d(layer))]} outputs, up has {hidden}")
+    for layer, layer_init in incoming:
+        w = layer.weight.mT if is_conv1d(layer) else layer.weight  # (out, in, *k): a view
+        rows = _along(mask, w.dim(), 0)
+        w.copy_(torch.where(rows, fresh_weights(w, layer_init, generator), w))
+        zero_optimizer_state_slices(optimizer, layer.weight, mask, dim=int(is_conv1d(layer)))
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.masked_fill_(mask, 0)
+            zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
+    if norm is not None:
+        _reset_norm_channels(norm, mask, optimizer)
+    return mask.sum()
+
+
+@torch.no_grad()
+def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offset: int = 0, group: int = 1) -> None:
+    """Zero the inputs ``down_offset + i`` (``group`` per unit) of ``down.weight`` for the masked units ``i``,
+    and those columns' optimizer moments. With zero outgoing columns the network's output does not
+    change when the incoming rows are re-sampled; ``down.bias`` is left alone.
+
+    Example:
+        >>> zero_outgoing(fc2, mask, optimizer=opt)   # after reinit_incoming(fc1, mask, ...)
+    """
+    hidden = mask.shape[0]
+    mask = mask.to(device=down.weight.device, dtype=torch.bool)
+    down_width = down.weight.shape[0] if is_conv1d(down) else down.weight.shape[1]
+    if down_width < down_offset + hidden * group:
+        raise ValueError(f"down reads {down_width} inputs, fewer than down_offset + up's "
+                         f"{hidden} x group {group} = {down_offset + hidden * group}; groups/transposed convs are "
+                         "not supported")
+    down_mask = mask.repeat_interleave(group) if group > 1 else mask
+    if down_width != down_mask.numel():  # pad to down's width: a slice copy, still no host sync
+        padded = torch.zeros(down_width, dtype=torch.bool, device=mask.device)
+        padded[down_offset:down_offset + down_mask.numel()] = down_mask
+        down_mask = padded
+    read_dim = 0 if is_conv1d(down) else 1
+    down.weight.masked_fill_(_along(down_mask, down.weight.dim(), read_dim), 0)
+    zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
+
+
+def _reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:
+    """A recycled channel's BatchNorm starts as a fresh layer's: scale 1, shift 0, mean 0, variance 1."""
+    for name, fresh in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+        tensor = getattr(norm, name, None)
+        if tensor is not None:
+            tensor.masked_fill_(mask, fresh)
+            if isinstance(tensor, nn.Parameter):
+                zero_optimizer_state_slices(optimizer, tensor, mask, dim=0)
+
+
+def _along(mask: torch.Tensor, ndim: int, dim: int) -> torch.Tensor:
+    shape = [1] * ndim
+    shape[dim] = -1
+    return mask.reshape(shape)

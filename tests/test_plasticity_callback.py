@@ -1,0 +1,127 @@
+"""PlasticityCallback, the base of every scheduled method: hooks, logging, state, checks, on a tiny MLP."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plasticity_callbacks import PlasticityCallback, Schedule, Selection
+from plasticity_callbacks.core.checkpoints import CheckpointError
+from plasticity_callbacks.core.model_map import select_targets
+
+from tiny import TinyMLPModule, cpu_trainer, regression_loader
+
+
+class HalveWeights(PlasticityCallback):
+    """The docstring's example method: halve the selected weights when the schedule says so."""
+
+    summary_metrics = ("halve/norm",)
+    extra_state_types = {"halvings": int}
+
+    def __init__(self, schedule=None, selection=None):
+        super().__init__(schedule, Selection.build(selection, "HalveWeights"))
+        self.halvings, self.steps_seen = 0, []
+
+    def act(self, trainer, pl_module, reason):
+        targets = select_targets(pl_module, self.selection)
+        with torch.no_grad():
+            for t in targets:
+                t.param.mul_(0.5)
+        self.halvings += 1
+        self.steps_seen.append((trainer.global_step, reason))
+        return {"halve/norm": float(sum(t.param.norm() for t in targets))}
+
+    def extra_state(self):
+        return {"halvings": self.halvings}
+
+    def load_extra_state(self, state):
+        self.halvings = state["halvings"]
+
+
+class Recorder(HalveWeights):
+    """Copies the weights it sees right before each act, to check the effect exactly."""
+
+    def act(self, trainer, pl_module, reason):
+        self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        return super().act(trainer, pl_module, reason)
+
+
+def test_acts_at_its_step_and_halves_exactly_the_selected_weights():
+    module = TinyMLPModule()
+    callback = Recorder(Schedule(steps=[2]), Selection(include=["net.0.*"]))
+    seen = {}
+
+    class Snapshot(PlasticityCallback):  # the weights right after the act, in the same hook, before the step
+        default_schedule = Schedule(steps=[2])
+
+        def act(self, trainer, pl_module, reason):
+            seen.update({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+            return {}
+
+    trainer = cpu_trainer(max_steps=4, callbacks=[callback, Snapshot()])
+    trainer.fit(module, regression_loader())
+    assert callback.steps_seen == [(2, "step 2")] and callback.halvings == 1
+    for name, before in callback.before.items():
+        expected = before * 0.5 if name.startswith("net.0.weight") else before
+        assert torch.equal(seen[name], expected), name
+    assert trainer.callback_metrics["halve/norm"] == pytest.approx(float(seen["net.0.weight"].norm()), rel=1e-6)
+
+
+def test_metrics_from_fit_start_are_logged_at_the_next_batch():
+    callback = HalveWeights(Schedule(at_fit_start=True))
+    trainer = cpu_trainer(max_steps=1, callbacks=[callback])
+    trainer.fit(TinyMLPModule(), regression_loader())
+    assert "halve/norm" in trainer.callback_metrics
+
+
+def test_state_round_trips_and_a_foreign_state_is_refused():
+    callback = HalveWeights(Schedule(every_n_steps=2))
+    cpu_trainer(max_steps=5, callbacks=[callback]).fit(TinyMLPModule(), regression_loader())
+    state = callback.state_dict()
+    assert state["halvings"] == 2 and set(state) == {"schedule", "halvings"}
+    other = HalveWeights(Schedule(every_n_steps=2))
+    other.load_state_dict(state)
+    assert other.halvings == 2 and other.firing.state_dict() == callback.firing.state_dict()
+    with pytest.raises(CheckpointError, match="halvings"):
+        other.load_state_dict({"schedule": state["schedule"], "halvings": "two"})
+    with pytest.raises(CheckpointError, match="missing keys"):
+        other.load_state_dict({"schedule": state["schedule"]})
+
+
+def test_an_empty_selection_fails_at_setup_and_a_method_without_act_says_so():
+    with pytest.raises(ValueError, match="HalveWeights: no weights selected"):
+        cpu_trainer(max_steps=1, callbacks=[HalveWeights(selection={"include": ["nothing.*"]})]).fit(
+            TinyMLPModule(), regression_loader())
+
+    class Nothing(PlasticityCallback):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Nothing must implement act"):
+        cpu_trainer(max_steps=1, callbacks=[Nothing()]).fit(TinyMLPModule(), regression_loader())
+
+
+@pytest.mark.parametrize("hook", ["on_before_optimizer_step", "on_train_batch_end"])
+def test_step_hook_chooses_where_step_triggers_act(hook):
+    calls = []
+
+    class Where(PlasticityCallback):
+        default_schedule = Schedule(steps=[1])
+        step_hook = hook
+
+        def act(self, trainer, pl_module, reason):
+            calls.append(trainer.global_step)
+            return {"where/step": float(trainer.global_step)}
+
+    trainer = cpu_trainer(max_steps=3, callbacks=[Where()])
+    trainer.fit(TinyMLPModule(), regression_loader())
+    # batch end sees global_step after the step: step 1 is first seen at the end of batch 0
+    assert calls == [1] and float(trainer.callback_metrics["where/step"]) == 1.0
+
+
+def test_a_bad_step_hook_and_a_bad_selection_are_named():
+    class Wrong(PlasticityCallback):
+        step_hook = "on_step"
+
+    with pytest.raises(TypeError, match="step_hook='on_step'"):
+        Wrong()
+    with pytest.raises(ValueError, match="HalveWeights selection"):
+        HalveWeights(selection="mlp")
