@@ -411,7 +411,7 @@ class Pipeline:
             before = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
             guard.carried["val_loss_before"] = before.get("val/loss")
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
-        metrics = guard.summary_metrics(trainer)  # with what was logged before an interruption
+        metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
         train_loss = metrics.get("train/loss")
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
         trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)

@@ -82,7 +82,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     if earlier_rows:
         resumed_at = min((int(r["step"]) for r in read_metrics(logger)), default=trainer.global_step)
         prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at])
-    metrics = guard.summary_metrics(trainer)  # with what was logged before an interruption
+    metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
     summary = {
         "parameters": sum(p.numel() for p in module.parameters()),
         "steps": trainer.global_step,

@@ -328,9 +328,11 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
             self._previous_handlers = {s: signal.getsignal(s) for s in self.STOP_SIGNALS}
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
         self._hold_stop_signals()
 
     def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
         self._hold_stop_signals()
 
     def _hold_stop_signals(self) -> None:

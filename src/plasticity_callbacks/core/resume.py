@@ -207,7 +207,7 @@ class ResumeGuard(L.Callback):
         self.carried = {**dict(state_dict.get("carried") or {}), **self.carried}
         self.restored_metrics = dict(state_dict.get("metrics") or {})
 
-    def summary_metrics(self, trainer) -> dict[str, float]:
+    def metrics_with_restored(self, trainer) -> dict[str, float]:
         """Every scalar metric of the fit: those restored from the checkpoint under this fit's own."""
         return {**self.restored_metrics, **scalar_metrics(trainer.callback_metrics)}
 
