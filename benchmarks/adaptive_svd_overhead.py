@@ -1,7 +1,7 @@
 """AdaptiveSVDSwitch overhead on the default GPT (``GPTConfig()``), measured side by side in one run.
 
 Time: one ``trainer.fit`` whose steps are cut into segments of ``--interval`` steps; segments
-rotate between no callback, the switch with ``svd_method="full"`` and with ``"randomized"``, so each
+rotate between no callback, the switch with ``svd={"method": "full"}`` and with ``"randomized"``, so each
 switch segment holds exactly one SVD cycle plus ``interval − 1`` projected steps (every matrix is
 forced into the "minor" state: the worst case for the per-step projection). Rotating keeps machine
 noise common to all three; on a loaded machine the segment ratios still scatter by ±20%, so the
@@ -77,10 +77,11 @@ class Rotation(L.Callback):
 def time_overhead(rounds: int, interval: int, batch_size: int) -> None:
     L.seed_everything(0)
     module = GPTLightningModule({}, lr=1e-3, schedule="constant")
-    common = dict(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=interval), clobber_alignment=0.0,
+    common = dict(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=interval),
+                  thresholds={"clobber_alignment": 0.0},
                   save_figure=False, log_per_matrix=False)
-    switches = {"full": AdaptiveSVDSwitch(svd_method="full", **common),
-                "randomized": AdaptiveSVDSwitch(svd_method="randomized", **common)}
+    switches = {"full": AdaptiveSVDSwitch(svd={"method": "full"}, **common),
+                "randomized": AdaptiveSVDSwitch(svd={"method": "randomized"}, **common)}
     rotation = Rotation(switches, interval)
     steps = interval * len(VARIANTS) * rounds + 1  # the +1 closes the last segment
     n = steps * batch_size
@@ -127,7 +128,7 @@ def amortized_overhead(batch_size: int, interval: int, cycles: int = 3, every: i
     L.seed_everything(0)
     module = GPTLightningModule({}, lr=1e-3, schedule="constant")
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
-                               clobber_alignment=0.0,
+                               thresholds={"clobber_alignment": 0.0},
                                save_figure=False, log_per_matrix=False)
     clock = CostClock(switch)
     steps = every * (cycles + 1) + 1
@@ -159,8 +160,8 @@ def memory(ranks: list[int]) -> None:
         if r != "full":
             # head and output projections start at zero, so every block gradient is nonzero only from
             # step 2 on: split once at step 3, then take two steps so the factors' moments exist
-            callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]), clobber_alignment=0.0,
-                                           initial_rank=r, r_min=r, save_figure=False, log_per_matrix=False)]
+            callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]),
+                                           thresholds={"clobber_alignment": 0.0}, initial_rank=r, r_min=r, save_figure=False, log_per_matrix=False)]
         trainer = cpu_trainer(max_steps=5, callbacks=callbacks)
         trainer.fit(module, token_loader(n=5, sequence_len=module.config.sequence_len, vocab=256, batch_size=1))
         if callbacks:

@@ -1,4 +1,4 @@
-"""Step-time overhead of DASHShrink's periodic rule on the default GPT (``GPTConfig()``).
+"""Step-time overhead of DASHPeriodic (DASH's per-step rule) on the default GPT (``GPTConfig()``).
 
 Three configurations are trained alternately, round after round, in one process: no callback,
 the periodic rule at every step (``every_n_steps=1``), and at the default (2000). A short
@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from plasticity_callbacks import DASHShrink, GPTConfig, GPTLightningModule
+from plasticity_callbacks import DASHPeriodic, GPTConfig, GPTLightningModule
 from plasticity_callbacks.core.schedule import Schedule
 
 
@@ -35,8 +35,8 @@ class StepTimer(L.Callback):
             self.times.append(time.perf_counter() - self._t0)
 
 
-class TimedDASH(DASHShrink):
-    """DASHShrink whose hook records its own wall time (the shrink event cost, without step noise)."""
+class TimedDASH(DASHPeriodic):
+    """DASHPeriodic whose hook records its own wall time (the shrink event cost, without step noise)."""
 
     hook_times: list[float]
 

@@ -206,7 +206,7 @@ def bad_inputs(root: Path):
     redo = ReDoMonitor()
     state = {"layers": ["1"], "widths": [8], "ema": torch.zeros(8), "observed": torch.zeros(8, dtype=torch.bool),
              "recycled": torch.zeros(1, dtype=torch.long), "init_std": torch.ones(1, 2), "collections": 1,
-             "last_logged_step": 0, "schedule": None}
+             "last_logged_step": 0, "schedule": redo.state_dict()["schedule"]}
     not_a_dict = root / "list.ckpt"
     buffer = io.BytesIO()
     torch.save([1, 2], buffer)

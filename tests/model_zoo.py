@@ -113,16 +113,17 @@ MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert, "torch
 
 def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    if family in ("gpt2", "llama", "mistral", "bert"):
+    if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS):
         ids = torch.randint(1, VOCAB, (n * batch, SEQ), generator=g)
         return TensorDataset(ids, ids.clone())
-    x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,)}[family]
+    x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,), "conv_zoo": (8, 4, 4),
+         "recurrent": (5, 6)}[family]
     return TensorDataset(torch.randn(n * batch, *x, generator=g), torch.randint(0, 3, (n * batch,), generator=g))
 
 
 def loss_of(family: str, model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    if family in ("gpt2", "llama", "mistral", "bert"):
+    if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS):
         return model(input_ids=x, labels=y).loss
     return F.cross_entropy(model(x), y)
 
@@ -171,7 +172,7 @@ LAYOUT_MODELS = {
     "falcon_mqa": lambda: _hf("FalconConfig", "FalconForCausalLM", hidden_size=WIDTH, num_hidden_layers=1,
                               num_attention_heads=HEADS_, multi_query=True, new_decoder_architecture=False),
     "bigcode_mqa": lambda: _hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=WIDTH, n_layer=1, n_head=HEADS_,
-                               multi_query=True, n_positions=SEQ),
+                               multi_query=True, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     # [q | k | v] with num_key_value_heads; fused gate_up_proj
     "phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=1,
                         num_attention_heads=HEADS_, num_key_value_heads=KV_, max_position_embeddings=SEQ,
@@ -208,3 +209,6 @@ class Recurrent(nn.Module):
     def forward(self, x):  # (B, T, 6)
         x = self.rnn(self.gru(self.lstm(x)[0])[0])[0]
         return self.head(x[:, -1])
+
+
+MODELS.update(conv_zoo=ConvZoo, recurrent=Recurrent, **LAYOUT_MODELS)

@@ -11,12 +11,13 @@ from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import AdaptiveSVDSwitch
+from plasticity_callbacks.callbacks.adaptive_svd import SwitchThresholds
 from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.core import factorization
 from plasticity_callbacks.functional.subspace import as_matrix, svd_triplets
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
 
-ALWAYS_MINOR = dict(clobber_alignment=0.0, r_min=2, save_figure=False)  # any principal gradient share > 0
+ALWAYS_MINOR = dict(thresholds={"clobber_alignment": 0.0}, r_min=2, save_figure=False)  # any principal gradient share > 0
 
 
 def split(module, attr, r):
@@ -97,7 +98,7 @@ class FlipToFull(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at:
-            self.switch.thresholds.update(clobber_alignment=1.0, max_reconstruction_error=0.0)
+            self.switch.thresholds = SwitchThresholds(clobber_alignment=1.0, max_reconstruction_error=0.0)
 
 
 def test_switch_back_to_full_folds_and_trains_the_whole_matrix_again():
@@ -180,7 +181,7 @@ def test_project_removes_the_principal_component_of_the_gradient_exactly():
 def test_logs_and_figure(tmp_path):
     module, loader = build("mlp")
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=2, start_step=2),
-                               r_min=2, clobber_alignment=0.0)
+                               r_min=2, thresholds={"clobber_alignment": 0.0})
     trainer = cpu_trainer(max_steps=5, callbacks=[switch], default_root_dir=tmp_path)
     trainer.fit(module, loader)
     metrics = trainer.callback_metrics
@@ -193,10 +194,11 @@ def test_logs_and_figure(tmp_path):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(minor_training="lora"), "minor_training"), (dict(schedule={"every_n_steps": 0}), "every_n_steps"),
-    (dict(schedule={"epochs": [1]}), "only at steps"), (dict(svd_method="lowrank"), "now called 'randomized'"),
-    (dict(r_min=0), "r_min"), (dict(scope="conv"), "scope"), (dict(stable_angle=2.0), "stable_angle"),
-    (dict(clobber_alignment=1.5), "clobber_alignment"), (dict(svd_method="qr"), "svd_method"),
-    (dict(svd_dtype="float16"), "svd_dtype"), (dict(initial_rank=0), "initial_rank"),
+    (dict(schedule={"epochs": [1]}), "only at steps"), (dict(svd={"method": "lowrank"}), "randomized"),
+    (dict(r_min=0), "r_min"), (dict(selection={"scope": "conv"}), "scope"),
+    (dict(thresholds={"stable_angle": 2.0}), "stable_angle"), (dict(thresholds={"clobber_alignment": 1.5}), "clobber_alignment"),
+    (dict(svd={"method": "qr"}), "method"), (dict(svd={"dtype": "float16"}), "dtype"), (dict(initial_rank=0), "initial_rank"),
+    (dict(thresholds={"stable": 0.1}), "unknown field"),
 ])
 def test_arguments_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -211,7 +213,7 @@ def test_factorize_refuses_ddp_with_a_pointer_to_project():
 
 def test_project_mode_keeps_ddp_ranks_identical(tmp_path):
     spec = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "minor_training": "project",
-            "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2, "clobber_alignment": 0.0,
+            "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2, "thresholds": {"clobber_alignment": 0.0},
             "save_figure": False}
     results = run_ddp(tmp_path, spec, model="gpt", steps=6)
     assert_ranks_identical(results)

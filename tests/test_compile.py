@@ -7,7 +7,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
-from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink, FIREReinit, GPTLightningModule, ReDoMonitor, ShrinkPerturb
+from plasticity_callbacks import AdaptiveSVDSwitch, DASHPeriodic, FIREReinit, GPTLightningModule, ReDoMonitor, ShrinkPerturb
 from plasticity_callbacks.core import factorization
 from tiny import cpu_trainer
 
@@ -45,7 +45,7 @@ def test_compiled_gpt_across_fits_with_every_callback():
     assert fit([]) == 1
     # FIRE, DASH and Shrink & Perturb write weights in place: no re-trace, and the compiled
     # forward reads the new values (it equals the eager forward on the same weights).
-    assert fit([FIREReinit(), DASHShrink(schedule={"every_n_steps": 2}, n_batches=None), ShrinkPerturb()]) == 0
+    assert fit([FIREReinit(), DASHPeriodic(schedule={"every_n_steps": 2}), ShrinkPerturb()]) == 0
     torch.testing.assert_close(module._compiled_forward(x), module.model(x), rtol=1e-4, atol=1e-4)
 
     # ReDo attaches after the graph was traced: it still sees every MLP's hidden units. lr=0 and
@@ -68,7 +68,7 @@ def test_compiled_gpt_across_fits_with_every_callback():
     # steps; the second cycle at the same rank re-splits in place and re-traces nothing.
     module.hparams.lr = 1e-3
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule={"every_n_steps": 3, "start_step": 3},
-                               clobber_alignment=0.0,
+                               thresholds={"clobber_alignment": 0.0},
                                initial_rank=4, r_min=4, save_figure=False)
     assert fit([switch], steps=10) <= 2
     assert {step for step, *_ in switch.history} == {3, 6, 9}

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
-from plasticity_callbacks import DASHShrink
+from plasticity_callbacks import DASHPeriodic, DASHShrink
 from plasticity_callbacks.core.schedule import Schedule
 from tiny import TinyMLPModule, build, cpu_trainer, image_loader, regression_loader, tiny_gpt_module, token_loader
 
-VISIBLE = dict(alpha=-1.0, rate=0.5)  # every non-zero row shrinks by a visible amount (factor in [0.5, 1))
+VISIBLE = dict(cosine_threshold=-1.0, shrink_rate=0.5)  # every non-zero row shrinks by a visible amount (factor in [0.5, 1))
 
 
 class WeightWatch(L.Callback):
@@ -71,7 +71,7 @@ def fit_watched(module, loader, dash, max_steps, poison=None, **trainer_kw):
 @pytest.mark.parametrize("accumulate", [1, 4])
 def test_periodic_rule_fires_on_exactly_the_configured_optimizer_steps(accumulate):
     module, loader = build("mlp")
-    dash = DASHShrink(schedule=Schedule(every_n_steps=3), **VISIBLE)
+    dash = DASHPeriodic(schedule=Schedule(every_n_steps=3), **VISIBLE)
     watch, trainer = fit_watched(module, loader, dash, max_steps=8, accumulate_grad_batches=accumulate)
     assert watch.calls == 8  # one hook call per real optimizer step, whatever the accumulation
     assert sorted(watch.changed) == [3, 6]  # once 3 and 6 optimizer steps are done, before the next
@@ -84,7 +84,7 @@ def test_periodic_rule_fires_on_exactly_the_configured_optimizer_steps(accumulat
 
 def test_periodic_rule_skips_a_step_with_non_finite_gradients():
     module, loader = build("mlp")
-    dash = DASHShrink(schedule=Schedule(every_n_steps=3), **VISIBLE)
+    dash = DASHPeriodic(schedule=Schedule(every_n_steps=3), **VISIBLE)
     watch, _ = fit_watched(module, loader, dash, max_steps=8, poison=PoisonGradient(step=3))
     assert sorted(watch.changed) == [6]
     assert dash.skipped_nonfinite == 1 and dash.shrinks == 1
@@ -105,7 +105,7 @@ def test_periodic_rule_matches_the_formula_on_a_cnn():
                 seen["grad"] = w.grad.detach().clone().double()
                 seen[self.key + "_head"] = pl_module.head.weight.detach().clone()
 
-    dash = DASHShrink(schedule=Schedule(steps=[1]), alpha=0.0, rate=0.8, floor=0.6)
+    dash = DASHPeriodic(schedule=Schedule(steps=[1]), cosine_threshold=0.0, shrink_rate=0.8, min_factor=0.6)
     cpu_trainer(max_steps=2, callbacks=[Capture("before"), dash, Capture("after")]).fit(module, loader)
     w, g = seen["before"], seen["grad"]
     cos = F.cosine_similarity(w.flatten(2), g.flatten(2), dim=2)  # per (out, in) kernel slice
@@ -127,26 +127,26 @@ class AtTrainStart(L.Callback):
         self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
 
-def expected_paper_shrink(module, loader, n_batches, ema_alpha, lam, layers):
-    """Independent computation on a copy: EMA of -grad over the first batches, then clamp(cos, lam, 1)."""
+def expected_paper_shrink(module, loader, n_batches, ema_weight, min_factor, layers):
+    """Independent computation on a copy: EMA of -grad over the first batches, then clamp(cos, min_factor, 1)."""
     model = copy.deepcopy(module).train()
     ema = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     for i, batch in zip(range(n_batches), loader):
         model.zero_grad()
         model.training_step(batch, i).backward()
         for n, p in model.named_parameters():
-            ema[n] = (1 - ema_alpha) * ema[n] - ema_alpha * p.grad.double()
+            ema[n] = (1 - ema_weight) * ema[n] - ema_weight * p.grad.double()
     out = {}
     for n, p in model.named_parameters():
         w = p.detach().double()
         if n.rsplit(".", 1)[0] not in layers:
             out[n] = w
         elif w.dim() == 1:
-            out[n] = w * F.cosine_similarity(ema[n][None], w[None], eps=1e-30).clamp(lam, 1)
+            out[n] = w * F.cosine_similarity(ema[n][None], w[None], eps=1e-30).clamp(min_factor, 1)
         else:
             cos = F.cosine_similarity(ema[n].flatten(2) if w.dim() > 2 else ema[n],
                                       w.flatten(2) if w.dim() > 2 else w, dim=-1, eps=1e-30)
-            out[n] = w * cos.clamp(lam, 1).reshape(cos.shape + (1,) * (w.dim() - cos.dim()))
+            out[n] = w * cos.clamp(min_factor, 1).reshape(cos.shape + (1,) * (w.dim() - cos.dim()))
     return out
 
 
@@ -166,9 +166,9 @@ def test_paper_rule_shrinks_as_computed_independently_and_leaves_no_trace(kind):
         module.net[2].eval()  # an odd mode the callback must hand back unchanged (ReLU: no effect on the math)
         modes_before = {n: m.training for n, m in module.named_modules()}
         buffers_before = {n: b.clone() for n, b in module.named_buffers()}
-    expected = expected_paper_shrink(module, loader, n_batches=3, ema_alpha=0.3, lam=0.3, layers=layers)
+    expected = expected_paper_shrink(module, loader, n_batches=3, ema_weight=0.3, min_factor=0.3, layers=layers)
     probe = AtTrainStart()
-    dash = DASHShrink(rule="dash", n_batches=3, gradient_mode="train")  # the expectation runs in train mode
+    dash = DASHShrink(n_batches=3, gradient_mode="train")  # the expectation runs in train mode
     trainer = cpu_trainer(max_steps=2, callbacks=[dash, probe])
     trainer.fit(module, loader)
     assert all(g is None for g in probe.grads) and probe.optimizer_state == 0 and probe.global_step == 0
@@ -185,7 +185,7 @@ def test_paper_rule_shrinks_as_computed_independently_and_leaves_no_trace(kind):
 
 def test_paper_rule_at_epochs_and_not_twice_at_the_same_point():
     module, loader = build("mlp")  # 8 batches per epoch
-    dash = DASHShrink(rule="dash", schedule=Schedule(at_fit_start=True, epochs=[0, 2]), n_batches=2)
+    dash = DASHShrink(schedule=Schedule(at_fit_start=True, epochs=[0, 2]), n_batches=2)
     trainer = cpu_trainer(max_epochs=3, callbacks=[dash])
     trainer.fit(module, loader)
     assert dash.shrinks == 2 and dash.last_shrink_step == 16  # fit start and epoch 0 are one moment
@@ -194,7 +194,7 @@ def test_paper_rule_at_epochs_and_not_twice_at_the_same_point():
 
 def test_paper_rule_shrinks_again_in_a_new_fit_of_the_same_process():
     module, loader = build("mlp")
-    dash = DASHShrink(rule="dash", n_batches=2)
+    dash = DASHShrink(n_batches=2)
     cpu_trainer(max_steps=2, callbacks=[dash]).fit(module, loader)
     cpu_trainer(max_steps=2, callbacks=[dash]).fit(module, regression_loader(seed=1))  # phase 2: new data
     assert dash.shrinks == 2
@@ -205,7 +205,7 @@ def test_paper_rule_on_the_gpt_touches_only_block_matrices():
     module = tiny_gpt_module()
     pre = {n: p.detach().clone() for n, p in module.named_parameters()}
     probe = AtTrainStart()
-    cpu_trainer(max_steps=1, callbacks=[DASHShrink(rule="dash", n_batches=2), probe]).fit(module, token_loader())
+    cpu_trainer(max_steps=1, callbacks=[DASHShrink(n_batches=2), probe]).fit(module, token_loader())
     changed = {n for n in pre if not torch.equal(pre[n], probe.params[n])}
     assert changed and all(".attn.c_" in n or ".mlp.c_" in n for n in changed)
     assert all(g is None for g in probe.grads) and probe.optimizer_state == 0
@@ -214,7 +214,7 @@ def test_paper_rule_on_the_gpt_touches_only_block_matrices():
 def test_skip_muon_params_is_honored():
     def changed_by_dash(skip):
         module = tiny_gpt_module(optimizer="muon")
-        dash = DASHShrink(schedule=Schedule(steps=[1]), include_head=True, skip_muon_params=skip, **VISIBLE)
+        dash = DASHPeriodic(schedule=Schedule(steps=[1]), selection={"include_head": True}, skip_muon_params=skip, **VISIBLE)
         watch, _ = fit_watched(module, token_loader(), dash, max_steps=2)
         return watch.changed[1]
 
@@ -223,19 +223,19 @@ def test_skip_muon_params_is_honored():
     assert "model.lm_head.weight" in everything and any(".c_fc." in n for n in everything)
     module, loader = build("mlp", "muon")  # every Linear weight is Muon's
     with pytest.raises(ValueError, match="torch.optim.Muon"):
-        cpu_trainer(max_steps=1, callbacks=[DASHShrink()]).fit(module, loader)
+        cpu_trainer(max_steps=1, callbacks=[DASHPeriodic()]).fit(module, loader)
 
 
 def test_resume_neither_repeats_nor_skips(tmp_path):
     module, loader = build("mlp")
     every_3 = Schedule(every_n_steps=3)
-    periodic, paper = DASHShrink(schedule=every_3, **VISIBLE), DASHShrink(rule="dash", n_batches=2)
+    periodic, paper = DASHPeriodic(schedule=every_3, **VISIBLE), DASHShrink(n_batches=2)
     trainer = cpu_trainer(max_steps=4, callbacks=[periodic, paper])
     trainer.fit(module, loader)
     assert (periodic.shrinks, paper.shrinks) == (1, 1)
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
-    resumed_periodic, resumed_paper = DASHShrink(schedule=every_3, **VISIBLE), DASHShrink(rule="dash", n_batches=2)
+    resumed_periodic, resumed_paper = DASHPeriodic(schedule=every_3, **VISIBLE), DASHShrink(n_batches=2)
     watch = WeightWatch()
     probe = AtTrainStart()
     module2, _ = build("mlp")
@@ -245,27 +245,30 @@ def test_resume_neither_repeats_nor_skips(tmp_path):
     assert sorted(watch.changed) == [6]  # step 3 happened before the checkpoint, step 6 after it
     assert (resumed_periodic.shrinks, resumed_paper.shrinks) == (2, 1) and resumed_paper.firing.fit_start_fired
 
-    fresh = DASHShrink(rule="dash")
+    fresh = DASHShrink()
     fresh.load_state_dict(resumed_paper.state_dict())
     assert fresh.state_dict() == resumed_paper.state_dict()
     assert periodic.state_key != paper.state_key
 
 
 def test_arguments_are_validated():
-    for kwargs, name in [(dict(rule="shrink"), "rule"), (dict(schedule={"every_n_steps": 0}), "every_n_steps"),
-                         (dict(alpha=1.5), "alpha"), (dict(rate=-0.1), "rate"), (dict(floor=2.0), "floor"),
-                         (dict(lam=-0.1), "lam"), (dict(ema_alpha=0.0), "ema_alpha"),
-                         (dict(n_batches=0), "n_batches"), (dict(scope="mpl"), "scope"),
-                         (dict(schedule={"epochs": [3]}), "only at steps"),
-                         (dict(rule="dash", schedule={"at_fit_start": False}), "no trigger"),
-                         (dict(rule="dash", schedule={"epochs": [-1]}), "epochs")]:
+    for kwargs, name in [(dict(schedule={"every_n_steps": 0}), "every_n_steps"),
+                         (dict(cosine_threshold=1.5), "cosine_threshold"), (dict(shrink_rate=-0.1), "shrink_rate"),
+                         (dict(min_factor=2.0), "min_factor"), (dict(selection={"scope": "mpl"}), "scope"),
+                         (dict(schedule={"epochs": [3]}), "only at steps")]:
+        with pytest.raises(ValueError, match=name):
+            DASHPeriodic(**kwargs)
+    for kwargs, name in [(dict(min_factor=-0.1), "min_factor"), (dict(gradient_ema_weight=0.0), "gradient_ema_weight"),
+                         (dict(n_batches=0), "n_batches"), (dict(selection={"scope": "mpl"}), "scope"),
+                         (dict(schedule={"at_fit_start": False}), "no trigger"),
+                         (dict(schedule={"epochs": [-1]}), "epochs")]:
         with pytest.raises(ValueError, match=name):
             DASHShrink(**kwargs)
 
 
 def test_ddp_two_ranks_end_identical(tmp_path):
-    periodic = {"_target_": "plasticity_callbacks.DASHShrink", "schedule": {"every_n_steps": 2}, **VISIBLE}
-    paper = {"_target_": "plasticity_callbacks.DASHShrink", "rule": "dash", "n_batches": 2}
+    periodic = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"every_n_steps": 2}, **VISIBLE}
+    paper = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 2}
     results = run_ddp(tmp_path, [periodic, paper], model="mlp", steps=6)
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
@@ -289,8 +292,8 @@ def test_under_fp16_amp_the_hook_sees_unscaled_gradients():
                 seen["grad"] = pl_module.net[0].weight.grad.clone()
                 seen["scale"] = trainer.precision_plugin.scaler.get_scale()
 
-    paper = DASHShrink(rule="dash", n_batches=2)  # its data pass scales the loss with the same scaler
-    periodic = DASHShrink(schedule=Schedule(steps=[0], every_n_steps=1), **VISIBLE)
+    paper = DASHShrink(n_batches=2)  # its data pass scales the loss with the same scaler
+    periodic = DASHPeriodic(schedule=Schedule(steps=[0], every_n_steps=1), **VISIBLE)
     cpu_trainer(max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu")],
                 callbacks=[paper, Capture(), periodic]).fit(module, loader)
     assert seen["scale"] > 1 and paper.shrinks == 1 and periodic.shrinks == 2

@@ -28,14 +28,14 @@ def callbacks_for(model: str) -> list[dict]:
          "schedule": {"every_n_steps": 2}},
         {"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
          "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2,
-         "clobber_alignment": 0.0, "save_figure": False},
+         "thresholds": {"clobber_alignment": 0.0}, "save_figure": False},
     ]
     if model == "gpt":  # Muon owns the block matrices: DASH must be told to shrink them too
-        specs.append({"_target_": CB + "DASHShrink", "rule": "periodic", "schedule": {"every_n_steps": 2}, "alpha": -1.0,
-                      "rate": 0.2, "skip_muon_params": False})
+        specs.append({"_target_": CB + "DASHPeriodic", "schedule": {"every_n_steps": 2}, "cosine_threshold": -1.0,
+                      "shrink_rate": 0.2, "skip_muon_params": False})
         specs.append({"_target_": CB + "ShrinkPerturb", "shrink": 0.5, "perturb": 0.1, "reset_optimizer": True})
     else:  # the paper rule's data pass reads each rank's DistributedSampler shard, then all-reduces
-        specs.append({"_target_": CB + "DASHShrink", "rule": "dash", "n_batches": 2})
+        specs.append({"_target_": CB + "DASHShrink", "n_batches": 2})
     if _exists("fire"):
         specs.append({"_target_": CB + "FIREReinit", "schedule": {"at_fit_start": True, "steps": [2]},
                       "selection": {"include_conv": True}})

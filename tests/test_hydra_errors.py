@@ -45,7 +45,7 @@ CASES = {
     "missing_required_field": (["data=files"], ["data.paths"], 2),
     "data_paths_match_nothing": (["data=files", "data.paths=/nonexistent/**/*.txt"], ["data.paths=", "no files"], 1),
     "type_error_in_callback": (["+callbacks=redo", "callbacks.redo.tau=abc"], ["tau='abc'", "[0, 1]"], 1),
-    "type_error_in_dash": (["+callbacks=dash", "+callbacks.dash.alpha=abc"], ["alpha='abc'"], 1),
+    "type_error_in_dash": (["+callbacks=dash_periodic", "+callbacks.dash_periodic.cosine_threshold=abc"], ["cosine_threshold='abc'"], 1),
     "type_error_in_trainer": (["trainer.max_steps=abc"], ["Trainer"], 1),
     "seed_not_an_integer": (["seed=abc"], ["seed='abc'", "integer"], 1),
     "lr_not_a_number": (["optimizer.lr=abc"], ["optimizer.lr='abc'", "number"], 1),

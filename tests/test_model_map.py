@@ -8,6 +8,7 @@ from torch import nn
 
 from model_zoo import Wrapped
 from plasticity_callbacks.callbacks.dash import DASHShrink
+from plasticity_callbacks.callbacks.dash_periodic import DASHPeriodic
 from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.core.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
@@ -119,7 +120,7 @@ def test_bf16_true_redo_and_dash_act(family):
     assert redo.collections > 0 and bool(redo._observed.all()) and int(redo._recycled.sum()) > 0
     module = Wrapped(family)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    fit(module, [DASHShrink(rule="dash", n_batches=1)], precision="bf16-true")
+    fit(module, [DASHShrink(n_batches=1)], precision="bf16-true")
     assert any(not torch.equal(before[n], p) for n, p in module.named_parameters())
 
 
@@ -154,7 +155,7 @@ def test_dash_gradient_pass_never_steps_a_manual_optimizer():
     module = Manual()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     after = AfterDash()
-    fit(module, [DASHShrink(rule="dash", n_batches=2), after], steps=1)
+    fit(module, [DASHShrink(n_batches=2), after], steps=1)
     assert after.state == 0 and after.lr == 0.1 and after.step == 0  # no optimizer or scheduler step
     # The head is no DASH target; the hidden layers moved by one factor in [lam, 1] per row
     assert torch.equal(after.params["model.4.weight"], before["model.4.weight"])
@@ -218,8 +219,8 @@ def test_gradient_accumulation_dash_periodic_uses_the_accumulated_gradient():
     grads = {n: p.grad.clone() for n, p in module.named_parameters()}
     module.zero_grad()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    dash = DASHShrink(rule="periodic", schedule=Schedule(steps=[0], every_n_steps=1), alpha=-1.0, rate=1.0, floor=0.5,
-                      shrink_bias=False)
+    dash = DASHPeriodic(schedule=Schedule(steps=[0], every_n_steps=1), cosine_threshold=-1.0, shrink_rate=1.0,
+                        min_factor=0.5, shrink_bias=False)
     fit(module, [dash], steps=1, accumulate_grad_batches=2)
     assert dash.shrinks == 1  # once per optimizer step, not per micro-batch
     for name in ("model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_fc.weight"):
@@ -265,7 +266,7 @@ def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
     module = Wrapped("gpt2")
     before = {n: m.weight.detach().clone() for n, m in module.named_modules() if type(m).__name__ == "Conv1D"}
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[0], every_n_steps=1),
-                               clobber_alignment=0.0, r_min=2,
+                               thresholds={"clobber_alignment": 0.0}, r_min=2,
                                initial_rank=3, save_figure=False, log_per_matrix=False)
     fit(module, [switch], steps=1)
     for name, W in before.items():
@@ -365,3 +366,13 @@ def test_coverage_lists_every_matrix_with_its_reason_and_warns_about_unknown_one
 
 def names(targets):
     return [t.name for t in targets]
+
+
+def test_redo_says_which_units_it_cannot_recycle():
+    from model_zoo import ConvZoo, Recurrent
+
+    with pytest.warns(UserWarning, match=r"units of grouped are not recycled: they feed depthwise, a grouped conv "
+                                         r"\(groups=8\)"):
+        assert find_neuron_layers(ConvZoo()) == []
+    with pytest.warns(UserWarning, match=r"ReDo does not recycle the hidden units of \['lstm \(LSTM\)', 'gru \(GRU\)'"):
+        find_neuron_layers(Recurrent())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from model_zoo import FAMILIES, Wrapped, batches, loss_of
+from model_zoo import FAMILIES, LAYOUT_MODELS, Wrapped, batches, loss_of
 from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.fire import FIREReinit
@@ -28,7 +28,10 @@ pytest.importorskip("transformers")
 
 HEADS = {"gpt2": "model.lm_head", "llama": "model.lm_head", "mistral": "model.lm_head",
          "bert": "model.cls.predictions.decoder",
-         "torch_encoder": "model.head", "resnet": "model.head", "mlp": "model.4"}
+         "torch_encoder": "model.head", "resnet": "model.head", "mlp": "model.4", "gpt_neox": "model.lm_head",
+         **{f: "model.lm_head" for f in ("bloom", "falcon_gqa", "falcon_mqa", "bigcode_mqa", "phi3")}}
+# The layout families (fused Q/K/V by head, by K/V group, multi-query; fused gate/up) in the generic cells too.
+WIDE = (*FAMILIES, *LAYOUT_MODELS)
 # Expected neuron layers: (up, gate, down, down inputs per unit, BatchNorm) by module name.
 NEURONS = {
     "gpt2": [(f"model.transformer.h.{i}.mlp.c_fc", None, f"model.transformer.h.{i}.mlp.c_proj", 1, None)
@@ -44,6 +47,11 @@ NEURONS = {
     "resnet": [("model.block.conv1", None, "model.block.conv2", 1, "model.block.bn1"),
                ("model.reduce", None, "model.fc", 36, None), ("model.fc", None, "model.head", 1, None)],
     "mlp": [("model.0", None, "model.2", 1, None), ("model.2", None, "model.4", 1, None)],
+    "gpt_neox": [("model.gpt_neox.layers.0.mlp.dense_h_to_4h", None, "model.gpt_neox.layers.0.mlp.dense_4h_to_h", 1,
+                  None)],
+    **{f: [("model.transformer.h.0.mlp.dense_h_to_4h", None, "model.transformer.h.0.mlp.dense_4h_to_h", 1, None)]
+       for f in ("bloom", "falcon_gqa", "falcon_mqa")},
+    "bigcode_mqa": [("model.transformer.h.0.mlp.c_fc", None, "model.transformer.h.0.mlp.c_proj", 1, None)],
 }
 
 
@@ -95,7 +103,7 @@ def test_fire_makes_every_block_a_scaled_isometry(family):
             torch.testing.assert_close(s, torch.full_like(s, scale), rtol=1e-4, atol=1e-6, msg=f"{name}: {s}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WIDE)
 def test_shrink_perturb_draws_fresh_values_everywhere(family):
     module = Wrapped(family)
     with torch.no_grad():  # a trained-looking model: no parameter sits at its init value
@@ -116,7 +124,7 @@ class Snapshot(L.Callback):
         self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sorted(NEURONS))  # phi3's fused gate/up: its own test below
 def test_redo_finds_every_mlp_and_recycles_by_layout(family):
     module = Wrapped(family)
     with torch.no_grad():
@@ -154,7 +162,7 @@ def test_redo_finds_every_mlp_and_recycles_by_layout(family):
             assert torch.all(norm.weight[changed] == 1) and torch.all(norm.weight[~changed] == 0.5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WIDE)
 def test_dash_one_factor_per_output_neuron(family):
     module = Wrapped(family)
     first = next(iter(torch.utils.data.DataLoader(batches(family), batch_size=4)))
@@ -164,7 +172,7 @@ def test_dash_one_factor_per_output_neuron(family):
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     module.zero_grad()
     snap = Snapshot()
-    fit(module, [snap, DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+    fit(module, [snap, DASHShrink(n_batches=1, gradient_ema_weight=1.0, min_factor=0.3, shrink_bias=False,
                                   gradient_mode="train")])  # the gradients above are taken in train mode
     for name, param, transposed, _ in treated(family, module):
         W0 = oriented(snap.before[name], transposed).double()
@@ -195,12 +203,12 @@ class GradientProbe(L.Callback):
             self.checked += 1
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WIDE)
 def test_adaptive_svd_projects_onto_the_minor_subspace(family):
     module = Wrapped(family)
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
-                               clobber_alignment=0.0, r_min=2,
-                               initial_rank=3, svd_dtype="float64", save_figure=False, log_per_matrix=False)
+                               thresholds={"clobber_alignment": 0.0}, r_min=2,
+                               initial_rank=3, svd={"dtype": "float64"}, save_figure=False, log_per_matrix=False)
     probe = GradientProbe(switch)
     fit(module, [switch, probe])
     assert probe.checked == len(treated(family, module))
@@ -372,3 +380,109 @@ def test_an_unknown_split_is_refused_by_fire_with_the_declaration_and_treated_wh
     fit(module, [FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))])
     for part, M in zip("qkv", _heads(module.attn.qkv.weight.detach(), 4, 3).unbind(1)):
         _scaled_isometry(M, part)
+
+
+def _out_in(name: str, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """A weight-shaped tensor in the operator's (out, in, *k) orientation, by PyTorch's documented layouts."""
+    if isinstance(module, nn.ConvTranspose2d):  # stored (C_in, C_out/groups, *k)
+        return tensor.unflatten(0, (module.groups, -1)).transpose(1, 2).flatten(0, 1)
+    return tensor
+
+
+@pytest.mark.parametrize("family", ["conv_zoo", "recurrent"])
+def test_dash_and_adaptive_svd_act_on_grouped_transposed_and_recurrent_weights(family):
+    module = Wrapped(family)
+    weights = {f"model.{n}": (module.model.get_submodule(n.rsplit(".", 1)[0]), p)
+               for n, p in module.model.named_parameters() if p.dim() >= 2 and not n.startswith("head")}
+    first = next(iter(torch.utils.data.DataLoader(batches(family), batch_size=4)))
+    module.train()
+    loss_of(family, module.model, first).backward()
+    grads = {n: p.grad.detach().clone() for n, (_, p) in weights.items()}
+    module.zero_grad()
+    before = {n: p.detach().clone() for n, (_, p) in weights.items()}
+    fit(module, [DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+                            gradient_mode="train")])
+    for name, (owner, param) in weights.items():
+        W0, G = _out_in(name, owner, before[name]).double(), -_out_in(name, owner, grads[name]).double()
+        flat_w, flat_g = (W0.flatten(2), G.flatten(2)) if W0.dim() > 2 else (W0, G)  # conv: per (out, in) slice
+        factor = torch.nn.functional.cosine_similarity(flat_g, flat_w, dim=-1).clamp(0.3, 1.0)
+        expected = W0 * factor.reshape(factor.shape + (1,) * (W0.dim() - factor.dim()))
+        torch.testing.assert_close(_out_in(name, owner, param.detach()).double(), expected, rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+    module = Wrapped(family, lr=0.1)
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
+                               clobber_alignment=0.0, r_min=1, initial_rank=1, svd_dtype="float64",
+                               save_figure=False, log_per_matrix=False, exclude=["*up_grouped*"])
+    checked = []
+
+    class Projected(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            for m in switch.matrices:
+                if m.state != "minor":
+                    continue
+                owner = pl_module.get_submodule(m.target.name.rsplit(".", 1)[0])
+                W = _out_in(m.target.name, owner, m.target.param.detach()).double().flatten(1)
+                G = _out_in(m.target.name, owner, m.target.param.grad).double().flatten(1)
+                U = torch.linalg.svd(W, full_matrices=False)[0][:, -m.r:]
+                assert (G - U @ (U.mT @ G)).norm() <= 1e-4 * G.norm() + 1e-12, m.target.name
+                checked.append(m.target.name)
+
+    fit(module, [switch, Projected()], steps=2)
+    # every weight with a gradient (a reverse RNN's W_hh gets none from the last step's output alone)
+    assert set(checked) == {n for n in weights if "up_grouped" not in n and grads[n].any()}
+
+
+def test_redo_recycles_a_fused_gate_up_unit_as_one_row_of_each_half_and_its_down_column():
+    module = Wrapped("phi3")
+    redo = ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, schedule=Schedule(steps=[1]))
+    snap = Snapshot()
+    fit(module, [snap, redo], steps=2)
+    mlp = module.model.model.layers[0].mlp
+    [layer] = redo.layers
+    assert layer.up is mlp.gate_up_proj and layer.down is mlp.down_proj and layer.width == 24
+    W, W0 = mlp.gate_up_proj.weight.detach(), snap.before["model.model.layers.0.mlp.gate_up_proj.weight"]
+    gate_changed, up_changed = (W != W0).any(1).chunk(2)  # the forward's chunk(2): gate rows, then up rows
+    assert gate_changed.any() and torch.equal(gate_changed, up_changed)  # a unit is a row of each half
+    down = mlp.down_proj.weight.detach()
+    assert down[:, gate_changed].abs().sum() == 0 and down[:, ~gate_changed].abs().sum() > 0
+
+
+MLP_OF = {  # (up, down) of each layout family's MLP, by module name
+    "gpt_neox": ("gpt_neox.layers.0.mlp.dense_h_to_4h", "gpt_neox.layers.0.mlp.dense_4h_to_h"),
+    "bloom": ("transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h"),
+    "falcon_gqa": ("transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h"),
+    "falcon_mqa": ("transformer.h.0.mlp.dense_h_to_4h", "transformer.h.0.mlp.dense_4h_to_h"),
+    "bigcode_mqa": ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"),
+    "phi3": ("model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MLP_OF))
+def test_layout_families_give_redo_their_mlp_and_every_method_the_fused_weight(family):
+    from model_zoo import LAYOUT_MODELS
+    from plasticity_callbacks.core.model_map import Selection, find_neuron_layers, select_targets
+
+    model = LAYOUT_MODELS[family]()
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [(names[id(layer.up)], names[id(layer.down)]) for layer in find_neuron_layers(model)] == [MLP_OF[family]]
+    fused = f"{QKV_OF_FORWARD[family][0]}.weight"
+    attention = {t.name for t in select_targets(model, Selection(scope="attention"))}
+    mlp = {t.name for t in select_targets(model, Selection(scope="mlp"))}
+    assert fused in attention and {f"{n}.weight" for n in MLP_OF[family]} <= mlp and not attention & mlp
+
+
+def test_dash_shrinks_a_probed_fused_qkv_row_by_row():
+    module = Wrapped("falcon_gqa")
+    name = "model.transformer.h.0.self_attention.query_key_value.weight"
+    first = next(iter(torch.utils.data.DataLoader(batches("falcon_gqa"), batch_size=4)))
+    module.train()
+    loss_of("falcon_gqa", module.model, first).backward()
+    param = dict(module.named_parameters())[name]
+    W0, G = param.detach().clone().double(), -param.grad.detach().clone().double()
+    module.zero_grad()
+    fit(module, [DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+                            gradient_mode="train")])
+    factor = torch.nn.functional.cosine_similarity(G, W0, dim=-1).clamp(0.3, 1.0)
+    torch.testing.assert_close(dict(module.named_parameters())[name].detach().double(), W0 * factor[:, None],
+                               rtol=1e-4, atol=1e-6)

@@ -32,9 +32,9 @@ SCENARIOS = {
     "no_callback_gpt_muon": dict(model="gpt", optimizer="muon", stop_at=5),
     "redo": dict(stop_at=5, callbacks=[{"_target_": CB + "ReDoMonitor", "tau": 0.5, "collect_every_n_steps": 1,
                                         "log_every_n_steps": 1, "schedule": {"every_n_steps": 3}}]),
-    "dash_periodic": dict(stop_at=5, callbacks=[{"_target_": CB + "DASHShrink", "rule": "periodic",
-                                                 "schedule": {"every_n_steps": 3}, "alpha": -1.0, "rate": 0.2}]),
-    "dash_paper": dict(stop_at=10, ckpt_every=10, callbacks=[{"_target_": CB + "DASHShrink", "rule": "dash",
+    "dash_periodic": dict(stop_at=5, callbacks=[{"_target_": CB + "DASHPeriodic",
+                                                 "schedule": {"every_n_steps": 3}, "cosine_threshold": -1.0, "shrink_rate": 0.2}]),
+    "dash_paper": dict(stop_at=10, ckpt_every=10, callbacks=[{"_target_": CB + "DASHShrink",
                                                               "schedule": {"at_fit_start": True, "epochs": [1]},
                                                               "n_batches": 2}]),
     "adaptive_svd_project": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
@@ -65,7 +65,7 @@ SCENARIOS = {
                                         "plasticity_callbacks.FIREReinit, schedule: {monitor: val/loss, "
                                         "patience: 1, min_delta: 100.0}}"]),
 }
-MODULES = {"ReDoMonitor": "redo", "DASHShrink": "dash", "AdaptiveSVDSwitch": "adaptive_svd",
+MODULES = {"ReDoMonitor": "redo", "DASHShrink": "dash", "DASHPeriodic": "dash_periodic", "AdaptiveSVDSwitch": "adaptive_svd",
            "ShrinkPerturb": "shrink_perturb", "FIREReinit": "fire"}
 SIGNAL_RUN = dict(model="mlp", steps=12, ckpt_every=5, stop_at=7, how="wait")  # checkpoint at 5, killed at 7
 
@@ -253,7 +253,7 @@ def test_loader_restarts_mid_epoch_with_exactly_the_remaining_batches(num_worker
 
 
 def test_a_side_pass_before_training_does_not_move_the_position():
-    """DASHShrink(rule='dash') reads batches from the training loader before the first step."""
+    """DASHShrink reads batches from the training loader before the first step."""
     loader = ResumableDataLoader(dataset(), batch_size=2, seed=0)
     side = iter(loader)
     next(side)

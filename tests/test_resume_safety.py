@@ -329,6 +329,7 @@ def test_adaptive_svd_on_non_finite_weights_names_itself_and_the_layer():
 CALLBACKS = {
     "FIREReinit": lambda: pc.FIREReinit(),
     "DASHShrink": lambda: pc.DASHShrink(),
+    "DASHPeriodic": lambda: pc.DASHPeriodic(),
     "ShrinkPerturb": lambda: pc.ShrinkPerturb(),
     "ReDoMonitor": lambda: pc.ReDoMonitor(),
     "AdaptiveSVDSwitch": lambda: pc.AdaptiveSVDSwitch(),

@@ -12,17 +12,70 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core import factorization
-from ..core.distributed import MisconfigurationException, require_full_parameters
-from ..core.optimizer_state import reset_optimizer_state
+from ..core.arguments import build_options, check_int, check_number
+from ..core.distributed import MisconfigurationException
 from ..core.figures import save_figure
-from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
-from ..core.arguments import check_int, check_number
-from ..core.callback_state import check_state
-from ..core.schedule import Schedule, ScheduleState
-
+from ..core.optimizer_state import reset_optimizer_state
+from ..core.schedule import Schedule
+from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
+from .base import PlasticityCallback
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class SwitchThresholds:
+    """When a matrix switches between full and minor training (see ``functional.subspace.decide_mode``).
+
+    Args:
+        clobber_alignment: principal gradient share above which a matrix goes ``"minor"``.
+        stable_angle: subspace angle (radians) below which, with the next two, it goes ``"minor"``.
+        safe_minor_alignment: minor gradient share above which it may go ``"minor"``.
+        max_reconstruction_error: at or above this, the matrix goes back to ``"full"``.
+
+    Example:
+        >>> AdaptiveSVDSwitch(thresholds=SwitchThresholds(clobber_alignment=0.0))   # always minor when safe
+    """
+
+    clobber_alignment: float = 0.4
+    stable_angle: float = 0.1
+    safe_minor_alignment: float = 0.6
+    max_reconstruction_error: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("clobber_alignment", "safe_minor_alignment", "max_reconstruction_error"):
+            check_number(name, getattr(self, name), 0.0, 1.0)
+        check_number("stable_angle", self.stable_angle, 0.0, math.pi / 2, "(radians)")
+
+
+@dataclass(frozen=True)
+class SVDOptions:
+    """How each SVD cycle computes the singular triplets.
+
+    Args:
+        method: ``full`` (``torch.linalg.svd``) or ``randomized`` (two ``torch.svd_lowrank`` blocks).
+        niter: power iterations of ``method="randomized"``.
+        dtype: ``float32`` or ``float64``.
+
+    Example:
+        >>> AdaptiveSVDSwitch(svd=SVDOptions(method="randomized", niter=4))
+    """
+
+    method: str = "full"
+    niter: int = 2
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.method not in SVD_METHODS:
+            raise ValueError(f"svd method={self.method!r} is not one of {SVD_METHODS}")
+        check_int("svd niter", self.niter, minimum=0)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"svd dtype={self.dtype!r} is not one of {tuple(_DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
 
 
 @dataclass
@@ -40,7 +93,7 @@ class _Matrix:
         return self.U_prev[:, self.g - self.r:]
 
 
-class AdaptiveSVDSwitch(L.Callback):
+class AdaptiveSVDSwitch(PlasticityCallback):
     """Switch each weight between full-matrix and minor-component training (MiLoRA-style), decided by SVDs.
 
     When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; step triggers only, the
@@ -49,9 +102,9 @@ class AdaptiveSVDSwitch(L.Callback):
     gradient's alignment, decide whether the next phase trains the full matrix (state ``"full"``)
     or only its ``r`` minor components (state ``"minor"``), and with which ``r``.
 
-    Hooks: ``on_train_batch_start`` asks the schedule (so a factorized matrix can capture the step's
-    gradient), ``on_before_optimizer_step`` measures and acts on the step's (all-reduced)
-    gradient, so no gradient is lost at a switch; between cycles it projects the gradients of
+    Hooks: ``on_train_batch_start`` asks the schedule and ``act`` marks the step for a cycle (so a
+    factorized matrix captures the step's gradient over every micro-batch),
+    ``on_before_optimizer_step`` runs the cycle on the step's (all-reduced) gradient, so no gradient is lost at a switch; between cycles it projects the gradients of
     ``"minor"`` matrices (``minor_training="project"``). ``on_fit_start`` rebuilds a factorized
     structure from a checkpoint; ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into
     the checkpoint's model state, so it loads with or without this callback; ``on_train_end``
@@ -70,20 +123,12 @@ class AdaptiveSVDSwitch(L.Callback):
         minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection, DDP-safe)
             or ``factorize`` (``W_p + B @ A``, single device).
         schedule: when to run an SVD cycle (a Schedule or a mapping of its fields; step triggers only).
-        scope: ``all`` | ``attention`` | ``mlp``: which weights.
-        include: ``fnmatch`` patterns on parameter names to keep.
-        exclude: ``fnmatch`` patterns on parameter names to leave alone.
-        include_conv: also conv kernels (as ``(out, in·∏k)`` matrices).
-        include_head: also the output head.
+        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping;
+            conv kernels as ``(out, in·∏k)`` matrices); None: every weight but the head.
+        thresholds: when a matrix switches (:class:`SwitchThresholds` or a mapping of its fields).
+        svd: how the SVDs are computed (:class:`SVDOptions` or a mapping of its fields).
         r_min: fewest minor components.
         initial_rank: ``r`` of the first cycle (None: from the spectrum's gap / 99.9 % energy / g//2).
-        clobber_alignment: principal gradient share above which a matrix goes ``"minor"``.
-        stable_angle: subspace angle (radians) below which, with the next two, it goes ``"minor"``.
-        safe_minor_alignment: minor gradient share above which it may go ``"minor"``.
-        max_reconstruction_error: at or above this, the matrix goes back to ``"full"``.
-        svd_method: ``full`` (``torch.linalg.svd``) or ``randomized`` (two ``torch.svd_lowrank`` blocks).
-        svd_niter: power iterations of ``svd_method="randomized"``.
-        svd_dtype: ``float32`` or ``float64``.
         log_per_matrix: also log the diagnostics per matrix.
         save_figure: save the state and r per matrix as a figure at the end of training.
 
@@ -93,55 +138,33 @@ class AdaptiveSVDSwitch(L.Callback):
         >>> trainer.fit(module, datamodule=data)
     """
 
+    summary_metrics = ("adaptive_svd/n_minor",)
+    default_schedule = Schedule(every_n_steps=100, start_step=100)
+    extra_state_types = {"matrices": dict, "history": list}
+
     def __init__(
         self,
         minor_training: str = "project",
         schedule: Schedule | Mapping | None = None,
-        scope: str = "all",
-        include: list[str] | None = None,
-        exclude: list[str] | None = None,
-        include_conv: bool = True,
-        include_head: bool = False,
+        selection: Selection | Mapping | None = None,
+        thresholds: SwitchThresholds | Mapping | None = None,
+        svd: SVDOptions | Mapping | None = None,
         r_min: int = 8,
         initial_rank: int | None = None,
-        clobber_alignment: float = 0.4,
-        stable_angle: float = 0.1,
-        safe_minor_alignment: float = 0.6,
-        max_reconstruction_error: float = 0.01,
-        svd_method: str = "full",
-        svd_niter: int = 2,
-        svd_dtype: str = "float32",
         log_per_matrix: bool = True,
         save_figure: bool = True,
     ):
-        super().__init__()
         if minor_training not in factorization.MINOR_TRAINING:
             raise ValueError(f"minor_training={minor_training!r} is not one of {factorization.MINOR_TRAINING}")
-        self.schedule = (Schedule(every_n_steps=100, start_step=100) if schedule is None
-                         else Schedule.build(schedule, "AdaptiveSVDSwitch"))
-        self.schedule.require_step_triggers("AdaptiveSVDSwitch", "decides on the step's gradient")
+        super().__init__(schedule, Selection.build(selection, self.owner))
+        self.schedule.require_step_triggers(self.owner, "decides on the step's gradient")
         check_int("r_min", r_min)
-        check_int("svd_niter", svd_niter, minimum=0)
         check_int("initial_rank", initial_rank, optional=True)
-        for name, value in (("clobber_alignment", clobber_alignment), ("safe_minor_alignment", safe_minor_alignment),
-                            ("max_reconstruction_error", max_reconstruction_error)):
-            check_number(name, value, 0.0, 1.0)
-        check_number("stable_angle", stable_angle, 0.0, math.pi / 2, "(radians)")
-        if svd_method not in SVD_METHODS:
-            hint = " ('lowrank' is now called 'randomized')" if svd_method == "lowrank" else ""
-            raise ValueError(f"svd_method={svd_method!r} is not one of {SVD_METHODS}{hint}")
-        if svd_dtype not in _DTYPES:
-            raise ValueError(f"svd_dtype={svd_dtype!r} is not one of {tuple(_DTYPES)}")
+        self.thresholds = build_options(SwitchThresholds, thresholds or {}, self.owner, "thresholds")
+        self.svd = build_options(SVDOptions, svd or {}, self.owner, "svd")
         self.minor_training = minor_training
-        self.firing = ScheduleState(self.schedule, "AdaptiveSVDSwitch")
         self._cycle_now = False  # the schedule said so at this step's first batch
-        self.selection = Selection(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
-                                   include_head=include_head)
         self.r_min, self.initial_rank = r_min, initial_rank
-        self.thresholds = dict(clobber_alignment=clobber_alignment, stable_angle=stable_angle,
-                               safe_minor_alignment=safe_minor_alignment,
-                               max_reconstruction_error=max_reconstruction_error)
-        self.svd_method, self.svd_niter, self.svd_dtype = svd_method, svd_niter, _DTYPES[svd_dtype]
         self.log_per_matrix, self.save_figure = log_per_matrix, save_figure
         self.matrices: list[_Matrix] = []
         self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
@@ -153,9 +176,8 @@ class AdaptiveSVDSwitch(L.Callback):
                                         **asdict(self.selection))
 
     # ---------------------------------------------------------------- setup and resume
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.firing.begin_fit(stage)
-        require_full_parameters(trainer, "AdaptiveSVDSwitch")
+    def check_strategy(self, trainer: L.Trainer) -> None:
+        super().check_strategy(trainer)
         if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(
                 f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
@@ -163,9 +185,15 @@ class AdaptiveSVDSwitch(L.Callback):
                 "factors would not be synchronized). Use minor_training='project' (same minor-subspace training by "
                 "gradient projection, DDP-safe) or a single device."
             )
+
+    def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.matrices:
             return
         targets = require_targets(select_targets(pl_module, self.selection), "AdaptiveSVDSwitch", self.selection)
+        grouped_transposed = [t.name for t in targets if t.transposed and t.groups > 1]
+        if grouped_transposed:
+            raise ValueError(f"AdaptiveSVDSwitch: {grouped_transposed} are grouped transposed convolutions, whose "
+                             "(out, in) matrix is not a view of the stored kernel; exclude them (exclude=[...])")
         for t in targets:
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split
@@ -175,7 +203,7 @@ class AdaptiveSVDSwitch(L.Callback):
                              "most, so there is no minor subspace to switch to; select larger matrices")
         self._apply_pending()
 
-    def state_dict(self) -> dict:
+    def extra_state(self) -> dict:
         matrices = {}
         for m in self.matrices:
             entry = {"state": m.state, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
@@ -184,12 +212,10 @@ class AdaptiveSVDSwitch(L.Callback):
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
             matrices[m.target.name] = entry
-        return {"matrices": matrices, "history": list(self.history), "schedule": self.firing.state_dict()}
+        return {"matrices": matrices, "history": list(self.history)}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        check_state(self, state_dict, {"matrices": dict, "history": list, "schedule": dict})
-        self.firing.load_state_dict(state_dict["schedule"])
-        self._pending = state_dict
+    def load_extra_state(self, state: dict) -> None:
+        self._pending = state
         self._apply_pending()
 
     def _apply_pending(self) -> None:
@@ -230,12 +256,12 @@ class AdaptiveSVDSwitch(L.Callback):
                 state[m.target.name] = getattr(m.target.module, m.attr).detach().clone()
 
     # ---------------------------------------------------------------- training
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.firing.due_at_train_start(trainer)  # starts the schedule's clock (fit start is refused)
+    def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
+        self._cycle_now = True  # the cycle needs the step's gradient: it runs in on_before_optimizer_step
+        return {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if self.firing.due_at_step(trainer) is not None:
-            self._cycle_now = True
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         capture = self._cycle_now
         for m in self.matrices:
             if factorization.is_factorized(m.target.module, m.attr):
@@ -244,14 +270,15 @@ class AdaptiveSVDSwitch(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._cycle_now:
             self._cycle_now = False
-            self._cycle(trainer, pl_module)
+            self.log_metrics(self._cycle(trainer, pl_module))
         elif self.minor_training == "project":
             for m in self.matrices:
                 if m.state == "minor":
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
     @torch.no_grad()
-    def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         step, logged = trainer.global_step, []
         for m in self.matrices:
             module, weight = m.target.module, m.target.param
@@ -264,10 +291,10 @@ class AdaptiveSVDSwitch(L.Callback):
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
             grad = m.target.oriented(grad) if grad is not None else None
             r = m.r if m.r is not None else self._initial_r(W, m.g)
-            svd = svd_triplets(W, self.svd_method, top=m.g - r, niter=self.svd_niter, dtype=self.svd_dtype,
+            svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=self.svd.torch_dtype,
                                seed=step)
             new_state, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                                  dtype=self.svd_dtype, **self.thresholds)
+                                                  dtype=self.svd.torch_dtype, **asdict(self.thresholds))
             if m.r is None and self.initial_rank is not None:
                 r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
             m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
@@ -283,13 +310,13 @@ class AdaptiveSVDSwitch(L.Callback):
             parts = [factorization.components(m.target.module, m.attr) for m in self.matrices
                      if factorization.is_factorized(m.target.module, m.attr)]
             factorization.order_in_groups(trainer.optimizers, [p for part in parts for p in (part.B, part.A)])
-        self._log(pl_module, logged)
+        return self._metrics(logged)
 
     def _initial_r(self, W: torch.Tensor, g: int) -> int:
         if self.initial_rank is not None:
             lo, hi = rank_bounds(g, self.r_min)
             return max(lo, min(self.initial_rank, hi))
-        S = torch.linalg.svdvals(W.to(self.svd_dtype))
+        S = torch.linalg.svdvals(W.to(self.svd.torch_dtype))
         return next_rank(S, None, g // 2, self.r_min)[0]  # the initial r from the spectral structure
 
     def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:
@@ -322,9 +349,11 @@ class AdaptiveSVDSwitch(L.Callback):
             weight.grad = (m.target.oriented(grad.reshape(m.target.shape)).to(weight.dtype).contiguous()
                            if grad is not None else None)
 
-    def _log(self, pl_module: L.LightningModule, logged: list) -> None:
+    def _metrics(self, logged: list) -> dict[str, float]:
+        metrics = {}
+
         def log(name, value):
-            pl_module.log(f"adaptive_svd/{name}", float(value), on_step=True, on_epoch=False)
+            metrics[f"adaptive_svd/{name}"] = float(value)
 
         keys = ("principal_alignment", "minor_alignment", "reconstruction_error")
         for m, diag in logged:
@@ -342,6 +371,7 @@ class AdaptiveSVDSwitch(L.Callback):
         angles = [d["subspace_angle"] for _, d in logged if not math.isnan(d["subspace_angle"])]
         if angles:
             log("mean_angle", sum(angles) / len(angles))
+        return metrics
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -33,6 +33,10 @@ class PlasticityCallback(L.Callback):
         default_schedule: the schedule when none is given (None: the method needs no schedule).
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
+        optional_state_types: keys :meth:`extra_state` may leave out (e.g. added in a later version).
+        logs_events: write each act's metrics once, straight to the trainer's loggers at the current
+            step, instead of through ``pl_module.log`` (whose step values repeat in every later row
+            of the epoch): one row per act, for methods whose metrics only mean something then.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -68,6 +72,8 @@ class PlasticityCallback(L.Callback):
     default_schedule: ClassVar[Schedule | None] = Schedule(at_fit_start=True)
     step_hook: ClassVar[str] = "on_train_batch_start"
     extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+    optional_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+    logs_events: ClassVar[bool] = False
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
         super().__init__()
@@ -85,7 +91,8 @@ class PlasticityCallback(L.Callback):
 
     # ------------------------------------------------------------------ what a subclass writes
     def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
-        """Change the model now (``reason`` says why: ``"fit start"``, ``"step 100"``); return metrics to log."""
+        """Change the model now (``reason`` says why: ``"fit start"``, ``"step 100"``); return metrics to log
+        (numbers or 0-d tensors; a tensor is logged without waiting for the device)."""
         raise NotImplementedError(f"{self.owner} must implement act(trainer, pl_module, reason)")
 
     def extra_state(self) -> dict[str, Any]:
@@ -141,7 +148,7 @@ class PlasticityCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state(self, state_dict, {"schedule": type(None) if self.firing is None else dict,
-                                       **self.extra_state_types}, optional={"pending_logs": dict})
+                                       **self.extra_state_types}, {**self.optional_state_types, "pending_logs": dict})
         if self.firing is not None:
             self.firing.load_state_dict(state_dict["schedule"])
         self._pending_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
@@ -150,8 +157,18 @@ class PlasticityCallback(L.Callback):
     # ------------------------------------------------------------------ plumbing
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Call :meth:`act` when ``reason`` is not None and keep its metrics for logging."""
-        if reason is not None:
-            self._pending_logs.update(self.act(trainer, pl_module, reason) or {})
+        if reason is None:
+            return
+        metrics = self.act(trainer, pl_module, reason) or {}
+        if not self.logs_events:
+            self.log_metrics(metrics)
+        elif metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
+
+    def log_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Keep ``metrics`` for ``pl_module.log`` at the next training batch hook (or now, in one)."""
+        self._pending_logs.update(metrics)
 
     def _step_trigger(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if hook == self.step_hook and self.firing is not None:

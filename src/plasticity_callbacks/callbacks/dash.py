@@ -1,28 +1,28 @@
-"""``DASHShrink``: shrink neurons whose weights point against the descent direction (DASH).
+"""``DASHShrink``: shrink neurons whose weights point against the descent direction (DASH, the paper's rule).
 
 The math lives in :mod:`plasticity_callbacks.functional.shrink`; this file decides when and on what.
+:class:`DirectionalShrink` is what this rule shares with the per-step rule in :mod:`.dash_periodic`.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from ..core.distributed import all_reduce_mean, require_full_parameters
-from ..core.optimizer_state import owning_optimizer
-from ..functional.shrink import apply_shrink_, dash_shrink_factors, penalty_shrink_factors
-from ..core.model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
 from ..core.arguments import check_int, check_number
-from ..core.callback_state import check_state
-from ..core.schedule import Schedule, ScheduleState
+from ..core.distributed import all_reduce_mean
+from ..core.model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
+from ..core.optimizer_state import owning_optimizer
+from ..core.schedule import Schedule
+from ..functional.shrink import apply_shrink_, dash_shrink_factors
+from .base import PlasticityCallback
 
-RULES = ("periodic", "dash")
 GRADIENT_MODES = ("eval", "train")  # the mode of the paper rule's gradient pass
 
 
@@ -37,205 +37,68 @@ class _Layer:
         return self.view.param
 
 
-class DASHShrink(L.Callback):
-    """Direction-aware shrinking: a periodic rule on the current gradient, or the DASH paper's rule.
+class DirectionalShrink(PlasticityCallback):
+    """What both DASH rules share: the selected layers, the shrink itself, its metrics and counters.
 
-    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`). Every trigger acts once,
-    also across a resume; several on the same optimizer step act once.
-
-    ``rule="periodic"`` takes step triggers only (``steps``, ``every_n_steps``, task boundaries;
-    default ``Schedule(every_n_steps=2000)``) and acts in ``on_before_optimizer_step`` of the step
-    taken when ``trainer.global_step`` reaches one (counted in optimizer steps, so once per real
-    step under gradient accumulation). It multiplies every row (conv: every (out, in) kernel
-    slice) of a selected weight by ``clamp(1 − rate·clamp(cos(W, grad) − alpha, 0), floor, 1)``
-    using the current gradient. At that hook the gradients are already all-reduced under DDP
-    and, with ``precision="16-mixed"``, already unscaled by Lightning's AMP plugin (it calls
-    ``scaler.unscale_`` before the hook; an optimizer that unscales inside its own ``step`` would
-    leave them scaled, which a cosine does not notice). A scheduled step whose gradients (any
-    parameter's) are not all finite is skipped, not postponed: the AMP scaler would skip it too.
-
-    ``rule="dash"`` (Shin et al., NeurIPS 2024) takes any trigger (default
-    ``Schedule(at_fit_start=True)``): fit start in ``on_train_start``, epochs in
-    ``on_train_epoch_start``, steps and task boundaries in ``on_train_batch_start``, plateaus in
-    ``on_validation_end``. It accumulates ``G ← (1−ema_alpha)·G + ema_alpha·(−grad)`` over the first
-    ``n_batches`` of the training dataloader (the model's ``training_step``, logging muted, no
-    optimizer step), averages ``G`` over ranks, and multiplies each row (conv: each (out, in) kernel
-    slice) by ``clamp(cos(G, W), lam, 1)``. ``gradient_mode="eval"`` runs that pass with the model in
-    eval mode, as the reference code does (its pass follows an evaluation, which leaves the model in
-    eval mode: dropout off, BatchNorm on running statistics); ``"train"`` runs it in train mode
-    (BatchNorm on batch statistics). Gradients, train/eval modes, buffers (BatchNorm statistics)
-    and the RNG state are restored afterwards; optimizer state is left alone, as in the paper. It
-    needs one training dataloader and a ``training_step`` that returns the loss (or a dict with
-    ``"loss"``); under manual optimization ``training_step`` runs as written, with every
-    optimizer's and scheduler's ``step``/``zero_grad`` made a no-op for the pass (a closure passed
-    to ``step`` still runs), and its ``manual_backward`` gives the gradient.
-
-    Targets: :func:`plasticity_callbacks.core.model_map.select_targets` (``scope``/``include``/``exclude``
-    as in FIREReinit). With ``shrink_bias=True`` a selected layer's bias is shrunk too, by one
-    factor computed from the whole bias vector, as the paper does.
-
-    Muon: ``skip_muon_params=True`` leaves alone every weight that ``torch.optim.Muon`` optimizes
-    (a layer is skipped with its bias). With ``False`` those weights are shrunk as well: Muon's
-    next updates keep their fixed, norm-independent size and the momentum buffer still holds
-    pre-shrink gradients, so a shrunk row receives a relatively larger update; accept this only
-    with rare shrinks (``every_n_steps`` of 2000 or more).
-
-    Logs (prefix ``dash_periodic/`` or ``dash/``): ``shrinks`` (events so far), ``shrunk`` and
-    ``shrunk_fraction`` (rows / kernel slices with factor < 1), ``factor_min``, and per layer
-    ``<layer>/factor_mean``, ``<layer>/factor_min``, ``<layer>/shrunk``. Sharded strategies
-    (FSDP, DeepSpeed) are refused at setup: rows would be split across shards.
+    A rule subclasses it, names its log ``prefix`` and writes ``act``, which calls :meth:`shrink`
+    with the direction of each weight and the rule's factor function.
 
     Args:
-        rule: ``periodic`` (current gradient, penalty on misaligned rows) or ``dash`` (the paper's).
-        schedule: when to act (a Schedule or a mapping of its fields); None: the rule's default above.
-        alpha: periodic: cosine threshold above which a row is shrunk.
-        rate: periodic: shrink per unit of cosine above ``alpha``.
-        floor: periodic: smallest factor in one event.
-        lam: dash: smallest factor λ.
-        ema_alpha: dash: EMA coefficient of the negative gradient, in (0, 1].
-        n_batches: dash: training batches averaged (None: one full pass).
-        scope: ``all`` | ``attention`` | ``mlp``: which weights.
-        include: ``fnmatch`` patterns on parameter names to keep.
-        exclude: ``fnmatch`` patterns on parameter names to leave alone.
-        include_conv: also conv kernels.
-        include_head: also the output head.
+        schedule: when to act (a Schedule or a mapping of its fields); None: the rule's default.
+        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping).
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
         skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.
         log_per_layer: also log the factors per layer.
-        gradient_mode: dash: the gradient pass in ``eval`` mode (the reference code) or ``train`` mode.
 
     Example:
-        >>> dash = DASHShrink(rule="periodic", schedule=Schedule(every_n_steps=2000))
-        >>> trainer = L.Trainer(max_steps=10_000, callbacks=[dash])
-        >>> trainer.fit(module, datamodule=data)
+        >>> class Halve(DirectionalShrink):
+        ...     prefix = "halve"
+        ...     def act(self, trainer, pl_module, reason):
+        ...         return self.shrink(trainer, lambda p: p.grad, lambda w, d: torch.full(w.shape[:1], 0.5))
     """
 
-    def __init__(
-        self,
-        rule: str = "periodic",
-        schedule: Schedule | Mapping | None = None,
-        alpha: float = 0.05,
-        rate: float = 0.005,
-        floor: float = 0.5,
-        lam: float = 0.3,
-        ema_alpha: float = 0.3,
-        n_batches: int | None = 32,
-        scope: str = "all",
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
-        include_conv: bool = True,
-        include_head: bool = False,
-        shrink_bias: bool = True,
-        skip_muon_params: bool = True,
-        log_per_layer: bool = True,
-        gradient_mode: str = "eval",
-    ):
-        if rule not in RULES:
-            raise ValueError(f"rule={rule!r} is not one of {RULES}")
-        if schedule is None:
-            schedule = Schedule(every_n_steps=2000) if rule == "periodic" else Schedule(at_fit_start=True)
-        self.schedule = Schedule.build(schedule, "DASHShrink")
-        if rule == "periodic":
-            self.schedule.require_step_triggers("DASHShrink(rule='periodic')",
-                                                "uses the step's gradient (rule='dash' acts at any trigger)")
-        self.selection = Selection(scope=scope, include=include, exclude=exclude, include_conv=include_conv,
-                                   include_head=include_head)
-        check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
-        check_number("alpha", alpha, -1.0, 1.0, "(a cosine threshold)")
-        check_number("rate", rate, 0.0)
-        check_number("floor", floor, 0.0, 1.0)
-        check_number("lam", lam, 0.0, 1.0)
-        check_number("ema_alpha", ema_alpha, 0.0, 1.0)
-        if ema_alpha == 0:
-            raise ValueError("ema_alpha=0 must lie in (0, 1]: the EMA would never see a gradient")
-        for name, value in (("include_conv", include_conv), ("include_head", include_head),
-                            ("shrink_bias", shrink_bias), ("skip_muon_params", skip_muon_params),
+    prefix: ClassVar[str] = "dash"
+    extra_state_types = {"shrinks": int, "skipped_nonfinite": int, "last_shrink_step": int}
+
+    def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | Mapping | None = None,
+                 shrink_bias: bool = True, skip_muon_params: bool = True, log_per_layer: bool = True):
+        super().__init__(schedule, Selection.build(selection, self.owner))
+        for name, value in (("shrink_bias", shrink_bias), ("skip_muon_params", skip_muon_params),
                             ("log_per_layer", log_per_layer)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
-        if gradient_mode not in GRADIENT_MODES:
-            raise ValueError(f"gradient_mode={gradient_mode!r} is not one of {GRADIENT_MODES}")
-        include = list(include) if include is not None else None  # any Sequence -> a plain list (pickles)
-        exclude = list(exclude) if exclude is not None else None
-        self.rule = rule
-        self.alpha, self.rate, self.floor = alpha, rate, floor
-        self.lam, self.ema_alpha, self.n_batches = lam, ema_alpha, n_batches
-        self.scope, self.include, self.exclude = scope, include, exclude
-        self.include_conv, self.include_head, self.shrink_bias = include_conv, include_head, shrink_bias
-        self.skip_muon_params, self.log_per_layer = skip_muon_params, log_per_layer
-        self.gradient_mode = gradient_mode
-        self.prefix = "dash_periodic" if rule == "periodic" else "dash"
-        self.firing = ScheduleState(self.schedule, "DASHShrink")
+        self.shrink_bias, self.skip_muon_params, self.log_per_layer = shrink_bias, skip_muon_params, log_per_layer
         self._layers: list[_Layer] = []
-        # Counters saved in checkpoints.
         self.shrinks = 0
         self.skipped_nonfinite = 0
         self.last_shrink_step = -1
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(rule=self.rule, schedule=self.schedule.describe(), scope=self.scope,
-                                        include=self.include, exclude=self.exclude)
-
-    # ----------------------------------------------------------------------------------- hooks
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        self.firing.begin_fit(stage)
-        # Row-wise math would run under FSDP on flat shards whose rows are split: refuse, as FIRE does.
-        require_full_parameters(trainer, "DASHShrink")
+        return self._generate_state_key(schedule=self.schedule.describe(), scope=self.selection.scope,
+                                        include=self.selection.include, exclude=self.selection.exclude)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._layers = self._select_layers(trainer, pl_module)  # optimizers exist only from here on
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._paper_shrink_if(self.firing.due_at_train_start(trainer), trainer, pl_module)
+    def extra_state(self) -> dict:
+        return {"shrinks": self.shrinks, "skipped_nonfinite": self.skipped_nonfinite,
+                "last_shrink_step": self.last_shrink_step}
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._paper_shrink_if(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if self.rule == "dash":
-            self._paper_shrink_if(self.firing.due_at_step(trainer), trainer, pl_module)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        self._paper_shrink_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.rule != "periodic" or self.firing.due_at_step(trainer) is None:
-            return
-        if not _all_finite([p.grad for p in pl_module.parameters() if p.grad is not None]):
-            self.skipped_nonfinite += 1
-            return
-
-        def factors(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-            return penalty_shrink_factors(weight, grad, self.alpha, self.rate, self.floor)
-
-        self._shrink(trainer, pl_module, lambda param: param.grad, factors, on_step=True)
-
-    def state_dict(self) -> dict:
-        return {"schedule": self.firing.state_dict(), "shrinks": self.shrinks,
-                "skipped_nonfinite": self.skipped_nonfinite, "last_shrink_step": self.last_shrink_step}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        check_state(self, state_dict, {"schedule": dict, "shrinks": int, "skipped_nonfinite": int,
-                                       "last_shrink_step": int})
-        self.firing.load_state_dict(state_dict["schedule"])
-        self.shrinks = state_dict["shrinks"]
-        self.skipped_nonfinite = state_dict["skipped_nonfinite"]
-        self.last_shrink_step = state_dict["last_shrink_step"]
-
-    # ------------------------------------------------------------------------------- internals
+    def load_extra_state(self, state: dict) -> None:
+        self.shrinks = state["shrinks"]
+        self.skipped_nonfinite = state["skipped_nonfinite"]
+        self.last_shrink_step = state["last_shrink_step"]
 
     def _select_layers(self, trainer, pl_module) -> list[_Layer]:
-        targets = require_targets(
-            select_targets(pl_module, self.selection), "DASHShrink", self.selection)
+        targets = require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
         if self.skip_muon_params:
             targets = [t for t in targets
                        if not isinstance(owning_optimizer(trainer.optimizers, t.param), torch.optim.Muon)]
             if not targets:
-                raise ValueError("DASHShrink: every selected weight is optimized by torch.optim.Muon and "
+                raise ValueError(f"{self.owner}: every selected weight is optimized by torch.optim.Muon and "
                                  "skip_muon_params=True; set skip_muon_params=False, or select AdamW-managed "
-                                 "weights (e.g. include_head=True)")
+                                 "weights (e.g. selection={include_head: true})")
         module_names = {id(m): n for n, m in pl_module.named_modules()}
         layers = []
         for t in targets:
@@ -244,13 +107,13 @@ class DASHShrink(L.Callback):
             layers.append(_Layer(module_names[id(t.module)] if t.kind != "matrix" else t.name, t, bias))
         return layers
 
-    def _shrink(self, trainer, pl_module, direction_of, factor_fn, on_step: bool) -> None:
-        """Shrink every selected layer in place by ``factor_fn(weight, direction)`` and log the factors.
+    def shrink(self, trainer, direction_of, factor_fn) -> dict[str, torch.Tensor]:
+        """Shrink every selected layer in place by ``factor_fn(weight, direction)``; return the metrics.
 
         ``direction_of(param)`` gives the gradient-like tensor stored like ``param`` (or None to skip);
         weights and directions are compared in ``(out, in)`` orientation, one factor per output neuron.
         """
-        refuse_factorized([layer.view for layer in self._layers], "DASHShrink",
+        refuse_factorized([layer.view for layer in self._layers], self.owner,
                           "DASH needs the gradient of the effective weight")
         stats = []
         with torch.no_grad():
@@ -261,51 +124,121 @@ class DASHShrink(L.Callback):
                 weight = layer.view.read()  # a view: shrinking it shrinks the parameter
                 weight_factors = factor_fn(weight, layer.view.oriented(direction))
                 apply_shrink_(weight, weight_factors)
+                layer.view.write(weight)  # a grouped transposed conv's (out, in) view is a copy
                 if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
                     apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
                 stats.append((layer.name, weight_factors.detach().flatten()))
         if not stats:  # never a silent no-op: no selected weight had a gradient
-            rank_zero_warn(f"DASHShrink: no selected weight had a gradient at step {trainer.global_step}, nothing was "
-                           "shrunk; are they frozen (requires_grad=False) or unused in training_step?")
+            rank_zero_warn(f"{self.owner}: no selected weight had a gradient at step {trainer.global_step}, nothing "
+                           "was shrunk; are they frozen (requires_grad=False) or unused in training_step?")
         self.shrinks += 1
         self.last_shrink_step = trainer.global_step
-        self._log(pl_module, stats, on_step)
+        return self._metrics(stats)
 
-    def _log(self, pl_module, stats, on_step: bool) -> None:
+    def _metrics(self, stats) -> dict[str, torch.Tensor | float]:
         if not stats:
-            return
-        opts = dict(on_step=on_step, on_epoch=not on_step, sync_dist=False)  # identical on every rank already
+            return {}
         every = torch.cat([f for _, f in stats])
         shrunk = (every < 1).sum().float()
-        pl_module.log(f"{self.prefix}/shrinks", float(self.shrinks), **opts)
-        pl_module.log(f"{self.prefix}/shrunk", shrunk, **opts)
-        pl_module.log(f"{self.prefix}/shrunk_fraction", shrunk / every.numel(), **opts)
-        pl_module.log(f"{self.prefix}/factor_min", every.min(), **opts)
+        metrics = {f"{self.prefix}/shrinks": float(self.shrinks), f"{self.prefix}/shrunk": shrunk,
+                   f"{self.prefix}/shrunk_fraction": shrunk / every.numel(), f"{self.prefix}/factor_min": every.min()}
         if self.log_per_layer:
             for name, f in stats:
-                pl_module.log(f"{self.prefix}/{name}/factor_mean", f.mean(), **opts)
-                pl_module.log(f"{self.prefix}/{name}/factor_min", f.min(), **opts)
-                pl_module.log(f"{self.prefix}/{name}/shrunk", (f < 1).sum().float(), **opts)
+                metrics[f"{self.prefix}/{name}/factor_mean"] = f.mean()
+                metrics[f"{self.prefix}/{name}/factor_min"] = f.min()
+                metrics[f"{self.prefix}/{name}/shrunk"] = (f < 1).sum().float()
+        return metrics
 
-    def _paper_shrink_if(self, reason: str | None, trainer, pl_module) -> None:
-        if reason is not None and self.rule == "dash":
-            self._paper_shrink(trainer, pl_module)
 
-    def _paper_shrink(self, trainer, pl_module) -> None:
+class DASHShrink(DirectionalShrink):
+    """DASH (Shin et al., NeurIPS 2024): shrink neurons whose weights point against the data's descent direction.
+
+    When: ``schedule``, any trigger (default ``Schedule(at_fit_start=True)``: a phase boundary); the
+    hooks are :class:`~plasticity_callbacks.callbacks.base.PlasticityCallback`'s. Every trigger acts
+    once, also across a resume.
+
+    What changes: it accumulates ``G ← (1−gradient_ema_weight)·G + gradient_ema_weight·(−grad)`` over
+    the first ``n_batches`` of the training dataloader (the model's ``training_step``, logging muted,
+    no optimizer step), averages ``G`` over ranks, and multiplies each row (conv: each (out, in)
+    kernel slice) of a selected weight by ``clamp(cos(G, W), min_factor, 1)``; with
+    ``shrink_bias=True`` a selected layer's bias by one factor from the whole bias vector, as the
+    paper does. ``gradient_mode="eval"`` runs that pass with the model in eval mode, as the
+    reference code does (its pass follows an evaluation, which leaves the model in eval mode:
+    dropout off, BatchNorm on running statistics); ``"train"`` runs it in train mode (BatchNorm on
+    batch statistics). Gradients, train/eval modes, buffers (BatchNorm statistics) and the RNG
+    state are restored afterwards; optimizer state is left alone, as in the paper. It needs one
+    training dataloader and a ``training_step`` that returns the loss (or a dict with ``"loss"``);
+    under manual optimization ``training_step`` runs as written, with every optimizer's and
+    scheduler's ``step``/``zero_grad`` made a no-op for the pass (a closure passed to ``step``
+    still runs), and its ``manual_backward`` gives the gradient.
+
+    Muon: ``skip_muon_params=True`` leaves alone every weight that ``torch.optim.Muon`` optimizes
+    (a layer is skipped with its bias); with ``False`` they are shrunk too.
+
+    Logs (prefix ``dash/``): ``shrinks`` (events so far), ``shrunk`` and ``shrunk_fraction`` (rows /
+    kernel slices with factor < 1), ``factor_min``, and per layer ``<layer>/factor_mean``,
+    ``<layer>/factor_min``, ``<layer>/shrunk``. Sharded strategies (FSDP, DeepSpeed) are refused at
+    setup: rows would be split across shards. The per-step rule is :class:`~.dash_periodic.DASHPeriodic`.
+
+    Args:
+        schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
+        min_factor: the smallest factor λ in [0, 1] (paper: 0.3).
+        gradient_ema_weight: weight of each new negative gradient in the EMA ``G``, in (0, 1] (paper: 0.3).
+        n_batches: training batches averaged (None: one full pass).
+        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping);
+            None: every weight but the head.
+        shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
+        skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.
+        log_per_layer: also log the factors per layer.
+        gradient_mode: the gradient pass in ``eval`` mode (the reference code) or ``train`` mode.
+
+    Example:
+        >>> dash = DASHShrink(min_factor=0.3, n_batches=None, selection={"include_head": True})
+        >>> trainer = L.Trainer(max_steps=10_000, callbacks=[dash])
+        >>> trainer.fit(module, datamodule=next_phase_data)   # shrinks once, before the first step
+    """
+
+    prefix = "dash"
+    summary_metrics = ("dash/shrunk_fraction",)
+
+    def __init__(
+        self,
+        schedule: Schedule | Mapping | None = None,
+        min_factor: float = 0.3,
+        gradient_ema_weight: float = 0.3,
+        n_batches: int | None = 32,
+        selection: Selection | Mapping | None = None,
+        shrink_bias: bool = True,
+        skip_muon_params: bool = True,
+        log_per_layer: bool = True,
+        gradient_mode: str = "eval",
+    ):
+        super().__init__(schedule, selection, shrink_bias, skip_muon_params, log_per_layer)
+        check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
+        check_number("min_factor", min_factor, 0.0, 1.0)
+        check_number("gradient_ema_weight", gradient_ema_weight, 0.0, 1.0)
+        if gradient_ema_weight == 0:
+            raise ValueError("gradient_ema_weight=0 must lie in (0, 1]: the EMA would never see a gradient")
+        if gradient_mode not in GRADIENT_MODES:
+            raise ValueError(f"gradient_mode={gradient_mode!r} is not one of {GRADIENT_MODES}")
+        self.min_factor, self.gradient_ema_weight, self.n_batches = min_factor, gradient_ema_weight, n_batches
+        self.gradient_mode = gradient_mode
+
+    def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor | float]:
         directions = self._negative_gradient_ema(trainer, pl_module)
         if directions is None:
-            return
+            return {}
 
         def factors(weight: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
-            return dash_shrink_factors(weight, direction, self.lam)
+            return dash_shrink_factors(weight, direction, self.min_factor)
 
-        self._shrink(trainer, pl_module, directions.get, factors, on_step=False)
+        return self.shrink(trainer, directions.get, factors)
 
     def _negative_gradient_ema(self, trainer, pl_module) -> dict[torch.Tensor, torch.Tensor] | None:
         """EMA of −grad over ``n_batches`` training batches, mean over ranks; ``None`` if no batch was finite."""
         loader = trainer.train_dataloader
         if isinstance(loader, (Mapping, list, tuple)):
-            raise ValueError("DASHShrink(rule='dash') needs a single training dataloader, got "
+            raise ValueError("DASHShrink needs a single training dataloader, got "
                              f"{type(loader).__name__}")
         tracked = [p for layer in self._layers for p in (layer.weight, layer.bias) if p is not None]
         ema = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in tracked]
@@ -331,17 +264,17 @@ class DASHShrink(L.Callback):
                         out = pl_module.training_step(batch, batch_idx)
                     if manual:  # training_step called self.manual_backward; its optimizer steps were no-ops
                         if not any(p.grad is not None for p in tracked):
-                            raise RuntimeError("DASHShrink(rule='dash'): under manual optimization training_step "
+                            raise RuntimeError("DASHShrink: under manual optimization training_step "
                                                "left no gradient on the selected weights; it must call "
                                                "self.manual_backward(loss)")
                     else:
                         loss = out["loss"] if isinstance(out, Mapping) else out
                         (scaler.scale(loss) if scaler is not None else loss).backward()
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
-                    if not _all_finite(grads):
+                    if not all_finite(grads):
                         continue  # an fp16 overflow batch would poison the average
                     for g_ema, grad in zip(ema, grads):
-                        g_ema.mul_(1 - self.ema_alpha).add_(grad.to(g_ema.dtype), alpha=-self.ema_alpha)
+                        g_ema.mul_(1 - self.gradient_ema_weight).add_(grad.to(g_ema.dtype), alpha=-self.gradient_ema_weight)
                     used += 1
         finally:
             for p, grad in zip(params, saved_grads):
@@ -363,7 +296,7 @@ class DASHShrink(L.Callback):
         return {p: c.view_as(p) for p, c in zip(tracked, chunks)}
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
+def all_finite(tensors: list[torch.Tensor]) -> bool:
     """One host sync: the max-abs norm is finite exactly when every entry is."""
     if not tensors:
         return True

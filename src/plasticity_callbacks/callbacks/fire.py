@@ -219,15 +219,20 @@ def spectra_figure(records: list[FireRecord], title: str):
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
+    import textwrap
+
     kinds: dict[str, list[tuple[int, FireRecord]]] = {}
+    containers = set()
     for record in records:
-        depth, kind = _block_and_kind(record.name)
+        depth, kind, container = _block_and_kind(record.name)
         kinds.setdefault(kind, []).append((depth, record))
+        containers.add(container)
     depths = [d for members in kinds.values() for d, _ in members] or [0]
     colour, norm = colormaps["viridis"], Normalize(min(depths), max(max(depths), min(depths) + 1))
     columns = min(3, max(1, len(kinds)))
     rows = max(1, math.ceil(len(kinds) / columns))
-    fig = Figure(figsize=(3.6 * columns + 1.6, 2.8 * rows + 0.8), layout="constrained")
+    width = 3.6 * columns + 1.6
+    fig = Figure(figsize=(width, 2.8 * rows + 1.2), layout="constrained")
     axes = fig.subplots(rows, columns, squeeze=False, sharey=True)
     for ax, (kind, members) in zip(axes.flat, kinds.items()):
         for depth, record in members:
@@ -242,18 +247,25 @@ def spectra_figure(records: list[FireRecord], title: str):
         ax.set_xlabel("singular value index (largest first)")
     for ax in axes[:, 0]:
         ax.set_ylabel("singular value")
-    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=colour), ax=axes, label="block index (depth)", shrink=0.8)
+    # The colour is the index in the container the name runs through: a transformer's block list, a Sequential's layer.
+    container = next(iter(containers)) if len(containers) == 1 else None
+    label = f"index in {container}" if container else "module index (first number in the name)"
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=colour), ax=axes, label=label, shrink=0.8)
     bar.set_ticks(sorted(set(depths)) if len(set(depths)) <= 12 else bar.get_ticks())
+    # Legend below the panels, title wrapped to the figure's width: neither can run into the other.
     fig.legend([Line2D([], [], color="0.3"), Line2D([], [], color="0.3", ls="--")], ["before", "after"],
-               loc="outside upper right", ncols=2, frameon=False)
-    fig.suptitle(title, x=0.02, ha="left")
+               loc="outside lower center", ncols=2, frameon=False)
+    fig.suptitle(textwrap.fill(title, width=int(width * 11)), fontsize="medium")
     return fig
 
 
-def _block_and_kind(name: str) -> tuple[int, str]:
-    """``model.blocks.3.attn.c_q.weight`` -> (3, ``attn.c_q``): the first index in the name and the rest."""
-    parts = name.removesuffix(".weight").split(".")
+def _block_and_kind(name: str) -> tuple[int, str, str]:
+    """``model.blocks.3.attn.c_q.weight`` -> (3, ``attn.c_q``, ``model.blocks``): the first index in the name, the
+    rest (the panel), and the container before the index; ``net.2.weight`` (an ``nn.Sequential``) -> (2, ``net``,
+    ``net``): one panel, a colour per layer."""
+    parts = name.replace(".weight[", "[").removesuffix(".weight").split(".")  # c_attn.weight[q] -> c_attn[q]
     index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
     if index is None:
-        return 0, ".".join(parts)
-    return int(parts[index]), ".".join(parts[index + 1:]) or ".".join(parts[:index])
+        return 0, ".".join(parts), ""
+    container = ".".join(parts[:index])
+    return int(parts[index]), ".".join(parts[index + 1:]) or container, container

@@ -3,26 +3,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..core.neuron_reset import reinit_incoming, zero_outgoing
-from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
-from ..core.model_map import (NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d,
-                              validate_patterns)
 from ..core.arguments import check_int, check_number
-from ..core.callback_state import check_state
 from ..core.checkpoints import CheckpointError
-from ..core.schedule import Schedule, ScheduleState
+from ..core.distributed import all_reduce_mean, rank_identical_generator
+from ..core.model_map import NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
+from ..core.neuron_reset import reinit_incoming, zero_outgoing
+from ..core.schedule import Schedule
+from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
+from .base import PlasticityCallback
 
 CALLBACK_INITS = ("init_std", "model", *INITS)
 
 
-class ReDoMonitor(L.Callback):
+class ReDoMonitor(PlasticityCallback):
     """Dormant-neuron statistics, logging and (optionally) recycling, after Sokar et al. (ICML 2023).
 
     **Finds** the neuron layers through the model map
@@ -88,6 +86,14 @@ class ReDoMonitor(L.Callback):
         >>> trainer.fit(module, datamodule)   # logs redo/dormant, redo/dead, redo/recycled
     """
 
+    summary_metrics = ("redo/dormant",)
+    default_schedule = None  # monitor only
+    step_hook = "on_train_batch_end"  # after the step whose statistics it uses
+    extra_state_types = {"layers": list, "widths": list, "ema": torch.Tensor, "observed": torch.Tensor,
+                         "recycled": torch.Tensor, "init_std": torch.Tensor, "collections": int,
+                         "last_logged_step": int}
+    optional_state_types = {"nonfinite_batches": torch.Tensor}
+
     def __init__(
         self,
         tau: float = 0.025,
@@ -101,13 +107,12 @@ class ReDoMonitor(L.Callback):
         plot_scores: bool = False,
         seed: int = 0,
     ):
-        super().__init__()
         check_number("tau", tau, 0.0, 1.0, "(0 = exactly dead; ReDo uses 0.025 or 0.1)")
         check_int("collect_every_n_steps", collect_every_n_steps)
         check_int("log_every_n_steps", log_every_n_steps)
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
             raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1)")
-        self.schedule = None if schedule is None else Schedule.build(schedule, "ReDoMonitor")
+        super().__init__(schedule)
         if self.schedule is not None and self.schedule.at_fit_start:
             raise ValueError("ReDoMonitor schedule.at_fit_start=True: recycling needs statistics, and at fit start "
                              "there are none yet; use steps, every_n_steps, epochs, task boundaries or a plateau")
@@ -124,7 +129,6 @@ class ReDoMonitor(L.Callback):
         self.layers: list[NeuronLayer] = []
         self.collections = 0  # training batches whose activations entered the EMA
         self.last_logged_step = -1
-        self.firing = None if self.schedule is None else ScheduleState(self.schedule, "ReDoMonitor")
         self._ema: torch.Tensor | None = None  # flat over layers: EMA of mean |h| per neuron
         self._observed: torch.Tensor | None = None  # per neuron: seen since fit start or its recycling
         self._recycled: torch.Tensor | None = None  # neurons recycled so far, per layer
@@ -136,6 +140,7 @@ class ReDoMonitor(L.Callback):
         self._collecting = False
         self._seen = False  # a collector ran in this step (a hook that never runs is an error, not silence)
         self._warned_unobserved = False
+        self._step_scores: dict[str, torch.Tensor] | None = None  # computed once per step for logs and recycling
 
     @property
     def state_key(self) -> str:
@@ -144,10 +149,7 @@ class ReDoMonitor(L.Callback):
                                         layers=sorted(self.layer_map or {}))
 
     # ------------------------------------------------------------------ setup and teardown
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if self.firing is not None:
-            self.firing.begin_fit(stage)
-        require_full_parameters(trainer, "ReDoMonitor")
+    def check_targets(self, trainer, pl_module) -> None:
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
             raise ValueError(
@@ -214,6 +216,7 @@ class ReDoMonitor(L.Callback):
         self._collecting = trainer.global_step % self.collect_every_n_steps == 0
         self.collections += int(self._collecting)
         self._seen = False
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     @torch.no_grad()
     def _collect(self, module: nn.Module, h: torch.Tensor, entries: list[tuple[int, slice]]) -> None:
@@ -236,18 +239,6 @@ class ReDoMonitor(L.Callback):
         self._seen = True
 
     # ------------------------------------------------------------------ decisions
-    def on_train_start(self, trainer, pl_module) -> None:
-        if self.firing is not None:
-            self.firing.due_at_train_start(trainer)  # starts the schedule's clock; at_fit_start is refused
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.firing is not None:
-            self._recycle_if(self.firing.due_at_epoch_start(trainer), trainer, pl_module)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if self.firing is not None:
-            self._recycle_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._collecting and not self._seen and pl_module.training:
             raise RuntimeError(
@@ -261,21 +252,21 @@ class ReDoMonitor(L.Callback):
         log_now = step % self.log_every_n_steps == 0 and step != self.last_logged_step
         if self.collections == 0 or not (log_now or recycle) or step == 0:
             return
-        scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
+        self._step_scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
         self._warn_unobserved()
         if log_now:
             self.last_logged_step = step
-            self._log_fractions(pl_module, scores)
-        if recycle:
-            self._recycle(trainer, pl_module, self.dormant_masks(scores, self.tau), step)
+            self.log_metrics(self._fractions(self._step_scores))
+        self.act_if(recycle, trainer, pl_module)
+        self._step_scores = None
+        self.flush_logs(pl_module)
 
-    def _recycle_if(self, reason: str | None, trainer, pl_module) -> None:
-        if reason is None:
-            return
+    def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor]:
         if self.collections == 0:
             rank_zero_warn(f"ReDoMonitor ({reason}): no training step observed yet in this fit; nothing recycled")
-            return
-        self._recycle(trainer, pl_module, self.dormant_masks(self.scores(trainer), self.tau), trainer.global_step)
+            return {}
+        scores = self._step_scores if self._step_scores is not None else self.scores(trainer)
+        return self._recycle(trainer, pl_module, self.dormant_masks(scores, self.tau), trainer.global_step)
 
     def scores(self, trainer=None) -> dict[str, torch.Tensor]:
         """Score per neuron for each layer. With ``trainer`` under DDP the statistics are first averaged
@@ -308,16 +299,18 @@ class ReDoMonitor(L.Callback):
     def _split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(flat, [layer.width for layer in self.layers])
 
-    def _log_fractions(self, pl_module, scores: dict[str, torch.Tensor]) -> None:
+    def _fractions(self, scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         total = sum(layer.width for layer in self.layers)
+        metrics = {}
         for key, tau in (("dormant", self.tau), ("dead", 0.0)):
             counts = {name: mask.sum() for name, mask in self.dormant_masks(scores, tau).items()}
             for layer in self.layers:
-                pl_module.log(f"redo/{key}/{layer.name}", counts[layer.name] / layer.width, on_step=True, on_epoch=False)
-            pl_module.log(f"redo/{key}", sum(counts.values()) / total, on_step=True, on_epoch=False)
-        pl_module.log("redo/nonfinite_batches", self._nonfinite.sum().float(), on_step=True, on_epoch=False)
+                metrics[f"redo/{key}/{layer.name}"] = counts[layer.name] / layer.width
+            metrics[f"redo/{key}"] = sum(counts.values()) / total
+        metrics["redo/nonfinite_batches"] = self._nonfinite.sum().float()
+        return metrics
 
-    def _recycle(self, trainer, pl_module, masks: dict[str, torch.Tensor], step: int) -> None:
+    def _recycle(self, trainer, pl_module, masks: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
         factorized = [layer.name for layer in self.layers
                       if any(m is not None and parametrize.is_parametrized(m, "weight")
                              for m in (layer.up, layer.gate, layer.down))]
@@ -326,7 +319,7 @@ class ReDoMonitor(L.Callback):
                                "AdaptiveSVDSwitch(minor_training='factorize'), so recycled rows and columns would not "
                                "reach the effective weight; use AdaptiveSVDSwitch(minor_training='project') or exclude "
                                "them from one of the two callbacks")
-        offset, counts = 0, []
+        offset, counts, metrics = 0, [], {}
         for index, layer in enumerate(self.layers):
             generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
             if self.init == "init_std":
@@ -336,8 +329,9 @@ class ReDoMonitor(L.Callback):
                         for i, m in enumerate((layer.up, layer.gate or layer.up))]
             else:
                 init = self.init
-            counts.append(reinit_incoming(layer.up, masks[layer.name], layer.gate, init, trainer.optimizers,
-                                          generator, norm=layer.norm))
+            reinit_incoming(layer.up, layer.incoming_mask(masks[layer.name]), layer.gate, init, trainer.optimizers,
+                            generator, norm=layer.norm)
+            counts.append(masks[layer.name].sum())
         # Outgoing weights only after every re-initialization (the reference's order): where one layer's
         # down is the next one's up, a weight joining two recycled neurons ends at 0, not re-sampled.
         for layer, count in zip(self.layers, counts):
@@ -346,10 +340,11 @@ class ReDoMonitor(L.Callback):
             # A recycled neuron is a new neuron: its next observation replaces its EMA.
             self._observed[offset:offset + layer.width].masked_fill_(mask, False)
             offset += layer.width
-            pl_module.log(f"redo/recycled/{layer.name}", count.float(), on_step=True, on_epoch=False)
+            metrics[f"redo/recycled/{layer.name}"] = count.float()
         counts = torch.stack(counts)
         self._recycled += counts
-        pl_module.log("redo/recycled", counts.sum().float(), on_step=True, on_epoch=False)
+        metrics["redo/recycled"] = counts.sum().float()
+        return metrics
 
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
@@ -371,27 +366,23 @@ class ReDoMonitor(L.Callback):
             save_figure(fig, trainer, f"redo_scores_step{trainer.global_step}")
 
     # ------------------------------------------------------------------ resume
-    def state_dict(self) -> dict:
-        if self._ema is None:
-            return dict(self._pending_state or {})
+    def extra_state(self) -> dict:
+        if self._ema is None:  # not fitted yet: what a checkpoint brought, if anything
+            return {k: v for k, v in (self._pending_state or {}).items() if k != "schedule"}
         return {"layers": [l.name for l in self.layers], "widths": [l.width for l in self.layers],
                 "ema": self._ema.detach().cpu().clone(), "observed": self._observed.cpu().clone(),
                 "recycled": self._recycled.cpu().clone(), "init_std": self._init_std.cpu().clone(),
                 "nonfinite_batches": self._nonfinite.cpu().clone(),
-                "collections": self.collections, "last_logged_step": self.last_logged_step,
-                "schedule": None if self.firing is None else self.firing.state_dict()}
+                "collections": self.collections, "last_logged_step": self.last_logged_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if not state_dict:
+        if set(state_dict) <= {"schedule"}:  # written before any fit: no statistics to restore
             return
-        check_state(self, state_dict, {"layers": list, "widths": list, "ema": torch.Tensor, "observed": torch.Tensor,
-                                       "recycled": torch.Tensor, "init_std": torch.Tensor, "collections": int,
-                                       "last_logged_step": int, "schedule": (dict, type(None))},
-                    optional={"nonfinite_batches": torch.Tensor})
-        check_state_shapes(state_dict)
-        if self.firing is not None and state_dict.get("schedule") is not None:
-            self.firing.load_state_dict(state_dict["schedule"])
-        self._pending_state = dict(state_dict)
+        super().load_state_dict(state_dict)
+
+    def load_extra_state(self, state: dict) -> None:
+        check_state_shapes(state)  # refused at load, not as a crash mid-fit
+        self._pending_state = dict(state)
         if self._ema is not None:  # strategies that restore after on_fit_start
             self._apply_state(self._pending_state)
 

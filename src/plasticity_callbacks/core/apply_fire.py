@@ -1,9 +1,10 @@
 """``apply_fire``: FIRE on the selected weights of a model, once, as a plain function (no Lightning).
 
 The model-level half of FIRE: select weights through the model map, orthogonalize each (one row
-block at a time, a block being any set of rows; a grouped conv per group and tap; a fused matrix
-whose split is unknown is refused with the declaration to write, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`), write them back
-(a factorized weight through ``W_p + BA``) and drop the optimizer state of exactly those weights.
+block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`; a block is any set
+of rows, a grouped conv is treated per group and tap), write them back (a factorized weight
+through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
+split is unknown is refused with the declarations that fit it.
 """
 from __future__ import annotations
 

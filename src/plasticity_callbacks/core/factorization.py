@@ -77,7 +77,10 @@ class MinorComponents(nn.Module):
     def delta(self, original: torch.Tensor) -> torch.Tensor:
         """``BA`` shaped like the stored weight."""
         product = self.B @ self.A
-        return (product.mT if self.transposed else product).reshape(original.shape)
+        if not self.transposed:
+            return product.reshape(original.shape)
+        # stored (in, out, *k) (HF Conv1D, ConvTranspose): BA is (out, in·∏k), swap its first two dims back
+        return product.reshape(original.shape[1], original.shape[0], *original.shape[2:]).transpose(0, 1)
 
     def forward(self, original: torch.Tensor) -> torch.Tensor:
         weight = original + self.delta(original)
@@ -194,7 +197,7 @@ def project_onto(tensor: torch.Tensor, U_minor: torch.Tensor) -> None:
 def project_gradient(param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
     """``∇W ← U_m U_mᵀ ∇W`` with ``∇W`` in ``(out, in)`` orientation (``transposed``: stored ``(in, out)``)."""
     if param.grad is not None:
-        project_onto(param.grad.mT if transposed else param.grad, U_minor)
+        project_onto(param.grad.transpose(0, 1) if transposed else param.grad, U_minor)
 
 
 def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
@@ -204,4 +207,4 @@ def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tens
         state = opt.state.get(param)
         for key in _LINEAR_STATE:
             if state and torch.is_tensor(state.get(key)) and state[key].shape == param.shape:
-                project_onto(state[key].mT if transposed else state[key], U_minor)
+                project_onto(state[key].transpose(0, 1) if transposed else state[key], U_minor)

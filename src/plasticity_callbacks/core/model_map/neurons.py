@@ -9,9 +9,10 @@ Found, first match wins per ``up`` layer:
 
 1. a declaration (:func:`~plasticity_callbacks.core.model_map.declare_plasticity` ``neurons=``);
 2. modules with ``neuron_layouts()`` (this package's GPT MLPs);
-3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; ``w1, w3, w2``;
+3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; Phi-3's fused
+   ``gate_up_proj, down_proj`` (unit ``i`` is row ``i`` of each half); ``w1, w3, w2``;
    GPT-2 ``c_fc, c_proj`` (HF ``Conv1D``); BERT-style ``intermediate.dense, output.dense``;
-   ``fc1, fc2``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
+   ``fc1, fc2``; ``dense_h_to_4h, dense_4h_to_h``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
 4. a ``torch.fx`` trace of each traceable submodule: Linear/conv -> [BatchNorm] -> activation ->
    [dropout, pooling, flatten] -> Linear/conv where each value has exactly one user (so zeroing the
    outgoing weights removes the unit from the output: a residual ``add`` breaks the chain);
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .declaration import declarations
-from .weights import CONV, is_conv1d, is_layer
+from .weights import CONV, CONV_TRANSPOSE, is_conv1d, is_layer
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # Activations that act on each unit alone; softmax-like and GLU modules mix units.
@@ -62,10 +63,15 @@ class NeuronLayer:
     down_offset: int = 0  # this layer's units start at down's input offset (several ups may share a down)
     group: int = 1  # down inputs per unit (a conv channel flattened over its positions)
     norm: nn.Module | None = None  # a BatchNorm between up and the activation
+    fused_gate: bool = False  # up's rows are [gate | up] (Phi-3 gate_up_proj): unit i is rows i and width + i
 
     @property
     def width(self) -> int:
-        return out_features(self.up)
+        return out_features(self.up) // (2 if self.fused_gate else 1)
+
+    def incoming_mask(self, units: torch.Tensor) -> torch.Tensor:
+        """A mask over units as a mask over ``up``'s rows (a fused gate/up: the unit's row in each half)."""
+        return units.repeat(2) if self.fused_gate else units
 
     def unit_activity(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``down``'s input ``x`` as ``(tensor, unit_dim)`` holding exactly this layer's units."""
@@ -145,14 +151,20 @@ _ADAPTERS = (
     (None, "c_fc", "c_proj"),  # GPT-2 (HF Conv1D), nanoGPT
     (None, "intermediate.dense", "output.dense"),  # BERT, RoBERTa (on the layer module)
     (None, "fc1", "fc2"),  # OPT, ViT, CLIP, Phi
+    (None, "dense_h_to_4h", "dense_4h_to_h"),  # GPT-NeoX, Falcon, Bloom
     (None, "linear1", "linear2"),  # nn.TransformerEncoderLayer / DecoderLayer
 )
 
 
 def adapter_layers(model: nn.Module) -> list[NeuronLayer]:
-    """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``)."""
+    """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``), and fused
+    ``gate_up_proj -> down_proj`` (Phi-3: the forward chunks the output into gate, up)."""
     layers = []
     for name, module in model.named_modules():
+        fused, down = _child(module, "gate_up_proj"), _child(module, "down_proj")
+        if fused is not None and down is not None and out_features(fused) == 2 * in_features(down):
+            layers.append(check_layer(NeuronLayer(name or type(module).__name__, fused, down, fused_gate=True)))
+            continue
         for gate_path, up_path, down_path in _ADAPTERS:
             up, down = _child(module, up_path), _child(module, down_path)
             gate = _child(module, gate_path) if gate_path else None
@@ -182,7 +194,9 @@ def traced_layers(model: nn.Module) -> list[NeuronLayer]:
             group = in_features(down) // width if flattened and isinstance(up, CONV) else 1
             layer = NeuronLayer(prefix + up_name, up, down, norm=modules.get(norm_name) if norm_name else None,
                                 group=group)
-            if in_features(down) == width * group and getattr(down, "groups", 1) == 1:
+            if getattr(down, "groups", 1) != 1:
+                _warn_grouped(prefix + up_name, prefix + down_name, down)
+            elif in_features(down) == width * group:
                 layers.append(layer)
     return layers
 
@@ -228,6 +242,8 @@ def _chains(graph, modules):
             module = target(current)
             if module is not None and is_layer(module):
                 break
+            if isinstance(module, CONV_TRANSPOSE) and activated:
+                _warn_grouped(node.target, current.target, module)
             if isinstance(module, ACTIVATIONS) or _is_call(current, _ACTIVATION_FUNCTIONS, _ACTIVATION_METHODS):
                 activated = True
             elif isinstance(module, nn.Flatten) or _is_call(current, _FLATTEN_FUNCTIONS, _FLATTEN_METHODS):
@@ -257,6 +273,18 @@ def _is_square(node) -> bool:
     return node.target is operator.mul and len(node.args) == 2 and node.args[0] is node.args[1]
 
 
+def _warn_grouped(up_name: str, down_name: str, down: nn.Module) -> None:
+    kind = "a transposed conv" if isinstance(down, CONV_TRANSPOSE) else f"a grouped conv (groups={down.groups})"
+    warnings.warn(f"ReDo: the units of {up_name} are not recycled: they feed {down_name}, {kind}, whose per-unit "
+                  "outgoing weights ReDo does not cut; FIRE, DASH, AdaptiveSVD and ShrinkPerturb still treat both "
+                  "layers", stacklevel=3)
+
+
+def recurrent_refusals(model: nn.Module) -> list[str]:
+    """Recurrent layers, whose hidden units ReDo does not treat (a unit's output feeds back through ``weight_hh``)."""
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
+
+
 def sequential_layers(model: nn.Module) -> list[NeuronLayer]:
     """``Linear/conv -> activation(s)/dropout -> Linear/conv`` runs among an ``nn.Sequential``'s children."""
     layers = []
@@ -275,7 +303,9 @@ def sequential_layers(model: nn.Module) -> list[NeuronLayer]:
                 j += 1
             down = children[j][1] if activated and j < len(children) else None
             same_kind = is_layer(down) if not isinstance(up, CONV) else type(down) is type(up)
-            if same_kind and getattr(down, "groups", 1) == 1 and in_features(down) == out_features(up):
+            if same_kind and getattr(down, "groups", 1) != 1:
+                _warn_grouped(f"{seq_name}.{up_name}" if seq_name else up_name, "the next conv", down)
+            elif same_kind and in_features(down) == out_features(up):
                 layers.append(NeuronLayer(f"{seq_name}.{up_name}" if seq_name else up_name, up, down, norm=norm))
     return layers
 

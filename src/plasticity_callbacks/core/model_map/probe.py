@@ -49,7 +49,8 @@ class _Recorder(TorchFunctionMode):
             elif func in _MATMULS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
                 calls.append(("matmul", [args[0].detach().clone(), args[1].detach().clone()]))
             elif func in _BADDBMM:  # baddbmm(input, batch1, batch2), batch1/batch2 possibly by keyword
-                operands = [kwargs.get(n, args[i] if len(args) > i else None) for i, n in ((1, "batch1"), (2, "batch2"))]
+                operands = [kwargs.get(n, args[i] if len(args) > i else None)
+                            for i, n in ((1, "batch1"), (2, "batch2"))]
                 if all(isinstance(t, torch.Tensor) for t in operands):
                     calls.append(("matmul", [t.detach().clone() for t in operands]))
         return func(*args, **kwargs)
@@ -102,8 +103,9 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
     handles = []
     for name, layer in layers.items():
         def replace(module, inputs, output, width=_width(layer), offset=offsets[name]):
-            values = torch.arange(offset + 1, offset + width + 1, dtype=output.dtype, device=output.device) if numbered else \
-                torch.ones(width, dtype=output.dtype, device=output.device)
+            values = torch.arange(offset + 1, offset + width + 1, dtype=output.dtype, device=output.device)
+            if not numbered:
+                values = torch.ones_like(values)
             return values.expand_as(output).clone()
 
         parent = model.get_submodule(_parent(name))

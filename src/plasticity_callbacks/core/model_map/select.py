@@ -6,13 +6,14 @@ biases, norms and other 1-D parameters, and positional blocks.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..arguments import build_options
-from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers
+from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
 from .coverage import log_coverage
 from .probe import probe_fused_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
@@ -50,8 +51,9 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
             if blocks is None:
                 blocks, unknown = (), unknown_split(model, module_name, module, rows)
         name = f"{module_name}.{attr}" if module_name else attr
-        views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr, transposed=transposed,
-                                              blocks=blocks, groups=groups, split_unknown=unknown)))
+        views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
+                                              transposed=transposed, blocks=blocks, groups=groups,
+                                              split_unknown=unknown)))
     return views
 
 
@@ -173,6 +175,11 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
             layers.append(check_layer(NeuronLayer(name, up, modules[-1], gate)))
         return layers
+    recurrent = recurrent_refusals(model)
+    if recurrent:
+        warnings.warn(f"ReDo does not recycle the hidden units of {recurrent}: a recurrent unit's output feeds back "
+                      "through weight_hh, so it has no single outgoing weight to cut (FIRE, DASH, AdaptiveSVD and "
+                      "ShrinkPerturb treat their gates)", stacklevel=2)
     allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
     found, _ = find_layers(model)
     return [layer for layer in found

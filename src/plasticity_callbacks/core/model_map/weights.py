@@ -210,7 +210,8 @@ def known_blocks(model: nn.Module, module_name: str, module: nn.Module, attr: st
     full = f"{module_name}.{attr}" if module_name else attr
     for prefix, declaration in declarations(model):
         if full.startswith(prefix) and full[len(prefix):] in declaration.fused:
-            return declared_blocks(declaration.fused[full[len(prefix):]], rows, f"declare_plasticity(fused={{{full!r}: ...}})")
+            return declared_blocks(declaration.fused[full[len(prefix):]], rows,
+                                   f"declare_plasticity(fused={{{full!r}: ...}})")
     if isinstance(module, nn.MultiheadAttention) and attr == "in_proj_weight":
         return contiguous((("q", module.embed_dim), ("k", module.embed_dim), ("v", module.embed_dim)))
     gates = next((g for cls, g in RECURRENT_GATES.items() if isinstance(module, cls)), None)

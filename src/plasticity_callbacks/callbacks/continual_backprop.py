@@ -1,0 +1,259 @@
+"""``ContinualBackprop``: Dohare et al.'s generate-and-test, replacing a trickle of low-utility units every step."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from ..core.arguments import check_int, check_number
+from ..core.distributed import all_reduce_mean, rank_identical_generator
+from ..core.model_map import NeuronLayer, find_neuron_layers, is_conv1d, validate_patterns
+from ..core.optimizer_state import zero_optimizer_state_slices
+from ..functional import continual_backprop as cbp
+from .base import PlasticityCallback
+
+
+class ContinualBackprop(PlasticityCallback):
+    """Continual Backprop (Dohare et al., Nature 2024): every step, replace the ``ρ`` share of mature
+    hidden units with the lowest utility by fresh ones.
+
+    **Units** are the model map's neuron layers (:func:`~plasticity_callbacks.core.model_map.find_neuron_layers`,
+    the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
+    BERT), or an explicit ``layer_map``. **Collects** in a forward pre-hook on each ``down`` layer (training
+    forwards only; with gradient accumulation, the step's last micro-batch) the batch mean ``E[h_i]`` and
+    ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end``, after the optimizer step, as the reference runs
+    generate-and-test after ``opt.step()``: the statistics of
+    :mod:`plasticity_callbacks.functional.continual_backprop` are updated with the weight magnitudes after
+    the step, and the chosen units get incoming rows from ``U(±bound(fan_in))`` (``init``; a gate's rows
+    too), zero incoming bias (a BatchNorm channel between up and the activation: a fresh one), zero outgoing
+    weights, their mean contribution moved into ``down``'s bias (``bias_correction``), and the optimizer
+    moments of those rows and columns zeroed (torch's Adam keeps one step count per tensor, so unlike the
+    reference's per-element ``AdamGnT`` the bias-correction clock of those moments is not restarted).
+    Logs ``cbp/replaced`` (units replaced so far).
+
+    Choices the paper leaves open follow the reference code (``shibhansh/loss-of-plasticity``,
+    ``lop/algos/gnt.py``): mean, not sum, of outgoing/incoming weight magnitudes; utilities and means
+    bias-corrected by ``1 - η^age``; the fractional count accumulated across steps (``accumulate=True``);
+    layers processed in order, each re-drawn then its outgoing columns zeroed. One difference, on purpose:
+    the reference zeroes a replaced unit's mean before it moves that mean into the next bias, so its bias
+    correction adds 0; here the mean is moved (``bias_correction=False`` reproduces the reference exactly).
+    A channel flattened into a Linear scores ``mean|w_out| · E|h - f̂|`` over its positions (the reference's
+    CNN code averages the per-position products).
+
+    **DDP**: the batch statistics are averaged over ranks before each update and the new rows come from a
+    generator seeded from ``(seed, global_step)``, so every rank replaces the same units identically.
+    Sharded strategies are refused in ``setup``. Statistics, ages and carried counts are in ``state_dict``.
+    It acts every step, so it takes no schedule.
+
+    Args:
+        replacement_rate: ``ρ``, the share of mature units replaced per step (paper: 1e-4 to 1e-6).
+        maturity_threshold: ``m``, steps a unit is protected after it is created (paper: 100).
+        decay_rate: ``η`` of the running utility and mean (paper: 0.99).
+        utility: ``adaptable_contribution`` (contribution × adaptation) or ``contribution``.
+        init: bound of the uniform re-draw: ``kaiming`` (``√2·√(3/fan_in)``, the reference's), ``lecun``
+            (``√(3/fan_in)``) or ``default`` (``1/√fan_in``, PyTorch's Linear init).
+        bias_correction: move a replaced unit's mean contribution into ``down``'s bias.
+        layer_map: ``{name: (up | [gate, up], down)}`` by module names; None: found automatically.
+        exclude: ``fnmatch`` patterns on parameter names whose layers are left alone.
+        seed: mixed with the global step into the re-draw generator.
+
+    Example:
+        >>> cbp = ContinualBackprop(replacement_rate=1e-4, maturity_threshold=100)
+        >>> trainer = L.Trainer(callbacks=[cbp], max_steps=10_000)
+        >>> trainer.fit(module, datamodule)   # logs cbp/replaced
+    """
+
+    summary_metrics = ("cbp/replaced",)
+    default_schedule = None  # generate-and-test runs every step
+    extra_state_types = {"layers": list, "stats": list, "carry": list, "replaced": int}
+
+    def __init__(self, replacement_rate: float = 1e-4, maturity_threshold: int = 100, decay_rate: float = 0.99,
+                 utility: str = "adaptable_contribution", init: str = "kaiming", bias_correction: bool = True,
+                 layer_map: Mapping | None = None, exclude: Sequence[str] | None = None, seed: int = 0):
+        check_number("replacement_rate", replacement_rate, 0.0, 1.0, "(paper: 1e-4)")
+        check_int("maturity_threshold", maturity_threshold, 0, hint="(paper: 100)")
+        check_number("decay_rate", decay_rate, 0.0, 0.999999, "(paper: 0.99)")
+        if utility not in cbp.KINDS:
+            raise ValueError(f"utility={utility!r} is not one of {cbp.KINDS}")
+        if init not in cbp.BOUNDS:
+            raise ValueError(f"init={init!r} is not one of {tuple(cbp.BOUNDS)}")
+        if not isinstance(bias_correction, bool):
+            raise ValueError(f"bias_correction={bias_correction!r} must be true or false")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} must be an integer")
+        validate_patterns(exclude=exclude)
+        super().__init__()
+        self.rate, self.maturity, self.decay = float(replacement_rate), maturity_threshold, float(decay_rate)
+        self.utility, self.init, self.bias_correction, self.seed = utility, init, bias_correction, seed
+        self.layer_map = None if layer_map is None else {k: v for k, v in layer_map.items()}
+        self.exclude = None if exclude is None else list(exclude)
+        self.layers: list[NeuronLayer] = []
+        self.stats: list[dict[str, torch.Tensor]] = []  # per layer: util, mean, age
+        self.carry: list[float] = []  # per layer: fractional replacements owed
+        self.replaced = 0
+        self._batch: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: (E[h], E|h - f̂|) of this step
+        self._pending: dict | None = None
+        self._hooks: list = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(rate=self.rate, maturity=self.maturity, layers=sorted(self.layer_map or {}))
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
+        if not self.layers:
+            raise ValueError("ContinualBackprop found no hidden-unit layers (Linear/conv → activation → Linear/conv "
+                             "chains or known MLP blocks); pass layer_map={name: (up, down)} or "
+                             "declare_plasticity(model, neurons=...)")
+        unbiased = [layer.name for layer in self.layers if getattr(layer.down, "bias", None) is None]
+        if self.bias_correction and unbiased:
+            rank_zero_warn(f"ContinualBackprop: the down layers of {unbiased} have no bias, so replaced units' mean "
+                           "contribution is dropped there; pass bias_correction=False to say that is intended")
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if not self.stats:
+            device = self.layers[0].up.weight.device
+            self.stats = [{key: torch.zeros(layer.width, device=device) for key in ("util", "mean", "age")}
+                          for layer in self.layers]
+            self.carry = [0.0] * len(self.layers)
+        if self._pending is not None:
+            self._restore(self._pending)
+        self._batch = [None] * len(self.layers)
+        self._remove_hooks()
+        for index, layer in enumerate(self.layers):
+            self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
+        rank_zero_info(f"ContinualBackprop watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._remove_hooks()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    @torch.no_grad()
+    def collect(self, index: int, module: nn.Module, h: torch.Tensor) -> None:
+        """Batch statistics of layer ``index`` from ``down``'s input ``h`` (training forwards only)."""
+        if not module.training:
+            return
+        units, unit_dim = self.layers[index].unit_activity(h.detach())
+        units = units.movedim(unit_dim, -1).reshape(-1, units.shape[unit_dim]).float()  # (samples, units)
+        stats = self.stats[index]
+        batch_mean = units.mean(0)
+        if self.utility == "contribution":
+            activity = units.abs().mean(0)
+        else:
+            activity = (units - cbp.corrected_mean(stats["mean"], batch_mean, stats["age"] + 1, self.decay)).abs().mean(0)
+        self._batch[index] = (batch_mean, activity)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if not pl_module.training:
+            return
+        missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None]
+        if missing:
+            raise RuntimeError(f"ContinualBackprop saw no activations of {missing} in this training step: their forward "
+                               "hooks did not run (a model compiled before the callback attached, or a forward that "
+                               "bypasses these modules); attach it before compiling or pass layer_map= / exclude=")
+        flat = torch.cat([torch.cat(pair) for pair in self._batch])
+        flat = all_reduce_mean(trainer, flat)  # every rank decides on the same numbers
+        generator = rank_identical_generator(self.seed, trainer.global_step, device=self.layers[0].up.weight.device)
+        chosen = []
+        for layer, stats, part in zip(self.layers, self.stats, flat.split([2 * l.width for l in self.layers])):
+            batch_mean, activity = part.split(layer.width)
+            stats["age"] += 1
+            unit_mean = cbp.corrected_mean(stats["mean"], batch_mean, stats["age"], self.decay)
+            stats["util"], stats["mean"], corrected = cbp.update_statistics(
+                stats["util"], stats["mean"], stats["age"], self.decay, activity, batch_mean,
+                _outgoing_magnitude(layer), _rows(layer.up).abs().flatten(1).float().mean(1), self.utility)
+            chosen.append((corrected, unit_mean))
+        count = 0
+        for index, (layer, stats, (corrected, unit_mean)) in enumerate(zip(self.layers, self.stats, chosen)):
+            units, self.carry[index] = cbp.units_to_replace(corrected, stats["age"], self.maturity, self.rate,
+                                                            self.carry[index])
+            if units.numel():
+                self._replace(trainer, layer, units, unit_mean, generator)
+                for key in ("util", "mean", "age"):
+                    stats[key][units] = 0
+                count += units.numel()
+        self.replaced += count
+        self._batch = [None] * len(self.layers)
+        pl_module.log("cbp/replaced", float(self.replaced), on_step=True, on_epoch=False)
+
+    @torch.no_grad()
+    def _replace(self, trainer, layer: NeuronLayer, units: torch.Tensor, unit_mean: torch.Tensor, generator) -> None:
+        for incoming in (layer.up, layer.gate):
+            if incoming is None:
+                continue
+            rows = _rows(incoming)
+            new = cbp.draw_rows(len(units), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
+            cbp.redraw_incoming_(rows, getattr(incoming, "bias", None), units, new)
+            mask = _mask(units, rows.shape[0])
+            zero_optimizer_state_slices(trainer.optimizers, incoming.weight, mask, dim=int(is_conv1d(incoming)))
+            if getattr(incoming, "bias", None) is not None:
+                zero_optimizer_state_slices(trainer.optimizers, incoming.bias, mask, dim=0)
+        down = _rows(layer.down)  # (out, reads, *kernel)
+        cbp.retire_outgoing_(down, getattr(layer.down, "bias", None), units,
+                             unit_mean if self.bias_correction else None, layer.down_offset, layer.group)
+        columns = cbp.unit_columns(units, layer.down_offset, layer.group)
+        zero_optimizer_state_slices(trainer.optimizers, layer.down.weight, _mask(columns, down.shape[1]),
+                                    dim=int(not is_conv1d(layer.down)))
+        if layer.norm is not None:  # a fresh BatchNorm channel: scale 1, shift 0, statistics of a new layer
+            for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+                tensor = getattr(layer.norm, name, None)
+                if tensor is not None:
+                    tensor[units] = value
+
+    def extra_state(self) -> dict:
+        if not self.stats:
+            return dict(self._pending or {"layers": [], "stats": [], "carry": [], "replaced": 0})
+        return {"layers": [l.name for l in self.layers],
+                "stats": [{k: v.detach().cpu().clone() for k, v in s.items()} for s in self.stats],
+                "carry": list(self.carry), "replaced": self.replaced}
+
+    def load_extra_state(self, state: dict) -> None:
+        if not state["layers"]:  # saved before the first fit started: nothing to restore
+            return
+        self._pending = dict(state)
+        if self.stats:  # strategies that restore after on_fit_start
+            self._restore(self._pending)
+
+    def _restore(self, state: dict) -> None:
+        names = [l.name for l in self.layers]
+        if state["layers"] != names:
+            raise ValueError(f"ContinualBackprop checkpoint watched layers {state['layers']}, this model has {names}")
+        for mine, saved in zip(self.stats, state["stats"]):
+            for key, value in mine.items():
+                value.copy_(saved[key])
+        self.carry, self.replaced, self._pending = [float(c) for c in state["carry"]], state["replaced"], None
+
+
+class _Collector:
+    def __init__(self, owner: ContinualBackprop, index: int):
+        self.owner, self.index = owner, index
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.owner.collect(self.index, module, args[0])
+
+
+def _rows(layer: nn.Module) -> torch.Tensor:
+    """``layer.weight`` as ``(out, in, *kernel)`` (a view: HF ``Conv1D`` stores ``(in, out)``)."""
+    return layer.weight.mT if is_conv1d(layer) else layer.weight
+
+
+def _mask(indices: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.zeros(size, dtype=torch.bool, device=indices.device).index_fill_(0, indices, True)
+
+
+def _outgoing_magnitude(layer: NeuronLayer) -> torch.Tensor:
+    """``mean_k |w_out[k, i]|`` per unit ``i``, over ``down``'s outputs, kernel taps and the unit's positions."""
+    down = _rows(layer.down).detach().abs().float()
+    reads = down.movedim(1, 0).flatten(1).mean(1)  # (reads,)
+    return reads.narrow(0, layer.down_offset, layer.width * layer.group).view(layer.width, layer.group).mean(1)

@@ -1,0 +1,108 @@
+"""``HareTortoise``: a slow EMA copy of the network (the tortoise) that the fast one (the hare) is reset to."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..core.arguments import check_number
+from ..core.model_map import Selection
+from ..core.optimizer_state import reset_optimizer_state
+from ..core.parameter_patterns import matching_parameters, name_selection
+from ..core.schedule import Schedule
+from ..functional.anchors import ema_toward_
+from .base import PlasticityCallback
+
+
+class HareTortoise(PlasticityCallback):
+    """Hare & Tortoise networks (Lee, Cho, Kim, Lee, Choo & Hwang, ICML 2024).
+
+    The trained network is the hare. The tortoise is an exponential moving average of it, updated in
+    ``on_train_batch_end`` after every optimizer step: ``θ_T ← η·θ_T + (1-η)·θ_H`` (it starts as the hare
+    at the first fit). When the ``schedule`` is due (default every 1000 steps; task boundaries are the
+    usual alternative), the hare is reset to the tortoise: ``θ_H ← θ_T``; ``reset_optimizer`` also drops
+    the optimizer state of the reset parameters. The hare keeps training and is the network that is
+    evaluated; the tortoise is the store of slowly consolidated knowledge. Buffers (BatchNorm statistics)
+    are the hare's. Deterministic, so identical on every DDP rank; the tortoise is in ``state_dict``.
+    Logs ``hare_tortoise/distance`` (``‖θ_H - θ_T‖`` just before a reset).
+
+    Args:
+        decay: ``η`` in [0, 1), the tortoise's EMA decay (paper: 0.999).
+        schedule: when the hare is reset to the tortoise (a Schedule or a mapping of its fields);
+            None: ``Schedule(every_n_steps=1000)``.
+        reset_optimizer: also drop the optimizer state of the reset parameters.
+        selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
+            parameter names) of the parameters in the pair; None: every trainable parameter.
+
+    Example:
+        >>> ht = HareTortoise(decay=0.999, schedule=Schedule(at_task_boundaries=True))
+        >>> trainer = L.Trainer(callbacks=[ht], max_steps=10_000)
+        >>> trainer.fit(module, datamodule)   # hare reset to the tortoise at every task boundary
+    """
+
+    summary_metrics = ("hare_tortoise/distance",)
+    default_schedule = Schedule(every_n_steps=1000)
+    extra_state_types = {"names": list, "tortoise": list, "resets": int}
+
+    def __init__(self, decay: float = 0.999, schedule: Schedule | Mapping | None = None, reset_optimizer: bool = False,
+                 selection: Selection | Mapping | None = None):
+        check_number("decay", decay, 0.0, 0.999999999, "(paper: 0.999)")
+        if not isinstance(reset_optimizer, bool):
+            raise ValueError(f"HareTortoise reset_optimizer={reset_optimizer!r} must be true or false")
+        super().__init__(schedule, name_selection(selection, "HareTortoise"))
+        self.decay, self.reset_optimizer = float(decay), reset_optimizer
+        self.names: list[str] = []
+        self.tortoise: list[torch.Tensor] = []
+        self.resets = 0
+        self._hare: list[torch.nn.Parameter] = []
+        self._last_step = -1
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(decay=self.decay, schedule=self.schedule.describe(),
+                                        include=self.selection.include, exclude=self.selection.exclude)
+
+    def check_targets(self, trainer, pl_module) -> None:
+        matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        chosen = matching_parameters(pl_module, self.selection, self.owner)
+        if not self.tortoise:  # a restored checkpoint brings its tortoise
+            self.names = [name for name, _ in chosen]
+            self.tortoise = [p.detach().clone() for _, p in chosen]
+        if [name for name, _ in chosen] != self.names:
+            raise ValueError(f"HareTortoise: the checkpoint's tortoise tracks {len(self.names)} parameters, this model "
+                             f"selects {len(chosen)}; use the same model and selection")
+        self._hare = [p for _, p in chosen]
+        self.tortoise = [t.to(device=p.device, dtype=p.dtype) for t, p in zip(self.tortoise, self._hare)]
+        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "
+                       f"to it on {self.schedule.describe()}")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step != self._last_step:  # the optimizer stepped in this batch
+            self._last_step = trainer.global_step
+            ema_toward_(self.tortoise, self._hare, self.decay)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
+        with torch.no_grad():
+            distance = torch.sqrt(sum((h.float() - t.float()).pow(2).sum() for h, t in zip(self._hare, self.tortoise)))
+            for hare, tortoise in zip(self._hare, self.tortoise):
+                hare.copy_(tortoise)
+        if self.reset_optimizer:
+            reset_optimizer_state(trainer.optimizers, self._hare)
+        self.resets += 1
+        rank_zero_info(f"HareTortoise ({reason}): hare reset to the tortoise, ‖θ_H - θ_T‖ was {float(distance):.4g}")
+        return {"hare_tortoise/distance": float(distance)}
+
+    def extra_state(self) -> dict:
+        return {"names": list(self.names), "tortoise": [t.detach().cpu().clone() for t in self.tortoise],
+                "resets": self.resets}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.names, self.tortoise, self.resets = list(state["names"]), list(state["tortoise"]), state["resets"]

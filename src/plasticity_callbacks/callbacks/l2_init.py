@@ -1,0 +1,83 @@
+"""``L2Init``: regenerative regularization, a pull ``λ‖θ - θ₀‖²`` toward the initial parameters."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..core.arguments import check_number
+from ..core.model_map import Selection
+from ..core.parameter_patterns import matching_parameters, name_selection
+from ..functional.anchors import l2_init_grad_
+from .base import PlasticityCallback
+
+
+class L2Init(PlasticityCallback):
+    """L2-Init (Kumar, Marklund & Van Roy, 2023): training minimizes ``loss + λ‖θ - θ₀‖²``.
+
+    The user's ``training_step`` is unchanged: in ``on_before_optimizer_step`` (gradients are then
+    complete, all-reduced under DDP and unscaled under mixed precision, and gradient clipping has not
+    run yet, so the term is clipped with the loss's gradient as it would be inside the loss) every
+    selected parameter's gradient gets ``2λ(θ - θ₀)``. ``θ₀`` is the parameters at the start of the
+    first fit (identical on every rank: DDP broadcasts rank 0's weights before any callback runs), kept
+    in ``state_dict``, so a resumed run pulls toward the same point. Every trainable parameter is pulled,
+    biases and norms included, as the paper regularizes all of them; ``selection``'s name patterns narrow it.
+    Logs ``l2_init/distance`` (``‖θ - θ₀‖``) every ``trainer.log_every_n_steps``.
+
+    Args:
+        strength: ``λ`` >= 0 (the paper sweeps 1e-2 to 1e-5).
+        selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
+            parameter names); None: every trainable parameter.
+
+    Example:
+        >>> trainer = L.Trainer(callbacks=[L2Init(strength=1e-3)], max_steps=10_000)
+        >>> trainer.fit(module, datamodule)   # as if the loss had + 1e-3·‖θ - θ₀‖²
+    """
+
+    summary_metrics = ("l2_init/distance",)
+    default_schedule = None  # the pull acts at every optimizer step
+    extra_state_types = {"names": list, "anchors": list}
+
+    def __init__(self, strength: float = 1e-3, selection: Selection | Mapping | None = None):
+        check_number("strength", strength, 0.0, hint="(paper: 1e-2 to 1e-5)")
+        super().__init__(selection=name_selection(selection, "L2Init"))
+        self.strength = float(strength)
+        self.names: list[str] = []
+        self.anchors: list[torch.Tensor] = []
+        self._params: list[torch.nn.Parameter] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(strength=self.strength, include=self.selection.include,
+                                        exclude=self.selection.exclude)
+
+    def check_targets(self, trainer, pl_module) -> None:
+        matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        chosen = matching_parameters(pl_module, self.selection, self.owner)
+        if not self.anchors:  # a restored checkpoint keeps the θ₀ of the first fit
+            self.names = [name for name, _ in chosen]
+            self.anchors = [p.detach().clone() for _, p in chosen]
+        if [name for name, _ in chosen] != self.names:
+            raise ValueError(f"L2Init: the checkpoint anchored {len(self.names)} parameters {self.names[:3]}..., this "
+                             f"model selects {len(chosen)} {[n for n, _ in chosen][:3]}...; use the same model and "
+                             "selection")
+        self._params = [p for _, p in chosen]
+        self.anchors = [a.to(p.device) for a, p in zip(self.anchors, self._params)]
+        rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        l2_init_grad_(self._params, self.anchors, self.strength)
+        if trainer.global_step % trainer.log_every_n_steps == 0:
+            with torch.no_grad():
+                distance = torch.sqrt(sum((p.float() - a.float()).pow(2).sum() for p, a in zip(self._params, self.anchors)))
+            pl_module.log("l2_init/distance", distance, on_step=True, on_epoch=False)
+
+    def extra_state(self) -> dict:
+        return {"names": list(self.names), "anchors": [a.detach().cpu().clone() for a in self.anchors]}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.names, self.anchors = list(state["names"]), list(state["anchors"])

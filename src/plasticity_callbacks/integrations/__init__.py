@@ -1,0 +1,1 @@
+"""Adapters that run the package's Lightning callbacks inside other training loops (Hugging Face ``Trainer``)."""
