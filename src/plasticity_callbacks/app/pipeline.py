@@ -289,10 +289,10 @@ class Pipeline:
         names = [p.name for p in self.phases]
         start = names.index(self.options.get("start_phase") or names[0])
         if self.options.get("init_from") is not None and Path(self.options.init_from).is_file():
-            load_checkpoint(Path(self.options.init_from))
+            read_checkpoint(self.options.init_from, mmap=True)  # mmap: checked without reading every tensor
         elif start > 0 and self.final_checkpoint(self.phases[start - 1]).is_file():
             previous = self.final_checkpoint(self.phases[start - 1])
-            ResumeGuard(phase=names[start - 1]).check_origin(load_checkpoint(previous), str(previous),
+            ResumeGuard(phase=names[start - 1]).check_origin(read_checkpoint(previous, mmap=True), str(previous),
                                                              compare_config=False)
         if not self.options.get("resume"):
             return
@@ -314,6 +314,7 @@ class Pipeline:
         return self.checkpoint_dir(phase) / "final.ckpt"
 
     def run(self) -> dict[str, Any]:
+        self.check_before_start()  # a refusal writes nothing, not even the lock or pipeline.json
         with RunLock(self.run_dir):
             return self._run()
 
