@@ -1,18 +1,17 @@
-"""AdaptiveSVDSwitch overhead on the default GPT (``GPTConfig()``), measured side by side in one run.
+"""AdaptiveSVDSwitch overhead: the callback driven by Lightning's own hooks in a real ``trainer.fit``.
 
-Time: one ``trainer.fit`` whose steps are cut into segments of ``--interval`` steps; segments
-rotate between no callback, the switch with ``svd={"method": "full"}`` and with ``"randomized"``, so each
-switch segment holds exactly one SVD cycle plus ``interval − 1`` projected steps (every matrix is
-forced into the "minor" state: the worst case for the per-step projection). Rotating keeps machine
-noise common to all three; on a loaded machine the segment ratios still scatter by ±20%, so the
-time spent inside the callback's hook, as a share of its segments, is printed as well. Memory: AdamW state bytes with every matrix factorized at rank r vs full.
+    python benchmarks/adaptive_svd_overhead.py                          # widths 128,256,512; batches 1, 16
+    python benchmarks/adaptive_svd_overhead.py --widths 128 --batches 1 --memory
 
-    python benchmarks/adaptive_svd_overhead.py --rounds 2 --interval 100
-    python benchmarks/adaptive_svd_overhead.py --direct-only      # CPU-time cost model only (minutes)
+Per GPT width (4 layers, sequence 256, byte vocabulary) and batch size: one fit with the switch in
+its callback list, SVD cycles every ``--every`` steps (so a short fit holds several), every matrix
+forced into the "minor" state (``clobber_alignment=0``: the worst case, a gradient projection on
+every step). A subclass of the switch times its own hooks in process CPU time (robust on a shared
+machine), a clock callback times each whole step. From the medians — one SVD cycle, one projected
+step, one step without the hooks — the share at the default interval (``--interval``, 100):
+``(cycle + (interval − 1)·projection) / (interval · step)``. Targets: ≤ 1 % at every width, ≤ 5 % at 1×256.
 
-The direct cost model (first lines printed) times, in this process's CPU time, one SVD cycle and
-one projected step inside the callback and a step without it, and combines them for the interval:
-the figure that the goal (<= 5% at the default interval on the default 16x256 batch) is about.
+``--memory``: AdamW state bytes with every block matrix factorized at rank r against full.
 """
 from __future__ import annotations
 
@@ -29,120 +28,82 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import cpu_trainer, token_loader  # noqa: E402
 
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
-from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers  # noqa: E402
+from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
 
-VARIANTS = ("none", "full", "randomized")
 
-
-class Rotation(L.Callback):
-    """Delegates to one switch (or none) per segment and times each segment."""
-
-    def __init__(self, switches: dict, interval: int):
-        self.switches, self.interval = switches, interval
-        self.times = {v: [] for v in VARIANTS}
-        self.inside = {v: 0.0 for v in VARIANTS}  # seconds spent in the switch's own hook (less noisy)
-        self._started = None
-
-    def variant(self, step: int) -> str:
-        return VARIANTS[(step // self.interval) % len(VARIANTS)]
-
-    def setup(self, trainer, pl_module, stage):
-        for s in self.switches.values():
-            s.setup(trainer, pl_module, stage)
-
-    def on_train_start(self, trainer, pl_module):
-        for s in self.switches.values():
-            s.on_train_start(trainer, pl_module)
+class TimedSwitch(AdaptiveSVDSwitch):
+    """The real switch; each hook's process CPU time is added to the current step's record."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        step = trainer.global_step
-        switch = self.switches.get(self.variant(step))
-        if switch is not None:  # the switch asks its schedule here
-            switch.on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if step % self.interval == 0:
-            if self._started is not None:
-                self.times[self.variant(step - 1)].append(time.perf_counter() - self._started)
-            self._started = time.perf_counter()
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        variant = self.variant(trainer.global_step)
-        switch = self.switches.get(variant)
-        if switch is not None:
-            started = time.perf_counter()
-            switch.on_before_optimizer_step(trainer, pl_module, optimizer)
-            self.inside[variant] += time.perf_counter() - started
-
-
-def time_overhead(rounds: int, interval: int, batch_size: int) -> None:
-    L.seed_everything(0)
-    module = GPTLightningModule({}, lr=1e-3, schedule="constant")
-    common = dict(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=interval),
-                  thresholds={"clobber_alignment": 0.0},
-                  save_figure=False, log_per_matrix=False)
-    switches = {"full": AdaptiveSVDSwitch(svd={"method": "full"}, **common),
-                "randomized": AdaptiveSVDSwitch(svd={"method": "randomized"}, **common)}
-    rotation = Rotation(switches, interval)
-    steps = interval * len(VARIANTS) * rounds + 1  # the +1 closes the last segment
-    n = steps * batch_size
-    loader = token_loader(n=n, sequence_len=module.config.sequence_len, vocab=256, batch_size=batch_size)
-    trainer = cpu_trainer(max_steps=steps, callbacks=[rotation])
-    trainer.fit(module, loader)
-    base = statistics.median(rotation.times["none"])
-    print(f"time per {interval}-step segment (median of {rounds}), GPT {module.config.n_layer}x{module.config.n_embd}, "
-          f"{len(switches['full'].matrices)} matrices, batch {batch_size}x{module.config.sequence_len}, "
-          f"torch threads {torch.get_num_threads()}:")
-    for v in VARIANTS:
-        t = statistics.median(rotation.times[v])
-        inside = rotation.inside[v] / sum(rotation.times[v])
-        print(f"  {v:10s} {t:6.2f} s   ratio vs none {t / base:6.3f}   time inside the callback {inside:6.2%}   "
-              f"segments {[round(x, 2) for x in rotation.times[v]]}")
-
-
-class CostClock(L.Callback):
-    """Per step: CPU time of the whole step and of the switch's hook inside it (cycle or projection)."""
-
-    def __init__(self, switch: AdaptiveSVDSwitch):
-        self.switch = switch
-        self.steps: list[tuple[int, float, float]] = []  # (step, step seconds, hook seconds)
-
-    def setup(self, trainer, pl_module, stage):
-        self.switch.setup(trainer, pl_module, stage)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start, self._hook = time.process_time(), 0.0
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         started = time.process_time()
-        self.switch.on_before_optimizer_step(trainer, pl_module, optimizer)
-        self._hook = time.process_time() - started
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.hook_seconds += time.process_time() - started
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.cycled = self._cycle_now  # the schedule said so in on_train_batch_start
+        started = time.process_time()
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self.hook_seconds += time.process_time() - started
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append((trainer.global_step - 1, time.process_time() - self._start, self._hook))
+        started = time.process_time()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.hook_seconds += time.process_time() - started
 
 
-def amortized_overhead(batch_size: int, interval: int, cycles: int = 3, every: int = 4) -> None:
-    """The switch's cost at ``interval``, from this process's CPU time (robust on shared cores):
-    one SVD cycle plus ``interval − 1`` projected steps, over ``interval`` steps without the switch.
-    Cycles run every ``every`` steps here so a short fit holds several; every matrix is forced low-rank."""
+class StepClock(L.Callback):
+    """Process CPU time from one step's first hook to the next's, and the switch's share of it; first in
+    the callback list, so every hook of the switch falls inside the step it belongs to."""
+
+    def __init__(self, switch: TimedSwitch):
+        self.switch = switch
+        self.steps: list[tuple[int, float, float, bool]] = []  # (step, step seconds, hook seconds, cycled)
+        self._open: tuple[int, float] | None = None
+
+    def _close(self) -> None:
+        if self._open is not None:
+            step, started = self._open
+            self.steps.append((step, time.process_time() - started, self.switch.hook_seconds, self.switch.cycled))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._close()
+        self.switch.hook_seconds, self.switch.cycled = 0.0, False
+        self._open = (trainer.global_step, time.process_time())
+
+    def on_train_end(self, trainer, pl_module):
+        self._close()
+        self._open = None
+
+
+def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule:
+    config = dict(n_embd=width, n_head=max(1, width // 64), n_kv_head=max(1, width // 64), n_layer=layers,
+                  sequence_len=sequence_len)
+    return GPTLightningModule(config, lr=1e-3, schedule="constant")
+
+
+def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: int = 4, cycles: int = 3,
+            layers: int = 4, sequence_len: int = 256, **switch_options) -> dict:
+    """Fit with the switch acting every ``every`` steps; return the medians and the share at ``interval``.
+
+    Returns a dict with ``cycles`` (SVD cycles that ran), ``matrices``, ``step``, ``cycle``, ``projection``
+    (seconds) and ``share`` (the switch's time over the steps' at ``interval``)."""
     L.seed_everything(0)
-    module = GPTLightningModule({}, lr=1e-3, schedule="constant")
-    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
-                               thresholds={"clobber_alignment": 0.0},
-                               save_figure=False, log_per_matrix=False)
-    clock = CostClock(switch)
+    module = gpt_module(width, layers, sequence_len)
+    switch = TimedSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
+                         thresholds={"clobber_alignment": 0.0}, save_figure=False, log_per_matrix=False,
+                         **switch_options)
+    clock = StepClock(switch)
     steps = every * (cycles + 1) + 1
-    loader = token_loader(n=steps * batch_size, sequence_len=module.config.sequence_len, vocab=256,
-                          batch_size=batch_size)
-    cpu_trainer(max_steps=steps, callbacks=[clock]).fit(module, loader)
-    timed = [s for s in clock.steps if s[0] > every]  # after the first cycle: every matrix is low-rank
-    cycle = statistics.median(h for step, _, h in timed if step % every == 0)
-    project = statistics.median(h for step, _, h in timed if step % every)
-    base = statistics.median(t - h for _, t, h in timed)
-    share = (cycle + (interval - 1) * project) / (interval * base)
-    print(f"direct CPU-time cost, batch {batch_size}x{module.config.sequence_len}, {len(switch.matrices)} matrices: "
-          f"step without the switch {1e3 * base:.0f} ms, SVD cycle {1e3 * cycle:.0f} ms, projection "
-          f"{1e3 * project:.1f} ms/step -> {100 * share:.2f}% of step time every {interval} steps (goal <= 5%)")
+    loader = token_loader(n=steps * batch_size, sequence_len=sequence_len, vocab=256, batch_size=batch_size)
+    cpu_trainer(max_steps=steps, callbacks=[clock, switch]).fit(module, loader)
+    ran = [s for s in clock.steps if s[3]]
+    later = [s for s in clock.steps if s[0] > every]  # after the first cycle: every matrix projects
+    cycle = statistics.median(h for *_, h, cycled in ran) if ran else float("nan")
+    projection = statistics.median(h for *_, h, cycled in later if not cycled) if later else float("nan")
+    step = statistics.median(t - h for _, t, h, _ in clock.steps[1:])
+    return {"cycles": len(ran), "matrices": len(switch.matrices), "step": step, "cycle": cycle,
+            "projection": projection, "share": (cycle + (interval - 1) * projection) / (interval * step)}
 
 
 def state_bytes(optimizer) -> int:
@@ -157,36 +118,42 @@ def memory(ranks: list[int]) -> None:
         L.seed_everything(0)
         module = GPTLightningModule({}, lr=1e-3, schedule="constant")
         callbacks = []
-        if r != "full":
-            # head and output projections start at zero, so every block gradient is nonzero only from
-            # step 2 on: split once at step 3, then take two steps so the factors' moments exist
+        if r != "full":  # split once at step 3 (the zero-initialized projections have gradients by then)
             callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]),
-                                           thresholds={"clobber_alignment": 0.0}, initial_rank=r, r_min=r, save_figure=False, log_per_matrix=False)]
+                                           thresholds={"clobber_alignment": 0.0}, initial_rank=r, r_min=r,
+                                           save_figure=False, log_per_matrix=False)]
         trainer = cpu_trainer(max_steps=5, callbacks=callbacks)
         trainer.fit(module, token_loader(n=5, sequence_len=module.config.sequence_len, vocab=256, batch_size=1))
-        if callbacks:
-            assert callbacks[0].matrices and all(m.state == "minor" for m in callbacks[0].matrices)
-        label = "full" if r == "full" else f"r={r}"
         total = state_bytes(trainer.optimizers[0])
         full_total = full_total or total
+        label = "full" if r == "full" else f"r={r}"
         print(f"  {label:10s} {total / 2**20:8.2f} MiB   ratio vs full {total / full_total:6.3f}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--interval", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--direct-only", action="store_true",
-                        help="only the CPU-time cost at the default batch (16) and at --batch-size")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", default="128,256,512")
+    parser.add_argument("--batches", default="1,16", help="batch sizes (sequences of 256 tokens)")
+    parser.add_argument("--interval", type=int, default=100, help="steps between SVD cycles (the default: 100)")
+    parser.add_argument("--every", type=int, default=4, help="cycle spacing in the measured fit")
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--svd-method", default=None, help="full | randomized (default: the callback's)")
+    parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # a shared 2-core machine: one thread keeps segments comparable
-    for batch in dict.fromkeys((16, args.batch_size)):  # 16: configs/data/stdlib.yaml's batch
-        amortized_overhead(batch, args.interval)
-    if args.direct_only:
-        return
-    memory([64, 32, 8])
-    time_overhead(args.rounds, args.interval, args.batch_size)
+    torch.set_num_threads(1)  # process CPU time on one thread: comparable on a shared machine
+    options = {} if args.svd_method is None else {"svd": {"method": args.svd_method}}
+    print(f"AdaptiveSVDSwitch through trainer.fit's hooks, GPT 4 layers x width, sequence 256, every matrix "
+          f"projecting; one thread, process CPU time; share at interval {args.interval}")
+    for width in [int(w) for w in args.widths.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            r = measure(width, batch, args.interval, args.every, args.cycles, **options)
+            target = 5.0 if batch == 1 else 1.0
+            print(f"  width {width:4d} batch {batch:2d}x256: {r['matrices']} matrices, {r['cycles']} cycles; step "
+                  f"{1e3 * r['step']:7.1f} ms, SVD cycle {1e3 * r['cycle']:7.1f} ms, projection "
+                  f"{1e3 * r['projection']:5.2f} ms/step -> {100 * r['share']:5.2f} % (target <= {target:g} %)",
+                  flush=True)
+    if args.memory:
+        memory([64, 32, 8])
 
 
 if __name__ == "__main__":

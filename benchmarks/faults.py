@@ -30,7 +30,7 @@ from plasticity_callbacks.core.checkpoints import (CheckpointError, RunInterrupt
 from plasticity_callbacks.core.resume import ResumeError
 
 RUN = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
-SUMMARY = ("val_loss_before", "dfi_before", "dfi_after", "val_loss", "train_loss", "retention_loss")
+SUMMARY = ("val_loss_before", "summary", "val_loss", "train_loss", "retention_loss")  # summary: fire/dfi_*
 
 
 class Payload:

@@ -15,7 +15,7 @@ import tempfile
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from plasticity_callbacks import DASHShrink, FIREReinit, ReDoMonitor, Schedule
+from plasticity_callbacks import DASHPeriodic, FIREReinit, ReDoMonitor, Schedule
 from plasticity_callbacks.integrations.hf import HFTrainerCallback
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     trainer.add_callback(HFTrainerCallback(
         FIREReinit(schedule=Schedule(steps=[steps // 2]), selection={"scope": "attention"}),
         ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=max(1, steps // 4)),
-        DASHShrink(rule="periodic", schedule=Schedule(every_n_steps=max(1, steps // 4))),
+        DASHPeriodic(schedule=Schedule(every_n_steps=max(1, steps // 4))),
         trainer=trainer))
     trainer.train()
     for entry in trainer.state.log_history:

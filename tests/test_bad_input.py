@@ -104,7 +104,7 @@ FIRE_CASES = [
     ("FIREReinit", dict(options={"normalize": "l2"}), "normalize"),
     ("FIREReinit", dict(options={"dtype": "float16"}), "dtype"),
     ("FIREReinit", dict(options={"tol": 0}), "tol"),
-    ("FIREReinit", dict(options={"iters": -1}), "iters"),
+    ("FIREReinit", dict(options={"method": "polar_express", "max_steps": -1}), "max_steps"),
     ("FIREReinit", dict(options={"method": "qr"}), "method"),
     ("FIREReinit", dict(options={"scale": "big"}), "scale"),
     ("FIREReinit", dict(options={"on_degenerate": "ignore"}), "on_degenerate"),
@@ -212,7 +212,7 @@ def test_svd_is_orthonormal_and_reconstructs_without_nan(W):
 @given(matrices, st.sampled_from(spectral.METHODS))
 def test_polar_factor_is_a_finite_full_isometry(W, method):
     """Every singular value of ``orthogonalize(W)`` is 1, also on W's null directions; zero W is left alone."""
-    Q = spectral.orthogonalize(W, method=method)
+    Q = spectral.orthogonalize(W, spectral.PolarOptions(method=method))
     assert Q.shape == W.shape and Q.dtype == W.dtype and finite(Q)
     if not bool(W.any()):
         assert torch.equal(Q, W)
@@ -393,7 +393,7 @@ def _bad_inputs():
     return [
         ("orthogonalize 0x4", lambda: spectral.orthogonalize(torch.zeros(0, 4)), ValueError, "empty matrix"),
         ("orthogonalize 4x0", lambda: spectral.orthogonalize(torch.zeros(4, 0)), ValueError, "empty matrix"),
-        ("orthogonalize 3x0x2", lambda: spectral.orthogonalize(torch.zeros(3, 0, 2), "svd"), ValueError, "(3, 0, 2)"),
+        ("orthogonalize 3x0x2", lambda: spectral.orthogonalize(torch.zeros(3, 0, 2), spectral.PolarOptions(method="svd")), ValueError, "(3, 0, 2)"),
         ("apply_fire optimizers=object()", lambda: apply_fire(model, optimizers=object()), TypeError, "optimizers"),
         ("apply_fire optimizers=[adam, 'sgd']",
          lambda: apply_fire(model, optimizers=[torch.optim.Adam(model.parameters()), "sgd"]), TypeError, "str"),
@@ -454,7 +454,7 @@ def test_polar_factor_of_any_layout_and_magnitude_is_the_float64_svd_polar_facto
     base = (base if m >= n else base.mT) * 10.0 ** exponent
     W = _strided(base.to(dtype), how)
     assert torch.equal(W, base.to(dtype))
-    Q = spectral.orthogonalize(W, method=method)
+    Q = spectral.orthogonalize(W, spectral.PolarOptions(method=method))
     u, _, vh = torch.linalg.svd(W.double(), full_matrices=False)
     assert Q.shape == W.shape and Q.dtype == dtype
     assert torch.allclose(Q.double(), u @ vh, atol=2e-4)  # the iterations stop at an orthogonality error of 1e-5

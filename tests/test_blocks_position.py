@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.core.model_map import select_targets
 from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.position_bias import (
@@ -136,7 +137,7 @@ def test_shared_option_uses_one_module_for_all_layers_of_one_model():
 
 def test_positional_parameters_are_left_to_adamw_and_bad_options_name_the_field():
     model = GPT(GPTConfig(**{**SMALL, "position": "fire"}))
-    assert not [name for name, _, _ in model.projection_weights() if "position" in name]
+    assert not [t.name for t in select_targets(model) if "position" in t.name]
     with pytest.raises(ConfigError, match="variant"):
         GPT(GPTConfig(**{**SMALL, "position": "fire", "position_options": {"variant": "linear"}}))
     with pytest.raises(ConfigError, match="max_distance"):

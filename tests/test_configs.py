@@ -37,7 +37,7 @@ def test_each_method_instantiates_its_callbacks(name):
 
 def test_methods_override_only_what_differs():
     fire = instantiate(composed("+method=fire").method.callbacks.fire)
-    assert fire.options == FIREOptions(method="newton_schulz", normalize="frobenius", iters=5, tol=None)
+    assert fire.options == FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)
     assert fire.schedule == Schedule(at_fit_start=True) and fire.save_spectra
     exact = instantiate(composed("+method=fire_exact").method.callbacks.fire)
     assert exact.options == FIREOptions(method="svd")

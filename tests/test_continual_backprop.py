@@ -156,13 +156,13 @@ class ConvNet(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _gpt2_module():
-    from model_zoo import gpt2
+def _hf_module(family: str):
+    import model_zoo
 
     class Wrapped(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = gpt2()
+            self.model = getattr(model_zoo, family)()
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -173,7 +173,7 @@ def _gpt2_module():
     return Wrapped(), (torch.randint(0, 40, (64, 8)),)
 
 
-@pytest.mark.parametrize("family", ["cnn", "gpt2"])
+@pytest.mark.parametrize("family", ["cnn", "gpt2", "llama"])
 def test_replaced_units_are_fresh_on_other_families(family):
     """A unit replaced at the last step has zero outgoing weights, a new incoming row inside the bound and
     zeroed Adam moments on both; units not replaced that step keep what the optimizer gave them."""
@@ -181,8 +181,8 @@ def test_replaced_units_are_fresh_on_other_families(family):
     if family == "cnn":
         module = ConvNet()
         data = (torch.randn(64, 1, 6, 6), torch.randint(0, 3, (64,)))
-    else:
-        module, data = _gpt2_module()
+    else:  # GPT-2's Conv1D (stored (in, out)); Llama's gated MLP (gate rows re-drawn with up's)
+        module, data = _hf_module(family)
     callback = ContinualBackprop(replacement_rate=0.3, maturity_threshold=2, decay_rate=0.9, init="default")
     trainer = _fit(module, callback, *data, 3) if family == "cnn" else None
     if trainer is None:
@@ -202,6 +202,10 @@ def test_replaced_units_are_fresh_on_other_families(family):
         kept = ~redrawn[0] if redrawn else torch.ones(down.shape[0], dtype=torch.bool)
         assert torch.equal(down[kept][:, columns], torch.zeros_like(down[kept][:, columns]))
         assert rows[new].abs().max() <= 1 / math.sqrt(rows[0].numel())
+        if layer.gate is not None:
+            assert layer.gate.weight[new].abs().max() <= 1 / math.sqrt(layer.gate.weight.shape[1])
+            gate_moments = optimizer.state[layer.gate.weight]["exp_avg"]
+            assert torch.equal(gate_moments[new], torch.zeros_like(gate_moments[new]))
         moments = optimizer.state[layer.up.weight]["exp_avg"]
         moments = moments.mT if type(layer.up).__name__ == "Conv1D" else moments
         assert torch.equal(moments[new], torch.zeros_like(moments[new]))
@@ -210,13 +214,31 @@ def test_replaced_units_are_fresh_on_other_families(family):
             assert torch.equal(layer.norm.weight[new], torch.ones(int(new.sum())))
 
 
-def test_ranks_replace_the_same_units_under_ddp(tmp_path):
+def test_ages_count_optimizer_steps_under_gradient_accumulation():
+    torch.manual_seed(0)
+    callback = ContinualBackprop(replacement_rate=0.2, maturity_threshold=2)
+    x, y = _data(6, seed=4)
+    _fit(MLP(), callback, x, y, 3, accumulate_grad_batches=2)  # 6 batches, 3 optimizer steps
+    # only step 3 has mature units (age 3 > 2): int(0.2·10) + int(0.2·8) = 3 replaced
+    assert callback.replaced == 3
+    assert [int(s["age"].max()) for s in callback.stats] == [3, 3]
+
+
+def test_ranks_stay_identical_under_ddp_with_every_per_step_method(tmp_path):
+    """CBP's draws come from a rank-identical generator and its statistics are averaged over ranks; L2-Init,
+    weight clipping and Hare & Tortoise are deterministic: after 5 accumulated steps both ranks agree."""
     from ddp_harness import assert_ranks_identical, run_ddp
 
-    results = run_ddp(tmp_path, {"_target_": "plasticity_callbacks.callbacks.continual_backprop.ContinualBackprop",
-                                 "replacement_rate": 0.2, "maturity_threshold": 2}, model="mlp", steps=5)
+    cb = "plasticity_callbacks.callbacks."
+    results = run_ddp(tmp_path, [
+        {"_target_": cb + "continual_backprop.ContinualBackprop", "replacement_rate": 0.2, "maturity_threshold": 2},
+        {"_target_": cb + "l2_init.L2Init", "strength": 0.1},
+        {"_target_": cb + "weight_clip.WeightClip", "kappa": 0.5},
+        {"_target_": cb + "hare_tortoise.HareTortoise", "decay": 0.5, "schedule": {"every_n_steps": 2}},
+    ], model="mlp", steps=5, accumulate=2)
     assert_ranks_identical(results)
-    assert results[0]["metrics"]["cbp/replaced"] > 0
+    metrics = results[0]["metrics"]
+    assert metrics["cbp/replaced"] > 0 and metrics["weight_clip/clipped"] >= 0 and metrics["hare_tortoise/distance"] > 0
 
 
 @pytest.mark.parametrize("bad", [dict(replacement_rate=-0.1), dict(maturity_threshold=1.5), dict(decay_rate=1.0),

@@ -63,22 +63,6 @@ def test_conv_callbacks_on_cnn_with_sgd_keep_ranks_identical(tmp_path):
     assert_acted(results[0]["metrics"], "cnn")
 
 
-@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"])
-def test_sharded_strategies_are_refused_unless_the_callback_gathers(strategy):
-    from types import SimpleNamespace
-
-    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
-
-    trainer = SimpleNamespace(strategy=type(strategy, (), {})())
-    with pytest.raises(MisconfigurationException, match=f"Owner needs each weight matrix whole.*{strategy}.*ddp"):
-        require_full_parameters(trainer, "Owner")
-    if strategy == "DeepSpeedStrategy":
-        with pytest.raises(MisconfigurationException, match="DeepSpeed partitions have no gather path"):
-            require_full_parameters(trainer, "Owner", gather=True)
-    else:
-        require_full_parameters(trainer, "Owner", gather=True)
-
-
 # ------------------------------------------------------------------ the FSDP gather path, on CPU (gloo)
 
 def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
@@ -89,13 +73,13 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     from torch import nn
 
     from plasticity_callbacks.core.distributed import full_parameters, gather_full, is_dtensor
-    from plasticity_callbacks.functional.spectral import orthogonalize
+    from plasticity_callbacks.functional.spectral import PolarOptions, orthogonalize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)  # the same initial weights on both ranks
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))  # 5 rows: uneven shards
-    expected = orthogonalize(model[0].weight.detach(), method="svd")
+    expected = orthogonalize(model[0].weight.detach(), PolarOptions(method="svd"))
     result = {}
     try:
         if flavour == "fsdp2":
@@ -116,7 +100,7 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
             weight = inner[0].weight
             result["full_inside"] = tuple(weight.shape) == (5, 6) and not is_dtensor(weight)
             with torch.no_grad():
-                weight.copy_(orthogonalize(weight.detach(), method="svd"))
+                weight.copy_(orthogonalize(weight.detach(), PolarOptions(method="svd")))
         if flavour == "fsdp2":
             result["same_parameter_object"] = model[0].weight is original
             gathered = gather_full(model[0].weight)

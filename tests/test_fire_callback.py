@@ -40,9 +40,11 @@ def quiet(trainer_fn):
     ({"options": {"method": "qr"}}, "method"), ({"options": {"normalize": "l1"}}, "normalize"),
     ({"options": {"dtype": "float16"}}, "dtype"), ({"options": {"scale": "orthogonal"}}, "scale"),
     ({"options": {"on_degenerate": "zero"}}, "on_degenerate"), ({"options": {"tol": -1.0}}, "tol"),
-    ({"options": {"iters": -1}}, "iters=-1 must be"), ({"rewarmup_steps": -2}, "rewarmup_steps"),
+    ({"options": {"method": "newton_schulz", "steps": -1}}, "steps=-1 must be"), ({"rewarmup_steps": -2}, "rewarmup_steps"),
     ({"options": {"method": "polar_express", "normalize": "spectral"}}, "spectral"),
-    ({"options": {"iters": 5, "tolerance": 1}}, "tolerance"),
+    ({"options": {"steps": 5, "tolerance": 1}}, "tolerance"),
+    ({"options": {"method": "newton_schulz", "steps": 5, "tol": 1e-5}}, "steps=5 is a fixed count"),
+    ({"options": {"method": "svd", "max_steps": 5}}, "max_steps=5 applies to the iterative"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -22,6 +22,9 @@ class Net(L.LightningModule):
     def training_step(self, batch, batch_idx):
         return F.mse_loss(self.net(batch[0]), batch[1])
 
+    def validation_step(self, batch, batch_idx):
+        self.evaluated = [p.detach().clone() for p in self.parameters()]  # the weights validation ran on
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
@@ -33,8 +36,10 @@ def test_matches_ema_and_periodic_reset():
     x, y = torch.randn(STEPS * 4, 4), torch.randn(STEPS * 4, 2)
     callback = HareTortoise(decay=DECAY, schedule={"every_n_steps": EVERY})
     trainer = L.Trainer(max_steps=STEPS, callbacks=[callback], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
-    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        num_sanity_val_steps=0, limit_val_batches=1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    trainer.fit(module, loader, val_dataloaders=loader)  # one epoch = STEPS steps, then validation
 
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
     tortoise = [p.detach().clone() for p in reference.parameters()]
@@ -50,11 +55,12 @@ def test_matches_ema_and_periodic_reset():
     assert callback.resets == 2  # steps 4 and 8
     for ours, theirs in zip(module.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-    for ours, theirs in zip(callback.tortoise, tortoise):
+    for ours, theirs, evaluated in zip(callback.tortoise, tortoise, module.evaluated):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        assert torch.equal(evaluated, ours)  # validation ran on the tortoise, training goes on with the hare
 
 
-@pytest.mark.parametrize("bad", [dict(decay=1.0), dict(decay=-0.1), dict(reset_optimizer="no"),
+@pytest.mark.parametrize("bad", [dict(decay=1.0), dict(decay=-0.1), dict(reset_optimizer="no"), dict(evaluate_tortoise=1),
                                  dict(schedule={"every_n_stepz": 3})])
 def test_bad_arguments_are_refused(bad):
     with pytest.raises((ValueError, TypeError)):

@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from plasticity_callbacks.callbacks.dash import DASHShrink  # noqa: E402
+from plasticity_callbacks.callbacks.dash_periodic import DASHPeriodic  # noqa: E402
 from plasticity_callbacks.callbacks.fire import FIREReinit  # noqa: E402
 from plasticity_callbacks.callbacks.redo import ReDoMonitor  # noqa: E402
 from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
@@ -103,8 +103,8 @@ def test_dash_rows_and_redo_dead_neurons_in_the_trainer_log(tmp_path):
     proj = "transformer.h.1.attn.c_proj.weight"
     before, after = Snapshot("on_pre_optimizer_step", 2, [proj]), Snapshot("on_pre_optimizer_step", 2, [proj])
     alpha, rate, floor = -1.0, 0.1, 0.5  # alpha=-1: every row is shrunk a little, by its own cosine
-    dash = DASHShrink(rule="periodic", schedule=Schedule(steps=[2]), alpha=alpha, rate=rate, floor=floor,
-                      scope="attention", include=["*.1.attn.c_proj.*"], shrink_bias=False)
+    dash = DASHPeriodic(schedule=Schedule(steps=[2]), cosine_threshold=alpha, shrink_rate=rate, min_factor=floor,
+                        selection={"scope": "attention", "include": ["*.1.attn.c_proj.*"]}, shrink_bias=False)
     redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=2)
     trainer = make_trainer(tmp_path, model, before, dash, redo, after, max_steps=4)
     trainer.train()

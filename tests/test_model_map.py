@@ -376,3 +376,68 @@ def test_redo_says_which_units_it_cannot_recycle():
         assert find_neuron_layers(ConvZoo()) == []
     with pytest.warns(UserWarning, match=r"ReDo does not recycle the hidden units of \['lstm \(LSTM\)', 'gru \(GRU\)'"):
         find_neuron_layers(Recurrent())
+
+
+class GroupedQueryAttention(nn.Module):
+    """litgpt-style: ``qkv`` rows laid out ``[n_query_groups, q_per_kv + 2, head_size]``; needs a mask argument."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.qkv = nn.Linear(16, (4 + 2 * 2) * 4, bias=False)
+        self.proj = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, 2, 4, 4)  # (B, T, groups, q_per_kv + 2, hs)
+        q, k, v = qkv.split((2, 1, 1), dim=3)
+        q = q.reshape(B, T, 4, 4).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.expand(B, T, 2, 2, 4).reshape(B, T, 4, 4).transpose(1, 2) for t in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, 16))
+
+
+class TokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = type("Config", (), {"n_head": 4, "n_query_groups": 2})()
+        self.wte, self.attn, self.lm_head = nn.Embedding(10, 16), GroupedQueryAttention(config), nn.Linear(16, 10)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        return self.lm_head(self.attn(self.wte(idx), torch.ones(T, T, dtype=torch.bool).tril()))
+
+
+def test_a_litgpt_style_grouped_qkv_is_read_from_the_whole_models_forward():
+    model = TokenModel()
+    [qkv] = [t for t in select_targets(model) if t.name == "attn.qkv.weight"]
+    index = torch.arange(32).view(2, 4, 4)  # the forward's (groups, q_per_kv + 2, hs)
+    assert [(b.label, sorted(b.rows)) for b in qkv.blocks] == [
+        ("q", index[:, :2].flatten().tolist()), ("k", index[:, 2].flatten().tolist()),
+        ("v", index[:, 3].flatten().tolist())]
+    apply_fire(model, options=FIREOptions(method="svd"))
+    W = model.attn.qkv.weight.detach().view(2, 4, 4, 16)
+    for M in (W[:, :2], W[:, 2], W[:, 3]):
+        s = torch.linalg.svdvals(M.reshape(-1, 16).double())
+        scale = (M.reshape(-1, 16).shape[0] / 16) ** 0.5
+        torch.testing.assert_close(s, torch.full_like(s, scale), rtol=1e-5, atol=1e-6)
+    # a model the probe cannot run: FIRE names the grouped declaration, from the config's n_query_groups
+    with pytest.raises(ValueError, match=r"grouped_heads\(kv_groups=2, q_per_kv=2\)"):
+        apply_fire(TokenModelWithoutForward(), options=FIREOptions(method="svd"))
+
+
+class TokenModelWithoutForward(TokenModel):
+    def forward(self, idx, extra):
+        raise NotImplementedError
+
+
+def test_the_probe_reads_the_same_split_in_half_precision():
+    from model_zoo import LAYOUT_MODELS
+
+    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+    index = torch.arange(48).view(4, 3, 4)  # the forward's (heads, 3, head_dim)
+    expected = [(label, index[:, i].flatten().tolist()) for i, label in enumerate("qkv")]
+    for dtype in (torch.bfloat16, torch.float16):
+        model = LAYOUT_MODELS["gpt_neox"]().to(dtype)
+        [view] = [t for t in select_targets(model) if t.name == name]
+        assert [(b.label, sorted(b.rows)) for b in view.blocks] == expected, dtype

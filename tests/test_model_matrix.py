@@ -366,7 +366,7 @@ def test_an_unknown_split_is_refused_by_fire_with_the_declaration_and_treated_wh
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"interleaved_heads\(heads=4\)"):
         fit(MaskedModel(), [FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))])
-    for callback in (DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False),
+    for callback in (DASHShrink(n_batches=1, gradient_ema_weight=1.0, min_factor=0.3, shrink_bias=False),
                      AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0]), r_min=2,
                                        initial_rank=3, save_figure=False, log_per_matrix=False),
                      ShrinkPerturb(shrink=0.5, perturb=0.1, seed=1)):
@@ -400,7 +400,7 @@ def test_dash_and_adaptive_svd_act_on_grouped_transposed_and_recurrent_weights(f
     grads = {n: p.grad.detach().clone() for n, (_, p) in weights.items()}
     module.zero_grad()
     before = {n: p.detach().clone() for n, (_, p) in weights.items()}
-    fit(module, [DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+    fit(module, [DASHShrink(n_batches=1, gradient_ema_weight=1.0, min_factor=0.3, shrink_bias=False,
                             gradient_mode="train")])
     for name, (owner, param) in weights.items():
         W0, G = _out_in(name, owner, before[name]).double(), -_out_in(name, owner, grads[name]).double()
@@ -412,8 +412,9 @@ def test_dash_and_adaptive_svd_act_on_grouped_transposed_and_recurrent_weights(f
 
     module = Wrapped(family, lr=0.1)
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
-                               clobber_alignment=0.0, r_min=1, initial_rank=1, svd_dtype="float64",
-                               save_figure=False, log_per_matrix=False, exclude=["*up_grouped*"])
+                               thresholds={"clobber_alignment": 0.0}, r_min=1, initial_rank=1,
+                               svd={"dtype": "float64"}, save_figure=False, log_per_matrix=False,
+                               selection={"exclude": ["*up_grouped*"]})
     checked = []
 
     class Projected(L.Callback):
@@ -481,8 +482,24 @@ def test_dash_shrinks_a_probed_fused_qkv_row_by_row():
     param = dict(module.named_parameters())[name]
     W0, G = param.detach().clone().double(), -param.grad.detach().clone().double()
     module.zero_grad()
-    fit(module, [DASHShrink(rule="dash", n_batches=1, ema_alpha=1.0, lam=0.3, shrink_bias=False,
+    fit(module, [DASHShrink(n_batches=1, gradient_ema_weight=1.0, min_factor=0.3, shrink_bias=False,
                             gradient_mode="train")])
     factor = torch.nn.functional.cosine_similarity(G, W0, dim=-1).clamp(0.3, 1.0)
     torch.testing.assert_close(dict(module.named_parameters())[name].detach().double(), W0 * factor[:, None],
                                rtol=1e-4, atol=1e-6)
+
+
+def test_continual_backprop_replaces_a_fused_gate_up_unit_in_both_halves():
+    from plasticity_callbacks.callbacks.continual_backprop import ContinualBackprop
+
+    module = Wrapped("phi3")
+    callback = ContinualBackprop(replacement_rate=0.3, maturity_threshold=2, decay_rate=0.9, init="default")
+    snap = Snapshot()
+    fit(module, [snap, callback], steps=3)
+    [layer], [stats] = callback.layers, callback.stats
+    new = stats["age"] == 0
+    assert new.any() and not new.all()
+    W, W0 = layer.up.weight.detach(), snap.before["model.model.layers.0.mlp.gate_up_proj.weight"]
+    gate_changed, up_changed = (W != W0).any(1).chunk(2)  # the forward's chunk(2): gate rows, then up rows
+    assert torch.equal(gate_changed, new) and torch.equal(up_changed, new)
+    assert layer.down.weight.detach()[:, new].abs().sum() == 0

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.core.model_map import select_targets
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks.mlp import gated_hidden_width
 
@@ -97,7 +98,7 @@ def test_bad_block_name_names_the_field_and_choices():
 
 def test_projection_weights_have_roles():
     model = GPT(GPTConfig(**{**SMALL, "mlp": "swiglu"}))
-    found = {name: role for name, _, role in model.projection_weights()}
+    found = {t.name: t.role for t in select_targets(model)}
     assert found["blocks.0.attn.c_q.weight"] == "attention"
     assert found["blocks.1.attn.c_proj.weight"] == "attention"
     assert found["blocks.0.mlp.c_gate.weight"] == "mlp"

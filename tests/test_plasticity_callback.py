@@ -125,3 +125,18 @@ def test_a_bad_step_hook_and_a_bad_selection_are_named():
         Wrong()
     with pytest.raises(ValueError, match="HalveWeights selection"):
         HalveWeights(selection="mlp")
+
+
+def test_pipeline_summary_reads_each_methods_own_summary_metrics():
+    from plasticity_callbacks import FIREReinit, ReDoMonitor
+    from plasticity_callbacks.app.pipeline import format_table, summary_values
+
+    metrics = {"halve/norm": 1.5, "fire/dfi_before": 0.25, "fire/dfi_after": 0.0, "redo/dormant": 0.1, "x": 9.0}
+    summary = summary_values([HalveWeights(), FIREReinit(), object()], metrics)
+    assert summary == {"halve/norm": 1.5, "fire/dfi_before": 0.25, "fire/dfi_after": 0.0}
+    assert summary_values([ReDoMonitor()], {}) == {}  # not logged in this phase: no column value
+    table = format_table({"method": "m", "seed": 0, "phases": {"a": {"steps": 4, "summary": summary}}})
+    header, row = table.splitlines()[-2:]
+    assert header.split() == ["phase", "steps", "train", "loss", "val", "loss", "retention", "halve/norm",
+                              "fire/dfi_before", "fire/dfi_after", "minutes"]
+    assert row.split()[:2] == ["a", "4"] and "1.5" in row and "0.25" in row

@@ -120,3 +120,19 @@ def test_identical_groups_are_drawn_once_under_both_names(tmp_path):
     differs_elsewhere = run("warm", 1.5)
     differs_elsewhere.curves["train"] = {0: 3.1}  # same validation curve, another training curve: both drawn
     assert sorted(merge_identical({"redo": [run("redo", 1.5)], "warm": [differs_elsewhere]})) == ["redo", "warm"]
+
+
+def test_a_methods_summary_metrics_become_columns(sweep):
+    """A method names its summary values (PlasticityCallback.summary_metrics); the report adds them, no edit needed."""
+    for path in sorted(sweep.glob("*/pipeline.json")):
+        state = json.loads(path.read_text())
+        if state["method"] == "fire":
+            state["phases"]["sft"]["summary"] = {"fire/dfi_after": 0.5 + state["seed"]}
+            path.write_text(json.dumps(state))
+    text, _ = build_report(sweep)
+    header = next(line for line in text.splitlines() if "seeds" in line and line.startswith("| "))
+    assert [c.strip() for c in header.split("|")[1:-1]][-2:] == ["fire/dfi_after", "minutes"]
+    fire = next(line for line in text.splitlines() if line.startswith("| fire"))
+    assert [c.strip() for c in fire.split("|")[1:-1]][-2] == f"{1.5:.4f} ± {1.0:.4f}"
+    warm = next(line for line in text.splitlines() if line.startswith("| warm"))
+    assert [c.strip() for c in warm.split("|")[1:-1]][-2] == "-"

@@ -11,8 +11,9 @@ from plasticity_callbacks.core.model_map import Selection
 from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
-    POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, RankDeficientError, deviation_from_isometry, effective_rank,
-    orthogonalize, polar_express_coefficients, polar_from_gram, singular_value_summary, squared_frobenius_error, stable_rank,
+    POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, PolarOptions, RankDeficientError, choose_method,
+    deviation_from_isometry, effective_rank, orthogonalize, polar_express_coefficients, polar_from_gram,
+    singular_value_summary, squared_frobenius_error, stable_rank,
 )
 from tiny import TinyMLPModule, make_optimizer
 
@@ -48,6 +49,8 @@ METHOD_CONFIGS = {  # method, normalize, accepted relative error vs the exact po
     "pe_frobenius": ("polar_express", "frobenius", 5e-5),
     "pe_gram": ("polar_express", "gram", 5e-5),
     "svd": ("svd", None, 1e-5),
+    "eigh": ("eigh", None, 1e-5),
+    "auto": ("auto", None, 1e-5),
 }
 
 
@@ -56,22 +59,24 @@ METHOD_CONFIGS = {  # method, normalize, accepted relative error vs the exact po
 def test_each_method_matches_the_exact_polar_factor(kind, config):
     method, normalize, accepted = METHOD_CONFIGS[config]
     W = MATRICES[kind]()
-    Q, info = orthogonalize(W, method, normalize, return_info=True)
+    Q, info = orthogonalize(W, PolarOptions(method, normalize), return_info=True)
     assert Q.shape == W.shape and Q.dtype == W.dtype
     if kind == "ill_conditioned":  # float32 rounding alone moves the polar factor by ~eps·κ (κ = 1e4)
         accepted = 4e-4
     assert rel(Q, exact_polar(W)) < accepted
     assert float(deviation_from_isometry(Q)) < 1e-6 * min(W.shape)  # DfI ≈ 0 (Σ over min(m,n) σ's)
-    if method != "svd":
-        assert info.fell_back == 0 and 0 < info.iterations < 60 and info.error <= 1e-5
+    assert info.fell_back == 0
+    if method in ("newton_schulz", "polar_express"):
+        assert 0 < info.iterations < 60 and info.error <= 1e-5
 
 
 def test_float64_compute_is_near_exact_and_casts_back():
     W = torch.randn(50, 30, dtype=torch.float32)
-    Q = orthogonalize(W, "polar_express", tol=1e-12, dtype=torch.float64)
+    Q = orthogonalize(W, PolarOptions("polar_express", tol=1e-12, dtype="float64"))
     assert Q.dtype == torch.float32
-    Q64 = orthogonalize(W.double(), "newton_schulz", tol=1e-12, dtype=torch.float64)
-    assert rel(Q64, exact_polar(W)) < 1e-11
+    for method in ("newton_schulz", "eigh", "svd"):
+        options = PolarOptions(method, tol=1e-12 if method == "newton_schulz" else None, dtype="float64")
+        assert rel(orthogonalize(W.double(), options), exact_polar(W)) < 1e-11
 
 
 def low_rank(m, n, rank, dtype):
@@ -89,14 +94,14 @@ HARD_MATRICES = {  # the directions FIRE exists to restore are the weak ones: no
 
 
 @pytest.mark.parametrize("kind", list(HARD_MATRICES))
-@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd", "eigh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_always_a_full_isometry_and_a_nearest_one(kind, method, dtype, seed):
     torch.manual_seed(seed)
     W = HARD_MATRICES[kind]().to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 1e-11
-    Q = orthogonalize(W, method, tol=tol, dtype=dtype)
+    tol = (1e-5 if dtype == torch.float32 else 1e-11) if method in ("newton_schulz", "polar_express") else None
+    Q = orthogonalize(W, PolarOptions(method, tol=tol, dtype=str(dtype).removeprefix("torch.")))
     assert Q.dtype == dtype and torch.isfinite(Q).all()
     assert float(deviation_from_isometry(Q, dtype=torch.float64)) <= (1e-4 if dtype == torch.float32 else 1e-8)
     # Any completion of the null directions is a nearest isometry: ‖W − Q‖² = ‖W‖² − 2Σσ + n for all of
@@ -111,11 +116,11 @@ def test_always_a_full_isometry_and_a_nearest_one(kind, method, dtype, seed):
 
 def test_partial_isometry_is_an_explicit_option_of_the_svd_path():
     W = low_rank(64, 48, 10, torch.float64).float()
-    Q = orthogonalize(W, "svd", rcond=1e-4)
+    Q = orthogonalize(W, PolarOptions("svd", rcond=1e-4))
     assert rel(Q, exact_polar(W, rank=10)) < 1e-4
     assert torch.linalg.matrix_rank(Q.double(), rtol=1e-3) == 10
     with pytest.raises(ValueError, match="rcond"):
-        orthogonalize(W, "polar_express", rcond=1e-4)
+        PolarOptions("polar_express", rcond=1e-4)
 
 
 def test_polar_express_coefficients_equioscillate_on_their_interval():
@@ -137,7 +142,7 @@ def test_polar_express_coefficients_equioscillate_on_their_interval():
 def test_exact_zero_rows_stay_zero_in_the_iteration():
     W = torch.randn(40, 24)
     W[[3, 17, 30]] = 0.0  # dead neurons: zero is a fixed point of every odd polynomial
-    Q = orthogonalize(W, "polar_express", tol=None, iters=20)
+    Q = orthogonalize(W, PolarOptions("polar_express", steps=20))
     assert torch.equal(Q[[3, 17, 30]], torch.zeros(3, 24))
     assert rel(Q, exact_polar(W)) < 1e-4
 
@@ -147,17 +152,23 @@ def test_fixed_iteration_newton_schulz_is_the_reference_code():
     X = W / W.norm()
     for _ in range(5):  # isaac7778/FIRE: Frobenius normalization, cubic step, no epsilon
         X = 1.5 * X - 0.5 * X @ (X.T @ X)
-    Q, info = orthogonalize(W, "newton_schulz", "frobenius", iters=5, tol=None, return_info=True)
+    Q, info = orthogonalize(W, PolarOptions("newton_schulz", "frobenius", steps=5), return_info=True)
     assert torch.allclose(Q, X, atol=1e-6) and info.iterations == 5
     assert float(deviation_from_isometry(Q)) > 1e-3  # 5 steps do not reach an isometry (spec §1)
 
 
 def test_batched_equals_one_matrix_at_a_time():
     W = torch.randn(3, 2, 20, 12)
-    Q = orthogonalize(W, "polar_express")
-    for i in range(3):
-        for j in range(2):
-            assert rel(Q[i, j], exact_polar(W[i, j])) < 5e-5
+    W[1, 0, :, 7:] = 0.0  # exactly rank 7: this slice takes the SVD route, the others do not
+    for method in ("polar_express", "eigh", "svd"):
+        Q, info = orthogonalize(W, PolarOptions(method), return_info=True)
+        assert info.fell_back == (1 if method != "svd" else 0)
+        for i in range(3):
+            for j in range(2):
+                assert float(deviation_from_isometry(Q[i, j])) < 1e-8  # a full isometry, every slice
+                if (i, j) != (1, 0):
+                    assert rel(Q[i, j], exact_polar(W[i, j])) < 5e-5
+        assert rel(Q[1, 0, :, :7], exact_polar(W[1, 0, :, :7])) < 1e-5  # U Vᵀ on the range, completed beyond
 
 
 def test_zero_matrix_is_skipped_with_a_warning_or_raises():
@@ -165,7 +176,7 @@ def test_zero_matrix_is_skipped_with_a_warning_or_raises():
         Q = orthogonalize(torch.zeros(16, 8))
     assert torch.equal(Q, torch.zeros(16, 8))
     with pytest.raises(DegenerateMatrixError):
-        orthogonalize(torch.zeros(16, 8), on_degenerate="raise")
+        orthogonalize(torch.zeros(16, 8), PolarOptions(on_degenerate="raise"))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -173,22 +184,29 @@ def test_non_finite_slices_are_untouched_and_others_solved(bad):
     W = torch.randn(3, 16, 8)
     W[1, 2, 3] = bad
     with pytest.warns(UserWarning, match="NaN/Inf"):
-        Q, info = orthogonalize(W, "polar_express", return_info=True)
+        Q, info = orthogonalize(W, PolarOptions("polar_express"), return_info=True)
     assert info.skipped == 1
     assert torch.equal(Q[1].isnan(), W[1].isnan()) and torch.isfinite(Q[[0, 2]]).all()
     assert rel(Q[0], exact_polar(W[0])) < 5e-5
 
 
-def test_invalid_arguments_name_the_argument():
-    W = torch.randn(8, 4)
-    for kwargs, name in [({"method": "qr"}, "method"), ({"normalize": "l1"}, "normalize"),
-                         ({"method": "polar_express", "normalize": "spectral"}, "spectral"),
-                         ({"tol": 0}, "tol"), ({"check_every": 0}, "check_every"), ({"iters": -1}, "iters"),
-                         ({"dtype": torch.float16}, "dtype"), ({"on_degenerate": "ignore"}, "on_degenerate")]:
+def test_invalid_options_name_the_option():
+    pe = {"method": "polar_express"}
+    for kwargs, name in [({"method": "qr"}, "method"), ({**pe, "normalize": "l1"}, "normalize"),
+                         ({"normalize": "gram"}, "normalize='gram'.*iterative"),
+                         ({**pe, "normalize": "spectral"}, "spectral"), ({**pe, "tol": 0}, "tol"),
+                         ({"tol": 1e-5}, "tol=1e-05 applies to the iterative"), ({**pe, "check_every": 0}, "check_every"),
+                         ({**pe, "steps": -1}, "steps=-1"), ({**pe, "max_steps": 2.5}, "max_steps=2.5"),
+                         ({**pe, "steps": 5, "max_steps": 9}, "steps=5 is a fixed count"),
+                         ({**pe, "steps": 5, "tol": 1e-3}, "give one or the other"),
+                         ({"dtype": "float16"}, "dtype"), ({"dtype": torch.float32}, "dtype"),
+                         ({"on_degenerate": "ignore"}, "on_degenerate"), ({"rcond": 0.1}, "rcond")]:
         with pytest.raises(ValueError, match=name):
-            orthogonalize(W, **kwargs)
+            PolarOptions(**kwargs)
     with pytest.raises(ValueError, match="matrix"):
         orthogonalize(torch.randn(5))
+    with pytest.raises(ValueError, match="must be a PolarOptions"):
+        orthogonalize(torch.randn(5, 3), {"method": "svd"})
 
 
 def test_diagnostics_match_their_svd_definitions():
@@ -324,12 +342,12 @@ def test_optimizer_reset_touches_exactly_the_fired_parameters(optimizer):
     assert all(p in o.state for o in leaves for g in o.param_groups for p in g["params"])
 
 
-@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd", "eigh"])
 @pytest.mark.parametrize("magnitude", [1e-25, 1e-15, 1e15, 1e20])
 def test_polar_factor_is_scale_invariant_at_extreme_magnitudes(method, magnitude):
     W = torch.randn(48, 32)
-    for normalize in ((None,) if method == "svd" else ("frobenius", "gram")):
-        Q = orthogonalize(W * magnitude, method, normalize=normalize)
+    for normalize in ((None,) if method in ("svd", "eigh") else ("frobenius", "gram")):
+        Q = orthogonalize(W * magnitude, PolarOptions(method, normalize))
         assert torch.isfinite(Q).all() and rel(Q, exact_polar(W)) < 5e-5
 
 
@@ -353,7 +371,7 @@ def test_apply_fire_refuses_a_scale_that_is_not_a_positive_finite_number(scale):
         FIREOptions(scale=scale)
 
 
-@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd"])
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "svd", "eigh", "auto"])
 def test_apply_fire_restores_weak_directions_of_a_trained_like_layer(method):
     """A Gaussian layer whose input directions were damped down to 1e-2 (condition number ~1e4):
     every direction comes back at the target scale, and the result is the nearest isometry."""

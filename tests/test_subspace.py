@@ -170,3 +170,17 @@ def test_svd_triplets_randomized_matches_full_and_keeps_global_rng(device):
     assert full.U.dtype == torch.float64 and isinstance(full, SVD)
     with pytest.raises(ValueError, match="'lowrank' is now called 'randomized'"):
         svd_triplets(W, "lowrank")
+
+
+def test_overhead_benchmark_drives_the_switch_through_real_hooks():
+    """benchmarks/adaptive_svd_overhead.py times SVD cycles that really ran inside trainer.fit (a wrapper
+    that skipped the switch's on_train_start / on_train_batch_start measured none)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from adaptive_svd_overhead import measure
+
+    result = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16)
+    assert result["cycles"] >= 1 and result["matrices"] == 6  # Q, K, V, attention out, MLP in and out
+    assert result["cycle"] > 0 and result["projection"] > 0 and 0 < result["share"] < math.inf

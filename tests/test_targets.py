@@ -99,3 +99,12 @@ def test_zero_slices_zeroes_rows_and_keeps_the_rest(optimizer_name):
     if "step" in before:
         assert torch.equal(torch.as_tensor(opt.state[w]["step"]), torch.as_tensor(before["step"]))
     assert isinstance(opt, CombinedOptimizer) == (optimizer_name == "muon")
+
+
+def test_select_targets_takes_a_selection_or_a_mapping_and_names_anything_else():
+    model = TinyMLPModule()
+    assert [t.name for t in select_targets(model, {"include": ["net.0.*"]})] == ["net.0.weight"]
+    with pytest.raises(ValueError, match="select_targets selection='mlp' must be a Selection"):
+        select_targets(model, "mlp")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['scopes'\]"):
+        select_targets(model, {"scopes": "mlp"})

@@ -56,7 +56,7 @@ from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
-METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "reinit_weights"}
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer"}
 STATE_FILE = "pipeline.json"
 
 
@@ -195,6 +195,7 @@ STATE_SCHEMA = {
                 "steps": {"type": "integer", "minimum": 1},
                 "step_offset": {"type": "integer", "minimum": 0},
                 "metrics": {"type": "object", "additionalProperties": NUMBER_OR_NULL},
+                "summary": {"type": "object", "additionalProperties": NUMBER_OR_NULL},
                 "checkpoint": {"type": "string"},
                 **{key: NUMBER_OR_NULL for key in ("train_loss", "val_loss_before", "val_loss", "retention_loss",
                                                   "dormant_fraction", "dfi_before", "dfi_after", "minutes")},
@@ -381,14 +382,12 @@ class Pipeline:
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)
         callbacks = instantiate_callbacks(phase.callbacks)
-        reinit = phase.index > 0 and bool(self.method.get("reinit_weights", False))
         if previous is not None and resume_from is None:
             saved = load_checkpoint(Path(previous))
             if previous_phase is not None:  # this run's previous phase, not a copy of another phase's file
                 ResumeGuard(phase=previous_phase).check_origin(saved, str(previous), compare_config=False)
-            if not reinit:
-                module.load_state_dict(saved["state_dict"])
-            if phase.carry_optimizer and not reinit:
+            module.load_state_dict(saved["state_dict"])
+            if phase.carry_optimizer:
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
         # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
@@ -428,7 +427,7 @@ class Pipeline:
             "val_loss_before": guard.carried.get("val_loss_before"), "val_loss": after.get("val/loss"),
             "retention_loss": after.get("val/loss") if phase.index == 0 else after.get(f"retention/{first}/loss"),
             "dormant_fraction": metrics.get("redo/dormant"),
-            "dfi_before": first_metric(metrics, "fire/dfi_before"), "dfi_after": first_metric(metrics, "fire/dfi_after"),
+            "summary": summary_values(trainer.callbacks, metrics),
             "minutes": (time.perf_counter() - started) / 60,
             "metrics": metrics, "log_dir": logger.log_dir if hasattr(logger, "log_dir") else None,
             "checkpoint": str(self.final_checkpoint(phase)),
@@ -467,6 +466,13 @@ def merged(results: list[dict[str, float]]) -> dict[str, float]:
     return {key: float(value) for result in results for key, value in result.items()}
 
 
+def summary_values(callbacks, metrics: dict[str, float]) -> dict[str, float]:
+    """What each plasticity method names as its summary (``summary_metrics``), as this phase logged it."""
+    names = dict.fromkeys(name for callback in callbacks for name in getattr(callback, "summary_metrics", ()))
+    values = {name: first_metric(metrics, name) for name in names}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def first_metric(metrics: dict[str, float], prefix: str) -> float | None:
     """The metric named ``prefix`` or, failing that, its ``/mean`` variant."""
     for key in (prefix, f"{prefix}/mean", f"{prefix}_mean"):
@@ -477,14 +483,15 @@ def first_metric(metrics: dict[str, float], prefix: str) -> float | None:
 
 def format_table(state: dict[str, Any]) -> str:
     """The end-of-run table: one row per phase."""
+    summaries = dict.fromkeys(name for row in state["phases"].values() for name in row.get("summary", {}))
     columns = [("phase", None), ("steps", "steps"), ("train loss", "train_loss"), ("val loss", "val_loss"),
-               ("retention", "retention_loss"), ("dormant", "dormant_fraction"), ("DfI before", "dfi_before"),
-               ("DfI after", "dfi_after"), ("minutes", "minutes")]
+               ("retention", "retention_loss"), *((name, name) for name in summaries), ("minutes", "minutes")]
 
     def cell(value) -> str:
         return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
-    rows = [[name] + [cell(row.get(key)) for _, key in columns[1:]] for name, row in state["phases"].items()]
+    rows = [[name] + [cell({**row, **row.get("summary", {})}.get(key)) for _, key in columns[1:]]
+            for name, row in state["phases"].items()]
     widths = [max(len(c[0]), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     lines = ["  ".join(h.ljust(w) for (h, _), w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]

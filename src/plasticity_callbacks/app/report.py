@@ -2,7 +2,8 @@
 
 Finds every run under ``RUN_DIR``: pipeline runs (a ``pipeline.json``, e.g. each job of
 ``plasticity-train -m experiment=continual_pretrain +method=warm,fire seed=0,1,2``) and single
-fits (``~experiment``: a ``logs/metrics.csv`` next to Hydra's ``.hydra/``). Runs that differ only
+fits (``~experiment``: a ``logs/metrics.csv``, or TensorBoard event files under ``tensorboard/``, next to
+Hydra's ``.hydra/``). Runs that differ only
 in the seed form one group; a group is labelled by what varies across the sweep (the method,
 ``optimizer.lr=...``), while the settings every run shares are listed once in ``report.md``.
 Writes into ``RUN_DIR/report/`` (or ``--out``):
@@ -22,7 +23,6 @@ Other reports reuse :func:`summarize`/:func:`markdown_table` (the mean ± std ta
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import re
@@ -31,6 +31,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .metric_logs import has_metrics, read_rows
 
 COLUMNS = [("new-phase val loss", "val_loss"), ("retention loss", "retention_loss"),
            ("dormant fraction", "dormant_fraction"), ("minutes", "minutes")]
@@ -70,11 +72,11 @@ def read_overrides(run_dir: Path) -> dict[str, str]:
     return found
 
 
-def metrics_files(run: Run) -> dict[str, Path]:
-    """Phase name -> its metrics.csv (a single fit logs to ``logs/metrics.csv``)."""
+def phase_rows(run: Run) -> dict[str, list[dict[str, float]]]:
+    """Phase name -> its logged rows, from CSV or TensorBoard (a single fit: one phase, ``fit``)."""
     if run.state.get("single_fit"):
-        return {"fit": run.path / "logs" / "metrics.csv"}
-    return {name: run.path / "logs" / name / "metrics.csv" for name in run.state["phases"]}
+        return {"fit": read_rows(run.path, None)}
+    return {name: read_rows(run.path, name) for name in run.state["phases"]}
 
 
 def read_curves(run: Run) -> dict[str, dict[int, float]]:
@@ -83,27 +85,24 @@ def read_curves(run: Run) -> dict[str, dict[int, float]]:
     state = run.state
     first = (state.get("phase_order") or list(state["phases"]))[0]
     curves: dict[str, dict[int, float]] = defaultdict(dict)
-    for name, path in metrics_files(run).items():
-        if not path.is_file():
-            continue
+    for name, rows in phase_rows(run).items():
         offset = int(state["phases"][name].get("step_offset", 0))
         retention_key = "val/loss" if name == first else f"retention/{first}/loss"
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                step = int(row["step"]) + offset
-                for curve, key in (("val", "val/loss"), ("retention", retention_key), ("dormant", "redo/dormant"),
-                                   ("train", "train/loss")):
-                    if row.get(key):
-                        curves[curve][step] = float(row[key])
+        for row in rows:
+            step = int(row["step"]) + offset
+            for curve, key in (("val", "val/loss"), ("retention", retention_key), ("dormant", "redo/dormant"),
+                               ("train", "train/loss")):
+                if key in row:
+                    curves[curve][step] = float(row[key])
     if state.get("single_fit"):
         curves.pop("retention", None)  # the same numbers as "val"
     return dict(curves)
 
 
 def single_fit_state(run_dir: Path) -> tuple[str, int, dict] | None:
-    """A single fit's (method, seed, one-phase state) from its Hydra config and metrics.csv."""
-    config, metrics = run_dir / ".hydra" / "config.yaml", run_dir / "logs" / "metrics.csv"
-    if not (config.is_file() and metrics.is_file()):
+    """A single fit's (method, seed, one-phase state) from its Hydra config and logged metrics (CSV or TensorBoard)."""
+    config = run_dir / ".hydra" / "config.yaml"
+    if not (config.is_file() and has_metrics(run_dir)):
         return None
     import yaml
 
@@ -111,10 +110,9 @@ def single_fit_state(run_dir: Path) -> tuple[str, int, dict] | None:
     names = sorted(k for k, v in (cfg.get("callbacks") or {}).items() if v)
     last: dict[str, float] = {}
     steps = 0
-    with metrics.open(newline="") as f:
-        for row in csv.DictReader(f):
-            steps = max(steps, int(row["step"]))
-            last.update({k: float(v) for k, v in row.items() if v and k not in ("epoch", "step")})
+    for row in read_rows(run_dir, None):
+        steps = max(steps, int(row["step"]))
+        last.update({k: float(v) for k, v in row.items() if k not in ("epoch", "step")})
     phase = {"index": 0, "steps": steps, "step_offset": 0, "val_loss": last.get("val/loss"),
              "retention_loss": None, "dormant_fraction": last.get("redo/dormant"), "minutes": None}
     method = "+".join(names) if names else "no callbacks"
@@ -130,8 +128,8 @@ def find_runs(root: Path) -> list[Run]:
         if state.get("phases"):
             runs.append(Run(state_file.parent, state["method"], int(state["seed"]), state))
     pipeline_dirs = {r.path for r in runs}
-    for metrics in sorted(root.rglob("logs/metrics.csv")):
-        run_dir = metrics.parent.parent
+    single_fits = {config.parent.parent for config in root.rglob(".hydra/config.yaml")}
+    for run_dir in sorted(single_fits):
         if run_dir not in pipeline_dirs and (found := single_fit_state(run_dir)) is not None:
             runs.append(Run(run_dir, found[0], found[1], found[2]))
     for run in runs:
@@ -166,7 +164,15 @@ def groups_of(runs: list[Run]) -> dict[str, list[Run]]:
 # ------------------------------------------------------------------------------ the table
 
 def last_phase(run: Run) -> dict:
-    return list(run.state["phases"].values())[-1]
+    """The run's last phase, with each method's summary values (``summary_metrics``) as columns of their own."""
+    phase = list(run.state["phases"].values())[-1]
+    return {**phase, **phase.get("summary", {})}
+
+
+def summary_columns(runs: list[Run]) -> list[tuple[str, str]]:
+    """One column per summary metric any run's methods named (e.g. ``fire/dfi_after``), in first-seen order."""
+    names = dict.fromkeys(name for r in runs for name in list(r.state["phases"].values())[-1].get("summary", {}))
+    return [(name, name) for name in names]
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -427,13 +433,13 @@ def plot_curves(runs: list[Run], out: Path) -> list[Path]:
 def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     runs = find_runs(root)
     if not runs:
-        raise FileNotFoundError(f"no runs under {root}: neither a pipeline.json nor a logs/metrics.csv "
-                                "next to .hydra/")
+        raise FileNotFoundError(f"no runs under {root}: neither a pipeline.json nor logged metrics (logs/metrics.csv "
+                                "or tensorboard/ event files) next to .hydra/")
     shared = label_runs(runs)
     out = out or root / "report"
     out.mkdir(parents=True, exist_ok=True)
     single = all(r.state.get("single_fit") for r in runs)
-    columns = SINGLE_FIT_COLUMNS if single else COLUMNS
+    columns = SINGLE_FIT_COLUMNS if single else [*COLUMNS[:-1], *summary_columns(runs), COLUMNS[-1]]
     table = markdown_table(summarize(runs, columns), columns)
     figures = plot_curves(runs, out)
     phases = " → ".join(runs[0].state.get("phase_order") or runs[0].state["phases"])

@@ -26,6 +26,7 @@ from ..core.checkpoints import CheckpointError, RunInterrupted, VerifiedCheckpoi
 from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
+from .callback_checks import check_callbacks
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
 from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics
@@ -124,7 +125,8 @@ def report_outputs(run_dir: Path) -> None:
     try:
         _, figures = build_report(run_dir)
         lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
-        lines += [f"  figures      {p}" for p in sorted(run_dir.glob("logs/**/figures/*.png"))]
+        lines += [f"  figures      {p}" for folder in ("logs", "tensorboard")
+                  for p in sorted(run_dir.glob(f"{folder}/**/figures/*.png"))]
     except FileNotFoundError as err:  # nothing logged (e.g. zero steps): no figures to draw
         lines.append(f"  figures      none ({err})")
     except Exception as err:  # the run's results are saved; a figure that fails must not hide them
@@ -138,6 +140,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     configure_run_output()
     try:
         check_config(cfg, task_overrides())
+        check_callbacks(cfg)
         run_dir = Path(cfg.paths.output_dir)
         rank_zero_info(f"run directory: {run_dir} (train.log, logs/, checkpoints/, report/)")
         if cfg.get("phases"):

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ..core import factorization
 from ..core.arguments import build_options, check_int, check_number
 from ..core.distributed import MisconfigurationException
-from ..core.figures import save_figure
+from ..core.figures import can_draw, save_figure
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
@@ -193,7 +193,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         grouped_transposed = [t.name for t in targets if t.transposed and t.groups > 1]
         if grouped_transposed:
             raise ValueError(f"AdaptiveSVDSwitch: {grouped_transposed} are grouped transposed convolutions, whose "
-                             "(out, in) matrix is not a view of the stored kernel; exclude them (exclude=[...])")
+                             "(out, in) matrix is not a view of the stored kernel; exclude them "
+                             "(selection={'exclude': [...]})")
         for t in targets:
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split
@@ -375,7 +376,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.save_figure or not self.history:
+        if not self.save_figure or not self.history or not can_draw("AdaptiveSVDSwitch", "save_figure"):
             return
         sizes = {m.target.name: m.g for m in self.matrices}
         path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")

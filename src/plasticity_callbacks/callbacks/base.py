@@ -33,15 +33,15 @@ class PlasticityCallback(L.Callback):
         default_schedule: the schedule when none is given (None: the method needs no schedule).
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
-        optional_state_types: keys :meth:`extra_state` may leave out (e.g. added in a later version).
+        optional_state_types: keys :meth:`extra_state` may leave out, with their types.
         logs_events: write each act's metrics once, straight to the trainer's loggers at the current
             step, instead of through ``pl_module.log`` (whose step values repeat in every later row
             of the epoch): one row per act, for methods whose metrics only mean something then.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
-        selection: which weights (a :class:`Selection` or a mapping of its fields); None: the
-            method does not select weights (no target check at setup).
+        selection: which weights (a :class:`Selection`; a subclass builds it from a mapping with
+            ``Selection.build``); None: the method does not select weights (no target check at setup).
 
     Example:
         >>> class HalveWeights(PlasticityCallback):

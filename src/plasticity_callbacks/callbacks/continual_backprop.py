@@ -9,7 +9,7 @@ from torch import nn
 
 from ..core.arguments import check_int, check_number
 from ..core.distributed import all_reduce_mean, rank_identical_generator
-from ..core.model_map import NeuronLayer, find_neuron_layers, is_conv1d, validate_patterns
+from ..core.model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
 from ..core.optimizer_state import zero_optimizer_state_slices
 from ..functional import continual_backprop as cbp
 from .base import PlasticityCallback
@@ -22,8 +22,8 @@ class ContinualBackprop(PlasticityCallback):
     **Units** are the model map's neuron layers (:func:`~plasticity_callbacks.core.model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
     BERT), or an explicit ``layer_map``. **Collects** in a forward pre-hook on each ``down`` layer (training
-    forwards only; with gradient accumulation, the step's last micro-batch) the batch mean ``E[h_i]`` and
-    ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end``, after the optimizer step, as the reference runs
+    forwards only; with gradient accumulation, the optimizer step's last micro-batch) the batch mean ``E[h_i]`` and
+    ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end`` of each batch whose optimizer stepped, as the reference runs
     generate-and-test after ``opt.step()``: the statistics of
     :mod:`plasticity_callbacks.functional.continual_backprop` are updated with the weight magnitudes after
     the step, and the chosen units get incoming rows from ``U(±bound(fan_in))`` (``init``; a gate's rows
@@ -89,13 +89,14 @@ class ContinualBackprop(PlasticityCallback):
         self.utility, self.init, self.bias_correction, self.seed = utility, init, bias_correction, seed
         self.layer_map = None if layer_map is None else {k: v for k, v in layer_map.items()}
         self.exclude = None if exclude is None else list(exclude)
-        self.layers: list[NeuronLayer] = []
+        self.layers: list[HiddenUnits] = []
         self.stats: list[dict[str, torch.Tensor]] = []  # per layer: util, mean, age
         self.carry: list[float] = []  # per layer: fractional replacements owed
         self.replaced = 0
         self._batch: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: (E[h], E|h - f̂|) of this step
         self._pending: dict | None = None
         self._hooks: list = []
+        self._last_step = -1
 
     @property
     def state_key(self) -> str:
@@ -127,6 +128,10 @@ class ContinualBackprop(PlasticityCallback):
             self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
         rank_zero_info(f"ContinualBackprop watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_step = trainer.global_step
+
     def on_fit_end(self, trainer, pl_module) -> None:
         self._remove_hooks()
 
@@ -155,8 +160,9 @@ class ContinualBackprop(PlasticityCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if not pl_module.training:
+        if not pl_module.training or trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
             return
+        self._last_step = trainer.global_step
         missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None]
         if missing:
             raise RuntimeError(f"ContinualBackprop saw no activations of {missing} in this training step: their forward "
@@ -172,7 +178,7 @@ class ContinualBackprop(PlasticityCallback):
             unit_mean = cbp.corrected_mean(stats["mean"], batch_mean, stats["age"], self.decay)
             stats["util"], stats["mean"], corrected = cbp.update_statistics(
                 stats["util"], stats["mean"], stats["age"], self.decay, activity, batch_mean,
-                _outgoing_magnitude(layer), _rows(layer.up).abs().flatten(1).float().mean(1), self.utility)
+                _outgoing_magnitude(layer), _incoming_magnitude(layer), self.utility)
             chosen.append((corrected, unit_mean))
         count = 0
         for index, (layer, stats, (corrected, unit_mean)) in enumerate(zip(self.layers, self.stats, chosen)):
@@ -188,14 +194,16 @@ class ContinualBackprop(PlasticityCallback):
         pl_module.log("cbp/replaced", float(self.replaced), on_step=True, on_epoch=False)
 
     @torch.no_grad()
-    def _replace(self, trainer, layer: NeuronLayer, units: torch.Tensor, unit_mean: torch.Tensor, generator) -> None:
+    def _replace(self, trainer, layer: HiddenUnits, units: torch.Tensor, unit_mean: torch.Tensor, generator) -> None:
         for incoming in (layer.up, layer.gate):
             if incoming is None:
                 continue
             rows = _rows(incoming)
-            new = cbp.draw_rows(len(units), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
-            cbp.redraw_incoming_(rows, getattr(incoming, "bias", None), units, new)
-            mask = _mask(units, rows.shape[0])
+            # a fused [gate | up] layer: the unit is its row in each half
+            picked = torch.cat([units, units + layer.width]) if layer.fused_gate else units
+            new = cbp.draw_rows(len(picked), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
+            cbp.redraw_incoming_(rows, getattr(incoming, "bias", None), picked, new)
+            mask = _mask(picked, rows.shape[0])
             zero_optimizer_state_slices(trainer.optimizers, incoming.weight, mask, dim=int(is_conv1d(incoming)))
             if getattr(incoming, "bias", None) is not None:
                 zero_optimizer_state_slices(trainer.optimizers, incoming.bias, mask, dim=0)
@@ -252,7 +260,13 @@ def _mask(indices: torch.Tensor, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.bool, device=indices.device).index_fill_(0, indices, True)
 
 
-def _outgoing_magnitude(layer: NeuronLayer) -> torch.Tensor:
+def _incoming_magnitude(layer: HiddenUnits) -> torch.Tensor:
+    """``mean |w_in[i, :]|`` per unit ``i`` (a fused [gate | up] layer: over the unit's row in both halves)."""
+    rows = _rows(layer.up).detach().abs().flatten(1).float().mean(1)
+    return rows.view(2, layer.width).mean(0) if layer.fused_gate else rows
+
+
+def _outgoing_magnitude(layer: HiddenUnits) -> torch.Tensor:
     """``mean_k |w_out[k, i]|`` per unit ``i``, over ``down``'s outputs, kernel taps and the unit's positions."""
     down = _rows(layer.down).detach().abs().float()
     reads = down.movedim(1, 0).flatten(1).mean(1)  # (reads,)

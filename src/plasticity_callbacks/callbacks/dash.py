@@ -334,8 +334,11 @@ def _muted_logging(pl_module):
     def silent(*args, **kwargs):
         return None
 
-    pl_module.log, pl_module.log_dict = silent, silent  # instance attributes shadow the methods
+    # Instance attributes shadow the methods; ones already there (an adapter's, e.g. the HF Trainer's) come back after.
+    shadowed = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+    pl_module.log, pl_module.log_dict = silent, silent
     try:
         yield
     finally:
         del pl_module.log, pl_module.log_dict
+        pl_module.__dict__.update(shadowed)

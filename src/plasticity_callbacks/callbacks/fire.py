@@ -12,8 +12,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ..core.apply_fire import apply_fire
 from ..core.arguments import build_options, check_int
 from ..core.callback_state import OPTIONAL_INT
-from ..core.distributed import all_reduce_mean
-from ..core.model_map import Selection
+from ..core.distributed import all_reduce_mean, require_full_parameters
+from ..core.model_map import Selection, refuse_unknown_splits, select_targets
 from ..core.optimizer_state import leaf_optimizers
 from ..core.schedule import Schedule
 from ..functional.isometry import FIREOptions, FireRecord
@@ -37,7 +37,9 @@ class FIREReinit(PlasticityCallback):
     ``fire/sfe``, ``fire/sfe_normalized``, ``fire/seconds`` (rank mean), ``fire/applications``,
     ``fire/layers``, and per layer with ``log_per_layer``. ``save_spectra`` saves singular-value
     spectra before/after as a figure in the logger's directory.
-    Every rank computes the same deterministic result; sharded strategies are refused at setup.
+    Every rank computes the same deterministic result; under FSDP2 (``ModelParallelStrategy``) each rank
+    writes its own rows of the polar factor from an all-reduced Gram matrix
+    (:mod:`~plasticity_callbacks.core.sharding`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
@@ -83,6 +85,11 @@ class FIREReinit(PlasticityCallback):
         return self._generate_state_key(scope=self.selection.scope, method=self.options.method,
                                         schedule=self.schedule.describe())
 
+    def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Also refuse, at setup, a fused matrix whose Q/K/V rows the model map could not read."""
+        super().check_targets(trainer, pl_module)
+        refuse_unknown_splits(select_targets(pl_module, self.selection), self.owner)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.rewarmup_steps:
             self._install_rewarmup_hooks(trainer)
@@ -100,6 +107,9 @@ class FIREReinit(PlasticityCallback):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.history = list(state["history"])
         self.warmup_start = state["warmup_start"]
+
+    def check_strategy(self, trainer: L.Trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2 shards: core.sharding
 
     def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
         with warnings.catch_warnings(record=True) as caught:
@@ -141,7 +151,10 @@ class FIREReinit(PlasticityCallback):
         return summary
 
     def _save_spectra(self, trainer: L.Trainer, name: str, records: list[FireRecord], reason: str) -> None:
-        from ..core.figures import save_figure
+        from ..core.figures import can_draw, save_figure
+
+        if not can_draw("FIREReinit", "save_spectra"):
+            return
 
         fig = spectra_figure(records, f"FIRE at {reason} (step {trainer.global_step}): singular values of each "
                                       "treated weight")

@@ -22,9 +22,11 @@ class HareTortoise(PlasticityCallback):
     ``on_train_batch_end`` after every optimizer step: ``θ_T ← η·θ_T + (1-η)·θ_H`` (it starts as the hare
     at the first fit). When the ``schedule`` is due (default every 1000 steps; task boundaries are the
     usual alternative), the hare is reset to the tortoise: ``θ_H ← θ_T``; ``reset_optimizer`` also drops
-    the optimizer state of the reset parameters. The hare keeps training and is the network that is
-    evaluated; the tortoise is the store of slowly consolidated knowledge. Buffers (BatchNorm statistics)
-    are the hare's. Deterministic, so identical on every DDP rank; the tortoise is in ``state_dict``.
+    the optimizer state of the reset parameters. The tortoise is the network evaluated, as in the paper:
+    with ``evaluate_tortoise`` its weights are swapped in for Lightning's validation and test loops
+    (``on_validation_start``/``on_test_start``) and the hare's swapped back at their end; an evaluation
+    that runs inside training hooks (a task stream's TaskMetrics) sees the hare. Buffers (BatchNorm
+    statistics) are the hare's. Deterministic, so identical on every DDP rank; the tortoise is in ``state_dict``.
     Logs ``hare_tortoise/distance`` (``‖θ_H - θ_T‖`` just before a reset).
 
     Args:
@@ -32,6 +34,7 @@ class HareTortoise(PlasticityCallback):
         schedule: when the hare is reset to the tortoise (a Schedule or a mapping of its fields);
             None: ``Schedule(every_n_steps=1000)``.
         reset_optimizer: also drop the optimizer state of the reset parameters.
+        evaluate_tortoise: run Lightning's validation and test loops on the tortoise's weights.
         selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
             parameter names) of the parameters in the pair; None: every trainable parameter.
 
@@ -46,12 +49,14 @@ class HareTortoise(PlasticityCallback):
     extra_state_types = {"names": list, "tortoise": list, "resets": int}
 
     def __init__(self, decay: float = 0.999, schedule: Schedule | Mapping | None = None, reset_optimizer: bool = False,
-                 selection: Selection | Mapping | None = None):
+                 evaluate_tortoise: bool = True, selection: Selection | Mapping | None = None):
         check_number("decay", decay, 0.0, 0.999999999, "(paper: 0.999)")
-        if not isinstance(reset_optimizer, bool):
-            raise ValueError(f"HareTortoise reset_optimizer={reset_optimizer!r} must be true or false")
+        for name, value in (("reset_optimizer", reset_optimizer), ("evaluate_tortoise", evaluate_tortoise)):
+            if not isinstance(value, bool):
+                raise ValueError(f"HareTortoise {name}={value!r} must be true or false")
         super().__init__(schedule, name_selection(selection, "HareTortoise"))
-        self.decay, self.reset_optimizer = float(decay), reset_optimizer
+        self.decay, self.reset_optimizer, self.evaluate_tortoise = float(decay), reset_optimizer, evaluate_tortoise
+        self._hare_saved: list[torch.Tensor] | None = None  # the hare's weights while the tortoise is evaluated
         self.names: list[str] = []
         self.tortoise: list[torch.Tensor] = []
         self.resets = 0
@@ -88,6 +93,33 @@ class HareTortoise(PlasticityCallback):
             self._last_step = trainer.global_step
             ema_toward_(self.tortoise, self._hare, self.decay)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @torch.no_grad()
+    def _swap_in_tortoise(self) -> None:
+        if self.evaluate_tortoise and self._hare and self._hare_saved is None:
+            self._hare_saved = [h.detach().clone() for h in self._hare]
+            for hare, tortoise in zip(self._hare, self.tortoise):
+                hare.copy_(tortoise)
+
+    @torch.no_grad()
+    def _swap_back_hare(self) -> None:
+        if self._hare_saved is not None:
+            for hare, saved in zip(self._hare, self._hare_saved):
+                hare.copy_(saved)
+            self._hare_saved = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._swap_in_tortoise()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._swap_back_hare()  # before a plateau trigger may reset the hare
+        super().on_validation_end(trainer, pl_module)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._swap_in_tortoise()
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._swap_back_hare()
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
         with torch.no_grad():

@@ -1,9 +1,10 @@
-"""``L2Init``: regenerative regularization, a pull ``λ‖θ - θ₀‖²`` toward the initial parameters."""
+"""``L2Init``: regenerative regularization, a pull ``(λ/2)‖θ - θ₀‖²`` toward the initial parameters."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
@@ -12,37 +13,45 @@ from ..core.parameter_patterns import matching_parameters, name_selection
 from ..functional.anchors import l2_init_grad_
 from .base import PlasticityCallback
 
+NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
 
 class L2Init(PlasticityCallback):
-    """L2-Init (Kumar, Marklund & Van Roy, 2023): training minimizes ``loss + λ‖θ - θ₀‖²``.
+    """L2-Init (Kumar, Marklund & Van Roy, 2023): training minimizes ``loss + (λ/2)‖θ - θ₀‖²``.
 
     The user's ``training_step`` is unchanged: in ``on_before_optimizer_step`` (gradients are then
     complete, all-reduced under DDP and unscaled under mixed precision, and gradient clipping has not
     run yet, so the term is clipped with the loss's gradient as it would be inside the loss) every
-    selected parameter's gradient gets ``2λ(θ - θ₀)``. ``θ₀`` is the parameters at the start of the
+    selected parameter's gradient gets ``λ(θ - θ₀)``. ``θ₀`` is the parameters at the start of the
     first fit (identical on every rank: DDP broadcasts rank 0's weights before any callback runs), kept
-    in ``state_dict``, so a resumed run pulls toward the same point. Every trainable parameter is pulled,
-    biases and norms included, as the paper regularizes all of them; ``selection``'s name patterns narrow it.
+    in ``state_dict``, so a resumed run pulls toward the same point. The ``½`` and the parameters follow the
+    authors' code (``skumar9876/L2_Init``, ``L2InitAgent``: ``λ·0.5·Σ(θ - θ₀)²``, so the paper's λ sweeps mean
+    the same here): every trainable parameter except those of normalization layers (LayerNorm, RMSNorm,
+    BatchNorm, GroupNorm; ``include_norms=True`` pulls them too); ``selection``'s name patterns narrow it.
     Logs ``l2_init/distance`` (``‖θ - θ₀‖``) every ``trainer.log_every_n_steps``.
 
     Args:
         strength: ``λ`` >= 0 (the paper sweeps 1e-2 to 1e-5).
+        include_norms: also pull the parameters of normalization layers.
         selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
             parameter names); None: every trainable parameter.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[L2Init(strength=1e-3)], max_steps=10_000)
-        >>> trainer.fit(module, datamodule)   # as if the loss had + 1e-3·‖θ - θ₀‖²
+        >>> trainer.fit(module, datamodule)   # as if the loss had + 0.5e-3·‖θ - θ₀‖²
     """
 
     summary_metrics = ("l2_init/distance",)
     default_schedule = None  # the pull acts at every optimizer step
     extra_state_types = {"names": list, "anchors": list}
 
-    def __init__(self, strength: float = 1e-3, selection: Selection | Mapping | None = None):
+    def __init__(self, strength: float = 1e-3, include_norms: bool = False,
+                 selection: Selection | Mapping | None = None):
         check_number("strength", strength, 0.0, hint="(paper: 1e-2 to 1e-5)")
+        if not isinstance(include_norms, bool):
+            raise ValueError(f"L2Init include_norms={include_norms!r} must be true or false")
         super().__init__(selection=name_selection(selection, "L2Init"))
-        self.strength = float(strength)
+        self.strength, self.include_norms = float(strength), include_norms
         self.names: list[str] = []
         self.anchors: list[torch.Tensor] = []
         self._params: list[torch.nn.Parameter] = []
@@ -52,11 +61,20 @@ class L2Init(PlasticityCallback):
         return self._generate_state_key(strength=self.strength, include=self.selection.include,
                                         exclude=self.selection.exclude)
 
+    def chosen(self, pl_module) -> list[tuple[str, torch.nn.Parameter]]:
+        """The pulled ``(name, parameter)`` pairs: the selection's, minus normalization layers' unless included."""
+        skipped = set() if self.include_norms else {id(p) for m in pl_module.modules() if _is_norm(m)
+                                                    for p in m.parameters(recurse=False)}
+        chosen = [(n, p) for n, p in matching_parameters(pl_module, self.selection, self.owner) if id(p) not in skipped]
+        if not chosen:
+            raise ValueError("L2Init: every selected parameter belongs to a normalization layer; pass include_norms=True")
+        return chosen
+
     def check_targets(self, trainer, pl_module) -> None:
-        matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
+        self.chosen(pl_module)  # fails before any training
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        chosen = matching_parameters(pl_module, self.selection, self.owner)
+        chosen = self.chosen(pl_module)
         if not self.anchors:  # a restored checkpoint keeps the θ₀ of the first fit
             self.names = [name for name, _ in chosen]
             self.anchors = [p.detach().clone() for _, p in chosen]
@@ -81,3 +99,8 @@ class L2Init(PlasticityCallback):
 
     def load_extra_state(self, state: dict) -> None:
         self.names, self.anchors = list(state["names"]), list(state["anchors"])
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """torch's norm layers, and model code's own (Hugging Face ``LlamaRMSNorm``, this package's ``RMSNorm``)."""
+    return isinstance(module, NORMS) or type(module).__name__.endswith("Norm")

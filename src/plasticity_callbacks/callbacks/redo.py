@@ -10,8 +10,8 @@ from torch.nn.utils import parametrize
 
 from ..core.arguments import check_int, check_number
 from ..core.checkpoints import CheckpointError
-from ..core.distributed import all_reduce_mean, rank_identical_generator
-from ..core.model_map import NeuronLayer, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
+from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
+from ..core.model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
 from ..core.neuron_reset import reinit_incoming, zero_outgoing
 from ..core.schedule import Schedule
 from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
@@ -126,7 +126,7 @@ class ReDoMonitor(PlasticityCallback):
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps
         self.exclude, self.plot_scores, self.seed = list(exclude) if exclude else None, plot_scores, seed
 
-        self.layers: list[NeuronLayer] = []
+        self.layers: list[HiddenUnits] = []
         self.collections = 0  # training batches whose activations entered the EMA
         self.last_logged_step = -1
         self._ema: torch.Tensor | None = None  # flat over layers: EMA of mean |h| per neuron
@@ -261,6 +261,9 @@ class ReDoMonitor(PlasticityCallback):
         self._step_scores = None
         self.flush_logs(pl_module)
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows and columns of shards (core.sharding)
+
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor]:
         if self.collections == 0:
             rank_zero_warn(f"ReDoMonitor ({reason}): no training step observed yet in this fit; nothing recycled")
@@ -348,7 +351,9 @@ class ReDoMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
-        if not self.plot_scores or self.collections == 0:
+        from ..core.figures import can_draw
+
+        if not self.plot_scores or self.collections == 0 or not can_draw("ReDoMonitor", "plot_scores"):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:
@@ -437,7 +442,7 @@ def check_state_shapes(state: dict) -> None:
                               f"{total} neurons: {', '.join(wrong)}; the checkpoint is damaged or from another model")
 
 
-def _init_stds(layer: NeuronLayer) -> torch.Tensor:
+def _init_stds(layer: HiddenUnits) -> torch.Tensor:
     """``[std(up.weight), std(gate.weight)]`` (the gate's is up's when there is no gate), on device."""
     gate = layer.up if layer.gate is None else layer.gate
     return torch.stack([finite_std(layer.up.weight), finite_std(gate.weight)])

@@ -4,14 +4,14 @@ from __future__ import annotations
 import csv
 import json
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from ..core.arguments import check_int
+from ..core.figures import run_output_dir
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
 
@@ -128,7 +128,12 @@ class TaskMetrics(L.Callback):
 
     @rank_zero_only
     def write(self, trainer) -> None:
-        base = Path(trainer.log_dir if trainer.logger is not None else trainer.default_root_dir)
+        base = run_output_dir(trainer)
+        if base is None:  # never into the current directory unasked
+            rank_zero_warn("TaskMetrics: tasks.csv and stream.json not written: the trainer has no logger and its "
+                           "default_root_dir is the current directory; pass L.Trainer(default_root_dir=...) or a "
+                           "logger (TaskMetrics.history holds the rows)")
+            return
         base.mkdir(parents=True, exist_ok=True)
         with (base / "tasks.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)

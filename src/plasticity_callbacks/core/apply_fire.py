@@ -4,7 +4,8 @@ The model-level half of FIRE: select weights through the model map, orthogonaliz
 block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`; a block is any set
 of rows, a grouped conv is treated per group and tap), write them back (a factorized weight
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
-split is unknown is refused with the declarations that fit it.
+split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
+rows of every polar factor (:func:`~plasticity_callbacks.core.sharding.sharded_fire`).
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from torch import nn
 
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
-from .model_map import Selection, WeightView, require_targets, select_targets
+from .model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
+from .distributed import is_dtensor
 from .optimizer_state import leaf_optimizers, reset_optimizer_state
+from .sharding import sharded_fire
 
 
 def apply_fire(
@@ -53,12 +56,14 @@ def apply_fire(
     if targets is None:  # an empty selection (a pattern that matches nothing) is an error, not a silent no-op
         selection = Selection() if selection is None else selection
         targets = require_targets(select_targets(module, selection), "apply_fire", selection)
-    unknown = [t.split_unknown for t in targets if t.split_unknown]
-    if unknown:
-        raise ValueError("FIRE orthogonalizes each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
-                         + " (or exclude the weight)")
+    refuse_unknown_splits(targets, "FIRE")
     records, fired = [], []
     for target in targets:
+        if is_dtensor(target.param):  # FSDP2: each rank writes its own rows, no whole matrix (core.sharding)
+            done = sharded_fire(target, options, record_spectra)
+            records.extend(done)
+            fired.extend(target.trainable() if any(r.skipped is None for r in done) else [])
+            continue
         blocks, changed = target.block_list(), False
         with torch.no_grad():
             weight = target.read()  # (out, in, *k); a view of the parameter unless factorized

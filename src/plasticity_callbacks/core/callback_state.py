@@ -16,7 +16,6 @@ from typing import Any
 
 from .checkpoints import CheckpointError
 
-NUMBER = (int, float)
 OPTIONAL_INT = (int, type(None))
 OPTIONAL_NUMBER = (int, float, type(None))
 
@@ -42,7 +41,7 @@ def check_state(owner: Any, state: Any, expected: Mapping[str, type | tuple[type
         owner: the callback (or its name), named in the message.
         state: what ``load_state_dict`` received.
         expected: key -> allowed type(s), required.
-        optional: key -> allowed type(s) (e.g. ``torch.Tensor``), may be absent (state written by an earlier version).
+        optional: key -> allowed type(s) (e.g. ``torch.Tensor``), may be absent.
     """
     name = owner if isinstance(owner, str) else type(owner).__name__
     optional = dict(optional or {})

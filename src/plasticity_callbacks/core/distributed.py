@@ -3,12 +3,13 @@
 Under DDP every rank holds the full, identical parameters and gradients are already
 all-reduced when ``on_before_optimizer_step`` runs, so a deterministic computation gives
 identical weights everywhere. Randomness (re-sampled neurons, fresh inits) must come from a
-generator seeded the same way on every rank. Sharded strategies (FSDP, DeepSpeed, model
-parallel) hold only shards, and an SVD or polar factor needs the whole matrix. The gather path:
+generator seeded the same way on every rank. Sharded strategies hold only shards. FSDP2
+(Lightning's ``ModelParallelStrategy`` with ``fully_shard``) keeps each weight a ``DTensor``
+sharded on dim 0: a callback that acts on such shards (:mod:`plasticity_callbacks.core.sharding`)
+declares so with ``require_full_parameters(..., fsdp2=True)``; the others, and every callback
+under FSDP1 or DeepSpeed, refuse at setup with the fix rather than act on shards. The gather path
 ``full_parameters(module)`` makes every weight whole inside a ``with`` block and writes changes
-back to the shards (FSDP1: ``summon_full_params``; FSDP2 / DTensor: ``full_tensor()`` and a
-local re-slice). A callback that uses it declares so with ``require_full_parameters(...,
-gather=True)``; every other callback refuses sharded strategies at setup rather than act on shards.
+back to the shards (FSDP1: ``summon_full_params``; FSDP2: ``full_tensor()`` and a local re-slice).
 """
 from __future__ import annotations
 
@@ -24,27 +25,34 @@ except ImportError:  # pragma: no cover - Lightning is a dependency, but keep th
     MisconfigurationException = RuntimeError  # type: ignore[misc,assignment]
 
 _SHARDED = ("FSDP", "DeepSpeed", "ModelParallel")
-_GATHERABLE = ("FSDP", "ModelParallel")  # FSDP1 (summon_full_params) and FSDP2 / DTensor (full_tensor)
 
 
 def is_sharded(trainer) -> bool:
     return any(name in type(trainer.strategy).__name__ for name in _SHARDED)
 
 
-def require_full_parameters(trainer, owner: str, gather: bool = False) -> None:
-    """Raise a clear error under a strategy whose parameters are sharded.
+def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
+    """Raise a clear error under a strategy whose sharded parameters the caller cannot act on.
 
-    ``gather=True``: the caller reads and writes weights only inside :func:`full_parameters`, so
-    FSDP (1 and 2) is fine; DeepSpeed is still refused (its ZeRO-3 partitions have no gather here).
+    ``fsdp2=True``: the caller acts on each rank's shard of ``DTensor`` parameters
+    (:mod:`plasticity_callbacks.core.sharding`), so ``ModelParallelStrategy`` (FSDP2) is accepted.
+    FSDP1 (``FSDPStrategy``, flat parameters) and DeepSpeed (ZeRO partitions) are always refused with the fix.
+
+    Example:
+        >>> require_full_parameters(trainer, "FIREReinit", fsdp2=True)   # in setup, on every rank
     """
     name = type(trainer.strategy).__name__
-    if not is_sharded(trainer) or (gather and any(g in name for g in _GATHERABLE)):
+    if not is_sharded(trainer) or (fsdp2 and "ModelParallel" in name):
         return
-    how = ("DeepSpeed partitions have no gather path here" if gather else
-           "this callback does not gather full weights (plasticity_callbacks.core.distributed.full_parameters)")
+    if "ModelParallel" in name:
+        raise MisconfigurationException(
+            f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit and ReDoMonitor do. "
+            "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
-        f"{owner} needs each weight matrix whole, but strategy {name} shards parameters and {how}. "
-        "Use strategy='ddp' (or a single device)."
+        f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "
+        "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "
+        "tensor_parallel_size=1) with fully_shard(..., mesh=self.device_mesh['data_parallel']) in configure_model "
+        "(trainer=fsdp2), or strategy='ddp'."
     )
 
 

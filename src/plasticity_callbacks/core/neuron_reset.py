@@ -13,6 +13,7 @@ from torch import nn
 from ..functional.dormancy import Init, fresh_weights
 from .model_map import is_conv1d
 from .optimizer_state import zero_optimizer_state_slices
+from .sharding import local_part
 
 
 @torch.no_grad()
@@ -62,12 +63,16 @@ def reinit_incoming(
         if layer.weight.shape[int(is_conv1d(layer))] != hidden:
             raise ValueError(f"gate has {layer.weight.shape[int(is_conv1d(layer))]} outputs, up has {hidden}")
     for layer, layer_init in incoming:
-        w = layer.weight.mT if is_conv1d(layer) else layer.weight  # (out, in, *k): a view
-        rows = _along(mask, w.dim(), 0)
-        w.copy_(torch.where(rows, fresh_weights(w, layer_init, generator), w))
-        zero_optimizer_state_slices(optimizer, layer.weight, mask, dim=int(is_conv1d(layer)))
+        dim = int(is_conv1d(layer))  # the units' dim of the stored weight (HF Conv1D stores (in, out))
+        # The whole weight's fresh draw, as on one process; under FSDP2 each rank keeps its own rows of it.
+        fresh = fresh_weights(layer.weight.mT if dim else layer.weight, layer_init, generator)  # (out, in, *k)
+        local, rows = local_part(layer.weight)
+        units = mask[rows] if dim == 0 else mask
+        local.copy_(torch.where(_along(units, local.dim(), dim), (fresh.mT if dim else fresh)[rows], local))
+        zero_optimizer_state_slices(optimizer, layer.weight, mask, dim=dim)
         if getattr(layer, "bias", None) is not None:
-            layer.bias.masked_fill_(mask, 0)
+            bias, rows = local_part(layer.bias)
+            bias.masked_fill_(mask[rows], 0)
             zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
     if norm is not None:
         _reset_norm_channels(norm, mask, optimizer)
@@ -96,7 +101,9 @@ def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offs
         padded[down_offset:down_offset + down_mask.numel()] = down_mask
         down_mask = padded
     read_dim = 0 if is_conv1d(down) else 1
-    down.weight.masked_fill_(_along(down_mask, down.weight.dim(), read_dim), 0)
+    local, rows = local_part(down.weight)  # FSDP2: each rank zeroes the columns in its own rows
+    here = down_mask[rows] if read_dim == 0 else down_mask
+    local.masked_fill_(_along(here, local.dim(), read_dim), 0)
     zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
 
 
@@ -105,7 +112,8 @@ def _reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None
     for name, fresh in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
         tensor = getattr(norm, name, None)
         if tensor is not None:
-            tensor.masked_fill_(mask, fresh)
+            local, rows = local_part(tensor)
+            local.masked_fill_(mask[rows], fresh)
             if isinstance(tensor, nn.Parameter):
                 zero_optimizer_state_slices(optimizer, tensor, mask, dim=0)
 

@@ -12,6 +12,8 @@ from typing import Iterable, Iterator
 import torch
 from torch.optim import Optimizer
 
+from .sharding import local_part
+
 
 def leaf_optimizers(optimizers) -> Iterator[Optimizer]:
     """Flatten a Lightning ``LightningOptimizer``, a list of optimizers, or a combined optimizer."""
@@ -65,4 +67,6 @@ def zero_optimizer_state_slices(optimizers, param: torch.Tensor, mask: torch.Ten
             continue
         for key, value in state.items():
             if torch.is_tensor(value) and value.shape == param.shape:
-                value.copy_(torch.where(keep, value, torch.zeros_like(value)))
+                local, rows = local_part(value)  # FSDP2: the moments are sharded like the parameter
+                here = keep[rows] if dim == 0 else keep
+                local.copy_(torch.where(here, local, torch.zeros_like(local)))

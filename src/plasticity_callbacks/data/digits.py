@@ -52,11 +52,10 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     Standardized inputs matter here: on raw [0, 1] pixels the MLP memorizes 1024 random labels to about
     50 % in 300 steps, on standardized ones to about 97 %, so the first tasks start from a fitted network.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # an optional dependency: say how to get it
-        raise ImportError("the digits streams need scikit-learn: pip install 'plasticity_callbacks[digits]'") from err
-    digits = load_digits()
+    from ..core.extras import require_module
+
+    datasets = require_module("sklearn.datasets", "digits", "the digits task streams")
+    digits = datasets.load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32)
     x = (x - x.mean(0)) / x.std(0).clamp_min(1e-6)  # (1797, 64)
     return x, torch.tensor(digits.target, dtype=torch.int64)

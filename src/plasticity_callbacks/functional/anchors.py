@@ -1,12 +1,12 @@
 """Keeping weights near an anchor: L2-Init's pull, weight clipping's box, the tortoise's slow average.
 
-- :func:`l2_init_grad_`: ``g ← g + 2λ(θ - θ₀)``, the gradient of ``λ‖θ - θ₀‖²`` (Kumar et al. 2023);
+- :func:`l2_init_grad_`: ``g ← g + λ(θ - θ₀)``, the gradient of ``(λ/2)‖θ - θ₀‖²`` (Kumar et al. 2023);
 - :func:`fan_in_bound` and :func:`clip_to_bounds_`: ``θ ← clamp(θ, ±κ·b)`` with ``b`` the layer's
   uniform init bound (Elsayed et al. 2024);
 - :func:`ema_toward_`: ``θ_slow ← η·θ_slow + (1-η)·θ_fast`` (the tortoise of Lee et al. 2024).
 
 Example:
-    >>> l2_init_grad_(params, anchors, strength=1e-2)     # every p.grad gets 2λ(p - p₀)
+    >>> l2_init_grad_(params, anchors, strength=1e-2)     # every p.grad gets λ(p - p₀)
     >>> fraction = clip_to_bounds_(params, [fan_in_bound(w) for w in weights], kappa=2.0)
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch
 
 @torch.no_grad()
 def l2_init_grad_(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor], strength: float) -> None:
-    """Add ``2λ(θ - θ₀)`` to every ``θ.grad`` (a missing gradient becomes that term alone, as the loss
-    term would make it). ``anchors`` are the ``θ₀`` in the same order."""
+    """Add ``λ(θ - θ₀)``, the gradient of ``(λ/2)‖θ - θ₀‖²``, to every ``θ.grad`` (a missing gradient becomes
+    that term alone, as the loss term would make it). ``anchors`` are the ``θ₀`` in the same order."""
     for p, p0 in zip(params, anchors, strict=True):
-        pull = (p.detach() - p0.to(device=p.device, dtype=p.dtype)).mul_(2 * strength)
+        pull = (p.detach() - p0.to(device=p.device, dtype=p.dtype)).mul_(strength)
         if p.grad is None:
             p.grad = pull
         else:

@@ -84,7 +84,8 @@ def _fan_in_out(weight: torch.Tensor) -> tuple[int, int]:
 def finite_std(weight: torch.Tensor) -> torch.Tensor:
     """Std (float32, 0-D, on device) of the finite entries of ``weight``; PyTorch's default scale
     ``1/√fan_in`` when fewer than two are finite. One NaN row must not make every re-sampled row NaN."""
-    w = weight.detach().float()
+    w = weight.detach()
+    w = (w.full_tensor() if hasattr(w, "full_tensor") else w).float()  # a DTensor (FSDP2): the whole matrix's
     finite = torch.isfinite(w)
     count = finite.sum()
     w = torch.where(finite, w, 0.0)

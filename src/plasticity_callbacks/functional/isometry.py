@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .spectral import (
     DegenerateMatrixError,
-    check_polar_options,
+    PolarOptions,
     deviation_from_isometry,
     orthogonalize,
     singular_values,
@@ -78,46 +78,31 @@ def target_scale(param: torch.Tensor, rule: str | float, groups: int = 1) -> flo
     return float(peak * torch.linalg.vector_norm(param.detach().double() / peak)) / math.sqrt(rank)
 
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
 @dataclass(frozen=True)
-class FIREOptions:
-    """How FIRE orthogonalizes and rescales each weight; checked once, when built.
+class FIREOptions(PolarOptions):
+    """How FIRE orthogonalizes and rescales each weight; checked once, when built. The polar-factor
+    fields are :class:`~plasticity_callbacks.functional.spectral.PolarOptions`' (``method``, ``normalize``,
+    ``steps`` or ``max_steps``/``tol``, ``check_every``, ``dtype``, ``on_degenerate``), and the object goes
+    to ``orthogonalize`` as it is.
 
     Args:
-        method: ``polar_express`` | ``newton_schulz`` | ``svd`` (exact polar factor).
-        normalize: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``; None: per-method default.
-        iters: the most iteration steps (None: 60 Newton–Schulz / 30 Polar Express); with ``tol``,
-            slices that miss it after ``iters`` steps get the exact SVD answer.
-        tol: target orthogonality error ``‖XᵀX − I‖_F/(2√n)``; None runs all ``iters`` steps.
-        check_every: steps between two checks of ``tol``.
-        dtype: compute dtype, ``"float32"`` or ``"float64"``.
         scale: ``sqrt_dout_din`` | ``unit`` | ``preserve_norm`` | a positive number (see :func:`target_scale`).
-        on_degenerate: a zero or non-finite weight is ``skip``-ped with a warning, or ``raise``-s.
         reset_optimizer: drop the optimizer state of exactly the weights that changed.
 
     Example:
-        >>> options = FIREOptions(method="newton_schulz", normalize="frobenius", iters=5, tol=None)
+        >>> options = FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)   # the reference
         >>> records = apply_fire(model, optimizer, options)
         >>> FIREReinit(options=options)   # the same object configures the callback
     """
 
-    method: str = "polar_express"
-    normalize: str | None = None
-    iters: int | None = None
-    tol: float | None = 1e-5
-    check_every: int = 1
-    dtype: str = "float32"
     scale: str | float = "sqrt_dout_din"
-    on_degenerate: str = "skip"
     reset_optimizer: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
-        check_polar_options(self.method, self.normalize, self.iters, self.tol, self.check_every, DTYPES[self.dtype],
-                            self.on_degenerate)
+        super().__post_init__()
+        if self.rcond is not None:
+            raise ValueError(f"rcond={self.rcond!r}: FIRE's result is a full isometry; a partial one is "
+                             "orthogonalize's option, not FIRE's")
         known_rule = isinstance(self.scale, str) and self.scale in SCALES
         positive_number = (isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
                            and 0 < self.scale < math.inf)
@@ -125,10 +110,6 @@ class FIREOptions:
             raise ValueError(f"scale={self.scale!r} is not one of {SCALES} or a positive finite number")
         if not isinstance(self.reset_optimizer, bool):
             raise ValueError(f"reset_optimizer={self.reset_optimizer!r} must be true or false")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
 
 def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerate: str) -> FireRecord:
@@ -175,8 +156,8 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
         record.spectrum_before = singular_values(matrices).cpu()
     with warnings.catch_warnings():  # an all-zero conv tap stays zero; that is expected, not news
         warnings.simplefilter("ignore")
-        polar, info = orthogonalize(matrices, options.method, options.normalize, options.iters, options.tol,
-                                    options.check_every, dtype, on_degenerate="skip", return_info=True)
+        # The whole weight was checked above; an all-zero conv tap inside it stays as it is.
+        polar, info = orthogonalize(matrices, replace(options, on_degenerate="skip"), return_info=True)
     polar.mul_(s)
     record.sfe = float(squared_frobenius_error(matrices, polar))
     record.sfe_normalized = float(squared_frobenius_error(matrices, polar, normalized=True))

@@ -1,50 +1,59 @@
 """Polar factors and spectral diagnostics of weight matrices: the math behind FIRE. No Lightning.
 
-The polar factor ``Q = U Vᵀ`` of ``W = U S Vᵀ`` is the matrix with orthonormal columns closest
-to ``W`` in Frobenius norm (orthogonal Procrustes). It is a *full* isometry whatever the singular
-values: where some are zero it is not unique, and any orthonormal completion of those null
-directions is an equally near isometry. ``orthogonalize`` computes it for a matrix or a batch
-``(..., m, n)``; wide matrices are handled through their transpose.
+The polar factor ``Q = U Vᵀ = W (WᵀW)^(-1/2)`` of ``W = U S Vᵀ`` is the matrix with orthonormal
+columns closest to ``W`` in Frobenius norm (orthogonal Procrustes). It is a *full* isometry whatever
+the singular values: where some are zero it is not unique, and any orthonormal completion of those
+null directions is an equally near isometry. ``orthogonalize(W, PolarOptions(...))`` computes it for a
+matrix or a batch ``(..., m, n)``, working on the tall orientation (wide matrices through their
+transpose), by one of:
 
-Iterative methods apply an odd polynomial ``p`` to every singular value at once, ``X ← X·q(XᵀX)``:
+* ``svd`` — LAPACK / cuSOLVER ``U Vᵀ`` (``torch.linalg.polar`` does not exist).
+* ``eigh`` — ``X (XᵀX)^(-1/2)`` from a float64 ``eigh`` of the Gram matrix of the smaller side: on one
+  CPU thread 0.6–0.7× an SVD's time on 4:1 matrices, error ``eps₆₄·κ²``; slices that are numerically
+  rank-deficient get the SVD answer. :func:`polar_from_gram` is the same map for a ``W`` split by rows.
+* ``polar_express`` / ``newton_schulz`` — matrix products only (the GPU's strength): an odd polynomial
+  applied to every singular value at once, ``X ← X·q(XᵀX)``. Cubic Newton–Schulz
+  ``p(σ) = 1.5σ − 0.5σ³`` grows tiny singular values only 1.5× per step (~30 steps on a square Gaussian
+  matrix, ALGORITHMS.md §1); Polar Express (Amsel et al., arXiv 2505.16932) takes per-step optimal
+  quintics built for ``[ℓ, 1]`` (:func:`polar_express_coefficients`), with ``ℓ`` read off the matrix
+  (a Lanczos estimate of ``σ_min`` from the Gram matrix), so the step count follows ``log κ``, not a
+  fixed bound that large matrices fall below.
+* ``auto`` (default) — :func:`choose_method`: the fastest of these for the device and shape.
 
-* ``newton_schulz`` — cubic ``p(σ) = 1.5σ − 0.5σ³``. Tiny singular values grow only 1.5× per
-  step, so a Frobenius-normalized square Gaussian matrix needs ~30 steps (ALGORITHMS.md §1).
-* ``polar_express`` — the per-step optimal quintics of Amsel et al. (arXiv 2505.16932); they
-  grow tiny singular values up to 8× per step and need about a third of the steps
-  (coefficients: :func:`polar_express_coefficients`).
-* ``svd`` — exact, via ``torch.linalg.svd`` (``torch.linalg.polar`` does not exist).
+Normalization maps the singular values of an iteration into its basin ``(0, 1]``: ``frobenius`` (the
+FIRE reference code), ``spectral`` (power-iteration estimate of ``‖W‖₂``; Newton–Schulz only, since an
+estimate from below is harmless for the cubic but not for the quintics) and ``gram`` (the upper bound
+``‖(WᵀW)^k‖_F^(1/2k) ≥ ‖W‖₂`` from the Gram powers the first step needs anyway; ``‖W‖_F`` is 14× above
+``‖W‖₂`` on a 768² Gaussian).
 
-Normalization maps the singular values into the iteration's basin ``(0, 1]``:
-``frobenius`` (the FIRE reference code), ``spectral`` (power-iteration estimate of ``‖W‖₂``;
-Newton–Schulz only, because an estimate from below is harmless for the cubic but not for
-the aggressive quintics) and ``gram`` (the upper bound ``‖(WᵀW)^k‖_F^(1/2k) ≥ ‖W‖₂``, read off
-the Gram powers the first step needs anyway: ``k = 1`` for Newton–Schulz, ``k = 2`` for Polar
-Express, far tighter than ``‖W‖_F``, which is 14× above ``‖W‖₂`` on a 768² Gaussian).
-
-The iteration runs at most ``iters`` steps. With ``tol`` it stops once the orthogonality error
-``‖XᵀX − I‖_F / (2√n)`` (≈ the relative distance to the exact polar factor, read off the Gram
-matrix each step computes anyway) is below ``tol``, and a slice still above ``tol`` after ``iters``
-steps (exactly rank-deficient: zero singular values stay zero under an odd polynomial) gets the
-exact SVD answer, so the result is always a converged or an exact isometry. Once one cubic step
-provably lands below ``tol`` the iteration takes it and stops, without a Gram matrix to confirm
-(:func:`_error_after_one_cubic_step`). With ``tol=None``
-exactly ``iters`` steps run and the result is whatever they reach (the FIRE reference code).
-All-zero and non-finite slices are never touched.
+An iteration either runs exactly ``steps`` steps (a partial orthogonalization, the FIRE reference) or
+stops once the orthogonality error ``‖XᵀX − I‖_F / (2√n)`` (≈ the relative distance to the exact polar
+factor, read off the Gram matrix each step computes anyway) is below ``tol``, at most ``max_steps``
+steps; a slice still above ``tol`` then (exactly rank-deficient: an odd polynomial keeps zero singular
+values at zero) gets the exact SVD answer, so the result is always a converged or an exact isometry.
+Once one cubic step provably lands below ``tol`` the iteration takes it and stops without a Gram
+matrix to confirm (:func:`_error_after_one_cubic_step`). All-zero and non-finite slices are never touched.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-METHODS = ("newton_schulz", "polar_express", "svd")
+METHODS = ("auto", "svd", "eigh", "polar_express", "newton_schulz")
+ITERATIVE = ("polar_express", "newton_schulz")
 NORMALIZATIONS = ("frobenius", "spectral", "gram")
 ON_DEGENERATE = ("skip", "raise")
-DEFAULT_NORMALIZE = {"newton_schulz": "frobenius", "polar_express": "gram", "svd": "frobenius"}
-DEFAULT_ITERS = {"newton_schulz": 60, "polar_express": 30}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DEFAULT_NORMALIZE = {"newton_schulz": "frobenius", "polar_express": "gram"}
+DEFAULT_MAX_STEPS = {"newton_schulz": 60, "polar_express": 30}
+DEFAULT_TOL = 1e-5
+# On one CPU thread, float64 eigh of the n×n Gram matrix beats LAPACK's SVD once m ≥ 1.5·n (0.64× at
+# 4:1) and ties it on square matrices, where SVD keeps the edge in accuracy (benchmarks/fire.py).
+EIGH_MIN_ASPECT = 1.5
 
 
 def polar_express_coefficients(lower: float = 3e-4, steps: int = 10, safety: float = 1.01) -> tuple:
@@ -103,67 +112,152 @@ class DegenerateMatrixError(ValueError):
     """A matrix with no polar factor (all zero) or with NaN/Inf entries, and ``on_degenerate='raise'``."""
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PolarOptions:
+    """How :func:`orthogonalize` computes a polar factor; checked once, when built.
+
+    Args:
+        method: ``auto`` (the fastest exact method for the device and shape, see :func:`choose_method`)
+            | ``svd`` (LAPACK / cuSOLVER ``U Vᵀ``) | ``eigh`` (float64 ``eigh`` of the Gram matrix of the
+            smaller side) | ``polar_express`` | ``newton_schulz`` (matrix-product iterations).
+        normalize: iterations only: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``;
+            None: ``gram`` for Polar Express, ``frobenius`` for Newton–Schulz (the FIRE reference).
+        steps: iterations only: run exactly this many steps, no check, no exact fallback (a partial
+            orthogonalization, as the FIRE reference code runs it). Excludes ``max_steps`` and ``tol``.
+        max_steps: iterations only: stop on ``tol``, at most this many steps (None: 30 Polar Express,
+            60 Newton–Schulz); a slice still above ``tol`` then gets the exact SVD answer.
+        tol: target orthogonality error ``‖XᵀX − I‖_F/(2√n)`` of an iteration (None: 1e-5).
+        check_every: steps between two checks of ``tol`` (each costs a host sync, no matrix product).
+        dtype: compute dtype, ``"float32"`` or ``"float64"``; the result keeps the input's dtype.
+        on_degenerate: an all-zero or non-finite slice is ``skip``-ped with a warning, or ``raise``-s.
+        rcond: ``svd`` only: the partial isometry ``U_r V_rᵀ`` that drops ``σ < rcond·σ_max``
+            (None, the default: the full isometry).
+
+    Example:
+        >>> Q = orthogonalize(W)                                                   # exact, fastest
+        >>> Q = orthogonalize(W, PolarOptions(method="newton_schulz", steps=5))   # the FIRE reference
+    """
+
+    method: str = "auto"
+    normalize: str | None = None
+    steps: int | None = None
+    max_steps: int | None = None
+    tol: float | None = None
+    check_every: int = 1
+    dtype: str = "float32"
+    on_degenerate: str = "skip"
+    rcond: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is not one of {METHODS}")
+        iterative = self.method in ITERATIVE
+        if self.normalize is not None and (not iterative or self.normalize not in NORMALIZATIONS):
+            raise ValueError(f"normalize={self.normalize!r}: one of {NORMALIZATIONS} or None, for the iterative "
+                             f"methods {ITERATIVE} only")
+        if self.method == "polar_express" and self.normalize == "spectral":
+            raise ValueError("normalize='spectral' is an estimate from below, unsafe for polar_express's quintics; "
+                             "use normalize='gram' or 'frobenius' (both upper bounds)")
+        for name in ("steps", "max_steps", "tol"):
+            if getattr(self, name) is not None and not iterative:
+                raise ValueError(f"{name}={getattr(self, name)!r} applies to the iterative methods {ITERATIVE}, "
+                                 f"not method={self.method!r}")
+        if self.steps is not None and (self.max_steps is not None or self.tol is not None):
+            raise ValueError(f"steps={self.steps!r} is a fixed count; max_steps/tol stop on a tolerance: "
+                             "give one or the other")
+        for name in ("steps", "max_steps"):
+            if getattr(self, name) is not None and not (_is_int(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a non-negative integer or None")
+        if self.tol is not None and (isinstance(self.tol, bool) or not isinstance(self.tol, (int, float))
+                                     or not 0 < self.tol < math.inf):
+            raise ValueError(f"tol={self.tol!r} must be a positive number or None")
+        if not (_is_int(self.check_every) and self.check_every >= 1):
+            raise ValueError(f"check_every={self.check_every!r} must be a positive integer")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
+        if self.on_degenerate not in ON_DEGENERATE:
+            raise ValueError(f"on_degenerate={self.on_degenerate!r} is not one of {ON_DEGENERATE}")
+        if self.rcond is not None and (self.method != "svd" or not 0 <= self.rcond < 1):
+            raise ValueError(f"rcond={self.rcond!r} (a partial isometry) needs method='svd' and 0 <= rcond < 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
 @dataclass
 class PolarInfo:
     """How ``orthogonalize`` got its answer."""
 
-    method: str
-    iterations: int = 0  # steps of the iteration (0 for svd)
+    method: str  # the method that ran (``auto`` resolved)
+    iterations: int = 0  # steps of the iteration (0 for svd / eigh)
     matmuls: int = 0  # matrix-matrix products (power-iteration mat-vecs not counted)
     error: float = float("nan")  # largest ‖XᵀX − I‖_F/(2√n) over slices when last checked; NaN if never
-    fell_back: int = 0  # slices that missed tol within `iters` and were solved by SVD
+    fell_back: int = 0  # slices solved by SVD: an iteration missed tol, or eigh found them rank-deficient
     skipped: int = 0  # degenerate slices (zero / NaN / Inf) returned unchanged
     slices: int = 1
+    lower: float = float("nan")  # Polar Express: the smallest σ bound a slice's schedule was built for
 
 
-def orthogonalize(
-    W: torch.Tensor,
-    method: str = "polar_express",
-    normalize: str | None = None,
-    iters: int | None = None,
-    tol: float | None = 1e-5,
-    check_every: int = 1,
-    dtype: torch.dtype = torch.float32,
-    on_degenerate: str = "skip",
-    rcond: float | None = None,
-    return_info: bool = False,
-):
+def choose_method(shape: tuple[int, ...] | torch.Size, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The fastest exact polar-factor method for one ``(…, m, n)`` shape on ``device`` (what ``auto`` runs).
+
+    GPU: ``polar_express`` (matrix products only, with a schedule fitted to the matrix's σ_min; SVD and
+    ``eigh`` are slow there). CPU: ``eigh`` (float64, Gram of the smaller side) once the longer side is at
+    least ``EIGH_MIN_ASPECT`` times the shorter and the compute dtype is float32 (its accuracy in float64,
+    ``eps₆₄·κ²``, is below a float64 SVD's), else ``svd``.
+
+    Example:
+        >>> choose_method((3072, 768), "cpu", torch.float32)
+        'eigh'
+    """
+    if torch.device(device).type == "cuda":
+        return "polar_express"
+    m, n = max(shape[-2:]), min(shape[-2:])
+    return "eigh" if dtype == torch.float32 and m >= EIGH_MIN_ASPECT * n else "svd"
+
+
+def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_info: bool = False):
     """The (unscaled) polar factor of ``W`` (``(m, n)`` or a batch ``(..., m, n)``), same shape and dtype.
 
-    Args:
-        method: ``newton_schulz`` | ``polar_express`` | ``svd``.
-        normalize: ``frobenius`` | ``spectral`` (Newton–Schulz only) | ``gram``; default:
-            ``frobenius`` for Newton–Schulz (the reference), ``gram`` for Polar Express.
-        iters: the most steps the iteration takes (default 60 Newton–Schulz, 30 Polar Express).
-        tol: stop once the orthogonality error ``‖XᵀX − I‖_F/(2√n)`` is below it; slices above it
-            after ``iters`` steps are solved by SVD. ``None``: run all ``iters`` steps, no check,
-            no SVD (a partial orthogonalization).
-        check_every: steps between error checks (each costs a host sync, no matrix product).
-        dtype: compute dtype (float32 or float64); the result is cast back to ``W.dtype``.
-        on_degenerate: ``skip`` (warn, return all-zero / NaN / Inf slices unchanged) or ``raise``.
-        rcond: ``svd`` only. ``None`` (default): the full isometry ``U Vᵀ``. A number: the partial
-            isometry ``U_r V_rᵀ`` that maps singular values below ``rcond·σ_max`` to 0.
-        return_info: also return a :class:`PolarInfo`.
+    A full isometry (every singular value 1, orthogonality error ``‖QᵀQ − I‖_F/(2√n)`` within ``tol``)
+    unless ``options`` asks for a fixed step count or a partial isometry (``rcond``).
 
-    The FIRE reference code is ``orthogonalize(W, "newton_schulz", "frobenius", iters=5, tol=None)``
-    (10 in most of its experiments); the seed design log's is ``normalize="spectral", iters=15, tol=None``.
+    Args:
+        W: the matrix or batch of matrices.
+        options: a :class:`PolarOptions` (None: its defaults, the fastest exact method).
+        return_info: also return a :class:`PolarInfo`.
 
     Example:
         >>> Q, info = orthogonalize(torch.randn(256, 64), return_info=True)
-        >>> torch.allclose(Q.T @ Q, torch.eye(64), atol=1e-4), info.iterations
+        >>> torch.allclose(Q.T @ Q, torch.eye(64), atol=1e-4), info.method
     """
-    normalize, iters = _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond)
+    options = PolarOptions() if options is None else options
+    if not isinstance(options, PolarOptions):
+        raise ValueError(f"orthogonalize options={options!r} must be a PolarOptions")
+    if W.dim() < 2 or not W.is_floating_point():
+        raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
+                         f"and dtype {W.dtype}")
+    if W.numel() == 0:
+        raise ValueError(f"orthogonalize got an empty matrix of shape {tuple(W.shape)}: a layer without inputs or "
+                         "outputs has no polar factor; leave it out of the selection")
+    dtype = options.torch_dtype
+    method = choose_method(W.shape, W.device, dtype) if options.method == "auto" else options.method
     wide = W.shape[-2] < W.shape[-1]
-    tall = (W.mT if wide else W).detach()  # iterate on the tall orientation: the Gram is the small one
+    tall = (W.mT if wide else W).detach()  # work on the tall orientation: the Gram is the small one
     # Divide by the largest entry first: the squares behind every norm and Gram matrix then neither
     # overflow (weights of 1e20) nor underflow (1e-25) in float32.
-    peak = tall.abs().amax(dim=(-2, -1)).to(dtype)
+    peak = torch.linalg.vector_norm(tall, ord=math.inf, dim=(-2, -1)).to(dtype)  # largest |entry|, no |W| copy
     bad = ~torch.isfinite(peak) | (peak == 0)
     info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
     if info.skipped:
         what = (f"{info.skipped} of {bad.numel()} slice(s) of shape {tuple(W.shape[-2:])} are all zero or "
                 "contain NaN/Inf")
-        if on_degenerate == "raise":
+        if options.on_degenerate == "raise":
             raise DegenerateMatrixError(f"orthogonalize: {what}; they have no polar factor")
         warnings.warn(f"orthogonalize: {what}; left unchanged (no polar factor)", stacklevel=2)
         peak = torch.where(bad, torch.ones_like(peak), peak)
@@ -172,18 +266,40 @@ def orthogonalize(
         X = tall.to(dtype) / peak[..., None, None]
         return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
 
-    if method == "svd":
-        Q = _svd_polar(scaled(), rcond)
+    if method == "svd":  # LAPACK scales extreme magnitudes itself: no scaled copy to make
+        X = tall.to(dtype).masked_fill(bad[..., None, None], 0.0) if info.skipped else tall.to(dtype)
+        Q, converged = _svd_polar(X, options.rcond), bad | True
+    elif method == "eigh":
+        Q, converged = _eigh_polar(scaled(), bad)
     else:
-        Q, converged = _iterate(scaled(), bad, method, normalize, iters, tol, check_every, info)
-        missed = ~(converged | bad)
-        if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
-            info.fell_back = int(missed.sum())
-            Q[missed] = _svd_polar(scaled()[missed])
+        Q, converged = _iterate(scaled(), bad, method, options, info)
+    missed = ~(converged | bad)
+    if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
+        info.fell_back = int(missed.sum())
+        Q[missed] = _svd_polar(scaled()[missed])
     if info.skipped:
         Q = torch.where(bad[..., None, None], tall.to(dtype), Q)
     Q = (Q.mT if wide else Q).to(W.dtype).contiguous()
     return (Q, info) if return_info else Q
+
+
+def _eigh_polar(X: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X (XᵀX)^(-1/2)`` of a tall ``X`` from a float64 ``eigh`` of its Gram matrix, and per slice whether
+    it is trustworthy: numerically full rank (else the caller completes it by SVD). The error is about
+    ``eps₆₄·κ²`` from the Gram matrix plus ``eps·κ`` from the last product, which runs in float64
+    whenever float32 rounding (``eps₃₂·κ``) would pass 1e-6."""
+    X64 = X.to(torch.float64)
+    eigenvalues, V = torch.linalg.eigh(X64.mT @ X64)  # ascending
+    n = X.shape[-1]
+    full_rank = eigenvalues[..., 0] > n * torch.finfo(torch.float64).eps * eigenvalues[..., -1]
+    inverse_root = eigenvalues.clamp_min(torch.finfo(torch.float64).tiny).rsqrt()
+    inverse_sqrt = (V * inverse_root[..., None, :]) @ V.mT  # (..., n, n)
+    condition = (eigenvalues[..., -1] / eigenvalues[..., 0].clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+    if X.dtype == torch.float64 or bool((torch.where(bad | ~full_rank, 0.0, condition) * 1.2e-7 > 1e-6).any()):
+        Q = (X64 @ inverse_sqrt).to(X.dtype)
+    else:
+        Q = X @ inverse_sqrt.to(X.dtype)
+    return Q, bad | full_rank
 
 
 class RankDeficientError(ValueError):
@@ -259,64 +375,93 @@ def polar_from_gram(rows: torch.Tensor, gram: torch.Tensor, total_rows: int | No
     return (rows.detach().to(compute) @ inverse_sqrt.to(compute)).to(rows.dtype)
 
 
-def check_polar_options(method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond=None) -> None:
-    """Raise a ValueError naming the first bad option of :func:`orthogonalize` (the one place they are checked)."""
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}")
-    if normalize is not None and normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize={normalize!r} is not one of {NORMALIZATIONS} or None "
-                         f"(default per method: {DEFAULT_NORMALIZE})")
-    if method == "polar_express" and normalize == "spectral":
-        raise ValueError("normalize='spectral' is an estimate from below, unsafe for polar_express's quintics; "
-                         "use normalize='gram' or 'frobenius' (both upper bounds)")
-    if iters is not None and (isinstance(iters, bool) or not isinstance(iters, int) or iters < 0):
-        raise ValueError(f"iters={iters!r} must be a non-negative integer or None (the method's default)")
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
-        raise ValueError(f"tol={tol!r} must be a positive number or None")
-    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-        raise ValueError(f"check_every={check_every!r} must be a positive integer")
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype={dtype} must be torch.float32 or torch.float64")
-    if on_degenerate not in ON_DEGENERATE:
-        raise ValueError(f"on_degenerate={on_degenerate!r} is not one of {ON_DEGENERATE}")
-    if rcond is not None and (method != "svd" or not 0 <= rcond < 1):
-        raise ValueError(f"rcond={rcond!r} (a partial isometry) needs method='svd' and 0 <= rcond < 1")
-
-
-def _validate(W, method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond):
-    check_polar_options(method, normalize, iters, tol, check_every, dtype, on_degenerate, rcond)
-    normalize = normalize or DEFAULT_NORMALIZE[method]
-    if W.dim() < 2 or not W.is_floating_point():
-        raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
-                         f"and dtype {W.dtype}")
-    if W.numel() == 0:
-        raise ValueError(f"orthogonalize got an empty matrix of shape {tuple(W.shape)}: a layer without inputs or "
-                         "outputs has no polar factor; leave it out of the selection")
-    return normalize, DEFAULT_ITERS.get(method, 0) if iters is None else iters
-
-
-def _iterate(X, bad, method, normalize, iters, tol, check_every, info):
-    """Up to ``iters`` polynomial steps on ``X`` (tall, largest entry 1; ``bad`` slices all zero);
-    return the iterate and, per slice, whether it reached ``tol`` (all True when ``tol`` is None)."""
+def _iterate(X, bad, method, options, info):
+    """Polynomial steps on ``X`` (tall, largest entry 1; ``bad`` slices all zero): ``options.steps`` of
+    them, or up to ``max_steps`` until ``tol``; return the iterate and, per slice, whether it reached
+    ``tol`` (all True for a fixed count)."""
+    normalize = options.normalize or DEFAULT_NORMALIZE[method]
+    fixed = options.steps is not None
+    limit = options.steps if fixed else (options.max_steps if options.max_steps is not None
+                                         else DEFAULT_MAX_STEPS[method])
+    tol = None if fixed else (options.tol if options.tol is not None else DEFAULT_TOL)
     X, A, A2 = _normalized(X, method, normalize, info)
-    for step in range(iters + 1):
-        if tol is None and step == iters:  # a fixed count: no Gram matrix to judge the last iterate
+    schedule = POLAR_EXPRESS_COEFFICIENTS
+    for step in range(limit + 1):
+        if fixed and step == limit:  # a fixed count: no Gram matrix to judge the last iterate
             return X, bad | True
         if A is None:  # the Gram matrix: the step needs it, and the error is read off it for free
             A = X.mT @ X
             info.matmuls += 1
-        if tol is not None and (step % check_every == 0 or step == iters):
+        if step == 0 and method == "polar_express" and not fixed:  # fit each slice's schedule to its σ_min
+            lower = _lower_singular_bound(A, bad)
+            info.lower = float(lower.min())
+            schedule = _polar_express_schedules(lower, X)
+        if tol is not None and (step % options.check_every == 0 or step == limit):
             error = _isometry_error(A)
             info.error = float(torch.where(bad, 0.0, error).max())
             converged = bad | (error <= tol)
-            if bool(converged.all()) or step == iters:
+            if bool(converged.all()) or step == limit:
                 return X, converged
             bound = _error_after_one_cubic_step(error, X.shape[-1])
             if bool((bad | (bound <= tol)).all()):  # finish with that step; no Gram needed to confirm it
                 info.error = float(torch.where(bad, 0.0, bound).max())  # a bound, not a measurement
-                return _polynomial_step(X, A, None, "newton_schulz", step, info), bad | True
-        X = _polynomial_step(X, A, A2, method, step, info)
+                return _polynomial_step(X, A, None, "newton_schulz", schedule, step, info), bad | True
+        X = _polynomial_step(X, A, A2, method, schedule, step, info)
         A = A2 = None
+
+
+def _lower_singular_bound(A: torch.Tensor, bad: torch.Tensor, lanczos_steps: int = 12) -> torch.Tensor:
+    """Per slice, a bound ``ℓ`` for the smallest singular value of ``X`` (``A = XᵀX``, σ ≤ 1) that its Polar
+    Express schedule is built for: ``√λ`` for an estimate ``λ`` of ``λ_min(A)`` from the largest Ritz value of
+    a short Lanczos run on ``(A + δI)⁻¹`` (float64 Cholesky solves; the top of that spectrum stands apart,
+    so a few steps find it), rounded down to a power of 2 (the margin for an estimate from above). ``δ``,
+    ``A``'s rounding level, keeps the Cholesky factor finite and sets the floor: σ below ``√δ`` are noise
+    the iteration grows anyway. Too high a bound costs steps, never accuracy: the ``tol`` check decides
+    when to stop, and an SVD finishes a slice that does not converge."""
+    n = A.shape[-1]
+    shift = torch.finfo(A.dtype).eps
+    eye = torch.eye(n, dtype=torch.float64, device=A.device)
+    A64 = torch.where(bad[..., None, None], eye, A.detach().to(torch.float64) + shift * eye)
+    L, failed = torch.linalg.cholesky_ex(A64)
+    L = torch.where((failed > 0)[..., None, None], eye, L)
+    g = torch.Generator().manual_seed(0)  # every rank, every run: the same schedule
+    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(A.device).expand(*A.shape[:-2], n, 1)
+    basis, alphas, betas = [q / torch.linalg.vector_norm(q, dim=(-2, -1), keepdim=True)], [], []
+    for _ in range(min(lanczos_steps, n)):
+        w = torch.cholesky_solve(basis[-1], L)  # (A + δI)⁻¹ q
+        alphas.append((basis[-1] * w).sum((-2, -1)))
+        Qk = torch.cat(basis, dim=-1)
+        w = w - Qk @ (Qk.mT @ w)  # full re-orthogonalization, twice: k is small
+        w = w - Qk @ (Qk.mT @ w)
+        beta = torch.linalg.vector_norm(w, dim=(-2, -1))
+        if bool((beta <= 1e-10 * alphas[0].abs()).any()):  # an invariant subspace: the Ritz values are exact
+            break
+        betas.append(beta)
+        basis.append(w / beta[..., None, None])
+    k = len(alphas)
+    T = torch.diag_embed(torch.stack(alphas, -1))
+    if k > 1:
+        off = torch.diag_embed(torch.stack(betas[:k - 1], -1), offset=1)
+        T = T + off + off.mT
+    smallest = torch.linalg.eigvalsh(T)[..., -1].reciprocal() - shift  # λ_min(A) estimate
+    smallest = torch.where((failed > 0) | bad, torch.full_like(smallest, shift), smallest)
+    estimate = smallest.clamp(shift / 4, 1.0).sqrt()
+    return torch.exp2(estimate.clamp(2.0 ** -26, 0.25).log2().floor()).cpu()
+
+
+@functools.lru_cache(maxsize=32)
+def _polar_express_schedule(lower: float) -> tuple:
+    return polar_express_coefficients(lower, steps=12, safety=_PE_SAFETY)
+
+
+def _polar_express_schedules(lower: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """Per slice, the coefficients of the schedule built for its ``lower``, as a tensor
+    ``(steps, ..., 1, 1, 3)``; shorter schedules repeat their last quintic."""
+    tables = {value: _polar_express_schedule(value) for value in set(lower.flatten().tolist())}
+    steps = max(len(table) for table in tables.values())
+    padded = {value: table + (table[-1],) * (steps - len(table)) for value, table in tables.items()}
+    coefficients = torch.tensor([padded[value] for value in lower.flatten().tolist()], dtype=X.dtype)
+    return coefficients.transpose(0, 1).reshape(steps, *lower.shape, 1, 1, 3).to(X.device)
 
 
 def _error_after_one_cubic_step(error: torch.Tensor, n: int) -> torch.Tensor:
@@ -352,20 +497,26 @@ def _normalized(X, method, normalize, info):
     return X.div_(bound), A.div_(bound**2), None if A2 is None else A2.div_(bound**4)
 
 
-def _polynomial_step(X, A, A2, method, step, info):
+def _polynomial_step(X, A, A2, method, schedule, step, info):
     """One step ``X ← X·q(A)`` with ``A = XᵀX``; in place where it saves an n×n or m×n buffer (peak memory)."""
     if method == "newton_schulz":  # X ← 1.5·X − 0.5·X·A
         info.matmuls += 1
         info.iterations += 1
         return (X @ A).mul_(-0.5).add_(X, alpha=1.5)
-    a, b, c = POLAR_EXPRESS_COEFFICIENTS[min(step, len(POLAR_EXPRESS_COEFFICIENTS) - 1)]
+    coefficients = schedule[min(step, len(schedule) - 1)]  # (a, b, c), or per slice a (..., 1, 1, 3) tensor
+    a, b, c = coefficients if isinstance(coefficients, tuple) else coefficients.unbind(-1)
     if A2 is None:
         A2 = A @ A
         info.matmuls += 1
-    B = A2.mul_(c).add_(A, alpha=b)  # b·A + c·A², in A²'s buffer
+    if isinstance(a, float):
+        B = A2.mul_(c).add_(A, alpha=b)  # b·A + c·A², in A²'s buffer
+        XB = (X @ B).add_(X, alpha=a)
+    else:
+        B = A2.mul_(c).addcmul_(A, b)
+        XB = (X @ B).addcmul_(X, a)
     info.matmuls += 1
     info.iterations += 1
-    return (X @ B).add_(X, alpha=a)  # X ← a·X + X·(b·A + c·A²)
+    return XB  # X ← a·X + X·(b·A + c·A²)
 
 
 def _isometry_error(A: torch.Tensor, target: torch.Tensor | float = 1.0) -> torch.Tensor:

@@ -281,6 +281,7 @@ class _TrainerView:
             strategy = _HFDeepSpeedStrategy
         self.strategy = strategy(args, self.world_size)
         self.logger = _HFLogger(self, getattr(args, "logging_dir", None) or args.output_dir)
+        self.loggers = [self.logger]
         steps = adapter.task_boundary_steps
         if steps is None and train_dataloader is not None:
             steps = getattr(getattr(train_dataloader, "dataset", None), "task_boundary_steps", None)

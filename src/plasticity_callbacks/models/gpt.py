@@ -150,9 +150,3 @@ class GPT(nn.Module):
                 break
             logits = self(nxt, cache)[:, -1]
         return out
-
-    def projection_weights(self) -> list[tuple[str, nn.Parameter, str]]:
-        """The 2D projection weights of the blocks as ``(name, parameter, role)``, role ∈ {attention, mlp}."""
-        from ..core.model_map import select_targets
-
-        return [(t.name, t.param, t.role) for t in select_targets(self)]

@@ -78,6 +78,18 @@ class GPTLightningModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard every block, then the embeddings and head, on the
+        data-parallel mesh; each parameter becomes a ``DTensor`` sharded on dim 0. Otherwise nothing."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self._device_mesh is None or isinstance(self.model, FSDPModule):  # not FSDP2, or sharded already
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:

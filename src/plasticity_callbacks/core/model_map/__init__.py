@@ -2,7 +2,7 @@
 
 * :func:`select_targets` -> :class:`WeightView` per treatable weight (orientation, fused row
   blocks as :class:`RowBlock` index sets, conv groups, role, kind, factorization);
-* :func:`find_neuron_layers` -> :class:`NeuronLayer` per MLP/CNN hidden layer (ReDo);
+* :func:`find_neuron_layers` -> :class:`HiddenUnits` per MLP/CNN hidden layer (ReDo);
 * :func:`output_heads` -> the output layer(s), tied or not, never treated by default;
 * :func:`fresh_parameters` -> a fresh initialization by the model's own init code (ShrinkPerturb);
 * :func:`declare_plasticity` -> the one way to describe anything the built-in adapters miss;
@@ -16,12 +16,13 @@ from .coverage import coverage_report, describe
 from .declaration import Declaration, declare_plasticity
 from .fresh import fresh_layer_weight, fresh_parameters
 from .layouts import HeadLayout, RowBlock, grouped_heads, interleaved_heads
-from .neurons import NeuronLayer
+from .neurons import HiddenUnits
 from .select import (
     SCOPES,
     Selection,
     find_neuron_layers,
     refuse_factorized,
+    refuse_unknown_splits,
     require_targets,
     select_targets,
     validate_patterns,
@@ -29,8 +30,8 @@ from .select import (
 from .weights import WeightView, is_conv1d, output_heads
 
 __all__ = [
-    "Declaration", "HeadLayout", "NeuronLayer", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
+    "Declaration", "HeadLayout", "HiddenUnits", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
     "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "grouped_heads",
-    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "require_targets", "select_targets",
-    "validate_patterns",
+    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "refuse_unknown_splits", "require_targets",
+    "select_targets", "validate_patterns",
 ]

@@ -53,8 +53,9 @@ _FLATTEN_METHODS = {"flatten", "view", "reshape"}
 
 
 @dataclass
-class NeuronLayer:
-    """Hidden units between ``up`` (and ``gate``) and ``down``; their value is ``down``'s input."""
+class HiddenUnits:
+    """Hidden units between ``up`` (and ``gate``) and ``down``, as the model map resolved them (from a
+    declaration, a module's own ``NeuronLayout``, an adapter or a trace); their value is ``down``'s input."""
 
     name: str
     up: nn.Module
@@ -94,7 +95,7 @@ def in_features(layer: nn.Module) -> int:
     return layer.nx if is_conv1d(layer) else layer.weight.shape[1]
 
 
-def check_layer(layer: NeuronLayer) -> NeuronLayer:
+def check_layer(layer: HiddenUnits) -> HiddenUnits:
     """Raise a clear ValueError when ``up``/``gate``/``down`` do not fit together."""
     for role, module in (("up", layer.up), ("down", layer.down), ("gate", layer.gate)):
         if module is not None and not is_layer(module):
@@ -111,17 +112,17 @@ def check_layer(layer: NeuronLayer) -> NeuronLayer:
     return layer
 
 
-def declared_layers(model: nn.Module) -> list[NeuronLayer]:
+def declared_layers(model: nn.Module) -> list[HiddenUnits]:
     layers = []
     for prefix, declaration in declarations(model):
         for name, (incoming, down) in declaration.neurons.items():
             modules = [model.get_submodule(prefix + n) for n in (*incoming, down)]
             gate, up = (modules[0], modules[1]) if len(incoming) == 2 else (None, modules[0])
-            layers.append(check_layer(NeuronLayer(prefix + name, up, modules[-1], gate)))
+            layers.append(check_layer(HiddenUnits(prefix + name, up, modules[-1], gate)))
     return layers
 
 
-def layout_layers(model: nn.Module) -> list[NeuronLayer]:
+def layout_layers(model: nn.Module) -> list[HiddenUnits]:
     """Layers of modules that describe themselves with ``neuron_layouts()``."""
     layers = []
     for name, module in model.named_modules():
@@ -131,7 +132,7 @@ def layout_layers(model: nn.Module) -> list[NeuronLayer]:
         found = list(layouts())
         for i, layout in enumerate(found):  # by attribute: the layout tuple may grow fields
             label = name if len(found) == 1 else f"{name}.{i}" if name else str(i)
-            layers.append(check_layer(NeuronLayer(label, layout.up, layout.down, layout.gate,
+            layers.append(check_layer(HiddenUnits(label, layout.up, layout.down, layout.gate,
                                                   getattr(layout, "down_offset", 0))))
     return layers
 
@@ -156,28 +157,28 @@ _ADAPTERS = (
 )
 
 
-def adapter_layers(model: nn.Module) -> list[NeuronLayer]:
+def adapter_layers(model: nn.Module) -> list[HiddenUnits]:
     """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``), and fused
     ``gate_up_proj -> down_proj`` (Phi-3: the forward chunks the output into gate, up)."""
     layers = []
     for name, module in model.named_modules():
         fused, down = _child(module, "gate_up_proj"), _child(module, "down_proj")
         if fused is not None and down is not None and out_features(fused) == 2 * in_features(down):
-            layers.append(check_layer(NeuronLayer(name or type(module).__name__, fused, down, fused_gate=True)))
+            layers.append(check_layer(HiddenUnits(name or type(module).__name__, fused, down, fused_gate=True)))
             continue
         for gate_path, up_path, down_path in _ADAPTERS:
             up, down = _child(module, up_path), _child(module, down_path)
             gate = _child(module, gate_path) if gate_path else None
             if up is None or down is None or (gate_path and gate is None) or up is down:
                 continue
-            layer = NeuronLayer(name or type(module).__name__, up, down, gate)
+            layer = HiddenUnits(name or type(module).__name__, up, down, gate)
             if in_features(down) == layer.width and (gate is None or out_features(gate) == layer.width):
                 layers.append(check_layer(layer))
             break
     return layers
 
 
-def traced_layers(model: nn.Module) -> list[NeuronLayer]:
+def traced_layers(model: nn.Module) -> list[HiddenUnits]:
     """Chains found in a ``torch.fx`` trace of each outermost traceable submodule (see the module docstring)."""
     layers = []
     pending = [("", model)]
@@ -192,7 +193,7 @@ def traced_layers(model: nn.Module) -> list[NeuronLayer]:
             up, down = modules[up_name], modules[down_name]
             width = out_features(up)
             group = in_features(down) // width if flattened and isinstance(up, CONV) else 1
-            layer = NeuronLayer(prefix + up_name, up, down, norm=modules.get(norm_name) if norm_name else None,
+            layer = HiddenUnits(prefix + up_name, up, down, norm=modules.get(norm_name) if norm_name else None,
                                 group=group)
             if getattr(down, "groups", 1) != 1:
                 _warn_grouped(prefix + up_name, prefix + down_name, down)
@@ -285,7 +286,7 @@ def recurrent_refusals(model: nn.Module) -> list[str]:
     return [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
 
 
-def sequential_layers(model: nn.Module) -> list[NeuronLayer]:
+def sequential_layers(model: nn.Module) -> list[HiddenUnits]:
     """``Linear/conv -> activation(s)/dropout -> Linear/conv`` runs among an ``nn.Sequential``'s children."""
     layers = []
     for seq_name, seq in model.named_modules():
@@ -306,14 +307,14 @@ def sequential_layers(model: nn.Module) -> list[NeuronLayer]:
             if same_kind and getattr(down, "groups", 1) != 1:
                 _warn_grouped(f"{seq_name}.{up_name}" if seq_name else up_name, "the next conv", down)
             elif same_kind and in_features(down) == out_features(up):
-                layers.append(NeuronLayer(f"{seq_name}.{up_name}" if seq_name else up_name, up, down, norm=norm))
+                layers.append(HiddenUnits(f"{seq_name}.{up_name}" if seq_name else up_name, up, down, norm=norm))
     return layers
 
 
-def find_layers(model: nn.Module) -> tuple[list[NeuronLayer], set[int]]:
+def find_layers(model: nn.Module) -> tuple[list[HiddenUnits], set[int]]:
     """Every neuron layer, deduplicated by ``up`` (first source wins), and the ids of the modules
     the adapters recognised as MLP layers (for the role map)."""
-    chosen: list[NeuronLayer] = []
+    chosen: list[HiddenUnits] = []
     seen: set[int] = set()
     described: set[int] = set()  # every layer of a declared/self-described/adapter layout
     mlp_modules: set[int] = set()

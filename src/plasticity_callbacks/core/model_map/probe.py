@@ -4,16 +4,18 @@ The fused layer's output is replaced by a known pattern (feature ``r`` holds ``r
 attention call that follows (``scaled_dot_product_attention``, or the eager ``matmul``/``bmm``
 pair) is intercepted with a ``TorchFunctionMode``: the values that reach its query, key and value
 arguments name the rows each one came from, whatever ``view``/``split``/``chunk``/``transpose`` the
-forward did in between. A second run with every feature at ``1`` gives the scale each argument was
+forward did in between. A run with every feature at ``1`` gives the scale each argument was
 multiplied by on the way (``q · head_dim^-½`` in some code), so the ratio of the two runs is exact.
-One token (position 0) keeps rotary embeddings the identity.
+In half precision the row numbers travel as base-16 digits, one run per digit. One token
+(position 0) keeps rotary embeddings the identity.
 
 The result is accepted only when it is a clean partition: every row of the layer reaches exactly
-one of Q, K, V. Anything else (a norm on q/k, a model that cannot run without real inputs, half
-precision) gives ``None``: the layout is then unknown, never guessed.
+one of Q, K, V. Anything else (a norm on q/k, a model that cannot run without real inputs) gives
+``None``: the layout is then unknown, never guessed.
 """
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 
@@ -73,17 +75,21 @@ def probe_fused_layouts(model: nn.Module, layers: dict[str, nn.Module]) -> dict[
             pending[name] = layer
     if not pending:
         return found
-    if any(p.dtype not in (torch.float32, torch.float64) for p in model.parameters()):
-        return {**found, **dict.fromkeys(pending)}  # half precision cannot carry the row numbers exactly
     # Layers under one attention module get disjoint numbers, so each value names one layer's row.
     offsets, used = {}, {}
     for name, layer in pending.items():
         offsets[name] = used.get(_parent(name), 0)
         used[_parent(name)] = offsets[name] + _width(layer)
-    scale = _run(model, pending, offsets, numbered=False)
-    numbered = _run(model, pending, offsets, numbered=True)
+    # Half precision holds integers exactly only up to 256 (bf16): send row numbers as base-16 digits, one run
+    # per digit, and accept a ratio within 0.25 of an integer (a rescale by head_dim^-½ rounds in bf16).
+    low = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    base = 16 if low else 2 ** 20
+    digits = 1 + int(math.log(max(used.values()), base)) if max(used.values()) > 1 else 1
+    scale = _run(model, pending, offsets, None)
+    numbered = [_run(model, pending, offsets, base ** d, base) for d in range(digits)]
     for name, layer in pending.items():
-        blocks = _decode(name, layer, offsets[name], used[_parent(name)], scale, numbered)
+        blocks = _decode(name, layer, offsets[name], used[_parent(name)], scale, numbered, base,
+                         0.25 if low else 1e-3)
         _CACHE[layer] = (tuple(layer.weight.shape), blocks)
         found[name] = blocks
     return found
@@ -97,15 +103,15 @@ def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
-def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int], numbered: bool):
-    """One probing forward; returns ``{parent name: recorded calls}`` or None when the model would not run."""
+def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int], place: int | None, base: int = 0):
+    """One probing forward: feature ``r`` of each layer carries digit ``(offset + r) // place % base`` plus one
+    (``place=None``: all ones). Returns ``{parent name: recorded calls}``, or None when the model would not run."""
     recorder = _Recorder()
     handles = []
     for name, layer in layers.items():
         def replace(module, inputs, output, width=_width(layer), offset=offsets[name]):
-            values = torch.arange(offset + 1, offset + width + 1, dtype=output.dtype, device=output.device)
-            if not numbered:
-                values = torch.ones_like(values)
+            numbers = torch.arange(offset, offset + width, device=output.device)
+            values = (numbers // place % base + 1 if place else torch.ones_like(numbers)).to(output.dtype)
             return values.expand_as(output).clone()
 
         parent = model.get_submodule(_parent(name))
@@ -133,7 +139,8 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
 
 
 def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
-    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``."""
+    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``,
+    else the model on one token id."""
     device = next(model.parameters()).device
     hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
               None)
@@ -144,6 +151,13 @@ def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
         for name, layer in layers.items():
             inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
             model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
+        return True
+    except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
+        pass
+    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        return False
+    try:  # a token model (nanoGPT, litgpt): forward(idx)
+        model(torch.zeros(1, 1, dtype=torch.long, device=device))
         return True
     except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
         return False
@@ -163,25 +177,31 @@ def _operands(calls) -> list[torch.Tensor] | None:
     return [query, key, value]
 
 
-def _decode(name: str, layer: nn.Module, offset: int, total: int, scale, numbered
+def _decode(name: str, layer: nn.Module, offset: int, total: int, scale, numbered: list, base: int, tolerance: float
             ) -> tuple[RowBlock, ...] | None:
-    """This layer's rows in each of Q, K, V; ``offset``: its first number, ``total``: all numbers under its parent."""
-    if scale is None or numbered is None:
+    """This layer's rows in each of Q, K, V; ``offset``: its first number, ``total``: all numbers under its parent;
+    ``numbered``: one run per base-``base`` digit, lowest first."""
+    if scale is None or any(run is None for run in numbered):
         return None
     parent = _parent(name)
-    ones, numbers = _operands(scale.get(parent)), _operands(numbered.get(parent))
-    if ones is None or numbers is None or [t.shape for t in ones] != [t.shape for t in numbers]:
+    ones, runs = _operands(scale.get(parent)), [_operands(run.get(parent)) for run in numbered]
+    if ones is None or any(r is None or [t.shape for t in r] != [t.shape for t in ones] for r in runs):
         return None
     width, parts = _width(layer), []
-    for one, number in zip(ones, numbers):
+    for part, one in enumerate(ones):
         if not bool((one != 0).all()):
             return None
-        ratio = (number.double() / one.double()).flatten()
-        rows = torch.round(ratio)
-        if not bool(torch.allclose(ratio, rows, atol=1e-3)) or rows.min() < 1 or rows.max() > total:
+        ids = torch.zeros(one.numel(), dtype=torch.long)
+        for place, run in enumerate(runs):
+            ratio = (run[part].double() / one.double()).flatten().cpu()
+            digit = torch.round(ratio)
+            if not bool(torch.allclose(ratio, digit, rtol=0, atol=tolerance)) or digit.min() < 1 or digit.max() > base:
+                return None
+            ids += (digit.long() - 1) * base ** place
+        if ids.max() >= total:
             return None
-        mine = rows[(rows > offset) & (rows <= offset + width)]
-        parts.append(sorted(set((mine.long() - offset - 1).tolist())))
+        mine = ids[(ids >= offset) & (ids < offset + width)]
+        parts.append(sorted(set((mine - offset).tolist())))
     if sum(len(p) for p in parts) != width or sorted(r for p in parts for r in p) != list(range(width)):
         return None  # not a partition of the layer's rows: unknown, never guessed
     if sum(bool(p) for p in parts) == 1:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..arguments import build_options
-from .neurons import NeuronLayer, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
+from .neurons import HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
 from .coverage import log_coverage
 from .probe import probe_fused_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
@@ -118,18 +118,19 @@ class Selection:
                 and (self.exclude is None or not _matches(name, self.exclude)))
 
 
-def select_targets(model: nn.Module, selection: Selection | None = None) -> list[WeightView]:
+def select_targets(model: nn.Module, selection: Selection | Mapping | None = None) -> list[WeightView]:
     """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
 
     Args:
         model: any ``nn.Module``.
-        selection: which weights (:class:`Selection`); None: every treatable weight but the head.
+        selection: which weights (:class:`Selection` or a mapping of its fields); None: every treatable weight
+            but the head.
 
     Example:
         >>> targets = select_targets(model, Selection(scope="mlp", exclude=["blocks.0.*"]))
         >>> [(t.name, t.shape, [b.label for b in t.block_list()]) for t in targets]
     """
-    selection = Selection() if selection is None else selection
+    selection = Selection.build(selection, "select_targets")  # a mapping of its fields works too
     include, exclude = selection.include, selection.exclude
     heads = set() if selection.include_head else output_heads(model)
     targets = []
@@ -151,7 +152,7 @@ def select_targets(model: nn.Module, selection: Selection | None = None) -> list
 
 
 def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None
-                       ) -> list[NeuronLayer]:
+                       ) -> list[HiddenUnits]:
     """The layers of neurons ReDo watches in ``model`` (see :mod:`.neurons` for how they are found).
 
     ``layer_map`` (``{name: (up | [gate, up], down)}`` by module names) is used as given. Otherwise
@@ -173,7 +174,7 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                 raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
                                  "layer, which ReDo never recycles")
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
-            layers.append(check_layer(NeuronLayer(name, up, modules[-1], gate)))
+            layers.append(check_layer(HiddenUnits(name, up, modules[-1], gate)))
         return layers
     recurrent = recurrent_refusals(model)
     if recurrent:
@@ -219,6 +220,15 @@ def require_targets(targets: list[WeightView], owner: str, selection: Selection)
             "plasticity_role attributes or declare_plasticity(roles=...)) and the include/exclude patterns."
         )
     return targets
+
+
+def refuse_unknown_splits(views: Iterable[WeightView], owner: str) -> None:
+    """Raise, with the declarations that fit, when a method that treats each of Q, K, V on its own meets a
+    fused matrix whose split is unknown."""
+    unknown = [v.split_unknown for v in views if v.split_unknown]
+    if unknown:
+        raise ValueError(f"{owner} treats each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
+                         + " (or exclude the weight)")
 
 
 def refuse_factorized(views: Iterable[WeightView], owner: str, why: str) -> None:

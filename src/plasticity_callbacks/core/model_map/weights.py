@@ -111,9 +111,15 @@ class WeightView:
         return [self.param]
 
 
+def class_name(module: nn.Module) -> str:
+    """The module's own class name: FSDP2's ``fully_shard`` swaps a ``Conv1D``'s class for ``FSDPConv1D``."""
+    name = type(module).__name__
+    return name.removeprefix("FSDP") if name.startswith("FSDP") and hasattr(module, "reshard") else name
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (a Linear stored ``(in, out)``), without importing it."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    return class_name(module) == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
 def is_layer(module: nn.Module) -> bool:
@@ -122,12 +128,12 @@ def is_layer(module: nn.Module) -> bool:
 
 
 def is_attention(module: nn.Module) -> bool:
-    return isinstance(module, nn.MultiheadAttention) or type(module).__name__.endswith("Attention")
+    return isinstance(module, nn.MultiheadAttention) or class_name(module).endswith("Attention")
 
 
 def is_mlp(module: nn.Module) -> bool:
     """An MLP block by its class name (``Phi3MLP``, ``GPTNeoXMLP``, ``BloomMLP``, ``FeedForward``, ...)."""
-    return type(module).__name__.lower().endswith(("mlp", "feedforward", "ffn"))
+    return class_name(module).lower().endswith(("mlp", "feedforward", "ffn"))
 
 
 def stored_param(module: nn.Module, attr: str) -> nn.Parameter | None:
@@ -221,7 +227,7 @@ def known_blocks(model: nn.Module, module_name: str, module: nn.Module, attr: st
     if leaf in GATE_UP_NAMES and attr == "weight" and rows % 2 == 0:
         return contiguous((("gate", rows // 2), ("up", rows // 2)))
     parent = _parent_of(model, module_name)
-    if leaf == "c_attn" and type(parent).__name__ in CONTIGUOUS_QKV and rows % 3 == 0 \
+    if leaf == "c_attn" and class_name(parent) in CONTIGUOUS_QKV and rows % 3 == 0 \
             and not getattr(parent, "is_cross_attention", False):
         return contiguous((("q", rows // 3), ("k", rows // 3), ("v", rows // 3)))
     if is_probe_candidate(model, module_name, module, attr):

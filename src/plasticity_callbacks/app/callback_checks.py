@@ -1,0 +1,122 @@
+"""Callback and task-stream settings checked on the composed config, before any data is read.
+
+- Every key of a callback spec (``callbacks.*``, ``phases.*.callbacks``, ``method.callbacks``) and
+  of the objects inside it (``schedule``, ``options``, ``selection`` with a ``_target_``) is an
+  argument of its ``_target_``: ``+callbacks.fire.save_spectraa=true`` is one line naming the
+  accepted keys, not a ``TypeError`` from deep inside Hydra's ``instantiate``.
+- ``TaskMetrics`` logs at every task end, so ``data.steps_per_task`` must be a multiple of
+  ``trainer.log_every_n_steps``: refused here, not after the first task of a sweep.
+- The digits streams need scikit-learn (the ``[digits]`` extra): its install command, one line.
+
+Example:
+    >>> check_callbacks(cfg)   # raises ConfigError("callbacks.fire: FIREReinit has no argument 'save_spectraa' ...")
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..core.arguments import ConfigError
+from ..core.extras import MissingExtraError, require_module
+
+HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+TASK_METRICS = "plasticity_callbacks.callbacks.task_metrics.TaskMetrics"
+
+
+def check_callbacks(cfg: DictConfig) -> None:
+    """Check every callback spec's keys, TaskMetrics' logging interval and the digits extra.
+
+    Args:
+        cfg: the composed config (``plasticity-train``'s).
+
+    Raises:
+        ConfigError: the first mistake, as one line naming the field and what is accepted.
+    """
+    check_stream_extra(cfg)
+    for where, spec in callback_specs(cfg):
+        check_arguments(where, spec)
+        if spec.get("_target_") == TASK_METRICS:
+            check_task_metrics_interval(where, cfg)
+
+
+def callback_specs(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
+    """``(dotted path, spec)`` of every callback spec the run may build, groups flattened."""
+    groups = [("callbacks", cfg.get("callbacks"))]
+    groups += [(f"phases.{name}.callbacks", (block or {}).get("callbacks"))
+               for name, block in (cfg.get("phases") or {}).items()]
+    method = cfg.get("method") or cfg.get("default_method")
+    if isinstance(method, DictConfig):
+        groups.append(("method.callbacks", method.get("callbacks")))
+    for prefix, group in groups:
+        yield from _specs(prefix, group)
+
+
+def _specs(prefix: str, group) -> Iterator[tuple[str, DictConfig]]:
+    if not isinstance(group, DictConfig):
+        return
+    for name, spec in group.items():
+        if isinstance(spec, DictConfig):
+            yield from ([(f"{prefix}.{name}", spec)] if "_target_" in spec else _specs(f"{prefix}.{name}", spec))
+
+
+def check_arguments(where: str, spec: DictConfig) -> None:
+    """Every key of ``spec`` names an argument of its ``_target_`` (and so on for nested ``_target_`` nodes)."""
+    from hydra.utils import get_object
+
+    target = spec.get("_target_")
+    try:
+        factory = get_object(target)
+    except Exception as error:  # a wrong class path: Hydra's own error, on one line
+        raise ConfigError(f"{where}._target_={target!r} cannot be imported: {error}") from None
+    parameters = _parameters(factory)
+    if parameters is not None:
+        unknown = [key for key in spec if key not in parameters and key not in HYDRA_KEYS]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, parameters, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: {_name(factory)} has no argument {key!r}{hint}; it accepts "
+                              f"{', '.join(parameters)}")
+    for key, value in spec.items():
+        if isinstance(value, DictConfig) and "_target_" in value:
+            check_arguments(f"{where}.{key}", value)
+
+
+def _parameters(factory) -> list[str] | None:
+    """The keyword arguments ``factory`` accepts, or None when it takes ``**kwargs`` (anything goes)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return None
+    return [name for name, p in signature.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "self"]
+
+
+def _name(factory) -> str:
+    return getattr(factory, "__name__", repr(factory))
+
+
+def check_task_metrics_interval(where: str, cfg: DictConfig) -> None:
+    """``data.steps_per_task`` must be a multiple of ``trainer.log_every_n_steps`` (TaskMetrics logs at task ends)."""
+    steps = OmegaConf.select(cfg, "data.steps_per_task")
+    every = OmegaConf.select(cfg, "trainer.log_every_n_steps")
+    if isinstance(steps, int) and isinstance(every, int) and every > 0 and steps % every:
+        divisors = [d for d in range(min(every, steps), 0, -1) if steps % d == 0]
+        raise ConfigError(f"{where} (TaskMetrics) logs at every task end, but data.steps_per_task={steps} is not a "
+                          f"multiple of trainer.log_every_n_steps={every}; set trainer.log_every_n_steps={divisors[0]} "
+                          f"(or another divisor of {steps})")
+
+
+def check_stream_extra(cfg: DictConfig) -> None:
+    """The digits task streams load scikit-learn's bundled digits: the ``[digits]`` extra."""
+    target = OmegaConf.select(cfg, "data._target_") or ""
+    if target.startswith("plasticity_callbacks.data.digits."):
+        try:
+            require_module("sklearn", "digits", f"data={target.rsplit('.', 1)[-1]} (the digits task streams)")
+        except MissingExtraError as error:
+            raise ConfigError(str(error)) from None

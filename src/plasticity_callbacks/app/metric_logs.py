@@ -1,0 +1,62 @@
+"""A run's logged metrics as rows, whichever logger wrote them: CSV (``metrics.csv``) or TensorBoard (event files).
+
+``configs/logger/csv.yaml`` writes ``<run>/logs[/<phase>]/metrics.csv``; ``tensorboard.yaml`` writes
+``<run>/tensorboard[/<phase>]/events.out.tfevents.*``. The report reads either through
+:func:`read_rows`, so ``plasticity-report`` works for both (W&B and MLflow keep their own stores).
+
+Example:
+    >>> rows = read_rows(Path("outputs/2026-01-01/12-00-00"), "sft")   # [{"step": 0, "val/loss": 5.5}, ...]
+"""
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+# logger folder under the run dir -> how its phase folders are laid out
+LOG_FOLDERS = ("logs", "tensorboard")
+
+
+def log_dir(run_dir: Path, phase: str | None) -> Path | None:
+    """The folder holding ``phase``'s metrics (a single fit: ``phase=None``), CSV first, or None."""
+    for folder in LOG_FOLDERS:
+        path = run_dir / folder / phase if phase else run_dir / folder
+        if (path / "metrics.csv").is_file() or any(path.glob("events.out.tfevents.*")):
+            return path
+    return None
+
+
+def has_metrics(run_dir: Path) -> bool:
+    """Whether a single fit's metrics (CSV or TensorBoard) are in ``run_dir``."""
+    return log_dir(run_dir, None) is not None
+
+
+def read_rows(run_dir: Path, phase: str | None) -> list[dict[str, float]]:
+    """Rows ``{"step": step, metric: value, ...}`` in step order; empty when nothing was logged."""
+    path = log_dir(run_dir, phase)
+    if path is None:
+        return []
+    if (path / "metrics.csv").is_file():
+        with (path / "metrics.csv").open(newline="") as f:
+            return [{"step": int(row["step"]), **{k: float(v) for k, v in row.items() if v and k not in ("step",)}}
+                    for row in csv.DictReader(f)]
+    return _tensorboard_rows(path)
+
+
+def _tensorboard_rows(path: Path) -> list[dict[str, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import logging
+
+    quiet = logging.getLogger("tensorboard")  # its directory watcher reports every file it opens at INFO
+    level, quiet.level = quiet.level, logging.WARNING
+    try:
+        events = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every point
+        events.Reload()
+    finally:
+        quiet.setLevel(level)
+    by_step: dict[int, dict[str, float]] = defaultdict(dict)
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            by_step[event.step][tag] = event.value
+    return [{"step": step, **values} for step, values in sorted(by_step.items())]

@@ -1,0 +1,202 @@
+"""Plasticity operations on weights sharded by FSDP2 (``fully_shard``: ``DTensor`` parameters, ``Shard(0)``).
+
+Each rank holds a contiguous slice of the stored parameter along dim 0, ``torch.chunk``-style:
+rank ``r`` of ``n`` holds rows ``[r·c, (r+1)·c)`` with ``c = ⌈rows/n⌉`` (the last ranks may hold fewer or none).
+
+FIRE's polar factor without gathering: let ``X`` be a weight seen so that its rows are the sharded
+dimension (``W`` for ``nn.Linear``; ``Wᵀ`` for Hugging Face's ``Conv1D``, stored ``(in, out)``).
+``XᵀX = Σ_r X_rᵀX_r``, so one all-reduce of a small Gram matrix gives every rank ``G = XᵀX``, and
+each rank writes its own rows of ``polar(X) = X G^{-1/2}`` (float64 eigendecomposition of ``G``).
+``polar(Wᵀ) = polar(W)ᵀ``, so the transposed layout is the same computation
+(:func:`~plasticity_callbacks.functional.spectral.polar_from_gram` does each rank's product). A row
+block of a fused matrix (Q/K/V) is a set of rows: each rank contributes the Gram matrix of the rows of
+the block it holds, whichever shard boundaries fall inside the block. The route is exact when ``X`` is
+tall or square and has full column rank. A wide ``X`` (``m < n``: ``G`` would be ``n × n``, larger
+than the block itself, to send and to decompose) or a rank-deficient one (no full isometry from ``G``
+alone: the null directions must be completed from the whole matrix) is gathered, that block alone,
+and its polar factor computed by SVD as on one process.
+Extra memory per rank: one float64 copy of the local rows of a block plus ``O(d²)`` for ``G``, its
+eigenvectors and ``G^{-1/2}``, ``d`` the block's smaller dimension; never the whole matrix, except a
+gathered (wide or degenerate) block.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..functional.spectral import (DegenerateMatrixError, RankDeficientError, deviation_from_isometry,
+                                   polar_from_gram)
+from .distributed import is_dtensor
+
+
+def local_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(start, stop)`` of this rank's slice of a ``Shard(0)`` DTensor on a 1-D mesh, along dim 0."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if mesh.ndim != 1 or len(placements) != 1 or placements[0] != Shard(0):
+        raise NotImplementedError(f"a weight with placements {placements} on a {mesh.ndim}-D mesh: only FSDP2's "
+                                  "Shard(0) on one data-parallel mesh dimension is handled; shard with "
+                                  "fully_shard(module, mesh=device_mesh['data_parallel'])")
+    rows, size, rank = tensor.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = math.ceil(rows / size)
+    start = min(rank * chunk, rows)
+    stop = min(start + chunk, rows)
+    if tensor.to_local().shape[0] != stop - start:
+        raise NotImplementedError(f"local shard of {tuple(tensor.to_local().shape)} is not torch.chunk's slice "
+                                  f"[{start}:{stop}] of {tuple(tensor.shape)}")
+    return start, stop
+
+
+def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """``(what this rank writes, the rows of dim 0 it covers)``: a ``Shard(0)`` DTensor's local shard and its
+    rows, or a plain tensor and all of them. An edit of whole rows or columns of a full-size tensor then
+    reads ``local.copy_(full[rows])``, and a mask along dim 0 is sliced the same way.
+
+    Example:
+        >>> local, rows = local_part(layer.weight)
+        >>> local.masked_fill_(dead[rows, None], 0)   # rows of dead units, on every rank
+    """
+    if not is_dtensor(tensor):
+        return tensor, slice(None)
+    start, stop = local_span(tensor)
+    return tensor.to_local(), slice(start, stop)
+
+
+def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _matrices(tensor: torch.Tensor) -> torch.Tensor:
+    """``(rows, cols, *k)`` as ``(*k, rows, cols)``: one matrix per conv tap, a view."""
+    return tensor if tensor.dim() == 2 else tensor.permute(*range(2, tensor.dim()), 0, 1)
+
+
+@torch.no_grad()
+def sharded_fire(target, options, record_spectra: bool = False) -> list:
+    """FIRE on one weight whose parameter is a ``Shard(0)`` DTensor: every row block, rows written in place.
+
+    Args:
+        target: a :class:`~plasticity_callbacks.core.model_map.WeightView` (not factorized, not a grouped conv).
+        options: :class:`~plasticity_callbacks.functional.isometry.FIREOptions`; ``scale``, ``on_degenerate``
+            apply, and the polar factor is the exact one (``method`` does not apply: an iteration on the
+            Gram matrix would reach the same factor).
+        record_spectra: keep singular values before/after (square roots of the Gram matrix's eigenvalues).
+
+    Returns:
+        One :class:`~plasticity_callbacks.functional.isometry.FireRecord` per block, identical on every rank.
+
+    Example:
+        >>> records = sharded_fire(view, FIREOptions())   # on every rank: it is a collective
+    """
+    if target.factorized or target.groups != 1:
+        what = "factorized (W_p + BA)" if target.factorized else f"a grouped conv ({target.groups} groups)"
+        raise NotImplementedError(f"FIRE on {target.name} under FSDP2: the weight is {what}, which is not sharded "
+                                  "by rows; exclude it from FIRE's selection or train with strategy='ddp'")
+    group = target.param.device_mesh.get_group()
+    start, stop = local_span(target.param)
+    local = target.param.to_local()  # stored (out, in, *k), or (in, out, *k) when transposed; sharded on dim 0
+    blocks = target.block_list()
+    records = []
+    for block in blocks:
+        name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
+        rows = list(block.rows)  # the block's rows of the (out, in) view
+        if target.transposed:  # X = the block transposed: its rows are the stored rows this rank holds
+            index = (slice(None), torch.tensor(rows, dtype=torch.long))
+            positions, total = list(range(start, stop)), target.param.shape[0]
+        else:  # X = the block: this rank holds those of its rows in [start, stop)
+            mine = [(p, i - start) for p, i in enumerate(rows) if start <= i < stop]
+            index = (torch.tensor([i for _, i in mine], dtype=torch.long),)
+            positions, total = [p for p, _ in mine], len(rows)
+        X_local = local[index]  # a copy: (rows of X here, cols of X, *k)
+        record, new = _fire_rows(name, target.transposed, X_local, positions, total, options, record_spectra, group)
+        if new is not None:
+            local[index] = new.to(local.dtype)
+        records.append(record)
+    return records
+
+
+def _fire_rows(name, transposed, X_local, positions, rows, options, record_spectra, group):
+    """FIRE on one block given as ``X`` (the block, or its transpose) of ``rows`` rows, this rank
+    holding rows ``positions``. Returns the record and the new local rows (None when skipped)."""
+    from ..functional.isometry import FireRecord, target_scale
+
+    started = time.perf_counter()
+    cols = X_local.shape[1]
+    view_shape = (cols, rows, *X_local.shape[2:]) if transposed else (rows, cols, *X_local.shape[2:])
+    record = FireRecord(name, view_shape)
+    flags = _all_reduce(torch.tensor([float(not bool(torch.isfinite(X_local).all()))], dtype=torch.float64,
+                                     device=X_local.device), group)
+    if flags.item():
+        return _skip(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
+    X64 = _matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
+    wide = rows < cols  # gathered: G would be larger than the block itself
+    gram = None if wide else _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
+    squared_norm = float(_all_reduce(X64.square().sum().reshape(1), group) if wide
+                         else gram.diagonal(dim1=-2, dim2=-1).sum())
+    if squared_norm == 0.0:
+        return _skip(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
+    taps = math.prod(X_local.shape[2:])
+    if options.scale == "preserve_norm":
+        scale = math.sqrt(squared_norm / (min(rows, cols) * taps))
+    else:
+        scale = target_scale(torch.empty(view_shape, device="meta"), options.scale)
+    record.scale = scale
+    new = None
+    if not wide:  # tall: X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows alone)
+        try:
+            new = polar_from_gram(X64, gram, total_rows=rows).mul_(scale)
+        except RankDeficientError:
+            pass
+    if new is None:
+        # Wide (G of the larger side would cost more than the block) or rank-deficient: this block whole on
+        # every rank, its polar factor by SVD, as on one process.
+        full = _gather_rows(X64, positions, rows, group)
+        U, _, Vh = torch.linalg.svd(full, full_matrices=False)
+        polar = (U @ Vh).mul_(scale)
+        new = polar[..., positions, :]
+        record.dfi_before = float(deviation_from_isometry(full, scale, torch.float64).sum())
+        record.dfi_after = float(deviation_from_isometry(polar, scale, torch.float64).sum())
+        if record_spectra:
+            record.spectrum_before = torch.linalg.svdvals(full).float().cpu()
+            record.spectrum_after = torch.linalg.svdvals(polar).float().cpu()
+    else:
+        after = _all_reduce(new.mT @ new, group)
+        record.dfi_before = float(_gram_deviation(gram, scale).sum())
+        record.dfi_after = float(_gram_deviation(after, scale).sum())
+        if record_spectra:
+            record.spectrum_before = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1).float().cpu()
+            record.spectrum_after = torch.linalg.eigvalsh(after).clamp_min(0).sqrt().flip(-1).float().cpu()
+    record.sfe = float(_all_reduce((X64 - new).square().sum().reshape(1), group))
+    record.sfe_normalized = record.sfe / squared_norm
+    record.seconds = time.perf_counter() - started
+    # back to (local rows, cols, *k)
+    new = new if new.dim() == 2 else new.permute(new.dim() - 2, new.dim() - 1, *range(new.dim() - 2))
+    return record, new
+
+
+def _gram_deviation(gram: torch.Tensor, scale: float) -> torch.Tensor:
+    """DfI ``‖G − s²I‖²_F`` of a tall block from its Gram matrix (what ``deviation_from_isometry`` computes)."""
+    return torch.linalg.matrix_norm(gram - scale**2 * torch.eye(gram.shape[-1], dtype=gram.dtype,
+                                                               device=gram.device)).square()
+
+
+def _gather_rows(X64: torch.Tensor, positions: list[int], rows: int, group) -> torch.Tensor:
+    """The whole block on every rank, from each rank's rows ``positions``, by a zero-padded all-reduce."""
+    full = X64.new_zeros(*X64.shape[:-2], rows, X64.shape[-1])
+    full[..., positions, :] = X64
+    return _all_reduce(full, group)
+
+
+def _skip(record, message: str, reason: str, on_degenerate: str):
+    if on_degenerate == "raise":
+        raise DegenerateMatrixError(message)
+    warnings.warn(message + "; left unchanged", stacklevel=4)
+    record.skipped = reason
+    return record
+

@@ -1,0 +1,108 @@
+"""FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE and ReDo on sharded weights equal
+them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
+strategy or callback that cannot act on shards refuses at setup with the fix.
+
+The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
+the few steps each run trains.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_single
+
+FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
+REDO = {"_target_": "plasticity_callbacks.ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
+        "schedule": {"every_n_steps": 2}}
+RUNS = [
+    # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
+    {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
+    # GPT-2's Conv1D stored (in, out): c_attn's Q/K/V blocks are column sets of each rank's rows (Gram route on
+    # X = Wᵀ), c_fc is wide in that orientation (gathered), c_proj is tall (Gram route).
+    {"name": "fire_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
+    # nn.MultiheadAttention's in_proj (48×16): rank 0 holds rows 0..23, so the K block (16..31) is split across ranks.
+    {"name": "fire_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
+    # The package's GPT sharded by its own configure_model, its head included, at fit start; AdamW's state of
+    # the treated weights is reset at step 2 (lr = 0: Adam would turn the rounding noise of two gradient
+    # reduction orders, on entries whose gradient is near zero, into lr-sized steps that differ).
+    {"name": "fire_gpt", "model": "gpt", "lr": 0.0, "steps": 3,
+     "callbacks": [dict(FIRE, schedule={"at_fit_start": True}, selection={"include_head": True})]},
+    # ReDo: statistics all-reduced; recycled rows of each rank's shard of up (a fresh draw of the whole weight,
+    # its rows kept), zero columns of down in every rank's rows, those slices' Adam/SGD moments.
+    {"name": "redo_mlp", "model": "mlp", "steps": 4, "callbacks": [REDO]},
+    {"name": "redo_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 4, "callbacks": [REDO]},
+    # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
+    # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
+    {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
+     "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+    {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
+     "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+]
+# Both ranks die right after the distributed checkpoint at step 3 (its own launch: the processes end there).
+CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "crash_at": 3, "ckpt_every": 3,
+           "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    run_fsdp2(out, [CRASHED], crash=True)
+    return out, run_fsdp2(out, RUNS)
+
+
+@pytest.mark.parametrize("name", ["fire_mlp", "fire_gpt2", "fire_encoder", "fire_gpt"])
+def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["fire/layers"]) > 0
+    assert float(sharded["metrics"]["fire/dfi_after"]) < 1e-6 * float(sharded["metrics"]["fire/dfi_before"])
+    assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/sfe", "fire/layers"))
+
+
+@pytest.mark.parametrize("name", ["redo_mlp", "redo_gpt2"])
+def test_redo_under_fsdp2_equals_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["redo/recycled"]) > 0
+    assert_same_as_single(single, sharded, metrics=("redo/recycled", "redo/dormant"))
+
+
+def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
+    out, results = fsdp2_runs
+    reference, resumed = results["resume_reference"], results["resume_resumed"]
+    assert float(resumed["metrics"]["fire/applications"]) == 2  # step 1 before the kill, step 4 after: not again
+    assert_close(reference["params"], resumed["params"], "params")
+    assert_close(reference["optimizer"], resumed["optimizer"], "optimizer")
+    assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
+
+
+# ------------------------------------------------------------------ strategies and callbacks that refuse
+
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
+def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
+    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
+
+    trainer = SimpleNamespace(strategy=type(strategy, (), {})())
+    for fsdp2 in (False, True):
+        with pytest.raises(MisconfigurationException, match=f"{strategy}.*ModelParallelStrategy.*fully_shard.*ddp"):
+            require_full_parameters(trainer, "Owner", fsdp2=fsdp2)
+
+
+def test_fsdp2_is_accepted_by_fire_and_redo_and_refused_with_the_fix_by_the_other_callbacks():
+    from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink, FIREReinit, ReDoMonitor, ShrinkPerturb
+    from plasticity_callbacks.core.distributed import MisconfigurationException
+
+    trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
+    FIREReinit().check_strategy(trainer)
+    ReDoMonitor().check_strategy(trainer)
+    others = (ShrinkPerturb(), DASHShrink(), AdaptiveSVDSwitch())
+    checked = [c for c in others if hasattr(c, "check_strategy")]
+    assert checked  # the callbacks on the shared base class refuse in check_strategy; the others in setup
+    for callback in checked:
+        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit and ReDoMonitor do.*ddp"):
+            callback.check_strategy(trainer)
