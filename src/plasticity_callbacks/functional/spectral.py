@@ -242,6 +242,9 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     if W.dim() < 2 or not W.is_floating_point():
         raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
                          f"and dtype {W.dtype}")
+    if W.numel() == 0:
+        raise ValueError(f"orthogonalize got an empty matrix of shape {tuple(W.shape)}: a layer without inputs or "
+                         "outputs has no polar factor; leave it out of the selection")
     dtype = options.torch_dtype
     method = choose_method(W.shape, W.device, dtype) if options.method == "auto" else options.method
     wide = W.shape[-2] < W.shape[-1]
