@@ -30,11 +30,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.console import configure_run_output
+from plasticity_callbacks.app.methods import method_names
 from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.report import build_report
 from plasticity_callbacks.app.train import config_dir
 
-METHODS = ["warm", "warm_reset", "reset", "sp", "fire", "fire_exact", "dash", "redo"]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "study")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--methods", nargs="+", default=method_names(),
+                        help="default: every configs/method/<name>.yaml")
     parser.add_argument("--phase1-steps", type=int, default=None, help="default: the experiment's")
     parser.add_argument("--phase2-steps", type=int, default=None, help="default: the experiment's")
     parser.add_argument("--budget-minutes", type=float, default=45.0, help="stop starting runs after this")

@@ -29,22 +29,23 @@ def test_sweep_and_report(tmp_path):
     assert all([t["task"] for t in r.tasks] == [0, 1, 2] for r in runs)
 
     text, figures = build_stream_report(sweep)
-    rows = [line for line in text.splitlines() if line.startswith("| warm") or line.startswith("| fire_exact")]
-    assert len(rows) == 2 and all(" 2 |" in row for row in rows)  # two seeds each
-    assert "accuracy first 1" in text and "accuracy last 1" in text
+    ranked = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert sorted(line.split(" | ")[1:3] for line in ranked) == [["fire_exact", "2"], ["warm", "2"]]  # two seeds each
+    assert "online acc (all tasks)" in text and "end-of-task acc (last 1)" in text and "retained acc" in text
     assert figures[0].is_file() and figures[0].stat().st_size > 10_000
     assert (sweep / "report" / "report.md").is_file()
 
 
-def test_a_method_without_a_stream_row_fails_at_composition():
+def test_every_method_runs_in_the_stream_without_a_stream_table():
+    """warm_reset, the warm + fresh optimizer control, had no stream row: every method file runs now."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    from omegaconf.errors import InterpolationKeyError
 
+    from plasticity_callbacks.app.methods import task_stream_callbacks
+    from plasticity_callbacks.app.pipeline import resolve_method
     from plasticity_callbacks.app.train import config_dir
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=continual_digits", "+method=warm_reset",
                                            "paths.output_dir=/tmp/plasticity-compose"])
-    with pytest.raises(InterpolationKeyError, match="stream_methods.warm_reset"):
-        OmegaConf.resolve(cfg)  # plasticity-train prints it as one "configuration error" line
+    assert "stream_methods" not in cfg
+    assert list(task_stream_callbacks(resolve_method(cfg))) == ["fresh_optimizer_state"]

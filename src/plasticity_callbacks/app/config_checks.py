@@ -63,14 +63,15 @@ def check_command_line(argv: list[str], config_dir: str) -> None:
         overrides = OverridesParser.create().parse_overrides(args.overrides)
     except (Exception, SystemExit):  # a syntax error: Hydra's own message says where it is
         return
-    root = Path(config_dir)
+    roots = search_roots(config_dir, args.config_dir, overrides)
     for override in overrides:
         group = override.key_or_group
-        if override.is_delete() or group.startswith("hydra") or not (root / group).is_dir():
+        folders = [root / group for root in roots if (root / group).is_dir()]
+        if override.is_delete() or group.startswith("hydra") or not folders:
             continue
         for option in option_values(override):
-            if not (root / group / f"{option}.yaml").is_file():
-                raise ConfigError(unknown_option_message(root / group, group, option))
+            if not any((folder / f"{option}.yaml").is_file() for folder in folders):
+                raise ConfigError(unknown_option_message(folders, group, option))
     check_composition(args, overrides, config_dir)
     run_dir_key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     given = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
@@ -85,9 +86,13 @@ def check_composition(args, overrides: list, config_dir: str) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if args.config_dir or args.config_path or GlobalHydra.instance().is_initialized():
-        return  # another search path, or inside a running Hydra app: let Hydra compose
+    if args.config_path or GlobalHydra.instance().is_initialized():
+        return  # another primary config folder, or inside a running Hydra app: let Hydra compose
     first_values = []
+    if args.config_dir:  # searched after the package's configs, as Hydra searches it
+        if any(o.key_or_group == "hydra.searchpath" for o in overrides):
+            return  # both: let Hydra compose
+        first_values.append(f"hydra.searchpath=[file://{Path(args.config_dir).expanduser().absolute()}]")
     for override in overrides:
         if override.is_sweep_override():
             values = option_values(override)
@@ -116,8 +121,39 @@ def option_values(override) -> Iterable[str]:
     return [str(v) for v in value] if isinstance(value, list) else [str(value)] if value is not None else []
 
 
-def unknown_option_message(folder: Path, group: str, option: str) -> str:
-    choices = sorted(p.stem for p in folder.glob("*.yaml"))
+def search_roots(config_dir: str, user_config_dir: str | None, overrides: list) -> list[Path]:
+    """The config folders Hydra will search: the package's, ``--config-dir``, and the ``file://``
+    entries of ``hydra.searchpath=[...]`` (a ``pkg://`` entry is resolved through its package)."""
+    roots = [Path(config_dir)]
+    if user_config_dir:
+        roots.append(Path(user_config_dir).expanduser().absolute())
+    for override in overrides:
+        if override.key_or_group != "hydra.searchpath" or override.is_sweep_override():
+            continue
+        value = override.value()
+        for entry in value if isinstance(value, list) else [value]:
+            roots.extend(filter(None, [search_path_folder(str(entry))]))
+    return roots
+
+
+def search_path_folder(entry: str) -> Path | None:
+    """The folder of one ``hydra.searchpath`` entry, or None where it names none that exists."""
+    if entry.startswith("pkg://"):
+        import importlib.util
+
+        package, _, below = entry.removeprefix("pkg://").partition("/")
+        spec = importlib.util.find_spec(package) if package else None
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        folder = Path(list(spec.submodule_search_locations)[0], below)
+    else:
+        folder = Path(entry.removeprefix("file://")).expanduser().absolute()
+    return folder if folder.is_dir() else None
+
+
+def unknown_option_message(folders: Path | list[Path], group: str, option: str) -> str:
+    folders = [folders] if isinstance(folders, Path) else folders
+    choices = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
     close = difflib.get_close_matches(option, choices, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"{group}={option}: no such option; choose from {', '.join(choices)}{hint}"

@@ -54,9 +54,9 @@ from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
+from .methods import check_method
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
-METHOD_KEYS = {"name", "callbacks", "carry_optimizer"}
 STATE_FILE = "pipeline.json"
 
 
@@ -76,9 +76,7 @@ class Phase:
 def resolve_method(cfg: DictConfig) -> DictConfig:
     """``+method=X`` if given, else ``default_method``; an empty method (no callbacks) when neither exists."""
     method = cfg.get("method") or cfg.get("default_method") or OmegaConf.create({"name": "warm"})
-    unknown = set(method) - METHOD_KEYS
-    if unknown:
-        raise ConfigError(f"method has unknown keys {sorted(unknown)}; allowed: {sorted(METHOD_KEYS)}")
+    check_method(method)
     return method
 
 

@@ -414,7 +414,8 @@ def plot_curves(runs: list[Run], out: Path) -> list[Path]:
         first = (runs[0].state.get("phase_order") or list(runs[0].state["phases"]))[0]
         loss_panels.append(Panel(f"retention: validation loss on {first!r} data", LOSS_UNIT, series("retention"),
                                  xlabel, edges))
-    written = [metric_figure(out / "loss_curves.png", loss_panels)]
+    loss_panels = [p for p in loss_panels if any(curve for curves in p.series.values() for curve in curves)]
+    written = [metric_figure(out / "loss_curves.png", loss_panels)] if loss_panels else []  # no empty panel
     if any(r.curves.get("dormant") for r in runs):
         written.append(metric_figure(out / "dormant_fraction.png", [
             Panel("ReDo: dormant neurons", "dormant fraction (share of MLP neurons, 0-1)", series("dormant"),

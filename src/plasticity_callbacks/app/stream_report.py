@@ -1,14 +1,19 @@
 """The task-stream part of ``plasticity-report``: a sweep of ``experiment=continual_digits`` runs as a
-table and one figure.
+ranking table, a sensitivity table and one figure.
 
 Every run's :class:`~plasticity_callbacks.callbacks.task_metrics.TaskMetrics` wrote
 ``logs/tasks.csv`` (one row per task) and ``logs/stream.json`` (method, seed, settings). Runs are
 grouped by method (plus any other override but the seed), and the report gives:
 
-- ``report.md``: per method, mean ± std over seeds of each metric averaged over the first
-  and over the last ``k`` tasks (``k`` = 3, or fewer on a short stream);
-- ``stream_metrics.png``: each metric against the task index, one line per method (mean over
-  seeds), a band of ± one standard deviation.
+- ``report.md``: the ranking table (per group, mean ± std over seeds; ranked by online accuracy):
+  online accuracy over all tasks, and over the last ``k`` tasks end-of-task accuracy, retained
+  accuracy on earlier tasks (stability), probe accuracy, the slope of end-of-task accuracy over the
+  tasks; then a diagnostics table (dormant units, feature rank, weight and gradient norms, first
+  versus last ``k`` tasks); where a method ran with several settings of one hyperparameter, its
+  best setting and the spread of online accuracy across the settings.
+- ``stream_metrics.png``: one panel per metric against the task index, one line per group (mean over
+  seeds, a band of ± one std where two or more seeds ran), the end-of-task error ``1 − accuracy``
+  on a log scale, chance level on the accuracy panels.
 
 Example:
     >>> text, figures = build_stream_report(Path("multirun/2026-01-01/12-00-00"))
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -25,12 +31,21 @@ from pathlib import Path
 from matplotlib.ticker import MaxNLocator
 
 from ..core.figures import plt
-from .report import mean_std, read_overrides
+from ..data.digits import CLASSES
+from .report import LINE_STYLES, MARKERS, mean_std, read_overrides
 
-METRICS = [("accuracy", "end-of-task accuracy"), ("dormant", "dormant fraction (τ = 0.025)"),
-           ("feature_rank", "feature rank (last hidden layer)"), ("stable_rank", "stable rank (last hidden layer)"),
-           ("weight_norm", "weight norm"), ("grad_norm", "gradient norm (mean over the task)")]
-METHOD_ORDER = ["warm", "reset", "sp", "fire_exact", "fire", "dash", "redo"]
+CHANCE = 1 / CLASSES
+# (column, title, y label): the figure's panels, in reading order
+PANELS = [("online_accuracy", "online accuracy (mean over the task's steps)", "accuracy"),
+          ("accuracy", "end-of-task accuracy", "accuracy"),
+          ("error", "end-of-task error, log scale", "1 − accuracy"),
+          ("retained_accuracy", "stability: accuracy on the previous tasks", "accuracy"),
+          ("probe_accuracy", "plasticity probe: refit of a fixed task", "accuracy"),
+          ("online_loss", "online training loss", "cross-entropy (nats)"),
+          ("dormant", "dormant units (τ = 0.025)", "fraction of hidden units"),
+          ("feature_rank", "feature rank, last hidden layer", "effective rank"),
+          ("weight_norm", "weight norm", "L2 norm of all parameters")]
+ACCURACY_PANELS = {"online_accuracy", "accuracy", "retained_accuracy", "probe_accuracy"}
 
 
 @dataclass
@@ -41,6 +56,10 @@ class StreamRun:
     info: dict
     tasks: list[dict[str, float]]  # one row per task, in task order
     overrides: dict[str, str] = field(default_factory=dict)  # from .hydra/overrides.yaml, seed left out
+
+    @property
+    def method(self) -> str:
+        return str(self.info.get("method"))
 
 
 def has_stream_runs(root: Path) -> bool:
@@ -55,84 +74,177 @@ def find_stream_runs(root: Path) -> list[StreamRun]:
             continue
         info = json.loads(info_file.read_text())
         with tasks_file.open(newline="") as f:
-            rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+            rows = [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
         tasks = sorted(rows, key=lambda r: r["task"])
         if not tasks:
             continue
+        for row in tasks:
+            row["error"] = 1.0 - row["accuracy"]
         run_dir = next((p for p in info_file.parents if (p / ".hydra").is_dir()), info_file.parent)
         runs.append(StreamRun(run_dir, str(info.get("method")), int(info["seed"]), info, tasks,
                               read_overrides(run_dir)))
-    # A group is a method plus the overrides that vary across the sweep (not the seed): shared ones
-    # (data.num_tasks=4 ...) say nothing about a method.
-    keys = sorted({k for r in runs for k in r.overrides})
+    # A group is a method plus the overrides that vary across the sweep (not the seed, not the method
+    # choice itself): shared ones (data.num_tasks=4 ...) say nothing about a method.
+    keys = sorted({k for r in runs for k in r.overrides if k != "method"})
     varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
     for run in runs:
-        run.label = " ".join([run.label, *(run.overrides.get(k, f"{k}=(default)") for k in varying)])
+        run.label = " ".join([run.label, *(run.overrides[k].removeprefix("method.callbacks.")
+                                           for k in varying if k in run.overrides)])
     return runs
 
 
-def _order(labels) -> list[str]:
-    def key(label: str):
-        name = label.split(" ", 1)[0]
-        return (METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER), label)
+def accuracy_slope(values: list[float]) -> float:
+    """Least-squares slope of ``values`` against their index (change per task); NaN for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(values)
+    return sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values)) / sum((i - mean_x) ** 2 for i in range(n))
 
-    return sorted(labels, key=key)
+
+def finite_mean(values) -> float:
+    values = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(values) if values else math.nan
 
 
-def stream_table(runs: list[StreamRun], k: int = 3) -> str:
-    """Markdown: per method, mean ± std over seeds of each metric's average over the first / last ``k`` tasks."""
+def run_summary(run: StreamRun, k: int) -> dict[str, float]:
+    """One run's ranking numbers: online accuracy and loss over all tasks, the rest over the last ``k``."""
+    last = run.tasks[-k:]
+    return {"online_accuracy": finite_mean(t.get("online_accuracy", math.nan) for t in run.tasks),
+            "online_loss": finite_mean(t.get("online_loss", math.nan) for t in run.tasks),
+            "accuracy": finite_mean(t["accuracy"] for t in last),
+            "retained_accuracy": finite_mean(t.get("retained_accuracy", math.nan) for t in last),
+            "probe_accuracy": finite_mean(t.get("probe_accuracy", math.nan) for t in last),
+            "slope": 100 * accuracy_slope([t["accuracy"] for t in run.tasks]),
+            "seconds": float(run.info.get("seconds", math.nan))}
+
+
+RANK_COLUMNS = [("online_accuracy", "online acc (all tasks)", 3), ("online_loss", "online loss (all tasks)", 3),
+                ("accuracy", "end-of-task acc (last {k})", 3), ("retained_accuracy", "retained acc (last {k})", 3),
+                ("probe_accuracy", "probe acc (last {k})", 3), ("slope", "acc slope per 100 tasks", 3),
+                ("seconds", "seconds", 0)]
+
+
+def cell(values: list[float], digits: int) -> str:
+    """``mean ± std`` over seeds; the mean alone for one seed (a std of one value says nothing)."""
+    mean, std = mean_std([v for v in values if math.isfinite(v)] or [math.nan])
+    if not math.isfinite(mean):
+        return "—"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if len(values) > 1 else "")
+
+
+def groups_of(runs: list[StreamRun]) -> dict[str, list[StreamRun]]:
     groups: dict[str, list[StreamRun]] = defaultdict(list)
     for run in runs:
         groups[run.label].append(run)
+    return dict(groups)
+
+
+def last_k(runs: list[StreamRun], k: int | None) -> int:
+    """``k`` as given, else a quarter of the shortest stream (at least one task)."""
     shortest = min(len(r.tasks) for r in runs)
-    k = max(1, min(k, shortest // 2 or 1))
-    shown = [("accuracy", 3), ("dormant", 3), ("feature_rank", 1), ("weight_norm", 1), ("grad_norm", 2)]
-    columns = [f"{name} {part} {k}" for name, _ in shown for part in ("first", "last")]
-    header = ["method", "seeds", *columns, "seconds"]
+    return max(1, min(k or shortest // 4, shortest))
+
+
+def ranking_table(runs: list[StreamRun], k: int | None = None) -> str:
+    """Markdown: one row per group, best online accuracy first."""
+    k = last_k(runs, k)
+    summaries = {label: [run_summary(r, k) for r in members] for label, members in groups_of(runs).items()}
+    ranked = sorted(summaries, key=lambda g: -finite_mean(s["online_accuracy"] for s in summaries[g]))
+    header = ["rank", "method", "seeds", *(title.format(k=k) for _, title, _ in RANK_COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label in _order(groups):
-        members = groups[label]
-        cells = [label, str(len(members))]
-        for name, digits in shown:
-            for part in (slice(0, k), slice(-k, None)):
-                mean, std = mean_std([statistics.fmean(t[name] for t in r.tasks[part]) for r in members])
-                cells.append(f"{mean:.{digits}f} ± {std:.{digits}f}")
-        mean, std = mean_std([float(r.info.get("seconds", 0.0)) for r in members])
-        cells.append(f"{mean:.0f} ± {std:.0f}")
+    for rank, label in enumerate(ranked, 1):
+        rows = summaries[label]
+        cells = [str(rank), label, str(len(rows)), *(cell([s[key] for s in rows], digits)
+                                                      for key, _, digits in RANK_COLUMNS)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def diagnostics_table(runs: list[StreamRun], k: int | None = None) -> str:
+    """Markdown: per group, each diagnostic averaged over the first and over the last ``k`` tasks."""
+    k = last_k(runs, k)
+    shown = [("dormant", 3), ("feature_rank", 1), ("weight_norm", 1), ("grad_norm", 2)]
+    header = ["method", *(f"{name} {part} {k}" for name, _ in shown for part in ("first", "last"))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, members in sorted(groups_of(runs).items()):
+        cells = [label]
+        for name, digits in shown:
+            for part in (slice(0, k), slice(-k, None)):
+                cells.append(cell([finite_mean(t[name] for t in r.tasks[part]) for r in members], digits))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sensitivity_table(runs: list[StreamRun]) -> str | None:
+    """Markdown: per method run with several settings, its best (by online accuracy) and the spread."""
+    by_method: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for label, members in groups_of(runs).items():
+        by_method[members[0].method][label] = [run_summary(r, 1)["online_accuracy"] for r in members]
+    lines = []
+    for method, settings in sorted(by_method.items()):
+        if len(settings) < 2:
+            continue
+        means = {label: finite_mean(values) for label, values in settings.items()}
+        best = max(means, key=means.get)
+        worst = min(means, key=means.get)
+        lines.append(f"| {method} | {len(settings)} | {best} | {cell(settings[best], 3)} | {worst} | "
+                     f"{means[best] - means[worst]:.3f} |")
+    if not lines:
+        return None
+    head = ["| method | settings | best setting | its online acc | worst setting | spread (best − worst) |",
+            "|---|---|---|---|---|---|"]
+    return "\n".join(head + lines)
+
+
 def plot_stream(runs: list[StreamRun], path: Path) -> Path:
-    """Each metric against the task index; one line per method (mean over seeds), band = ± one std."""
-    groups: dict[str, list[StreamRun]] = defaultdict(list)
-    for run in runs:
-        groups[run.label].append(run)
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), squeeze=False)
-    for ax, (name, title) in zip(axes.flat, METRICS):
-        for label in _order(groups):
+    """One panel per metric against the task index; one line per group (mean over seeds)."""
+    groups = groups_of(runs)
+    seeds = sorted({len(m) for m in groups.values()})
+    panels = [p for p in PANELS if any(math.isfinite(t.get(p[0], math.nan)) for r in runs for t in r.tasks)]
+    columns = 3
+    fig, axes = plt.subplots(math.ceil(len(panels) / columns), columns, figsize=(15, 3.6 * math.ceil(len(panels) / 3)),
+                             squeeze=False)
+    n_tasks = min(len(r.tasks) for r in runs)
+    for ax, (name, title, ylabel) in zip(axes.flat, panels):
+        for index, label in enumerate(sorted(groups)):
             members = groups[label]
-            n_tasks = min(len(r.tasks) for r in members)
-            tasks = list(range(n_tasks))
-            per_task = [[r.tasks[t][name] for r in members] for t in tasks]
-            mean, std = zip(*(mean_std(v) for v in per_task))
-            line, = ax.plot(tasks, mean, marker=".", label=f"{label} (n={len(members)})")
-            ax.fill_between(tasks, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                            color=line.get_color(), alpha=0.2, linewidth=0)
-        ax.set(title=title, xlabel="task")
+            points = [(t, mean_std([r.tasks[t][name] for r in members])) for t in range(n_tasks)]
+            points = [(t, m, s) for t, (m, s) in points if math.isfinite(m)]
+            if not points:
+                continue
+            tasks, mean, std = zip(*points)
+            line, = ax.plot(tasks, mean, linestyle=LINE_STYLES[index % len(LINE_STYLES)],
+                            marker=MARKERS[index % len(MARKERS)], markevery=max(1, len(tasks) // 12),
+                            markersize=4, label=f"{label} (n={len(members)})")
+            if len(members) > 1:
+                low = [max(m - s, 1e-4) if name == "error" else m - s for m, s in zip(mean, std)]
+                ax.fill_between(tasks, low, [m + s for m, s in zip(mean, std)], color=line.get_color(),
+                                alpha=0.15, linewidth=0)
+        if name in ACCURACY_PANELS:
+            ax.axhline(CHANCE, color="grey", linestyle=":", linewidth=1)
+            ax.set_ylim(0, 1.02)
+        if name == "error":
+            ax.set_yscale("log")
+            ax.axhline(1 - CHANCE, color="grey", linestyle=":", linewidth=1)
+        ax.set(title=title, xlabel="task", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     info = runs[0].info
-    fig.suptitle(f"{info.get('stream')}: {info.get('num_tasks')} tasks × {info.get('steps_per_task')} steps "
-                 f"(mean over seeds, band ± 1 std)")
+    band = "band ± 1 std over seeds" if seeds[-1] > 1 else "one seed, no band"
+    fig.suptitle(f"{info.get('stream')}: {info.get('num_tasks')} tasks × {info.get('steps_per_task')} steps, "
+                 f"mean over n = {'/'.join(map(str, seeds))} seeds ({band}); dotted: chance")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def build_stream_report(root: Path, out: Path | None = None, k: int = 3) -> tuple[str, list[Path]]:
+def build_stream_report(root: Path, out: Path | None = None, k: int | None = None) -> tuple[str, list[Path]]:
     """Write ``report.md`` and ``stream_metrics.png`` under ``out`` (default ``root/report``)."""
     runs = find_stream_runs(root)
     if not runs:
@@ -140,13 +252,20 @@ def build_stream_report(root: Path, out: Path | None = None, k: int = 3) -> tupl
     out = out or Path(root) / "report"
     out.mkdir(parents=True, exist_ok=True)
     figure = plot_stream(runs, out / "stream_metrics.png")
-    info = runs[0].info
+    info, k = runs[0].info, last_k(runs, k)
+    sensitivity = sensitivity_table(runs)
     text = "\n".join([
         f"# Task stream: {len(runs)} runs under {root}", "",
         f"{info.get('stream')}, {info.get('num_tasks')} tasks × {info.get('steps_per_task')} steps of batch "
-        f"{info.get('batch_size')}. Mean ± std over seeds of each metric averaged over the first and the last "
-        "tasks, measured at each task's end; seconds = training time of one run.", "",
-        stream_table(runs, k), "", f"![{figure.stem}]({figure.name})", "",
+        f"{info.get('batch_size')}. Mean ± std over seeds (the mean alone for one seed). Online = mean over a "
+        "task's training steps of the batch's accuracy before its update; end-of-task = on the task's evaluation "
+        f"data at its end; retained = on the previous {info.get('stability_tasks', 3)} tasks' evaluation data; "
+        f"probe = a fixed random-label task refit for {info.get('probe_steps', 0)} Adam steps from the task's end "
+        f"state; slope = least-squares change of end-of-task accuracy per 100 tasks; seconds = one run's "
+        "training time. Ranked by online accuracy.", "",
+        ranking_table(runs, k), "",
+        *(["## Sensitivity (online accuracy over all tasks)", "", sensitivity, ""] if sensitivity else []),
+        "## Diagnostics", "", diagnostics_table(runs, k), "", f"![{figure.stem}]({figure.name})", "",
     ])
     (out / "report.md").write_text(text)
     return text, [figure]

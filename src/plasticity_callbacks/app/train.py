@@ -29,7 +29,8 @@ from ..core.arguments import ConfigError
 from .callback_checks import check_callbacks
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
-from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics
+from .methods import task_stream_callbacks
+from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics, resolve_method
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,12 @@ def build_module(cfg: DictConfig) -> L.LightningModule:
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one) plus the checkpointing. An entry
-    without ``_target_`` is a group of entries (a task-stream method is one: ``{name: spec}``)."""
-    return instantiate_callbacks(cfg.get("callbacks")) + [instantiate(cfg.checkpoint)]
+    """Every entry of ``cfg.callbacks`` (``+callbacks=fire`` adds one), the method's callbacks when it acts
+    at task boundaries (``method_at_task_boundaries: true``, the task streams), and the checkpointing."""
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    if cfg.get("method_at_task_boundaries"):
+        callbacks += instantiate_callbacks(task_stream_callbacks(resolve_method(cfg)))
+    return callbacks + [instantiate(cfg.checkpoint)]
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
@@ -118,12 +122,14 @@ def task_overrides() -> list[str]:
 def report_outputs(run_dir: Path) -> None:
     """Write the run's figures (``report/``) and say where everything is."""
     from .report import build_report
+    from .stream_report import build_stream_report, has_stream_runs
 
     lines = [f"outputs in {run_dir}:", f"  log          {run_dir / 'train.log'}"]
     lines += [f"  metrics      {p}" for p in sorted(run_dir.glob("logs/**/metrics.csv"))]
     lines += [f"  checkpoints  {p}" for p in sorted(run_dir.glob("checkpoints/**/*.ckpt"))]
     try:
-        _, figures = build_report(run_dir)
+        # a task stream: its per-task panels (a classifier's loss is not in nats per byte; it validates nothing)
+        _, figures = (build_stream_report if has_stream_runs(run_dir) else build_report)(run_dir)
         lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
         lines += [f"  figures      {p}" for folder in ("logs", "tensorboard")
                   for p in sorted(run_dir.glob(f"{folder}/**/figures/*.png"))]

@@ -1,4 +1,4 @@
-"""``TaskMetrics``: plasticity measured at the end of every task of a task stream."""
+"""``TaskMetrics``: plasticity and stability measured over every task of a task stream."""
 from __future__ import annotations
 
 import csv
@@ -9,14 +9,15 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch.func import functional_call
 
 from ..core.arguments import check_int
 from ..core.figures import run_output_dir
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
 
-COLUMNS = ("task", "step", "accuracy", "loss", "dormant", "dead", "feature_rank", "stable_rank",
-           "weight_norm", "grad_norm")
+COLUMNS = ("task", "step", "accuracy", "loss", "online_accuracy", "online_loss", "retained_accuracy",
+           "probe_accuracy", "dormant", "dead", "feature_rank", "stable_rank", "weight_norm", "grad_norm")
 
 
 def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor, tau: float) -> dict[str, float]:
@@ -52,37 +53,92 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
     }
 
 
-class TaskMetrics(L.Callback):
-    """Measures plasticity at the end of every task of a task stream (:mod:`plasticity_callbacks.data.digits`).
+def accuracy_on(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of ``(x, y)`` the module classifies right, in eval mode, without gradients."""
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        with torch.no_grad():
+            logits = pl_module(x.to(pl_module.device))
+    finally:
+        pl_module.train(was_training)
+    return float((logits.argmax(-1) == y.to(logits.device)).float().mean())
 
-    When: in ``on_train_batch_end`` of each task's last batch (global steps ``task_boundary_steps``
-    and the end of the stream), before any method acts at the next boundary.
-    What: :func:`plasticity_metrics` on the data module's ``eval_data(task)``, plus ``grad_norm``:
-    the mean over the task's steps (every ``grad_norm_every_n_steps``-th) of the total gradient
-    norm before clipping (``on_before_optimizer_step``). Logged with ``pl_module.log`` as ``task/<metric>`` (every task
-    end must be a logging step: ``steps_per_task`` a multiple of ``trainer.log_every_n_steps``),
-    kept in ``state_dict`` (a resumed run keeps its earlier tasks) and written at the end of
-    training to ``<log dir>/tasks.csv`` (one row per task) and ``<log dir>/stream.json``
-    (``method``, ``seed``, the stream's settings, training seconds).
+
+def probe_accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float) -> float:
+    """Plasticity probe (Lyle et al. 2023): from a copy of the module's current weights, ``steps``
+    full-batch Adam steps (learning rate ``lr``, fresh moments) on ``(x, y)``; the accuracy reached
+    on ``(x, y)``. The module itself is not changed."""
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    optimizer = torch.optim.Adam(params.values(), lr=lr)
+    x, y = x.to(module.device), y.to(module.device)
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = F.cross_entropy(functional_call(module, (params, buffers), (x,)), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    with torch.no_grad():
+        logits = functional_call(module, (params, buffers), (x,))
+    return float((logits.argmax(-1) == y).float().mean())
+
+
+class TaskMetrics(L.Callback):
+    """Measures plasticity and stability over every task of a task stream (:mod:`plasticity_callbacks.data.digits`).
+
+    When: over each task's steps (``on_train_batch_end``: the training batch's loss and accuracy) and
+    at each task's last batch (global steps ``task_boundary_steps`` and the end of the stream), before
+    any method acts at the next boundary. What, per task:
+
+    - ``online_loss`` / ``online_accuracy``: mean over the task's steps of the training batch's loss and
+      accuracy, each computed before that step's update (Dohare et al. 2024; Kumar et al. 2023). Needs a
+      ``training_step`` that returns ``{"loss", "accuracy"}``; accuracy is NaN when it returns the loss only.
+    - :func:`plasticity_metrics` on the data module's ``eval_data(task)`` (end-of-task ``accuracy`` etc.).
+    - ``retained_accuracy`` (stability): mean accuracy on ``eval_data`` of the previous
+      ``stability_tasks`` tasks (NaN for task 0).
+    - ``probe_accuracy``: :func:`probe_accuracy` on the stream's ``probe_data()``, every
+      ``probe_every_n_tasks`` tasks (NaN between them; ``probe_steps=0`` turns it off).
+    - ``grad_norm``: the mean over the task's steps (every ``grad_norm_every_n_steps``-th) of the
+      total gradient norm before clipping (``on_before_optimizer_step``).
+
+    Logged with ``pl_module.log`` as ``task/<metric>`` (every task end must be a logging step:
+    ``steps_per_task`` a multiple of ``trainer.log_every_n_steps``), kept in ``state_dict`` (a resumed
+    run keeps its earlier tasks) and written at the end of training to ``<log dir>/tasks.csv`` (one row
+    per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the stream's settings, training seconds).
 
     Args:
         tau: dormancy threshold of ``dormant`` (ReDo's 0.025).
         method: the name of the plasticity method under test, recorded in ``stream.json``.
         grad_norm_every_n_steps: steps between two gradient-norm samples (each costs a host sync).
+        stability_tasks: how many previous tasks ``retained_accuracy`` averages over.
+        probe_steps: full-batch Adam steps of the plasticity probe (0: no probe).
+        probe_every_n_tasks: probe after tasks ``0, n, 2n, …`` and the last one.
+        probe_lr: the probe's Adam learning rate.
 
     Example:
-        >>> trainer = L.Trainer(max_epochs=1, callbacks=[TaskMetrics(method="fire")])
+        >>> trainer = L.Trainer(max_epochs=1, callbacks=[TaskMetrics(method="fire", probe_steps=50)])
         >>> trainer.fit(DigitsClassifier(), datamodule=RandomLabelDigits(num_tasks=5))
     """
 
-    def __init__(self, tau: float = 0.025, method: str | None = None, grad_norm_every_n_steps: int = 10):
+    def __init__(self, tau: float = 0.025, method: str | None = None, grad_norm_every_n_steps: int = 10,
+                 stability_tasks: int = 3, probe_steps: int = 0, probe_every_n_tasks: int = 1,
+                 probe_lr: float = 1e-3):
         if not (isinstance(tau, (int, float)) and 0 <= tau < 1):
             raise ValueError(f"TaskMetrics tau={tau!r} must be in [0, 1)")
         check_int("grad_norm_every_n_steps", grad_norm_every_n_steps)
+        check_int("stability_tasks", stability_tasks)
+        check_int("probe_steps", probe_steps, minimum=0)
+        check_int("probe_every_n_tasks", probe_every_n_tasks)
+        if not (isinstance(probe_lr, (int, float)) and probe_lr > 0):
+            raise ValueError(f"TaskMetrics probe_lr={probe_lr!r} must be a positive number")
         self.tau, self.method, self.grad_every = float(tau), method, grad_norm_every_n_steps
+        self.stability_tasks, self.probe_steps, self.probe_every, self.probe_lr = (
+            stability_tasks, probe_steps, probe_every_n_tasks, float(probe_lr))
         self.history: list[dict[str, float]] = []
         self.seconds = 0.0
         self._grad_norms: list[float] = []
+        self._online = [0.0, 0.0, 0]  # this task's sums of batch loss and accuracy, and its step count
         self._started: float | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -108,17 +164,35 @@ class TaskMetrics(L.Callback):
             self._grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._add_online(outputs)
         stream, step = trainer.datamodule, trainer.global_step
         if step not in stream.task_boundary_steps and step != stream.total_steps:
             return
         task = stream.task_at(step - 1)
         metrics = plasticity_metrics(pl_module, *stream.eval_data(task), self.tau)
+        loss_sum, accuracy_sum, steps = self._online
+        metrics["online_loss"] = loss_sum / steps if steps else float("nan")
+        metrics["online_accuracy"] = accuracy_sum / steps if steps else float("nan")
+        earlier = range(max(0, task - self.stability_tasks), task)
+        metrics["retained_accuracy"] = (sum(accuracy_on(pl_module, *stream.eval_data(j)) for j in earlier)
+                                        / len(earlier)) if task else float("nan")
+        probe_now = self.probe_steps and (task % self.probe_every == 0 or task == stream.num_tasks - 1)
+        metrics["probe_accuracy"] = (probe_accuracy(pl_module, *stream.probe_data(), self.probe_steps, self.probe_lr)
+                                     if probe_now else float("nan"))
         metrics["grad_norm"] = sum(self._grad_norms) / len(self._grad_norms) if self._grad_norms else float("nan")
-        self._grad_norms = []
+        self._grad_norms, self._online = [], [0.0, 0.0, 0]
         pl_module.log_dict({f"task/{k}": v for k, v in metrics.items()} | {"task/index": float(task)})
         self.history.append({"task": task, "step": step, **metrics})
         rank_zero_info(f"task {task}: accuracy {metrics['accuracy']:.3f}, dormant {metrics['dormant']:.3f}, "
                        f"feature rank {metrics['feature_rank']:.1f}")
+
+    def _add_online(self, outputs) -> None:
+        """Add this step's training loss and accuracy (a host sync per step: tiny next to the step itself)."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        accuracy = outputs.get("accuracy") if isinstance(outputs, dict) else None
+        self._online[0] += float(loss) if loss is not None else float("nan")
+        self._online[1] += float(accuracy) if accuracy is not None else float("nan")
+        self._online[2] += 1
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._started is not None:
@@ -142,14 +216,17 @@ class TaskMetrics(L.Callback):
         stream = trainer.datamodule
         info = {"method": self.method, "seed": stream.seed, "stream": type(stream).__name__,
                 "num_tasks": stream.num_tasks, "steps_per_task": stream.steps_per_task,
-                "batch_size": stream.batch_size, "seconds": self.seconds}
+                "batch_size": stream.batch_size, "seconds": self.seconds, "stability_tasks": self.stability_tasks,
+                "probe_steps": self.probe_steps}
         (base / "stream.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def state_dict(self) -> dict:
         running = time.perf_counter() - self._started if self._started is not None else 0.0
-        return {"history": list(self.history), "seconds": self.seconds + running, "grad_norms": list(self._grad_norms)}
+        return {"history": list(self.history), "seconds": self.seconds + running, "grad_norms": list(self._grad_norms),
+                "online": list(self._online)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict["history"])
         self.seconds = float(state_dict["seconds"])
         self._grad_norms = list(state_dict["grad_norms"])
+        self._online = list(state_dict.get("online", [0.0, 0.0, 0]))

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 PIXELS, CLASSES = 64, 10
 
 # Separate random streams per purpose, so e.g. changing the batch order never changes a task's labels.
-_SPLIT, _TASK, _ORDER = 0, 1, 2
+_SPLIT, _TASK, _ORDER, _PROBE = 0, 1, 2, 3
 
 
 def generator(seed: int, *keys: int) -> torch.Generator:
@@ -208,6 +208,15 @@ class DigitsTaskStream(L.LightningDataModule):
             return trainer.global_step if trainer is not None else 0
 
         return StreamLoader(StreamBatches(self), position)
+
+    def probe_data(self, samples: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed probe task, the same for every method of a seed: ``samples`` images with random
+        labels (Lyle et al. 2023 probe plasticity by fitting random labels from a trained network)."""
+        if self.images is None:
+            self.images, self.labels = load_digits_tensors()
+        g = generator(self.seed, _PROBE)
+        rows = torch.randperm(len(self.labels), generator=g)[:samples]
+        return self.images[rows], torch.randint(0, CLASSES, (len(rows),), generator=g)
 
     def eval_data(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The data on which task ``index``'s plasticity is measured: ``(x (M, 64), y (M,))``."""

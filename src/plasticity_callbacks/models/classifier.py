@@ -81,11 +81,14 @@ class DigitsClassifier(L.LightningModule):
                 out.append((f"network.{name}", x))
         return out
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
-        loss = F.cross_entropy(self(x), y)
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        accuracy = (logits.argmax(-1) == y).float().mean()
         self.log("train/loss", loss, prog_bar=True)
-        return loss
+        self.log("train/accuracy", accuracy)
+        return {"loss": loss, "accuracy": accuracy.detach()}  # TaskMetrics averages both over each task
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=True)  # one kernel per op for all tensors

@@ -1,0 +1,124 @@
+"""Plasticity methods, each declared once in ``configs/method/<name>.yaml`` and found there.
+
+A method file says what happens at a boundary (between two phases of a pipeline, or between two
+tasks of a task stream)::
+
+    name: sp                 # the file's stem
+    carry_optimizer: false   # false: the new phase / task starts with a fresh optimizer state
+    callbacks:               # the callbacks that act at the boundary ({name: spec}, as configs/callbacks/)
+      shrink_perturb: {_target_: plasticity_callbacks.ShrinkPerturb, shrink: 0.8, perturb: 0.2}
+    task_stream:             # optional: what differs in a task stream, merged onto `callbacks`
+      shrink_perturb: {reset_optimizer: true}
+    sensitivity:             # optional: the main hyperparameter and the values a sweep tries
+      key: callbacks.shrink_perturb.shrink
+      values: [0.2, 0.4, 0.6, 0.8]
+
+Everything that runs methods reads this file: the pipeline (phases), the task streams
+(:func:`task_stream_callbacks`), the benchmarks (:func:`method_names`, :func:`sensitivity`) and the
+reports. A user's method is one more file in a folder of their own on the config search path
+(``--config-dir`` / ``hydra.searchpath``).
+
+Example:
+    >>> method_names()
+    ['dash', 'fire', 'fire_exact', 'redo', 'reset', 'sp', 'warm', 'warm_reset']
+    >>> task_stream_callbacks(compose_method("sp"))  # the specs that act at every task boundary
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..core.arguments import ConfigError
+
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity"}
+# The schedule of a callback that acts "at the boundary" of a pipeline phase; in a task stream that
+# boundary is every task boundary.
+AT_TASK_BOUNDARIES = {"_target_": "plasticity_callbacks.core.schedule.Schedule", "at_task_boundaries": True}
+# Keeps the weights and drops the optimizer's state: a fresh optimizer, inside one Trainer.
+FRESH_OPTIMIZER_STATE = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 1.0, "perturb": 0.0,
+                         "reset_optimizer": True, "schedule": AT_TASK_BOUNDARIES}
+
+
+def method_names(config_dirs: Iterable[str | Path] = ()) -> list[str]:
+    """Every method declared as ``method/<name>.yaml`` in the package's configs and in ``config_dirs``.
+
+    Args:
+        config_dirs: further config folders (a user's ``--config-dir``), searched after the package's.
+    """
+    from .train import config_dir
+
+    names = set()
+    for folder in (config_dir(), *config_dirs):
+        names.update(p.stem for p in (Path(folder) / "method").glob("*.yaml"))
+    return sorted(names)
+
+
+def check_method(method: DictConfig) -> None:
+    """A method block has only the known keys (one line naming the others)."""
+    unknown = set(method) - METHOD_KEYS
+    if unknown:
+        raise ConfigError(f"method {method.get('name')!r} has unknown keys {sorted(unknown)}; "
+                          f"allowed: {sorted(METHOD_KEYS)}")
+
+
+def at_phase_boundary(schedule) -> bool:
+    """Whether ``schedule`` is the "once at fit start" one (null means that for every method callback)."""
+    if schedule is None:
+        return True
+    fields = {k: v for k, v in dict(schedule).items() if k != "_target_"}
+    return fields == {"at_fit_start": True}
+
+
+def takes_schedule(spec) -> bool:
+    """Whether the spec's ``_target_`` accepts ``schedule=`` (a method acting at every step may not)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    target = spec.get("_target_")
+    return target is not None and "schedule" in inspect.signature(get_object(target)).parameters
+
+
+def task_stream_callbacks(method: DictConfig) -> DictConfig:
+    """The method's callbacks as they act in a task stream (one Trainer for every task).
+
+    A callback scheduled at the phase boundary (``at_fit_start``) acts at every task boundary
+    instead; other schedules (ReDo's every 100 steps) are kept. The method's ``task_stream``
+    block is merged on top. With ``carry_optimizer: false`` the optimizer's state is dropped at
+    every task boundary, as a new phase's fresh optimizer would be.
+
+    Args:
+        method: the composed method block (``cfg.method``).
+
+    Returns:
+        ``{name: spec}``: callback specs for :func:`~plasticity_callbacks.app.pipeline.instantiate_callbacks`.
+    """
+    check_method(method)
+    declared = method.get("callbacks")
+    callbacks = OmegaConf.create(OmegaConf.to_container(declared, resolve=True) if declared else {})
+    for name, spec in callbacks.items():
+        if spec is not None and takes_schedule(spec) and at_phase_boundary(spec.get("schedule")):
+            spec.schedule = dict(AT_TASK_BOUNDARIES)
+    extra = method.get("task_stream") or {}
+    unknown = set(extra) - set(callbacks)
+    if unknown:
+        raise ConfigError(f"method {method.get('name')!r}: task_stream names {sorted(unknown)}, which are not among "
+                          f"its callbacks {sorted(callbacks)}")
+    callbacks = OmegaConf.merge(callbacks, extra)
+    if not method.get("carry_optimizer", True):  # first: a fresh draw after FullReset's would equal its weights
+        callbacks = OmegaConf.merge({"fresh_optimizer_state": FRESH_OPTIMIZER_STATE}, callbacks)
+    return callbacks
+
+
+def sensitivity(method: DictConfig) -> tuple[str, list] | None:
+    """The method's main hyperparameter, as ``(override key under method., values)``, or None."""
+    block = method.get("sensitivity")
+    if block is None:
+        return None
+    key, values = block.get("key"), block.get("values")
+    if not key or not values or OmegaConf.select(method, key) is None:
+        raise ConfigError(f"method {method.get('name')!r}: sensitivity needs key (a setting of the method, "
+                          f"e.g. callbacks.sp.shrink) and values; got key={key!r}, values={values!r}")
+    return str(key), list(values)
