@@ -361,3 +361,100 @@ def test_shape_mismatches_name_the_shapes():
         subspace.svd_triplets(torch.ones(2, 2), method="qr")
     with pytest.raises(ValueError, match="tau"):
         dormancy.dormant_mask(torch.ones(3), -0.5)
+
+
+# ------------------------------------------------------------------ 4. one clear line for each bad input
+def _fitted_redo_state() -> dict:
+    from plasticity_callbacks import ReDoMonitor
+    from tiny import cpu_trainer, regression_loader
+
+    redo = ReDoMonitor(collect_every_n_steps=1, log_every_n_steps=1)
+    cpu_trainer(max_steps=2, callbacks=[redo]).fit(TinyMLPModule(), regression_loader())
+    return redo.state_dict()
+
+
+def _load_redo(state: dict) -> None:
+    from plasticity_callbacks import ReDoMonitor
+
+    ReDoMonitor().load_state_dict(state)
+
+
+def _shrunk(key: str, state: dict) -> dict:
+    return {**state, key: state[key][:-1]}
+
+
+def _bad_inputs():
+    from plasticity_callbacks.core.apply_fire import apply_fire
+    from plasticity_callbacks.core.checkpoints import CheckpointError
+    from plasticity_callbacks.core.model_map import Selection
+
+    model = TinyMLPModule()
+    state = _fitted_redo_state()
+    return [
+        ("orthogonalize 0x4", lambda: spectral.orthogonalize(torch.zeros(0, 4)), ValueError, "empty matrix"),
+        ("orthogonalize 4x0", lambda: spectral.orthogonalize(torch.zeros(4, 0)), ValueError, "empty matrix"),
+        ("orthogonalize 3x0x2", lambda: spectral.orthogonalize(torch.zeros(3, 0, 2), spectral.PolarOptions(method="svd")), ValueError, "(3, 0, 2)"),
+        ("apply_fire optimizers=object()", lambda: apply_fire(model, optimizers=object()), TypeError, "optimizers"),
+        ("apply_fire optimizers=[adam, 'sgd']",
+         lambda: apply_fire(model, optimizers=[torch.optim.Adam(model.parameters()), "sgd"]), TypeError, "str"),
+        ("apply_fire include=['nomatch*']",
+         lambda: apply_fire(model, selection=Selection(include=["nomatch*"])), ValueError, "nomatch*"),
+        *[(f"ReDo state {key} shape", (lambda k=key: _load_redo(_shrunk(k, state))), CheckpointError, key)
+          for key in ("ema", "observed", "recycled", "init_std", "nonfinite_batches")],
+        ("ReDo state widths", lambda: _load_redo({**state, "widths": [w + 1 for w in state["widths"]]}),
+         CheckpointError, "ema"),
+    ]
+
+
+def test_each_bad_input_is_one_clear_line_and_changes_nothing():
+    """The issue's bad inputs and their neighbours: the right error type, one line naming the thing; a refused
+    ``apply_fire`` leaves every weight as it was."""
+    cases = _bad_inputs()
+    for name, call, error, mentions in cases:
+        with pytest.raises(error) as raised:
+            call()
+        message = str(raised.value)
+        assert "\n" not in message and mentions in message, (name, message)
+
+
+def test_a_refused_apply_fire_changes_no_weight():
+    from plasticity_callbacks.core.apply_fire import apply_fire
+
+    model = TinyMLPModule()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError):
+        apply_fire(model, optimizers=object())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ------------------------------------------------------------------ 5. strides and magnitudes of the functional API
+def _strided(base: torch.Tensor, how: str) -> torch.Tensor:
+    """A view of ``base`` with the same values as ``base`` but other strides."""
+    if how == "transposed":
+        return base.mT.contiguous().mT
+    if how == "every_other_column":
+        wide = torch.zeros(base.shape[0], 2 * base.shape[1], dtype=base.dtype)
+        wide[:, ::2] = base
+        return wide[:, ::2]
+    return base
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.sampled_from(["contiguous", "transposed", "every_other_column"]),
+       st.integers(-20, 20), st.sampled_from([torch.float32, torch.float64]), st.sampled_from(spectral.METHODS),
+       st.integers(0, 10_000))
+def test_polar_factor_of_any_layout_and_magnitude_is_the_float64_svd_polar_factor(m, n, how, exponent, dtype, method,
+                                                                                  seed):
+    g = torch.Generator().manual_seed(seed)
+    # singular values in [1, 2]: well conditioned, so every method must reach the exact factor
+    U, _ = torch.linalg.qr(torch.randn(max(m, n), max(m, n), generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(min(m, n), min(m, n), generator=g, dtype=torch.float64))
+    S = 1 + torch.rand(min(m, n), generator=g, dtype=torch.float64)
+    base = (U[:, : min(m, n)] * S) @ V.mT
+    base = (base if m >= n else base.mT) * 10.0 ** exponent
+    W = _strided(base.to(dtype), how)
+    assert torch.equal(W, base.to(dtype))
+    Q = spectral.orthogonalize(W, spectral.PolarOptions(method=method))
+    u, _, vh = torch.linalg.svd(W.double(), full_matrices=False)
+    assert Q.shape == W.shape and Q.dtype == dtype
+    assert torch.allclose(Q.double(), u @ vh, atol=2e-4)  # the iterations stop at an orthogonality error of 1e-5

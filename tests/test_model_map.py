@@ -441,3 +441,16 @@ def test_the_probe_reads_the_same_split_in_half_precision():
         model = LAYOUT_MODELS["gpt_neox"]().to(dtype)
         [view] = [t for t in select_targets(model) if t.name == name]
         assert [(b.label, sorted(b.rows)) for b in view.blocks] == expected, dtype
+
+
+def test_every_callback_shows_its_coverage_table_at_setup(caplog):
+    import logging
+
+    from plasticity_callbacks.callbacks.fire import FIREReinit
+
+    with caplog.at_level(logging.INFO):
+        fit(Wrapped("gpt2"), [FIREReinit(schedule=Schedule(at_fit_start=True), selection={"scope": "mlp"})])
+    text = caplog.text
+    assert "FIREReinit coverage:" in text
+    assert "model.transformer.h.*.mlp.c_fc.weight ×2 (64, 16) role=mlp" in text
+    assert "model.transformer.h.*.attn.c_attn.weight ×2 (48, 16) outside the selection (scope='mlp'" in text

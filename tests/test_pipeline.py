@@ -73,9 +73,10 @@ def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path):
     (other / "checkpoints" / "sft" / "final.ckpt").unlink()
     cfg = compose_pipeline(other, "+method=warm", "pipeline.start_phase=sft", "pipeline.resume=true",
                            f"pipeline.init_from={run}/checkpoints/pretrain/final.ckpt", "phases.sft.steps=6")
+    before_boundary = state["phases"]["sft"]["val_loss_before"]
     state = Pipeline(cfg).run()
     sft = state["phases"]["sft"]
-    assert sft["steps"] == 6 and sft["val_loss_before"] is None  # resumed, not restarted
+    assert sft["steps"] == 6 and sft["val_loss_before"] == before_boundary  # kept across the resume
     assert torch.load(other / "checkpoints" / "sft" / "final.ckpt", weights_only=False)["global_step"] == 6
     train_steps = [int(r["step"]) for r in rows(other / "logs" / "sft" / "metrics.csv") if r["train/loss"]]
     assert train_steps == list(range(6))  # the log of steps 0-3 survived the resume

@@ -23,10 +23,23 @@ def test_spectra_figure_has_a_panel_per_kind_of_weight_and_a_block_colorbar():
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
     assert sorted(ax.get_title() for ax in panels) == ["attn.c_proj", "attn.c_q", "mlp.c_fc"]
     assert all(len(ax.lines) == 8 for ax in panels)  # 4 blocks × before/after
-    colorbar = [ax for ax in fig.axes if ax.get_ylabel() == "block index (depth)"]
+    colorbar = [ax for ax in fig.axes if ax.get_ylabel() == "index in model.blocks"]
     assert len(colorbar) == 1 and list(colorbar[0].get_yticks()) == [0, 1, 2, 3]
     assert {text.get_text() for legend in fig.legends for text in legend.get_texts()} == {"before", "after"}
     assert all(ax.get_ylabel() == "singular value" for ax in panels if ax.get_subplotspec().is_first_col())
+
+
+def test_spectra_figure_of_a_sequential_colours_its_layers_and_keeps_the_legend_off_the_title():
+    names = ["net.0.weight", "net.2.weight", "net.4.weight"]  # an nn.Sequential: layers, not blocks
+    fig = spectra_figure([record(n) for n in names], "FIRE at fit start (step 0): singular values of each treated "
+                                                     "weight, a title long enough to reach the legend")
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["net"] and len(panels[0].lines) == 6
+    assert [ax.get_ylabel() for ax in fig.axes if ax not in panels] == ["index in net"]
+    fig.canvas.draw()
+    title = fig._suptitle.get_window_extent()
+    legend = fig.legends[0].get_window_extent()
+    assert not title.overlaps(legend) and legend.y1 < title.y0
 
 
 def test_modes_figure_colours_low_rank_cells_by_r_over_g_and_writes_r():
@@ -50,7 +63,7 @@ def test_fire_on_fresh_zero_initialized_weights_is_one_line_no_warnings(caplog):
     trainer.strategy.connect(module)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
-        fire._apply("fit start", trainer, module)
+        fire.act_if("fit start", trainer, module)
     assert not [w for w in caught if "zero" in str(w.message)]
     lines = [r.getMessage() for r in caplog.records if "FIREReinit" in r.getMessage()]
     assert len(lines) == 1 and "left 4 weights unchanged: 4 all zero" in lines[0]

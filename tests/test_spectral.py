@@ -463,3 +463,55 @@ def test_polar_from_gram_names_bad_arguments():
         polar_from_gram(W, gram64(W), total_rows=5)
     with pytest.raises(ValueError, match="rcond=2"):
         polar_from_gram(W, gram64(W), rcond=2)
+
+
+# ------------------------------------------------------------------------ method choice and adaptive schedule
+
+
+def test_auto_picks_eigh_for_oblong_float32_on_cpu_svd_otherwise_and_polar_express_on_gpu():
+    assert choose_method((3072, 768), "cpu", torch.float32) == "eigh"
+    assert choose_method((4, 768, 3072), "cpu", torch.float32) == "eigh"  # wide, batched: the shape counts
+    assert choose_method((768, 768), "cpu", torch.float32) == "svd"
+    assert choose_method((3072, 768), "cpu", torch.float64) == "svd"  # eigh's eps64·κ² loses to SVD in float64
+    assert choose_method((768, 768), "cuda", torch.float32) == "polar_express"
+    _, info = orthogonalize(torch.randn(90, 30), return_info=True)
+    assert info.method == "eigh" and info.iterations == 0
+
+
+@pytest.mark.parametrize("decades", [2, 5])
+def test_polar_express_schedule_is_fitted_to_the_smallest_singular_value(decades):
+    """The schedule's lower bound follows σ_min of the normalized matrix (not a fixed 3e-4), so a well
+    conditioned matrix takes fewer steps and an ill-conditioned one is not run on a bound above its σ_min."""
+    sigmas = torch.logspace(0, -decades, 96, dtype=torch.float64)
+    W = with_spectrum(96, 96, sigmas).float()
+    Q, info = orthogonalize(W, PolarOptions("polar_express"), return_info=True)
+    ratio = 10.0 ** -decades  # σ_min/σ_max; the normalization bound is within 2x of σ_max here
+    assert ratio / 8 <= info.lower <= ratio
+    assert info.fell_back == 0 and info.iterations <= (6 if decades == 2 else 11)
+    assert rel(Q, exact_polar(W)) < 5e-5 * 10 ** max(0, decades - 3)  # float32: ~eps·κ
+
+
+def test_slices_of_a_batch_get_their_own_schedule():
+    good = with_spectrum(48, 48, torch.logspace(0, -1, 48, dtype=torch.float64)).float()
+    bad = with_spectrum(48, 48, torch.logspace(0, -5, 48, dtype=torch.float64)).float()
+    _, alone = orthogonalize(good, PolarOptions("polar_express"), return_info=True)
+    Q, batch = orthogonalize(torch.stack([good, bad]), PolarOptions("polar_express"), return_info=True)
+    assert batch.lower <= 1e-5 < alone.lower  # the batch's smallest bound is the ill-conditioned slice's
+    assert rel(Q[0], exact_polar(good)) < 5e-6  # the well-conditioned slice is not run on the tiny bound's
+    assert rel(Q[1], exact_polar(bad)) < 5e-3   # huge first coefficients (float32 rounding × κ)
+
+
+def test_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypatch):
+    """LAPACK's divide-and-conquer SVD can fail on clustered singular values (a weight FIRE already made
+    a near-isometry); the polar factor then comes from a float64 SVD instead of an exception."""
+    svd = torch.linalg.svd
+
+    def flaky(X, *args, **kwargs):
+        if X.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return svd(X, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "svd", flaky)
+    W = torch.randn(40, 40)
+    Q = orthogonalize(W, PolarOptions("svd"))
+    assert Q.dtype == torch.float32 and rel(Q, exact_polar(W)) < 1e-6

@@ -32,8 +32,10 @@ phase is recorded complete only once its ``final.ckpt`` is verified on disk.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +47,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint, verify_file
+from ..core.checkpoints import (CheckpointError, VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred,
+                                verify_file)
 from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
@@ -172,8 +175,44 @@ def load_checkpoint(path: Path) -> dict:
     return read_checkpoint(path, map_location="cpu")
 
 
+NUMBER_OR_NULL = {"type": ["number", "null"]}
+# What pipeline.json must hold to be resumed from; keys beyond these are kept as they are.
+STATE_SCHEMA = {
+    "type": "object",
+    "required": ["phases"],
+    "properties": {
+        "method": {"type": "string"},
+        "seed": {"type": "integer"},
+        "phase_order": {"type": "array", "items": {"type": "string"}},
+        "config": {"type": "object"},
+        "phases": {"type": "object", "additionalProperties": {
+            "type": "object",
+            "required": ["index", "steps", "step_offset"],
+            "properties": {
+                "index": {"type": "integer", "minimum": 0},
+                "steps": {"type": "integer", "minimum": 1},
+                "step_offset": {"type": "integer", "minimum": 0},
+                "metrics": {"type": "object", "additionalProperties": NUMBER_OR_NULL},
+                "summary": {"type": "object", "additionalProperties": NUMBER_OR_NULL},
+                "checkpoint": {"type": "string"},
+                **{key: NUMBER_OR_NULL for key in ("train_loss", "val_loss_before", "val_loss", "retention_loss",
+                                                  "dormant_fraction", "dfi_before", "dfi_after", "minutes")},
+            },
+        }},
+    },
+}
+
+
 def read_state(path: Path) -> dict:
-    """``pipeline.json``, or ``{}`` when there is none; a damaged file is a one-line error, not a JSONDecodeError."""
+    """``pipeline.json``, checked against ``STATE_SCHEMA``, or ``{}`` when there is none; a damaged or
+    edited file is a one-line :class:`CheckpointError` before anything trains."""
+    import jsonschema
+
+    pending = path.with_name(path.name + ".writing")
+    if not path.is_file() and pending.is_file():  # a first write interrupted before its rename
+        with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, OSError):
+            json.loads(pending.read_text())
+            pending.replace(path)
     if not path.is_file():
         return {}
     try:
@@ -181,18 +220,30 @@ def read_state(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}): truncated or edited; restore it, or start a new "
                               "run directory") from None
-    if not isinstance(state, dict) or not isinstance(state.get("phases", {}), dict):
-        raise CheckpointError(f"{path} does not hold a pipeline state (a dict with 'phases'); restore it, or start a "
-                              "new run directory")
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(STATE_SCHEMA).iter_errors(state))
+    if error is not None:
+        where = "/".join(str(part) for part in error.absolute_path) or "the top level"
+        raise CheckpointError(f"{path} is not a pipeline state: at {where}, {error.message[:160]}; restore it, or "
+                              "start a new run directory")
     return state
 
 
 def write_state(path: Path, state: dict) -> None:
-    """Atomically: a reader (or a resume after a kill) sees the old file or the new one, never half of one."""
+    """Atomically and durably: a reader (or a resume after a kill or a power cut) sees the old file or the
+    new one, never half of one; SIGTERM and SIGINT wait until the file is in place."""
     pending = path.with_name(path.name + ".writing")
     try:
-        pending.write_text(json.dumps(state, indent=2))
-        pending.replace(path)
+        with stop_signals_deferred():
+            with open(pending, "w") as f:
+                f.write(json.dumps(state, indent=2))
+                f.flush()
+                os.fsync(f.fileno())
+            pending.replace(path)
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the rename itself survives a crash
+            finally:
+                os.close(directory)
     except OSError as err:
         raise CheckpointError(f"could not write {path}: {err.strerror or err}") from err
 
@@ -229,6 +280,32 @@ class Pipeline:
             allow = list(self.cfg.get("resume_allow_changes") or [])
             refuse_changes(where, changed_keys(old["config"], self.fingerprint, allow))
 
+    def check_before_start(self) -> None:
+        """Every refusal that the files on disk decide, before anything is written (``plasticity-train``
+        calls it before Hydra creates the run directory): the run to resume and its configuration
+        (checked on construction), a checkpoint that needs arbitrary code to load or is damaged, and a
+        checkpoint of another phase or run in the place of the one the run would load."""
+        names = [p.name for p in self.phases]
+        start = names.index(self.options.get("start_phase") or names[0])
+        if self.options.get("init_from") is not None and Path(self.options.init_from).is_file():
+            read_checkpoint(self.options.init_from, mmap=True)  # mmap: checked without reading every tensor
+        elif start > 0 and self.final_checkpoint(self.phases[start - 1]).is_file():
+            previous = self.final_checkpoint(self.phases[start - 1])
+            ResumeGuard(phase=names[start - 1]).check_origin(read_checkpoint(previous, mmap=True), str(previous),
+                                                             compare_config=False)
+        if not self.options.get("resume"):
+            return
+        allow = list(self.cfg.get("resume_allow_changes") or [])
+        for phase in self.phases[start:]:
+            if phase.name in self.state["phases"] and self.final_checkpoint(phase).is_file():
+                verify_file(self.final_checkpoint(phase))
+                continue
+            last = self.checkpoint_dir(phase) / "last.ckpt"
+            if last.is_file():  # the interrupted phase
+                guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
+                guard.check_origin(read_checkpoint(last, mmap=True), str(last))
+            return
+
     def checkpoint_dir(self, phase: Phase) -> Path:
         return self.run_dir / "checkpoints" / phase.name
 
@@ -236,6 +313,7 @@ class Pipeline:
         return self.checkpoint_dir(phase) / "final.ckpt"
 
     def run(self) -> dict[str, Any]:
+        self.check_before_start()  # a refusal writes nothing, not even the lock or pipeline.json
         with RunLock(self.run_dir):
             return self._run()
 
@@ -253,9 +331,9 @@ class Pipeline:
         names = [p.name for p in self.phases]
         start = names.index(self.options.get("start_phase") or names[0])
         stop = names.index(self.options.get("stop_phase") or names[-1])
-        previous = self.options.get("init_from")
+        previous, previous_phase = self.options.get("init_from"), None  # init_from: another run's weights
         if previous is None and start > 0:
-            previous = self.final_checkpoint(self.phases[start - 1])
+            previous, previous_phase = self.final_checkpoint(self.phases[start - 1]), names[start - 1]
         if previous is not None and not Path(previous).is_file():
             raise ConfigError(f"cannot start at phase {names[start]!r}: no checkpoint {previous} "
                               "(run the earlier phase first or set pipeline.init_from)")
@@ -267,9 +345,9 @@ class Pipeline:
                 verify_file(final)
                 rank_zero_info(f"phase {phase.name}: already complete, skipped")
             else:
-                self.state["phases"][phase.name] = self.run_phase(phase, previous, offset)
+                self.state["phases"][phase.name] = self.run_phase(phase, previous, offset, previous_phase)
                 self.save_state()
-            previous, offset = final, offset + phase.steps
+            previous, previous_phase, offset = final, phase.name, offset + phase.steps
         rank_zero_info(format_table(self.state))
         return self.state
 
@@ -279,11 +357,13 @@ class Pipeline:
             write_state(self.run_dir / STATE_FILE, self.state)
 
     def build_data(self, phase: Phase) -> L.LightningDataModule:
-        main = instantiate(phase.data)
+        # _convert_="all": plain lists and dicts in the data's hyperparameters, so checkpoints load with weights_only.
+        main = instantiate(phase.data, _convert_="all")
         if not phase.retention:
             return main
         earlier = {p.name: p for p in self.phases}
-        return MultiValidationDataModule(main, {name: instantiate(earlier[name].data) for name in phase.retention})
+        return MultiValidationDataModule(main, {name: instantiate(earlier[name].data, _convert_="all")
+                                                for name in phase.retention})
 
     def build_module(self, phase: Phase) -> PhaseModule:
         optimizer = dict(phase.optimizer)
@@ -291,7 +371,8 @@ class Pipeline:
         model = OmegaConf.to_container(self.cfg.model, resolve=True)
         return PhaseModule(model, optimizer=name, retention_names=phase.retention, **optimizer)
 
-    def run_phase(self, phase: Phase, previous: Path | str | None, offset: int) -> dict[str, Any]:
+    def run_phase(self, phase: Phase, previous: Path | str | None, offset: int,
+                  previous_phase: str | None = None) -> dict[str, Any]:
         cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
         resume_from = ckpt_dir / "last.ckpt" if self.options.get("resume") else None
         resume_from = resume_from if resume_from is not None and resume_from.is_file() else None
@@ -301,16 +382,20 @@ class Pipeline:
         callbacks = instantiate_callbacks(phase.callbacks)
         if previous is not None and resume_from is None:
             saved = load_checkpoint(Path(previous))
+            if previous_phase is not None:  # this run's previous phase, not a copy of another phase's file
+                ResumeGuard(phase=previous_phase).check_origin(saved, str(previous), compare_config=False)
             module.load_state_dict(saved["state_dict"])
             if phase.carry_optimizer:
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
         # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
-        callbacks = [ResumeGuard(), *callbacks, instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
+        guard = ResumeGuard(config=self.fingerprint, allow_changes=list(cfg.get("resume_allow_changes") or []),
+                            phase=phase.name)
+        callbacks = [guard, *callbacks, instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
         resumed_at = 0  # the step the resume starts from, read now: by the end of the fit last.ckpt is a later one
         if resume_from is not None:
             interrupted = read_checkpoint(resume_from, mmap=True)
-            callbacks[0].check(interrupted, callbacks, module, str(resume_from))
+            guard.check(interrupted, callbacks, module, str(resume_from))
             resumed_at = int(interrupted["global_step"])
         logger = instantiate(cfg.logger, version=phase.name)
         quiet = {"enable_model_summary": False} if phase.index > 0 else {}  # the same model: summarized once
@@ -320,12 +405,12 @@ class Pipeline:
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
         started = time.perf_counter()
         earlier_rows = read_metrics(logger) if resume_from is not None else []
-        before = {}
         if resume_from is None and cfg.get("validate_before_fit", True):
             before = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
+            guard.carried["val_loss_before"] = before.get("val/loss")
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
-        train_loss = trainer.callback_metrics.get("train/loss")
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
+        train_loss = metrics.get("train/loss")
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
         trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
         if earlier_rows:
@@ -337,7 +422,7 @@ class Pipeline:
         return {
             "index": phase.index, "steps": phase.steps, "step_offset": offset,
             "train_loss": None if train_loss is None else float(train_loss),
-            "val_loss_before": before.get("val/loss"), "val_loss": after.get("val/loss"),
+            "val_loss_before": guard.carried.get("val_loss_before"), "val_loss": after.get("val/loss"),
             "retention_loss": after.get("val/loss") if phase.index == 0 else after.get(f"retention/{first}/loss"),
             "dormant_fraction": metrics.get("redo/dormant"),
             "summary": summary_values(trainer.callbacks, metrics),

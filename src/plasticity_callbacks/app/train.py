@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..core.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint
+from ..core.checkpoints import CheckpointError, RunInterrupted, VerifiedCheckpointIO, read_checkpoint
 from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
@@ -78,9 +78,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
     started = time.perf_counter()
-    before = None
     if cfg.validate_before_fit and ckpt_path is None:
-        before = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
+        guard.carried["val_loss_before"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
     # Resuming in the same run directory: CSVLogger deletes the metrics file it reopens, so keep the
     # rows logged before the interruption and put them back in front of the resumed run's rows.
     earlier_rows = read_metrics(logger) if ckpt_path is not None else []
@@ -88,13 +87,13 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     if earlier_rows:
         resumed_at = min((int(r["step"]) for r in read_metrics(logger)), default=trainer.global_step)
         prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at])
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
     summary = {
         "parameters": sum(p.numel() for p in module.parameters()),
         "steps": trainer.global_step,
         "tokens_seen": trainer.global_step * datamodule.batch_size * getattr(datamodule, "sequence_len", 1)
         * trainer.accumulate_grad_batches * trainer.world_size,
-        "val_loss_before": before,
+        "val_loss_before": guard.carried.get("val_loss_before"),
         "train_loss_final": metrics.get("train/loss"),
         "val_loss_final": metrics.get("val/loss"),
         "minutes": (time.perf_counter() - started) / 60,
@@ -160,6 +159,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
         # A refused resume or an unusable checkpoint: the one line says what and where; nothing was changed.
         print(f"plasticity-train: {err}", file=sys.stderr)
         sys.exit(1)
+    except RunInterrupted as err:  # SIGTERM / SIGINT: the checkpoint of the step reached is on disk
+        print(f"plasticity-train: {err}", file=sys.stderr)
+        sys.exit(err.code)
     except (ConfigError, InstantiationException, OmegaConfBaseException) as err:
         exit_with_config_error(err)
     if rank_zero_only.rank == 0:
@@ -174,11 +176,58 @@ def exit_with_config_error(err: Exception) -> None:
     sys.exit(2)
 
 
+def refuse_before_start(argv: list[str], configs: str) -> None:
+    """Raise the refusal a resume would meet (ResumeError, CheckpointError) before Hydra creates the run
+    directory or writes ``.hydra/`` and ``train.log`` into it: a missing run or checkpoint, a changed
+    configuration, a checkpoint that is damaged, needs arbitrary code to load, or belongs to another
+    phase or run, a directory in use. Anything else (a bad value) is left to the run's own checks.
+
+    Args:
+        argv: the command line after the program name.
+        configs: the primary config folder.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from omegaconf import open_dict
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    resuming = ("ckpt_path=", "pipeline.resume=", "pipeline.init_from=", "pipeline.start_phase=")
+    if args.multirun or args.config_dir or args.config_path or not any(o.startswith(resuming) for o in args.overrides):
+        return
+    try:
+        with initialize_config_dir(config_dir=configs, version_base="1.3"):
+            cfg = compose(args.config_name or "config", overrides=args.overrides, return_hydra_config=True)
+        run_dir = Path(str(cfg.hydra.run.dir)).absolute()
+        with open_dict(cfg):
+            if OmegaConf.to_container(cfg.paths)["output_dir"] == "${hydra:runtime.output_dir}":
+                cfg.paths.output_dir = str(run_dir)  # what Hydra will set; it is not running yet
+            del cfg["hydra"]
+        if cfg.get("phases"):
+            if cfg.get("pipeline", {}).get("resume") and not run_dir.is_dir():
+                raise ResumeError(f"cannot resume {run_dir} (pipeline.resume=true): there is no such directory; "
+                                  "check hydra.run.dir, or drop pipeline.resume=true to start a new run")
+            Pipeline(cfg).check_before_start()
+        elif cfg.get("ckpt_path") is not None:
+            path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)
+            guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
+            guard.check_origin(read_checkpoint(path, mmap=True), path)
+        if run_dir.is_dir():
+            RunLock(run_dir).acquire().release()
+    except (ResumeError, CheckpointError):
+        raise
+    except Exception:  # a bad value or option: the run's own checks report it in their words
+        return
+
+
 def main() -> None:
     try:
         check_command_line(sys.argv[1:], config_dir())
+        refuse_before_start(sys.argv[1:], config_dir())
     except ConfigError as err:
         exit_with_config_error(err)
+    except (ResumeError, CheckpointError) as err:  # refused before Hydra writes anything into the run directory
+        print(f"plasticity-train: {err}", file=sys.stderr)
+        sys.exit(1)
     hydra_main()
 
 

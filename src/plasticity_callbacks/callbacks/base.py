@@ -5,10 +5,11 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.callback_state import check_state
 from ..core.distributed import require_full_parameters
-from ..core.model_map import Selection, require_targets, select_targets
+from ..core.model_map import Selection, coverage_report, require_targets, select_targets
 from ..core.schedule import Schedule, ScheduleState
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
@@ -107,9 +108,11 @@ class PlasticityCallback(L.Callback):
         require_full_parameters(trainer, self.owner)
 
     def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Fail at setup, before any training, when the selection finds no weight."""
+        """Fail at setup, before any training, when the selection finds no weight; show what it treats and
+        why every other weight is left alone (the model map's coverage table)."""
         if self.selection is not None:
             require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
+            rank_zero_info(f"{self.owner} coverage:\n{coverage_report(pl_module, self.selection)}")
 
     # ------------------------------------------------------------------ hooks the base owns
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -141,14 +144,18 @@ class PlasticityCallback(L.Callback):
             self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedule": None if self.firing is None else self.firing.state_dict(), **self.extra_state()}
+        # The metrics of an action not yet logged (it ran at a validation end; a checkpoint follows it) are
+        # saved too: a resumed run logs them at the step the uninterrupted run would have, not never.
+        return {"schedule": None if self.firing is None else self.firing.state_dict(),
+                "pending_logs": dict(self._pending_logs), **self.extra_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state(self, state_dict, {"schedule": type(None) if self.firing is None else dict,
-                                       **self.extra_state_types}, self.optional_state_types)
+                                       **self.extra_state_types}, {**self.optional_state_types, "pending_logs": dict})
         if self.firing is not None:
             self.firing.load_state_dict(state_dict["schedule"])
-        self.load_extra_state({k: v for k, v in state_dict.items() if k != "schedule"})
+        self._pending_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
+        self.load_extra_state({k: v for k, v in state_dict.items() if k not in ("schedule", "pending_logs")})
 
     # ------------------------------------------------------------------ plumbing
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..core.arguments import check_int, check_number
+from ..core.checkpoints import CheckpointError
 from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
 from ..core.model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
 from ..core.neuron_reset import reinit_incoming, zero_outgoing
@@ -385,6 +386,7 @@ class ReDoMonitor(PlasticityCallback):
         super().load_state_dict(state_dict)
 
     def load_extra_state(self, state: dict) -> None:
+        check_state_shapes(state)  # refused at load, not as a crash mid-fit
         self._pending_state = dict(state)
         if self._ema is not None:  # strategies that restore after on_fit_start
             self._apply_state(self._pending_state)
@@ -422,6 +424,22 @@ class _HiddenCollector:
 
     def pre_hook(self, module: nn.Module, args: tuple) -> None:
         self.monitor._collect(module, args[0], self.entries)
+
+
+def check_state_shapes(state: dict) -> None:
+    """Refuse, at load, a ReDoMonitor state whose tensors do not fit its own ``layers`` and ``widths``
+    (a damaged or edited checkpoint would otherwise load and fail mid-fit)."""
+    widths = state["widths"]
+    if len(widths) != len(state["layers"]) or not all(isinstance(w, int) and w > 0 for w in widths):
+        raise CheckpointError(f"ReDoMonitor.load_state_dict: widths {widths} do not match layers {state['layers']} "
+                              "(a positive neuron count per layer); the checkpoint is damaged or from another model")
+    total, n = sum(widths), len(widths)
+    expected = {"ema": (total,), "observed": (total,), "recycled": (n,), "init_std": (n, 2), "nonfinite_batches": (n,)}
+    wrong = [f"{key} {tuple(state[key].shape)} (expected {shape})" for key, shape in expected.items()
+             if key in state and tuple(state[key].shape) != shape]
+    if wrong:
+        raise CheckpointError(f"ReDoMonitor.load_state_dict: tensors of the wrong shape for {n} layers of "
+                              f"{total} neurons: {', '.join(wrong)}; the checkpoint is damaged or from another model")
 
 
 def _init_stds(layer: HiddenUnits) -> torch.Tensor:

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
-from .model_map import Selection, WeightView, refuse_unknown_splits, select_targets
+from .model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
 from .distributed import is_dtensor
-from .optimizer_state import reset_optimizer_state
+from .optimizer_state import leaf_optimizers, reset_optimizer_state
 from .sharding import sharded_fire
 
 
@@ -48,8 +48,14 @@ def apply_fire(
     options = FIREOptions() if options is None else options
     if not isinstance(options, FIREOptions):
         raise ValueError(f"apply_fire options={options!r} must be a FIREOptions")
-    if targets is None:
-        targets = select_targets(module, selection)
+    leaves = list(leaf_optimizers(optimizers))  # checked before any weight changes
+    foreign = [type(o).__name__ for o in leaves if not (hasattr(o, "state") and hasattr(o, "param_groups"))]
+    if foreign:
+        raise TypeError(f"apply_fire(optimizers=...) takes a torch optimizer, a list of them or None, got a "
+                        f"{foreign[0]}")
+    if targets is None:  # an empty selection (a pattern that matches nothing) is an error, not a silent no-op
+        selection = Selection() if selection is None else selection
+        targets = require_targets(select_targets(module, selection), "apply_fire", selection)
     refuse_unknown_splits(targets, "FIRE")
     records, fired = [], []
     for target in targets:

@@ -23,13 +23,17 @@ import contextlib
 import hashlib
 import io
 import os
+import pickle
+import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 CHECKSUM_SUFFIX = ".sha256"
 PENDING_SUFFIX = ".writing"  # the new bytes, renamed over the checkpoint once its checksum is recorded
@@ -41,6 +45,22 @@ class CheckpointError(ValueError):
 
 class ResumeError(RuntimeError):
     """A resume (or a second run) that would not continue the interrupted run faithfully; one-line message."""
+
+
+class RunInterrupted(SystemExit):
+    """SIGTERM or SIGINT stopped a fit after saving (and verifying) the checkpoint of the step it reached.
+
+    Its exit status is the conventional ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), so a
+    scheduler records the run as stopped, not as finished; ``str()`` is the one line to print.
+    """
+
+    def __init__(self, signum: int, path: Path, step: int):
+        super().__init__(128 + signum)
+        self.signum, self.path, self.step = signum, Path(path), step
+
+    def __str__(self) -> str:
+        return (f"stopped by {signal.Signals(self.signum).name} at step {self.step}; checkpoint {self.path} saved and "
+                "verified: resume with the same command and ckpt_path=last (a pipeline: pipeline.resume=true)")
 
 
 def sha256_of(data: bytes) -> str:
@@ -79,6 +99,29 @@ def recorded_checksum(path: Path) -> tuple[str, int] | None:
     if len(fields) < 2 or len(fields[0]) != 64 or not fields[1].isdigit():
         raise CheckpointError(f"checkpoint checksum file {side} is malformed; delete it to load {path.name} unverified")
     return fields[0], int(fields[1])
+
+
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """SIGTERM and SIGINT that arrive inside the block act when it ends (a file write is never cut in half).
+
+    Example:
+        >>> with stop_signals_deferred():
+        ...     path.write_text(text)
+    """
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+        yield
+        return
+    received: list[int] = []
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in stops}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
 
 
 def write_verified(data: bytes, path: str | Path) -> None:
@@ -137,18 +180,55 @@ def verify_file(path: str | Path) -> Path:
     return path
 
 
-def read_checkpoint(path: str | Path, map_location: Any = "cpu", **load_kwargs) -> dict:
-    """``torch.load`` of a verified checkpoint; an unreadable file is a one-line :class:`CheckpointError`."""
+TRUST_ENV = "PLASTICITY_TRUST_CHECKPOINTS"  # =1: load checkpoints with full unpickling (runs code they carry)
+
+
+def trusted_by_environment() -> bool:
+    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | None = None, **load_kwargs) -> dict:
+    """``torch.load`` of a verified checkpoint with ``weights_only=True``: loading never runs code.
+
+    A checkpoint whose pickle names anything beyond tensors, containers, numbers and strings (a class,
+    a function: what arbitrary code rides on) is refused in one line naming the file and the opt-in;
+    an unreadable file is a one-line :class:`CheckpointError` too.
+
+    Args:
+        path: the checkpoint file (its ``.sha256`` is checked first when there is one).
+        map_location: as for ``torch.load``.
+        trust: load with full unpickling (``weights_only=False``); None: the ``PLASTICITY_TRUST_CHECKPOINTS``
+            environment variable decides. Only for checkpoints from a source you trust.
+        load_kwargs: more ``torch.load`` arguments (``mmap=True``); ``weights_only`` is not one of them.
+
+    Example:
+        >>> checkpoint = read_checkpoint("outputs/run/checkpoints/last.ckpt")
+        >>> module.load_state_dict(checkpoint["state_dict"])
+    """
     path = verify_file(path)
+    if "weights_only" in load_kwargs:
+        raise TypeError("read_checkpoint loads with weights_only=True; pass trust=True for a checkpoint you trust")
+    trust = trusted_by_environment() if trust is None else trust
     try:
-        checkpoint = torch.load(path, map_location=map_location, **{"weights_only": False, **load_kwargs})
-    except Exception as err:  # EOFError, OSError, UnpicklingError, RuntimeError ...: whatever a damaged file raises
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
-                              f"{first[:200]}") from err
+        checkpoint = torch.load(path, map_location=map_location, weights_only=not trust, **load_kwargs)
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower() and "weights_only" not in str(err).lower():
+            raise unreadable(path, err) from err
+        found = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(err))
+        what = found.group(1) if found else "an object that is not a tensor or plain data"
+        raise CheckpointError(f"checkpoint {path} needs arbitrary code to load ({what}) and was refused; only if you "
+                              f"trust its source, load it with {TRUST_ENV}=1") from None
+    except Exception as err:  # EOFError, OSError, RuntimeError ...: whatever a damaged file raises
+        raise unreadable(path, err) from err
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
+
+
+def unreadable(path: Path, err: Exception) -> CheckpointError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
+                           f"{first[:200]}")
 
 
 def remove_with_checksum(path: str | Path) -> None:
@@ -164,14 +244,20 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     save ignores a ``PermissionError``). ``load_checkpoint`` checks the checksum beside the file and
     turns an empty, truncated, altered or foreign file into a one-line :class:`CheckpointError`;
     then ``inspect_on_load(checkpoint, path)``, when set (``ResumeGuard`` sets it), may refuse the
-    checkpoint before Lightning restores anything from it.
+    checkpoint before Lightning restores anything from it. Loading never unpickles arbitrary objects
+    (``weights_only=True``, whatever ``Trainer.fit(weights_only=...)`` says) unless ``trust`` is set.
+
+    Args:
+        trust: load checkpoints with full unpickling; None: the ``PLASTICITY_TRUST_CHECKPOINTS`` environment
+            variable decides (see :func:`read_checkpoint`).
 
     Example:
         >>> trainer = L.Trainer(plugins=[VerifiedCheckpointIO()], ...)
     """
 
-    def __init__(self):
+    def __init__(self, trust: bool | None = None):
         super().__init__()
+        self.trust = trust
         self.inspect_on_load = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -183,8 +269,8 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = read_checkpoint(path, map_location=map_location,
-                                     **({} if weights_only is None else {"weights_only": weights_only}))
+        # ``weights_only`` from Lightning is ignored: only ``trust`` / PLASTICITY_TRUST_CHECKPOINTS unlock pickles.
+        checkpoint = read_checkpoint(path, map_location=map_location, trust=self.trust)
         if self.inspect_on_load is not None:
             self.inspect_on_load(checkpoint, str(path))
         return checkpoint
@@ -215,23 +301,74 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
     ``on_validation_end``: Lightning runs checkpoint callbacks last), and Lightning's loop restores
     such a checkpoint without repeating the validation. The saved checkpoint can also rank by
     ``val/loss`` (``monitor``) at that step. ``fit(ckpt_path="last")`` with no last checkpoint in
-    ``dirpath`` is a :class:`ResumeError` (Lightning would warn and start a fresh run). Same
-    arguments as ``ModelCheckpoint``.
+    ``dirpath`` is a :class:`ResumeError` (Lightning would warn and start a fresh run).
+
+    SIGTERM or SIGINT during the fit is held until the current step ends (after its validation when
+    one follows); then ``last.ckpt`` of that step is saved, verified, and the fit stops with
+    :class:`RunInterrupted` (exit status 128 + signal). A second signal stops at once. Same arguments
+    as ``ModelCheckpoint``.
 
     Example:
         >>> checkpoint = ModelCheckpointAfterValidation(dirpath="ckpt", every_n_train_steps=100, save_last=True)
         >>> L.Trainer(callbacks=[checkpoint], val_check_interval=100)
     """
 
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._save_after_validation = False
+        self._received: int | None = None  # the stop signal held until the current step ends
+        self._previous_handlers: dict[int, Any] = {}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._received = None
+        if stage == "fit" and threading.current_thread() is threading.main_thread():
+            self._previous_handlers = {s: signal.getsignal(s) for s in self.STOP_SIGNALS}
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
+        self._hold_stop_signals()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._hold_stop_signals()
+
+    def _hold_stop_signals(self) -> None:
+        # Here, not in setup: Lightning registers its own SIGTERM handler after setup, and that one would
+        # stop the run (mid-validation too) with exit status 0. Lightning's teardown restores the handlers
+        # from before the fit, on an exception as well; ``teardown`` below does the same otherwise.
+        if self._previous_handlers:
+            for signum in self.STOP_SIGNALS:
+                signal.signal(signum, self._hold_signal)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+        super().teardown(trainer, pl_module, stage)
+
+    def _hold_signal(self, signum: int, frame) -> None:
+        if self._received is not None:  # asked twice: stop now, from the last checkpoint written
+            raise KeyboardInterrupt
+        self._received = signum
+        rank_zero_info(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping")
+
+    def _save_and_stop(self, trainer) -> None:
+        path = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        self._save_checkpoint(trainer, str(path))
+        trainer.strategy.barrier("stop_signal_checkpoint")
+        verify_file(path)
+        raise RunInterrupted(self._received, path, trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if pl_module.automatic_optimization and validation_follows(trainer):
             self._save_after_validation = True
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._received is not None:
+            self._save_and_stop(trainer)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
         # Lightning asks this only to resolve ckpt_path="last": a resume with nothing to resume from.
@@ -246,3 +383,5 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
             self._save_after_validation = False
             super().on_train_batch_end(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)
         super().on_validation_end(trainer, pl_module)
+        if self._received is not None and not trainer.sanity_checking:
+            self._save_and_stop(trainer)

@@ -160,9 +160,15 @@ class ResumeGuard(L.Callback):
 
     * the configuration stored in it (``config``, saved in this callback's state) equals this run's,
       except keys matched by ``allow_changes`` (fnmatch patterns on dotted keys) or ``ALWAYS_ALLOWED``;
+    * with ``phase``, that it was written by that phase (a pipeline's checkpoints carry their phase's name);
     * every parameter has the same shape (a changed width is named, not a ``size mismatch`` traceback);
     * every callback state in it has a callback in this run to go to (a removed callback, or one with
       changed arguments and so another ``state_key``, would silently lose its state).
+
+    It also carries what a resumed fit would otherwise forget: the last value of every scalar metric
+    logged up to the checkpoint (``restored_metrics`` after a resume; a summary merges them under
+    the resumed fit's own) and ``carried``, values the caller computed outside the fit (the
+    validation before it) and reads back after a resume.
 
     With another checkpoint IO plugin the checks run in ``on_load_checkpoint``, after the model's
     weights were restored (a changed shape is then Lightning's own error). With ``run_dir`` it also
@@ -172,6 +178,7 @@ class ResumeGuard(L.Callback):
         config: the run's configuration, flat or nested (e.g. :func:`run_fingerprint`); None: not checked.
         allow_changes: patterns of configuration keys a resume may change.
         run_dir: a directory to lock for the duration of the fit.
+        phase: the pipeline phase this fit trains; stored in its checkpoints and required of the one resumed.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[ResumeGuard(config={"lr": 1e-3}, run_dir="runs/a"), ...])
@@ -179,21 +186,37 @@ class ResumeGuard(L.Callback):
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, allow_changes: Sequence[str] = (),
-                 run_dir: str | Path | None = None):
+                 run_dir: str | Path | None = None, phase: str | None = None):
         if isinstance(allow_changes, str) or not all(isinstance(p, str) for p in allow_changes):
             raise ValueError(f"allow_changes={allow_changes!r} must be a list of key patterns, e.g. ['seed', 'model.*']")
         self.config = None if config is None else json.loads(json.dumps(flatten(dict(config)), default=str))
         self.allow_changes = list(allow_changes)
+        self.phase = phase
         self.lock = RunLock(run_dir) if run_dir is not None else None
         self._checked = False  # this fit's checkpoint was already checked (as it was loaded, or before the fit)
+        self.carried: dict[str, float | None] = {}
+        self.restored_metrics: dict[str, float] = {}
+        self._trainer = None  # the fit's trainer (from its setup): its metrics go into checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config}
+        metrics = {} if self._trainer is None else scalar_metrics(self._trainer.callback_metrics)
+        return {"config": self.config, "phase": self.phase, "carried": dict(self.carried),
+                "metrics": {**self.restored_metrics, **metrics}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.carried = {**dict(state_dict.get("carried") or {}), **self.carried}
+        self.restored_metrics = dict(state_dict.get("metrics") or {})
+
+    def metrics_with_restored(self, trainer) -> dict[str, float]:
+        """Every scalar metric of the fit: those restored from the checkpoint under this fit's own."""
+        return {**self.restored_metrics, **scalar_metrics(trainer.callback_metrics)}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.lock is not None:
             self.lock.acquire()
         self._checked = False
+        if stage == "fit":
+            self._trainer = trainer
         io = getattr(trainer.strategy, "checkpoint_io", None)
         if stage == "fit" and isinstance(io, VerifiedCheckpointIO):
             io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer.callbacks, pl_module, path)
@@ -213,10 +236,8 @@ class ResumeGuard(L.Callback):
         """Raise ResumeError unless ``checkpoint`` fits this run (its ``callbacks`` and ``pl_module``).
         Call it before building the trainer to refuse before a logger touches the run directory."""
         self._checked = True
+        self.check_origin(checkpoint, where)
         saved_callbacks = checkpoint.get("callbacks") or {}
-        stored = (saved_callbacks.get(self.state_key) or {}).get("config")
-        if self.config is not None and stored is not None:
-            refuse_changes(where, changed_keys(stored, self.config, self.allow_changes))
         check_shapes(checkpoint.get("state_dict") or {}, pl_module, where)
         present = {callback.state_key for callback in callbacks}
         dropped = [key for key in saved_callbacks if key not in present and not key.split("{")[0].endswith("Checkpoint")]
@@ -224,6 +245,24 @@ class ResumeGuard(L.Callback):
             raise ResumeError(f"cannot resume {where}: it holds state of callbacks this run does not have: "
                               f"{', '.join(dropped)}; this run's callbacks: {', '.join(sorted(present))}. Restore the "
                               "callback with the same arguments, or start a new run")
+
+
+    def check_origin(self, checkpoint: dict, where: str, compare_config: bool = True) -> None:
+        """Raise ResumeError unless ``checkpoint`` was written by this phase (with ``phase``) of a run with
+        this configuration (with ``config`` and ``compare_config``)."""
+        saved_callbacks = checkpoint.get("callbacks") if isinstance(checkpoint.get("callbacks"), Mapping) else {}
+        stored = saved_callbacks.get(self.state_key)
+        stored = stored if isinstance(stored, Mapping) else {}
+        if self.phase is not None and stored.get("phase") != self.phase:
+            origin = f"phase {stored['phase']!r}" if stored.get("phase") else "no pipeline phase"
+            raise ResumeError(f"cannot use {where}: it was written by {origin}, not by phase {self.phase!r} of this "
+                              "run; put back this phase's own checkpoint, or start a new run directory")
+        if compare_config and self.config is not None and stored.get("config") is not None:
+            refuse_changes(where, changed_keys(stored["config"], self.config, self.allow_changes))
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
 
 
 def check_shapes(saved: Mapping[str, Any], module, where: str) -> None:

@@ -242,6 +242,9 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     if W.dim() < 2 or not W.is_floating_point():
         raise ValueError(f"orthogonalize needs a floating-point matrix (..., m, n), got shape {tuple(W.shape)} "
                          f"and dtype {W.dtype}")
+    if W.numel() == 0:
+        raise ValueError(f"orthogonalize got an empty matrix of shape {tuple(W.shape)}: a layer without inputs or "
+                         "outputs has no polar factor; leave it out of the selection")
     dtype = options.torch_dtype
     method = choose_method(W.shape, W.device, dtype) if options.method == "auto" else options.method
     wide = W.shape[-2] < W.shape[-1]
@@ -263,9 +266,8 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
         X = tall.to(dtype) / peak[..., None, None]
         return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
 
-    if method == "svd":  # LAPACK scales extreme magnitudes itself: no scaled copy to make
-        X = tall.to(dtype).masked_fill(bad[..., None, None], 0.0) if info.skipped else tall.to(dtype)
-        Q, converged = _svd_polar(X, options.rcond), bad | True
+    if method == "svd":
+        Q, converged = _svd_polar(scaled(), options.rcond), bad | True
     elif method == "eigh":
         Q, converged = _eigh_polar(scaled(), bad)
     else:
@@ -390,7 +392,7 @@ def _iterate(X, bad, method, options, info):
             A = X.mT @ X
             info.matmuls += 1
         if step == 0 and method == "polar_express" and not fixed:  # fit each slice's schedule to its σ_min
-            lower = _lower_singular_bound(A, bad)
+            lower = _lower_singular_bound(X, bad)
             info.lower = float(lower.min())
             schedule = _polar_express_schedules(lower, X)
         if tol is not None and (step % options.check_every == 0 or step == limit):
@@ -407,22 +409,24 @@ def _iterate(X, bad, method, options, info):
         A = A2 = None
 
 
-def _lower_singular_bound(A: torch.Tensor, bad: torch.Tensor, lanczos_steps: int = 12) -> torch.Tensor:
-    """Per slice, a bound ``ℓ`` for the smallest singular value of ``X`` (``A = XᵀX``, σ ≤ 1) that its Polar
-    Express schedule is built for: ``√λ`` for an estimate ``λ`` of ``λ_min(A)`` from the largest Ritz value of
-    a short Lanczos run on ``(A + δI)⁻¹`` (float64 Cholesky solves; the top of that spectrum stands apart,
-    so a few steps find it), rounded down to a power of 2 (the margin for an estimate from above). ``δ``,
-    ``A``'s rounding level, keeps the Cholesky factor finite and sets the floor: σ below ``√δ`` are noise
-    the iteration grows anyway. Too high a bound costs steps, never accuracy: the ``tol`` check decides
-    when to stop, and an SVD finishes a slice that does not converge."""
-    n = A.shape[-1]
-    shift = torch.finfo(A.dtype).eps
-    eye = torch.eye(n, dtype=torch.float64, device=A.device)
-    A64 = torch.where(bad[..., None, None], eye, A.detach().to(torch.float64) + shift * eye)
+def _lower_singular_bound(X: torch.Tensor, bad: torch.Tensor, lanczos_steps: int = 12) -> torch.Tensor:
+    """Per slice, a bound ``ℓ`` for the smallest singular value of the tall ``X`` (σ ≤ 1) that its Polar
+    Express schedule is built for: ``√λ`` for an estimate ``λ`` of ``λ_min(A)``, ``A = XᵀX`` in float64 (a
+    float32 Gram matrix hides σ below ``√eps₃₂ ≈ 3e-4``, where large matrices sit), from the largest Ritz
+    value of a short Lanczos run on ``(A + δI)⁻¹`` (Cholesky solves; the top of that spectrum stands
+    apart, so a few steps find it), rounded down to a power of 2 (the margin for an estimate from above).
+    ``δ``, ``A``'s rounding level, keeps the Cholesky factor finite and sets the floor. Too high a bound
+    costs steps, never accuracy: the ``tol`` check decides when to stop, and an SVD finishes a slice
+    that does not converge."""
+    n = X.shape[-1]
+    shift = n * torch.finfo(torch.float64).eps
+    eye = torch.eye(n, dtype=torch.float64, device=X.device)
+    X64 = X.detach().to(torch.float64)
+    A64 = torch.where(bad[..., None, None], eye, X64.mT @ X64 + shift * eye)
     L, failed = torch.linalg.cholesky_ex(A64)
     L = torch.where((failed > 0)[..., None, None], eye, L)
     g = torch.Generator().manual_seed(0)  # every rank, every run: the same schedule
-    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(A.device).expand(*A.shape[:-2], n, 1)
+    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(X.device).expand(*X.shape[:-2], n, 1)
     basis, alphas, betas = [q / torch.linalg.vector_norm(q, dim=(-2, -1), keepdim=True)], [], []
     for _ in range(min(lanczos_steps, n)):
         w = torch.cholesky_solve(basis[-1], L)  # (A + δI)⁻¹ q
@@ -451,10 +455,12 @@ def _polar_express_schedule(lower: float) -> tuple:
     return polar_express_coefficients(lower, steps=12, safety=_PE_SAFETY)
 
 
-def _polar_express_schedules(lower: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+def _polar_express_schedules(lower: torch.Tensor, X: torch.Tensor) -> torch.Tensor | tuple:
     """Per slice, the coefficients of the schedule built for its ``lower``, as a tensor
-    ``(steps, ..., 1, 1, 3)``; shorter schedules repeat their last quintic."""
+    ``(steps, ..., 1, 1, 3)``; shorter schedules repeat their last quintic. One shared schedule: its tuple."""
     tables = {value: _polar_express_schedule(value) for value in set(lower.flatten().tolist())}
+    if len(tables) == 1:  # one schedule for all: plain numbers, the cheaper in-place products
+        return next(iter(tables.values()))
     steps = max(len(table) for table in tables.values())
     padded = {value: table + (table[-1],) * (steps - len(table)) for value, table in tables.items()}
     coefficients = torch.tensor([padded[value] for value in lower.flatten().tolist()], dtype=X.dtype)
@@ -544,7 +550,10 @@ def _power_iteration_norm(X: torch.Tensor) -> torch.Tensor:
 def _svd_polar(X: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
     """``U Vᵀ`` of a tall ``X``: orthonormal columns whatever the singular values (LAPACK completes
     the null directions); with ``rcond`` the directions of ``σ < rcond·σ_max`` are dropped instead."""
-    U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    try:
+        U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    except torch.linalg.LinAlgError:  # LAPACK's divide and conquer can miss on clustered σ (a near-isometry)
+        U, S, Vh = (t.to(X.dtype) for t in torch.linalg.svd(X.to(torch.float64), full_matrices=False))
     if rcond is not None:
         U = U * (S > rcond * S[..., :1]).to(X.dtype)[..., None, :]
     return U @ Vh
