@@ -271,7 +271,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._cycle_now:
             self._cycle_now = False
-            self.log_metrics(self._cycle(trainer, pl_module))
+            self.log_event(trainer, self._cycle(trainer, pl_module))
         elif self.minor_training == "project":
             for m in self.matrices:
                 if m.state == "minor":

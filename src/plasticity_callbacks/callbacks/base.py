@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.callback_state import check_state
@@ -23,8 +24,11 @@ class PlasticityCallback(L.Callback):
     ``on_validation_end`` (plateaus) ask the :class:`ScheduleState` whether the schedule is due and,
     if so, call ``act(trainer, pl_module, reason)``. ``setup`` starts a new fit's schedule state,
     checks the strategy (:meth:`check_strategy`) and that the selection finds weights
-    (:meth:`check_targets`). The metrics ``act`` returns are logged through ``pl_module.log``
-    (``on_step=True``), at once where Lightning allows it, else at the next training batch.
+    (:meth:`check_targets`). The metrics ``act`` returns are an event (:meth:`log_event`): one row
+    in every logger, at the step of the action, whatever ``log_every_n_steps``, and the latest
+    value of each in ``trainer.callback_metrics`` (for ``Schedule(monitor=...)``, ``ModelCheckpoint``).
+    A per-step series (a value measured at every logging step) goes through ``pl_module.log`` in
+    the subclass's own hook instead.
     ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
     ``check_state`` against ``extra_state_types``. A subclass that needs more hooks overrides them
     and calls ``super()``.
@@ -35,9 +39,6 @@ class PlasticityCallback(L.Callback):
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
         optional_state_types: keys :meth:`extra_state` may leave out, with their types.
-        logs_events: write each act's metrics once, straight to the trainer's loggers at the current
-            step, instead of through ``pl_module.log`` (whose step values repeat in every later row
-            of the epoch): one row per act, for methods whose metrics only mean something then.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -74,7 +75,6 @@ class PlasticityCallback(L.Callback):
     step_hook: ClassVar[str] = "on_train_batch_start"
     extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     optional_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
-    logs_events: ClassVar[bool] = False
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
         super().__init__()
@@ -83,7 +83,7 @@ class PlasticityCallback(L.Callback):
         self.schedule = self.default_schedule if schedule is None else Schedule.build(schedule, self.owner)
         self.selection = selection
         self.firing = None if self.schedule is None else ScheduleState(self.schedule, self.owner)
-        self._pending_logs: dict[str, float] = {}
+        self._resumed_logs: dict[str, float] = {}
 
     @property
     def owner(self) -> str:
@@ -92,8 +92,8 @@ class PlasticityCallback(L.Callback):
 
     # ------------------------------------------------------------------ what a subclass writes
     def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
-        """Change the model now (``reason`` says why: ``"fit start"``, ``"step 100"``); return metrics to log
-        (numbers or 0-d tensors; a tensor is logged without waiting for the device)."""
+        """Change the model now (``reason`` says why: ``"fit start"``, ``"step 100"``); return the metrics of this
+        action (numbers or 0-d tensors), logged once at the current step by :meth:`log_event`."""
         raise NotImplementedError(f"{self.owner} must implement act(trainer, pl_module, reason)")
 
     def extra_state(self) -> dict[str, Any]:
@@ -122,6 +122,8 @@ class PlasticityCallback(L.Callback):
         self.check_targets(trainer, pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        resumed, self._resumed_logs = self._resumed_logs, {}
+        self.log_event(trainer, resumed)
         if self.firing is not None:
             self.act_if(self.firing.due_at_train_start(trainer), trainer, pl_module)
 
@@ -144,42 +146,46 @@ class PlasticityCallback(L.Callback):
             self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:
-        # The metrics of an action not yet logged (it ran at a validation end; a checkpoint follows it) are
-        # saved too: a resumed run logs them at the step the uninterrupted run would have, not never.
-        return {"schedule": None if self.firing is None else self.firing.state_dict(),
-                "pending_logs": dict(self._pending_logs), **self.extra_state()}
+        return {"schedule": None if self.firing is None else self.firing.state_dict(), **self.extra_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # "pending_logs": metrics a checkpoint holds that its run had not logged yet; they are logged at train start
         check_state(self, state_dict, {"schedule": type(None) if self.firing is None else dict,
                                        **self.extra_state_types}, {**self.optional_state_types, "pending_logs": dict})
         if self.firing is not None:
             self.firing.load_state_dict(state_dict["schedule"])
-        self._pending_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
+        self._resumed_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
         self.load_extra_state({k: v for k, v in state_dict.items() if k not in ("schedule", "pending_logs")})
 
     # ------------------------------------------------------------------ plumbing
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Call :meth:`act` when ``reason`` is not None and keep its metrics for logging."""
-        if reason is None:
-            return
-        metrics = self.act(trainer, pl_module, reason) or {}
-        if not self.logs_events:
-            self.log_metrics(metrics)
-        elif metrics:
-            for logger in trainer.loggers:
-                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
+        """Call :meth:`act` when ``reason`` is not None and log its metrics as an event."""
+        if reason is not None:
+            self.log_event(trainer, self.act(trainer, pl_module, reason) or {})
 
-    def log_metrics(self, metrics: Mapping[str, Any]) -> None:
-        """Keep ``metrics`` for ``pl_module.log`` at the next training batch hook (or now, in one)."""
-        self._pending_logs.update(metrics)
+    def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any]) -> None:
+        """Write ``metrics`` once to every logger at ``trainer.global_step`` and keep each in ``callback_metrics``.
+
+        Written straight to the loggers rather than through ``pl_module.log``: Lightning keeps a logged
+        step value in its results and writes it again in every later row of the epoch, and only at steps
+        that are multiples of ``log_every_n_steps``; an action happens once, at its own step. Lightning's
+        loggers write on rank zero only; every rank keeps the values in ``callback_metrics``.
+
+        Args:
+            metrics: ``{name: number or 0-d tensor}``; nothing is written when empty.
+
+        Example:
+            >>> self.log_event(trainer, {"fire/dfi_after": 0.01})   # one row, at this step
+        """
+        if not metrics:
+            return
+        values = {name: float(value) for name, value in metrics.items()}
+        for name, value in values.items():
+            trainer.callback_metrics[name] = torch.tensor(value)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+            logger.save()
 
     def _step_trigger(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if hook == self.step_hook and self.firing is not None:
             self.act_if(self.firing.due_at_step(trainer), trainer, pl_module)
-        self.flush_logs(pl_module)  # Lightning allows logging in the step hooks, not at fit start or validation end
-
-    def flush_logs(self, pl_module: L.LightningModule) -> None:
-        """Log the metrics kept since the last training batch hook through ``pl_module.log``."""
-        for name, value in self._pending_logs.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False)
-        self._pending_logs = {}

@@ -254,12 +254,11 @@ class ReDoMonitor(PlasticityCallback):
             return
         self._step_scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
         self._warn_unobserved()
-        if log_now:
+        if log_now:  # the dormant fractions are a per-step series; a recycling's counts are its event
             self.last_logged_step = step
-            self.log_metrics(self._fractions(self._step_scores))
+            pl_module.log_dict(self._fractions(self._step_scores), on_step=True, on_epoch=False)
         self.act_if(recycle, trainer, pl_module)
         self._step_scores = None
-        self.flush_logs(pl_module)
 
     def check_strategy(self, trainer) -> None:
         require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows and columns of shards (core.sharding)

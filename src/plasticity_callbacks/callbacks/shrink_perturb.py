@@ -52,7 +52,6 @@ class ShrinkPerturb(PlasticityCallback):
     """
 
     summary_metrics = ("shrink_perturb/norm_ratio",)
-    logs_events = True  # one row per application in the logs
     extra_state_types = {"applications": int}
 
     def __init__(self, shrink: float = 0.4, perturb: float = 0.1, schedule: Schedule | Mapping | None = None,
