@@ -1,16 +1,16 @@
 """A resume keeps every metric row: what a method logged between the last checkpoint and the
 interruption is logged again (at the same step), never lost and never twice.
 
-A method acting at a validation end (a plateau) can only log at the next training batch; the
-checkpoint saved after that validation must carry those metrics (``PlasticityCallback``'s
-``pending_logs``), or the resumed run never logs them.
+A method's action is written to the loggers at once, even at a validation end (a plateau), so the
+checkpoint saved after that validation follows its row; a checkpoint holding metrics its run had
+not logged yet (``pending_logs``) has them logged once at the resumed run's start.
 """
 from __future__ import annotations
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from plasticity_callbacks.callbacks.base import PlasticityCallback
 from plasticity_callbacks.core.checkpoints import ModelCheckpointAfterValidation, VerifiedCheckpointIO
@@ -32,15 +32,20 @@ class HalveOnPlateau(PlasticityCallback):
                 "halve/step": float(trainer.global_step)}
 
 
-class Recorder(L.Callback):
-    """Every value of ``halve/*`` as it reaches the loggers: ``[(step, name, value)]``."""
+class Recorder(Logger):
+    """A logger beside the real one: every ``halve/*`` value written to the loggers, ``[(step, name, value)]``."""
 
     def __init__(self):
+        super().__init__()
         self.rows = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self.rows += [(trainer.global_step, k, float(v)) for k, v in trainer.logged_metrics.items()
-                      if k.startswith("halve/") and not any(r[1] == k and r[2] == float(v) for r in self.rows)]
+    name, version = "recorder", 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows += [(step, k, float(v)) for k, v in metrics.items() if k.startswith("halve/")]
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
 
 
 def fit(tmp_path, max_steps, logger, ckpt_path=None):
@@ -49,7 +54,7 @@ def fit(tmp_path, max_steps, logger, ckpt_path=None):
                                                 save_top_k=0)
     L.seed_everything(0)
     trainer = cpu_trainer(max_steps=max_steps, val_check_interval=2, limit_val_batches=2, log_every_n_steps=1,
-                          callbacks=[HalveOnPlateau(), recorder, checkpoint], logger=logger,
+                          callbacks=[HalveOnPlateau(), checkpoint], logger=[logger, recorder],
                           enable_checkpointing=True, plugins=[VerifiedCheckpointIO()])
     trainer.fit(TinyMLPModule(), regression_loader(), regression_loader(seed=1), ckpt_path=ckpt_path)
     return recorder.rows
@@ -60,8 +65,18 @@ def fit(tmp_path, max_steps, logger, ckpt_path=None):
 def test_metrics_of_an_action_at_a_validation_end_survive_a_resume_at_that_checkpoint(tmp_path, make_logger):
     reference = fit(tmp_path / "reference", 6, make_logger(tmp_path / "reference"))
     assert [value for _, name, value in reference if name == "halve/step"] == [4.0], reference  # the plateau at step 4
-    # stopped right after the validation of step 4 (its checkpoint holds the action's unlogged metrics), resumed
+    # stopped right after the validation of step 4 (the action's row is written before its checkpoint), resumed
     first = fit(tmp_path / "interrupted", 4, make_logger(tmp_path / "interrupted"))
     resumed = fit(tmp_path / "interrupted", 6, make_logger(tmp_path / "interrupted"),
                   ckpt_path=str(tmp_path / "interrupted" / "ckpt" / "last.ckpt"))
     assert first + resumed == reference
+
+
+def test_metrics_a_checkpoint_holds_unlogged_are_logged_once_at_the_resumed_start(tmp_path):
+    fit(tmp_path, 2, CSVLogger(tmp_path, name="run"))
+    path, io = tmp_path / "ckpt" / "last.ckpt", VerifiedCheckpointIO()
+    checkpoint = io.load_checkpoint(path)
+    checkpoint["callbacks"][HalveOnPlateau().state_key]["pending_logs"] = {"halve/norm": 7.0}
+    io.save_checkpoint(checkpoint, path)
+    resumed = fit(tmp_path, 3, CSVLogger(tmp_path, name="run"), ckpt_path=str(path))
+    assert resumed == [(2, "halve/norm", 7.0)]
