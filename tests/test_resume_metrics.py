@@ -1,9 +1,9 @@
 """A resume keeps every metric row: what a method logged between the last checkpoint and the
 interruption is logged again (at the same step), never lost and never twice.
 
-A method's action is written to the loggers at once, even at a validation end (a plateau), so the
-checkpoint saved after that validation follows its row; a checkpoint holding metrics its run had
-not logged yet (``pending_logs``) has them logged once at the resumed run's start.
+A method acting at a validation end (a plateau) writes its row at the next training hook, at the
+same step; the checkpoint saved after that validation carries those metrics (``PlasticityCallback``'s
+``pending_logs``), and the resumed run logs them once.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def fit(tmp_path, max_steps, logger, ckpt_path=None):
 def test_metrics_of_an_action_at_a_validation_end_survive_a_resume_at_that_checkpoint(tmp_path, make_logger):
     reference = fit(tmp_path / "reference", 6, make_logger(tmp_path / "reference"))
     assert [value for _, name, value in reference if name == "halve/step"] == [4.0], reference  # the plateau at step 4
-    # stopped right after the validation of step 4 (the action's row is written before its checkpoint), resumed
+    # stopped right after the validation of step 4 (its checkpoint holds the action's unlogged metrics), resumed
     first = fit(tmp_path / "interrupted", 4, make_logger(tmp_path / "interrupted"))
     resumed = fit(tmp_path / "interrupted", 6, make_logger(tmp_path / "interrupted"),
                   ckpt_path=str(tmp_path / "interrupted" / "ckpt" / "last.ckpt"))

@@ -27,6 +27,8 @@ class PlasticityCallback(L.Callback):
     (:meth:`check_targets`). The metrics ``act`` returns are an event (:meth:`log_event`): one row
     in every logger, at the step of the action, whatever ``log_every_n_steps``, and the latest
     value of each in ``trainer.callback_metrics`` (for ``Schedule(monitor=...)``, ``ModelCheckpoint``).
+    An action at a validation end is written at the next training hook, at the same step, so the
+    checkpoint written after that validation keeps it (``pending_logs``) and a resume logs it once.
     A per-step series (a value measured at every logging step) goes through ``pl_module.log`` in
     the subclass's own hook instead.
     ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
@@ -83,7 +85,7 @@ class PlasticityCallback(L.Callback):
         self.schedule = self.default_schedule if schedule is None else Schedule.build(schedule, self.owner)
         self.selection = selection
         self.firing = None if self.schedule is None else ScheduleState(self.schedule, self.owner)
-        self._resumed_logs: dict[str, float] = {}
+        self._pending_logs: dict[str, float] = {}
 
     @property
     def owner(self) -> str:
@@ -122,8 +124,7 @@ class PlasticityCallback(L.Callback):
         self.check_targets(trainer, pl_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        resumed, self._resumed_logs = self._resumed_logs, {}
-        self.log_event(trainer, resumed)
+        self.write_pending_logs(trainer)  # a resume at a checkpoint written after a validation end's action
         if self.firing is not None:
             self.act_if(self.firing.due_at_train_start(trainer), trainer, pl_module)
 
@@ -143,27 +144,27 @@ class PlasticityCallback(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.firing is not None:
-            self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module)
+            self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module, defer=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedule": None if self.firing is None else self.firing.state_dict(), **self.extra_state()}
+        return {"schedule": None if self.firing is None else self.firing.state_dict(),
+                "pending_logs": dict(self._pending_logs), **self.extra_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # "pending_logs": metrics a checkpoint holds that its run had not logged yet; they are logged at train start
         check_state(self, state_dict, {"schedule": type(None) if self.firing is None else dict,
                                        **self.extra_state_types}, {**self.optional_state_types, "pending_logs": dict})
         if self.firing is not None:
             self.firing.load_state_dict(state_dict["schedule"])
-        self._resumed_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
+        self._pending_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
         self.load_extra_state({k: v for k, v in state_dict.items() if k not in ("schedule", "pending_logs")})
 
     # ------------------------------------------------------------------ plumbing
-    def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule, defer: bool = False) -> None:
         """Call :meth:`act` when ``reason`` is not None and log its metrics as an event."""
         if reason is not None:
-            self.log_event(trainer, self.act(trainer, pl_module, reason) or {})
+            self.log_event(trainer, self.act(trainer, pl_module, reason) or {}, defer)
 
-    def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any]) -> None:
+    def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any], defer: bool = False) -> None:
         """Write ``metrics`` once to every logger at ``trainer.global_step`` and keep each in ``callback_metrics``.
 
         Written straight to the loggers rather than through ``pl_module.log``: Lightning keeps a logged
@@ -173,19 +174,28 @@ class PlasticityCallback(L.Callback):
 
         Args:
             metrics: ``{name: number or 0-d tensor}``; nothing is written when empty.
+            defer: keep them (in ``state_dict`` too) for the next training hook, which writes them at the same
+                step: at a validation end, whose checkpoint follows, so that a resume logs them once.
 
         Example:
             >>> self.log_event(trainer, {"fire/dfi_after": 0.01})   # one row, at this step
         """
-        if not metrics:
-            return
         values = {name: float(value) for name, value in metrics.items()}
         for name, value in values.items():
             trainer.callback_metrics[name] = torch.tensor(value)
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
-            logger.save()
+        self._pending_logs.update(values)
+        if not defer:
+            self.write_pending_logs(trainer)
+
+    def write_pending_logs(self, trainer: L.Trainer) -> None:
+        """Write the kept metrics to every logger at ``trainer.global_step``, once."""
+        values, self._pending_logs = self._pending_logs, {}
+        if values:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
+                logger.save()
 
     def _step_trigger(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if hook == self.step_hook and self.firing is not None:
             self.act_if(self.firing.due_at_step(trainer), trainer, pl_module)
+        self.write_pending_logs(trainer)  # those of a validation end: no optimizer step since, the same global step

@@ -17,10 +17,10 @@ Hook map (Hugging Face → Lightning):
     on_save             → state_dict, into ``<checkpoint>/plasticity_callbacks.pt``
     on_train_end        → on_train_end, on_fit_end, teardown("fit")
 
-Metrics the callback logs (``pl_module.log``, or its loggers for an action's event) go through
-``Trainer.log`` at the end of the hook (step or evaluation), so
-they reach ``trainer.state.log_history`` and every ``report_to`` integration. Under ``accelerate``
-DDP every process runs the callback on its full copy of the model, as under Lightning's DDP.
+Metrics the callback logs (``pl_module.log``, and an action's metrics, written to ``trainer.loggers``)
+go through ``Trainer.log`` at the end of the step, so they reach ``trainer.state.log_history`` and
+every ``report_to`` integration. Under ``accelerate`` DDP every process runs the callback on its full
+copy of the model, as under Lightning's DDP.
 """
 from __future__ import annotations
 
@@ -121,7 +121,6 @@ class HFTrainerCallback(TrainerCallback):
         self.view.callback_metrics.update({k: torch.tensor(float(v)) for k, v in (metrics or {}).items()
                                            if isinstance(v, (int, float))})
         self._call("on_validation_end", model)
-        self._flush_metrics(args, state)  # before on_save: an action at this evaluation is logged, not lost on resume
 
     def on_save(self, args, state, control, **kwargs):
         if not args.should_save or self.view is None:
