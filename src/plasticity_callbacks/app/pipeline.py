@@ -414,9 +414,10 @@ class Pipeline:
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
         trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
         if earlier_rows:
-            # rows up to the checkpoint (validation at its step ran before the interruption)
+            # rows up to the checkpoint: validation at its step ran before the interruption; training and a
+            # method's actions at its step ran after, and the resumed fit logs them again
             prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at
-                                     or (int(r["step"]) == resumed_at and not r.get("train/loss"))])
+                                     or (int(r["step"]) == resumed_at and is_validation_row(r))])
         metrics.update({k: float(v) for k, v in after.items()})
         first = self.phases[0].name
         return {
@@ -444,6 +445,11 @@ def read_metrics(logger) -> list[dict[str, str]]:
         return []
     with path.open(newline="") as f:
         return [row for row in csv.DictReader(f) if row.get("step")]
+
+
+def is_validation_row(row: dict[str, str]) -> bool:
+    """A row the validation loop logged (``val/*``, ``retention/*``), not a training step or a method's action."""
+    return any(value and name.startswith(("val/", "retention/")) for name, value in row.items())
 
 
 def prepend_metrics(logger, rows: list[dict[str, str]]) -> None:
