@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
+from plasticity_callbacks.app.pipeline import is_validation_row
 from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.fire import FIREReinit
@@ -54,3 +55,11 @@ def test_an_action_at_fit_start_is_one_row_at_step_0(tmp_path):
     logged = [(int(row["step"]), row["fire/dfi_before"]) for row in rows if row["fire/dfi_before"] != ""]
     assert [step for step, _ in logged] == [0], logged
     assert float(trainer.callback_metrics["fire/dfi_before"]) == pytest.approx(float(logged[0][1]))
+
+
+def test_a_resumed_phase_keeps_only_the_validation_rows_of_its_checkpoint_step():
+    """At the checkpoint's step validation ran before the interruption; training and actions run again after it."""
+    validation = {"step": "4", "val/loss": "1.5", "train/loss": "", "fire/dfi_before": ""}
+    action = {"step": "4", "val/loss": "", "train/loss": "", "fire/dfi_before": "0.3"}
+    training = {"step": "4", "val/loss": "", "train/loss": "2.0", "fire/dfi_before": ""}
+    assert [is_validation_row(r) for r in (validation, action, training)] == [True, False, False]
