@@ -8,7 +8,6 @@ import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from plasticity_callbacks.app.pipeline import is_validation_row
 from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.fire import FIREReinit
@@ -59,6 +58,8 @@ def test_an_action_at_fit_start_is_one_row_at_step_0(tmp_path):
 
 def test_a_resumed_phase_keeps_only_the_validation_rows_of_its_checkpoint_step():
     """At the checkpoint's step validation ran before the interruption; training and actions run again after it."""
+    from plasticity_callbacks.app.pipeline import is_validation_row
+
     validation = {"step": "4", "val/loss": "1.5", "train/loss": "", "fire/dfi_before": ""}
     action = {"step": "4", "val/loss": "", "train/loss": "", "fire/dfi_before": "0.3"}
     training = {"step": "4", "val/loss": "", "train/loss": "2.0", "fire/dfi_before": ""}
