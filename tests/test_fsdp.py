@@ -17,6 +17,10 @@ from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_sin
 FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
 REDO = {"_target_": "plasticity_callbacks.ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
         "schedule": {"every_n_steps": 2}}
+DASH = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 3, "min_factor": 0.3}
+# cos(W, g) ≥ -1: every row shrinks, by its own factor 1 − 0.5·(cos + 1) (floored at 0.1)
+DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"steps": [2]}, "cosine_threshold": -1.0,
+                 "shrink_rate": 0.5, "min_factor": 0.1}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -34,6 +38,13 @@ RUNS = [
     # its rows kept), zero columns of down in every rank's rows, those slices' Adam/SGD moments.
     {"name": "redo_mlp", "model": "mlp", "steps": 4, "callbacks": [REDO]},
     {"name": "redo_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 4, "callbacks": [REDO]},
+    # DASH, both rules: the paper's gradient pass (FSDP2's reduce-scattered gradients, each rank's EMA rows) at fit
+    # start, then the per-step rule on .grad shards. Linear rows are local; GPT-2's Conv1D (stored (in, out)) holds
+    # each neuron's row across ranks: gathered per matrix. The encoder's in_proj is a bare matrix split mid-block.
+    {"name": "dash_mlp", "model": "mlp", "steps": 3, "callbacks": [DASH, DASH_PERIODIC]},
+    {"name": "dash_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [DASH, DASH_PERIODIC]},
+    {"name": "dash_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3,
+     "callbacks": [dict(DASH, selection={"include_head": True}), DASH_PERIODIC]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
@@ -72,6 +83,17 @@ def test_redo_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded, metrics=("redo/recycled", "redo/dormant"))
 
 
+@pytest.mark.parametrize("name", ["dash_mlp", "dash_gpt2", "dash_encoder"])
+def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["dash/shrunk"]) > 0  # the paper's rule shrank rows
+    assert float(sharded["metrics"]["dash_periodic/shrunk_fraction"]) == 1.0  # every row, each by its own factor
+    assert_same_as_single(single, sharded, metrics=("dash/shrunk", "dash/factor_min", "dash_periodic/shrunk",
+                                                    "dash_periodic/factor_min"))
+
+
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -93,16 +115,17 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
             require_full_parameters(trainer, "Owner", fsdp2=fsdp2)
 
 
-def test_fsdp2_is_accepted_by_fire_and_redo_and_refused_with_the_fix_by_the_other_callbacks():
-    from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink, FIREReinit, ReDoMonitor, ShrinkPerturb
+def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
+    from plasticity_callbacks import (AdaptiveSVDSwitch, DASHPeriodic, DASHShrink, FIREReinit, ReDoMonitor,
+                                      ShrinkPerturb)
     from plasticity_callbacks.core.distributed import MisconfigurationException
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    FIREReinit().check_strategy(trainer)
-    ReDoMonitor().check_strategy(trainer)
-    others = (ShrinkPerturb(), DASHShrink(), AdaptiveSVDSwitch())
+    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic()):
+        accepted.check_strategy(trainer)
+    others = (ShrinkPerturb(), AdaptiveSVDSwitch())
     checked = [c for c in others if hasattr(c, "check_strategy")]
     assert checked  # the callbacks on the shared base class refuse in check_strategy; the others in setup
     for callback in checked:
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit and ReDoMonitor do.*ddp"):
+        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor and DASH do.*ddp"):
             callback.check_strategy(trainer)
