@@ -21,6 +21,8 @@ DASH = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 3, "min_fact
 # cos(W, g) ≥ -1: every row shrinks, by its own factor 1 − 0.5·(cos + 1) (floored at 0.1)
 DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"steps": [2]}, "cosine_threshold": -1.0,
                  "shrink_rate": 0.5, "min_factor": 0.1}
+SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
+                  "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -45,6 +47,13 @@ RUNS = [
     {"name": "dash_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [DASH, DASH_PERIODIC]},
     {"name": "dash_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3,
      "callbacks": [dict(DASH, selection={"include_head": True}), DASH_PERIODIC]},
+    # Shrink & Perturb and FullReset: every rank draws the whole fresh model as one process does (same seed) and
+    # keeps its rows; the package's GPT is drawn whole by its init_weights (lr = 0: only the callback moves it),
+    # GPT-2 by Hugging Face's _init_weights, the MLP layer by layer with AdamW's state dropped.
+    {"name": "sp_mlp", "model": "mlp", "steps": 3, "callbacks": [SHRINK_PERTURB]},
+    {"name": "sp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [SHRINK_PERTURB]},
+    {"name": "reset_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
+     "callbacks": [{"_target_": "plasticity_callbacks.FullReset", "schedule": {"steps": [2]}, "seed": 5}]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
@@ -94,6 +103,15 @@ def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
                                                     "dash_periodic/factor_min"))
 
 
+@pytest.mark.parametrize("name", ["sp_mlp", "sp_gpt", "reset_gpt2"])
+def test_fresh_draws_under_fsdp2_equal_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["shrink_perturb/norm_ratio"]) != 1.0
+    assert_same_as_single(single, sharded, metrics=("shrink_perturb/norm_ratio",))
+
+
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -121,11 +139,11 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
     from plasticity_callbacks.core.distributed import MisconfigurationException
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic()):
+    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb()):
         accepted.check_strategy(trainer)
-    others = (ShrinkPerturb(), AdaptiveSVDSwitch())
+    others = (AdaptiveSVDSwitch(),)
     checked = [c for c in others if hasattr(c, "check_strategy")]
     assert checked  # the callbacks on the shared base class refuse in check_strategy; the others in setup
     for callback in checked:
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor and DASH do.*ddp"):
+        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH and ShrinkPerturb do.*ddp"):
             callback.check_strategy(trainer)
