@@ -54,6 +54,9 @@ RUNS = [
     {"name": "sp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [SHRINK_PERTURB]},
     {"name": "reset_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
      "callbacks": [{"_target_": "plasticity_callbacks.FullReset", "schedule": {"steps": [2]}, "seed": 5}]},
+    # WeightClip: elementwise on each rank's shard, GPT-2's Conv1D bounded by its stored rows (κ small: entries clip).
+    {"name": "clip_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
+     "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.3}]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
@@ -112,6 +115,14 @@ def test_fresh_draws_under_fsdp2_equal_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded, metrics=("shrink_perturb/norm_ratio",))
 
 
+def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "clip_gpt2")
+    single, sharded = run_single(out, spec), results["clip_gpt2"]
+    assert 0 < float(sharded["metrics"]["weight_clip/clipped"]) < 1
+    assert_same_as_single(single, sharded, metrics=("weight_clip/clipped",))
+
+
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -135,11 +146,11 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
 
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
     from plasticity_callbacks import (AdaptiveSVDSwitch, DASHPeriodic, DASHShrink, FIREReinit, ReDoMonitor,
-                                      ShrinkPerturb)
+                                      ShrinkPerturb, WeightClip)
     from plasticity_callbacks.core.distributed import MisconfigurationException
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb()):
+    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), WeightClip()):
         accepted.check_strategy(trainer)
     others = (AdaptiveSVDSwitch(),)
     checked = [c for c in others if hasattr(c, "check_strategy")]

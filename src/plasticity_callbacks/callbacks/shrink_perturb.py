@@ -35,7 +35,9 @@ class ShrinkPerturb(PlasticityCallback):
     first is an error (exclude it or give its module ``reset_parameters()``), the second a warning.
     A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
     effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
-    Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before).
+    Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before). Under FSDP2 every rank draws the whole
+    fresh model, the values one process draws for the same seed, and treats the rows it holds
+    (peak extra memory: one full copy of the largest unit its init draws at once).
 
     Args:
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).

@@ -264,3 +264,13 @@ def sharded_vector_shrink_(vector: torch.Tensor, direction: torch.Tensor, factor
     factor = factor_fn(vector.full_tensor(), direction.full_tensor())
     apply_shrink_(vector.to_local(), factor)
     return factor
+
+
+def fraction_over_shards(fraction: torch.Tensor, shards: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    """The share of all entries of ``params`` from each rank's ``fraction`` of its ``shards`` (FSDP2
+    ``Shard(0)`` DTensors: one all-reduce; plain parameters: ``fraction`` itself)."""
+    sharded = next((p for p in params if is_dtensor(p)), None)
+    if sharded is None:
+        return fraction
+    count = fraction.double().reshape(1) * sum(s.numel() for s in shards)
+    return _all_reduce(count, sharded.device_mesh.get_group())[0] / sum(p.numel() for p in params)
