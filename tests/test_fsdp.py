@@ -145,16 +145,19 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
 
 
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
-    from plasticity_callbacks import (AdaptiveSVDSwitch, DASHPeriodic, DASHShrink, FIREReinit, ReDoMonitor,
-                                      ShrinkPerturb, WeightClip)
+    from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
+                                      FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
+    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
     from plasticity_callbacks.core.distributed import MisconfigurationException
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), WeightClip()):
+    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
+                     WeightClip()):
         accepted.check_strategy(trainer)
-    others = (AdaptiveSVDSwitch(),)
-    checked = [c for c in others if hasattr(c, "check_strategy")]
-    assert checked  # the callbacks on the shared base class refuse in check_strategy; the others in setup
-    for callback in checked:
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH and ShrinkPerturb do.*ddp"):
+    for callback in (ContinualBackprop(), L2Init(), HareTortoise()):
+        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH.*WeightClip do.*ddp"):
             callback.check_strategy(trainer)
+    with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
+        AdaptiveSVDSwitch().check_strategy(trainer)
+    with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):
+        TaskMetrics().setup(trainer, None, "fit")
