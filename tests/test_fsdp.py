@@ -1,5 +1,5 @@
-"""FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE and ReDo on sharded weights equal
-them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
+"""FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
+Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
 strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
