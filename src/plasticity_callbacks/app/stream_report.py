@@ -121,7 +121,7 @@ def run_summary(run: StreamRun, k: int) -> dict[str, float]:
 
 RANK_COLUMNS = [("online_accuracy", "online acc (all tasks)", 3), ("online_loss", "online loss (all tasks)", 3),
                 ("accuracy", "end-of-task acc (last {k})", 3), ("retained_accuracy", "retained acc (last {k})", 3),
-                ("probe_accuracy", "probe acc (last {k})", 3), ("slope", "acc slope per 100 tasks", 3),
+                ("probe_accuracy", "probe acc (last {k})", 3), ("slope", "acc change per 100 tasks", 3),
                 ("seconds", "seconds", 0)]
 
 
@@ -261,8 +261,8 @@ def build_stream_report(root: Path, out: Path | None = None, k: int | None = Non
         "task's training steps of the batch's accuracy before its update; end-of-task = on the task's evaluation "
         f"data at its end; retained = on the previous {info.get('stability_tasks', 3)} tasks' evaluation data; "
         f"probe = a fixed random-label task refit for {info.get('probe_steps', 0)} Adam steps from the task's end "
-        f"state; slope = least-squares change of end-of-task accuracy per 100 tasks; seconds = one run's "
-        "training time. Ranked by online accuracy.", "",
+        "state; acc change per 100 tasks = 100 × the least-squares slope of end-of-task accuracy against the task "
+        "(extrapolated on a shorter stream); seconds = one run's training time. Ranked by online accuracy.", "",
         ranking_table(runs, k), "",
         *(["## Sensitivity (online accuracy over all tasks)", "", sensitivity, ""] if sensitivity else []),
         "## Diagnostics", "", diagnostics_table(runs, k), "", f"![{figure.stem}]({figure.name})", "",
