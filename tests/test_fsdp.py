@@ -1,5 +1,5 @@
-"""FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE and ReDo on sharded weights equal
-them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
+"""FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
+Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
 strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
@@ -17,6 +17,12 @@ from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_sin
 FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
 REDO = {"_target_": "plasticity_callbacks.ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
         "schedule": {"every_n_steps": 2}}
+DASH = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 3, "min_factor": 0.3}
+# cos(W, g) ≥ -1: every row shrinks, by its own factor 1 − 0.5·(cos + 1) (floored at 0.1)
+DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"steps": [2]}, "cosine_threshold": -1.0,
+                 "shrink_rate": 0.5, "min_factor": 0.1}
+SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
+                  "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -34,6 +40,23 @@ RUNS = [
     # its rows kept), zero columns of down in every rank's rows, those slices' Adam/SGD moments.
     {"name": "redo_mlp", "model": "mlp", "steps": 4, "callbacks": [REDO]},
     {"name": "redo_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 4, "callbacks": [REDO]},
+    # DASH, both rules: the paper's gradient pass (FSDP2's reduce-scattered gradients, each rank's EMA rows) at fit
+    # start, then the per-step rule on .grad shards. Linear rows are local; GPT-2's Conv1D (stored (in, out)) holds
+    # each neuron's row across ranks: gathered per matrix. The encoder's in_proj is a bare matrix split mid-block.
+    {"name": "dash_mlp", "model": "mlp", "steps": 3, "callbacks": [DASH, DASH_PERIODIC]},
+    {"name": "dash_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [DASH, DASH_PERIODIC]},
+    {"name": "dash_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3,
+     "callbacks": [dict(DASH, selection={"include_head": True}), DASH_PERIODIC]},
+    # Shrink & Perturb and FullReset: every rank draws the whole fresh model as one process does (same seed) and
+    # keeps its rows; the package's GPT is drawn whole by its init_weights (lr = 0: only the callback moves it),
+    # GPT-2 by Hugging Face's _init_weights, the MLP layer by layer with AdamW's state dropped.
+    {"name": "sp_mlp", "model": "mlp", "steps": 3, "callbacks": [SHRINK_PERTURB]},
+    {"name": "sp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [SHRINK_PERTURB]},
+    {"name": "reset_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
+     "callbacks": [{"_target_": "plasticity_callbacks.FullReset", "schedule": {"steps": [2]}, "seed": 5}]},
+    # WeightClip: elementwise on each rank's shard, GPT-2's Conv1D bounded by its stored rows (κ small: entries clip).
+    {"name": "clip_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
+     "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
@@ -72,6 +95,36 @@ def test_redo_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded, metrics=("redo/recycled", "redo/dormant"))
 
 
+@pytest.mark.parametrize("name", ["dash_mlp", "dash_gpt2", "dash_encoder"])
+def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["dash/shrunk"]) > 0  # the paper's rule shrank rows
+    assert float(sharded["metrics"]["dash_periodic/shrunk_fraction"]) == 1.0  # every row, each by its own factor
+    assert_same_as_single(single, sharded, metrics=("dash/shrunk", "dash/factor_min", "dash_periodic/shrunk",
+                                                    "dash_periodic/factor_min"))
+
+
+@pytest.mark.parametrize("name", ["sp_mlp", "sp_gpt", "reset_gpt2"])
+def test_fresh_draws_under_fsdp2_equal_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert sharded["callbacks"][0]["applications"] == single["callbacks"][0]["applications"] == 1
+    assert_same_as_single(single, sharded)  # the whole fresh draw one process makes, each rank's rows of it
+
+
+def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "clip_gpt2")
+    single, sharded = run_single(out, spec), results["clip_gpt2"]
+    c_fc = sharded["params"]["model.transformer.h.0.mlp.c_fc.weight"]  # stored (16, 64): bound 0.1/√16
+    limit = torch.tensor(0.1 / 16**0.5, dtype=c_fc.dtype)
+    assert c_fc.abs().max() <= limit and (c_fc.abs() == limit).sum() > 0  # entries were clipped to the box
+    assert_same_as_single(single, sharded, metrics=("weight_clip/clipped",))
+
+
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -93,16 +146,20 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
             require_full_parameters(trainer, "Owner", fsdp2=fsdp2)
 
 
-def test_fsdp2_is_accepted_by_fire_and_redo_and_refused_with_the_fix_by_the_other_callbacks():
-    from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink, FIREReinit, ReDoMonitor, ShrinkPerturb
+def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
+    from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
+                                      FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
+    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
     from plasticity_callbacks.core.distributed import MisconfigurationException
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    FIREReinit().check_strategy(trainer)
-    ReDoMonitor().check_strategy(trainer)
-    others = (ShrinkPerturb(), DASHShrink(), AdaptiveSVDSwitch())
-    checked = [c for c in others if hasattr(c, "check_strategy")]
-    assert checked  # the callbacks on the shared base class refuse in check_strategy; the others in setup
-    for callback in checked:
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit and ReDoMonitor do.*ddp"):
+    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
+                     WeightClip()):
+        accepted.check_strategy(trainer)
+    for callback in (ContinualBackprop(), L2Init(), HareTortoise()):
+        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH.*WeightClip do.*ddp"):
             callback.check_strategy(trainer)
+    with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
+        AdaptiveSVDSwitch().check_strategy(trainer)
+    with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):
+        TaskMetrics().setup(trainer, None, "fit")

@@ -177,6 +177,11 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- setup and resume
     def check_strategy(self, trainer: L.Trainer) -> None:
+        if "ModelParallel" in type(trainer.strategy).__name__:
+            raise MisconfigurationException(
+                "AdaptiveSVDSwitch does not act under FSDP2 (ModelParallelStrategy): each matrix's SVD needs it whole, "
+                "and between cycles every step's gradient projection U_m U_mᵀ∇W and its saved singular vectors would "
+                "have to follow the row shards; train this callback with strategy='ddp' (trainer=ddp).")
         super().check_strategy(trainer)
         if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(

@@ -5,7 +5,6 @@ The math lives in :mod:`plasticity_callbacks.functional.shrink`; this file decid
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,10 +15,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from ..core.arguments import check_int, check_number
-from ..core.distributed import all_reduce_mean
+from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
 from ..core.model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
 from ..core.optimizer_state import owning_optimizer
 from ..core.schedule import Schedule
+from ..core.sharding import all_finite_on_every_rank, sharded_shrink_, sharded_vector_shrink_
 from ..functional.shrink import apply_shrink_, dash_shrink_factors
 from .base import PlasticityCallback
 
@@ -78,6 +78,9 @@ class DirectionalShrink(PlasticityCallback):
         return self._generate_state_key(schedule=self.schedule.describe(), scope=self.selection.scope,
                                         include=self.selection.include, exclude=self.selection.exclude)
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: each rank's rows (core.sharding)
+
     def on_fit_start(self, trainer, pl_module) -> None:
         self._layers = self._select_layers(trainer, pl_module)  # optimizers exist only from here on
 
@@ -121,12 +124,18 @@ class DirectionalShrink(PlasticityCallback):
                 direction = direction_of(layer.weight)
                 if direction is None:
                     continue
-                weight = layer.view.read()  # a view: shrinking it shrinks the parameter
-                weight_factors = factor_fn(weight, layer.view.oriented(direction))
-                apply_shrink_(weight, weight_factors)
-                layer.view.write(weight)  # a grouped transposed conv's (out, in) view is a copy
+                if is_dtensor(layer.weight):  # FSDP2: each rank scales the rows it holds
+                    weight_factors = sharded_shrink_(layer.view, direction, factor_fn)
+                else:
+                    weight = layer.view.read()  # a view: shrinking it shrinks the parameter
+                    weight_factors = factor_fn(weight, layer.view.oriented(direction))
+                    apply_shrink_(weight, weight_factors)
+                    layer.view.write(weight)  # a grouped transposed conv's (out, in) view is a copy
                 if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
-                    apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
+                    if is_dtensor(layer.bias):
+                        sharded_vector_shrink_(layer.bias, bias_direction, factor_fn)
+                    else:
+                        apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
                 stats.append((layer.name, weight_factors.detach().flatten()))
         if not stats:  # never a silent no-op: no selected weight had a gradient
             rank_zero_warn(f"{self.owner}: no selected weight had a gradient at step {trainer.global_step}, nothing "
@@ -177,8 +186,10 @@ class DASHShrink(DirectionalShrink):
 
     Logs (prefix ``dash/``): ``shrinks`` (events so far), ``shrunk`` and ``shrunk_fraction`` (rows /
     kernel slices with factor < 1), ``factor_min``, and per layer ``<layer>/factor_mean``,
-    ``<layer>/factor_min``, ``<layer>/shrunk``. Sharded strategies (FSDP, DeepSpeed) are refused at
-    setup: rows would be split across shards. The per-step rule is :class:`~.dash_periodic.DASHPeriodic`.
+    ``<layer>/factor_min``, ``<layer>/shrunk``. Under FSDP2 (``ModelParallelStrategy``) the pass's
+    gradients are FSDP2's reduce-scattered means, each rank keeps the EMA of the rows it holds and
+    shrinks them (:func:`~plasticity_callbacks.core.sharding.sharded_shrink_`); FSDP1 and DeepSpeed are
+    refused at setup. The per-step rule is :class:`~.dash_periodic.DASHPeriodic`.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
@@ -241,7 +252,8 @@ class DASHShrink(DirectionalShrink):
             raise ValueError("DASHShrink needs a single training dataloader, got "
                              f"{type(loader).__name__}")
         tracked = [p for layer in self._layers for p in (layer.weight, layer.bias) if p is not None]
-        ema = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in tracked]
+        # FSDP2: the EMA of each rank's shard (its gradient is already the mean over ranks: reduce-scattered)
+        ema = [torch.zeros_like(_local(p), dtype=torch.promote_types(p.dtype, torch.float32)) for p in tracked]
         params = list(pl_module.parameters())
         saved_grads = [p.grad for p in params]
         modes = {m: m.training for m in pl_module.modules()}
@@ -271,10 +283,11 @@ class DASHShrink(DirectionalShrink):
                         loss = out["loss"] if isinstance(out, Mapping) else out
                         (scaler.scale(loss) if scaler is not None else loss).backward()
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
-                    if not all_finite(grads):
+                    if not all_finite_on_every_rank(grads):
                         continue  # an fp16 overflow batch would poison the average
                     for g_ema, grad in zip(ema, grads):
-                        g_ema.mul_(1 - self.gradient_ema_weight).add_(grad.to(g_ema.dtype), alpha=-self.gradient_ema_weight)
+                        g_ema.mul_(1 - self.gradient_ema_weight).add_(_local(grad).to(g_ema.dtype),
+                                                                      alpha=-self.gradient_ema_weight)
                     used += 1
         finally:
             for p, grad in zip(params, saved_grads):
@@ -284,23 +297,29 @@ class DASHShrink(DirectionalShrink):
             with torch.no_grad():
                 for b, saved in zip(pl_module.buffers(), buffers):
                     b.copy_(saved)
-        # Each rank saw its own shard; the EMA is linear, so the mean of the ranks' EMAs is the EMA of
+        # Each rank saw its own data; the EMA is linear, so the mean of the ranks' EMAs is the EMA of
         # the mean gradient. One collective for everything, plus the batch count so all ranks agree.
-        flat = torch.cat([g.flatten() for g in ema] + [torch.tensor([float(used)], device=ema[0].device,
-                                                                    dtype=ema[0].dtype)])
+        # A DTensor's gradient was averaged by FSDP2 already, and its EMA covers this rank's rows only.
+        replicated = [g for p, g in zip(tracked, ema) if not is_dtensor(p)]
+        flat = torch.cat([g.flatten() for g in replicated] + [torch.tensor([float(used)], device=ema[0].device,
+                                                                          dtype=ema[0].dtype)])
         flat = all_reduce_mean(trainer, flat)
         if float(flat[-1]) == 0.0:
             rank_zero_warn("DASHShrink: no training batch gave finite gradients; skipped the shrink")
             return None
-        chunks = flat[:-1].split([g.numel() for g in ema])
-        return {p: c.view_as(p) for p, c in zip(tracked, chunks)}
+        means = iter(flat[:-1].split([g.numel() for g in replicated]))
+        return {p: _as_sharded(g, p) if is_dtensor(p) else next(means).view_as(p) for p, g in zip(tracked, ema)}
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """One host sync: the max-abs norm is finite exactly when every entry is."""
-    if not tensors:
-        return True
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def _as_sharded(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard ``local`` as a DTensor placed like the parameter ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 
 @contextmanager

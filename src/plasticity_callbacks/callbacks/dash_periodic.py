@@ -9,7 +9,8 @@ from ..core.arguments import check_number
 from ..core.model_map import Selection
 from ..core.schedule import Schedule
 from ..functional.shrink import penalty_shrink_factors
-from .dash import DirectionalShrink, all_finite
+from ..core.sharding import all_finite_on_every_rank
+from .dash import DirectionalShrink
 
 
 class DASHPeriodic(DirectionalShrink):
@@ -33,8 +34,9 @@ class DASHPeriodic(DirectionalShrink):
     gradients, so a shrunk row receives a relatively larger update; accept this only with rare
     shrinks (``every_n_steps`` of 2000 or more).
 
-    Logs (prefix ``dash_periodic/``) what :class:`~.dash.DASHShrink` logs. Sharded strategies are
-    refused at setup.
+    Logs (prefix ``dash_periodic/``) what :class:`~.dash.DASHShrink` logs. Under FSDP2 each rank
+    shrinks the rows it holds from its shard of ``.grad`` (a DTensor sharded like the weight); FSDP1
+    and DeepSpeed are refused at setup.
 
     Args:
         schedule: when to act (step triggers; a Schedule or a mapping); None: ``Schedule(every_n_steps=2000)``.
@@ -78,7 +80,7 @@ class DASHPeriodic(DirectionalShrink):
         self.cosine_threshold, self.shrink_rate, self.min_factor = cosine_threshold, shrink_rate, min_factor
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor | float]:
-        if not all_finite([p.grad for p in pl_module.parameters() if p.grad is not None]):
+        if not all_finite_on_every_rank([p.grad for p in pl_module.parameters() if p.grad is not None]):
             self.skipped_nonfinite += 1
             return {}
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..core import factorization
 from ..core.arguments import check_number
-from ..core.distributed import rank_identical_generator
+from ..core.distributed import is_dtensor, rank_identical_generator, require_full_parameters
 from ..core.model_map import Selection, fresh_parameters
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
+from ..core.sharding import local_part
 from ..functional.shrink import shrink_perturb_
 from .base import PlasticityCallback
 
@@ -33,7 +35,9 @@ class ShrinkPerturb(PlasticityCallback):
     first is an error (exclude it or give its module ``reset_parameters()``), the second a warning.
     A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
     effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
-    Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before).
+    Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before). Under FSDP2 every rank draws the whole
+    fresh model, the values one process draws for the same seed, and treats the rows it holds
+    (peak extra memory: one full copy of the largest unit its init draws at once).
 
     Args:
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
@@ -88,6 +92,9 @@ class ShrinkPerturb(PlasticityCallback):
                              f"exclude={self.selection.exclude}")
         return chosen
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: each rank's rows of the fresh draw
+
     def check_targets(self, trainer, pl_module) -> None:
         self.selected(pl_module)  # an empty selection fails before any training
 
@@ -98,7 +105,10 @@ class ShrinkPerturb(PlasticityCallback):
         factorized = {n: p for n, p in chosen if _factorized(pl_module, n)}
         plain = [(n, p) for n, p in chosen if n not in factorized]
         norm_before = _norm(pl_module, chosen)
-        shrink_perturb_([p for _, p in plain], [fresh[n] for n, _ in plain], self.shrink, self.perturb)
+        # FSDP2: each rank treats its rows of every parameter with its rows of the whole fresh draw
+        shards = [local_part(p) for _, p in plain]
+        shrink_perturb_([local for local, _ in shards], [fresh[n][rows] for (n, _), (_, rows) in zip(plain, shards)],
+                        self.shrink, self.perturb)
         for name, frozen in factorized.items():  # on the effective weight: W_p ← λ(W_p + BA) + p·fresh − BA
             module, attr = _owner(pl_module, name)
             with torch.no_grad():
@@ -140,8 +150,9 @@ def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]],
         raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
                            "reset_parameters() (or init_weights()), or exclude them, e.g. selection="
                            f"{ {'exclude': [missing[0]]} }")
-    unchanged = [name for name, p in chosen
-                 if p.dim() >= 2 and torch.equal(fresh[name].to(p.device), _value(pl_module, name, p))]
+    unchanged = [name for name, p in chosen  # FSDP2: this rank's rows
+                 if p.dim() >= 2 and torch.equal(fresh[name][local_part(p)[1]].to(p.device),
+                                                 local_part(_value(pl_module, name, p))[0])]
     if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale
         rank_zero_warn(f"ShrinkPerturb: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
                        "only rescales them; pass another seed=, or fix their init code if it copies instead of drawing")
@@ -167,5 +178,13 @@ def _value(pl_module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor
 
 
 def _norm(pl_module: nn.Module, chosen) -> torch.Tensor:
+    """‖θ‖ over the chosen parameters; FSDP2: each DTensor's rows summed over the ranks (one all-reduce)."""
     with torch.no_grad():
-        return torch.sqrt(sum(_value(pl_module, n, p).float().pow(2).sum() for n, p in chosen))
+        values = [_value(pl_module, n, p) for n, p in chosen]
+        sharded = [v for v in values if is_dtensor(v)]
+        whole = sum((v.float().pow(2).sum() for v in values if not is_dtensor(v)), torch.zeros(()))
+        if not sharded:
+            return torch.sqrt(whole)
+        rows = sum(v.to_local().float().pow(2).sum() for v in sharded)
+        dist.all_reduce(rows, group=sharded[0].device_mesh.get_group())
+        return torch.sqrt(whole.to(rows.device) + rows)

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from torch.func import functional_call
 
 from ..core.arguments import check_int
+from ..core.distributed import MisconfigurationException, is_sharded
 from ..core.figures import run_output_dir
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
@@ -142,6 +143,11 @@ class TaskMetrics(L.Callback):
         self._started: float | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if is_sharded(trainer):  # the probe trains a functional copy of every parameter; norms read them whole
+            raise MisconfigurationException(
+                f"TaskMetrics does not measure under {type(trainer.strategy).__name__}: its plasticity probe trains a "
+                "copy of the whole model and its feature ranks and norms read whole tensors, not shards; run task "
+                "streams with strategy='ddp' (trainer=ddp)")
         stream = trainer.datamodule
         if not all(hasattr(stream, a) for a in ("task_boundary_steps", "eval_data", "steps_per_task")):
             raise ValueError("TaskMetrics needs a task-stream data module (task_boundary_steps, steps_per_task, "

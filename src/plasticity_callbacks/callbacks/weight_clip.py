@@ -7,9 +7,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
+from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection, is_conv1d
 from ..core.model_map.weights import is_layer
 from ..core.parameter_patterns import name_selection
+from ..core.sharding import fraction_over_shards, local_part
 from ..functional.anchors import clip_to_bounds_, fan_in_bound
 from .base import PlasticityCallback
 
@@ -23,7 +25,7 @@ class WeightClip(PlasticityCallback):
     conv and ``Conv1D`` weight and bias is clipped, the output head too (the reference's
     ``clip_last_layer=True``); norms, embeddings and other parameters have no fan-in bound and are left
     alone (the fit-start message counts them). Acts in ``on_train_batch_end`` of every batch whose
-    optimizer stepped (so once per accumulated step); deterministic, hence identical on every DDP rank;
+    optimizer stepped (so once per accumulated step); deterministic, hence identical on every DDP rank (under FSDP2 each rank clips its shard);
     stateless across a resume (the bounds follow from the shapes). Logs ``weight_clip/clipped``, the
     fraction of clipped entries that were outside their box before the step's clip.
 
@@ -54,7 +56,19 @@ class WeightClip(PlasticityCallback):
         return self._generate_state_key(kappa=self.kappa, include=self.selection.include,
                                         exclude=self.selection.exclude)
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: elementwise on each rank's shard
+
     def check_targets(self, trainer, pl_module) -> None:
+        self._resolve(pl_module)
+        chosen = {id(p) for p in self._params}
+        others = sum(1 for p in pl_module.parameters() if p.requires_grad and id(p) not in chosen)
+        rank_zero_info(f"WeightClip keeps {len(self._params)} layer weights/biases within ±{self.kappa}/√fan_in; "
+                       f"{others} other trainable tensors (norms, embeddings, excluded) are not clipped")
+
+    def _resolve(self, pl_module) -> None:
+        """The clipped parameters and their bounds, as the model holds them now (FSDP2 replaces them in
+        ``configure_model``, after setup)."""
         self._params, self._bounds = [], []
         for module_name, module in pl_module.named_modules():
             if not is_layer(module):
@@ -69,13 +83,10 @@ class WeightClip(PlasticityCallback):
         if not self._params:
             raise ValueError(f"WeightClip found no Linear/conv/Conv1D weight matching include={self.selection.include}, "
                              f"exclude={self.selection.exclude}")
-        chosen = {id(p) for p in self._params}
-        others = sum(1 for p in pl_module.parameters() if p.requires_grad and id(p) not in chosen)
-        rank_zero_info(f"WeightClip keeps {len(self._params)} layer weights/biases within ±{self.kappa}/√fan_in; "
-                       f"{others} other trainable tensors (norms, embeddings, excluded) are not clipped")
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
+        self._resolve(pl_module)
         self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -83,5 +94,6 @@ class WeightClip(PlasticityCallback):
         if trainer.global_step == self._last_step:  # an accumulating batch: the optimizer did not step
             return
         self._last_step = trainer.global_step
-        clipped = clip_to_bounds_(self._params, self._bounds, self.kappa)
+        shards = [local_part(p)[0] for p in self._params]  # FSDP2: each rank clips the rows it holds
+        clipped = fraction_over_shards(clip_to_bounds_(shards, self._bounds, self.kappa), shards, self._params)
         pl_module.log("weight_clip/clipped", clipped.float(), on_step=True, on_epoch=False)

@@ -11,15 +11,23 @@ Which init runs, outermost first:
 
 Every parameter of the copy is first filled with NaN, so a parameter that no init reaches is
 detected (it would otherwise come back as a silent copy of the current value).
+
+Under FSDP2 (``DTensor`` parameters) a module cannot be deep-copied (its sharding state holds process
+groups), so the init runs on the module itself, with every parameter swapped for a NaN-filled plain
+tensor of the full shape and its buffers saved, then put back: each rank draws the whole value that one
+process draws for the same seed and keeps its own rows.
 """
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+
+from ..distributed import is_dtensor
 
 
 def _is_hf_model(module: nn.Module) -> bool:
@@ -46,7 +54,23 @@ def _hf_initialize(model: nn.Module) -> None:
     for tensor in (*model.modules(), *model.parameters(), *model.buffers()):
         if getattr(tensor, "_is_hf_initialized", False):
             tensor._is_hf_initialized = False
-    model.initialize_weights()
+    model_class = _unsharded_class(type(model))
+    # FSDP2's FSDP<Model> class lives outside transformers, which Hugging Face takes for custom code and then
+    # skips the modules without own parameters (GPT-2's scaled c_proj init): answer for the model's own class.
+    model.is_custom_code = model_class.is_custom_code
+    try:
+        model.initialize_weights()
+    finally:
+        del model.is_custom_code
+
+
+def _unsharded_class(cls: type) -> type:
+    """The model's own class under the ``FSDP<Model>`` class that ``fully_shard`` gives it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule))
 
 
 def _plain_copy(module: nn.Module) -> nn.Module:
@@ -63,12 +87,42 @@ def _plain_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
+@contextmanager
+def _drawn_in_place(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` itself with every parameter a NaN-filled plain tensor of its full shape (tied ones stay
+    tied) and its buffers saved; on exit its own parameters and buffer values come back. For modules that
+    cannot be copied: FSDP2's, whose inits then see whole tensors, as on one process."""
+    swapped, plain = [], {}
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if parametrize.is_parametrized(owner):
+                raise NotImplementedError(f"a fresh draw of the factorized {type(owner).__name__} under FSDP2: "
+                                          "factorize without sharding, or train with strategy='ddp'")
+            if id(param) not in plain:
+                plain[id(param)] = nn.Parameter(torch.full(param.shape, float("nan"), dtype=param.dtype,
+                                                           device=param.device), requires_grad=False)
+            owner._parameters[name] = plain[id(param)]  # past FSDP2's registration: no forward runs inside
+            swapped.append((owner, name, param))
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield module
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
 def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """``{name: fresh value}`` for every parameter of ``model`` that its init code draws, from ``seed``.
 
     Names are those of ``model.named_parameters()``, except that a factorized weight appears under
     its plain name (``layer.weight``). Parameters no init reaches are absent: callers decide
-    whether that is an error. Neither ``model`` nor the global RNG is touched.
+    whether that is an error. Neither ``model`` nor the global RNG is touched. FSDP2: every value is
+    the whole tensor one process draws (every rank draws it: peak extra memory one full copy of the
+    unit drawn, the whole model when its own ``init_weights`` draws it whole); keep a rank's rows with
+    :func:`~plasticity_callbacks.core.sharding.local_part`.
 
     Example:
         >>> fresh = fresh_parameters(model, seed=0)
@@ -85,15 +139,22 @@ def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         for name, child in units:
             if not any(True for _ in child.parameters()):
                 continue  # metrics and other parameter-free children
-            clone = _plain_copy(child)
-            for p in clone.parameters():
-                p.fill_(float("nan"))
-            for initialize in _initializers(clone):
-                initialize()
-            for key, value in clone.named_parameters():
-                if not bool(torch.isnan(value).any()):
-                    fresh[f"{name}.{key}" if name else key] = value.detach()
+            sharded = any(is_dtensor(p) for p in child.parameters())
+            with (_drawn_in_place(child) if sharded else _nan_copy(child)) as clone:
+                for initialize in _initializers(clone):
+                    initialize()
+                for key, value in clone.named_parameters():
+                    if not bool(torch.isnan(value).any()):
+                        fresh[f"{name}.{key}" if name else key] = value.detach()
     return fresh
+
+
+@contextmanager
+def _nan_copy(module: nn.Module) -> Iterator[nn.Module]:
+    clone = _plain_copy(module)
+    for p in clone.parameters():
+        p.fill_(float("nan"))
+    yield clone
 
 
 def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
