@@ -18,7 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import lightning as L
 import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
@@ -29,25 +28,11 @@ from plasticity_callbacks.core.checkpoints import (CheckpointError, RunInterrupt
                                                    write_verified)
 from plasticity_callbacks.core.resume import ResumeError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fault_injection import hostile_checkpoint, signal_spec  # noqa: E402  (the faults the trust tests inject)
+
 RUN = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
 SUMMARY = ("val_loss_before", "summary", "val_loss", "train_loss", "retention_loss")  # summary: fire/dfi_*
-
-
-class Payload:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return open, (self.marker, "w")
-
-
-class SignalAt(L.Callback):
-    def __init__(self, step: int, signal_name: str = "SIGTERM"):
-        self.step, self.signal_name = step, signal_name
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
 def cfg(run: Path, *overrides):
@@ -58,12 +43,6 @@ def cfg(run: Path, *overrides):
 def snapshot(directory: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.rglob("*"))} \
         if directory.exists() else {}
-
-
-def hostile(path: Path, marker: Path) -> None:
-    buffer = io.BytesIO()
-    torch.save({"state_dict": {}, "global_step": 1, "callbacks": {}, "payload": Payload(marker)}, buffer)
-    write_verified(buffer.getvalue(), path)
 
 
 def same_as_reference(run: Path, reference: Path) -> bool:
@@ -102,7 +81,7 @@ def main() -> None:
 
     def signal_fault(name: str, step: int) -> bool:
         run = root / f"signal_{name}_{step}"
-        stop = f"+phases.sft.callbacks.stop={{_target_: __main__.SignalAt, step: {step}, signal_name: {name}}}"
+        stop = signal_spec(step, name)
         try:
             Pipeline(cfg(run, stop)).run()
             return False
@@ -139,7 +118,7 @@ def main() -> None:
         run = fresh(f"hostile_{how}")
         target = {"resume": run / "checkpoints" / "sft" / "last.ckpt", "init_from": root / "shared.ckpt",
                   "previous": run / "checkpoints" / "pretrain" / "final.ckpt"}[how]
-        hostile(target, marker)
+        hostile_checkpoint(target, marker, global_step=1)
         extra = {"resume": ["pipeline.resume=true"], "init_from": [f"pipeline.init_from={target}"],
                  "previous": ["pipeline.start_phase=sft"]}[how]
         ok = refused_cleanly(run, preflight(run, *extra)) and refused_cleanly(

@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -25,30 +24,13 @@ from hydra import compose, initialize_config_dir
 from plasticity_callbacks.app.pipeline import Pipeline, read_state, write_state
 from plasticity_callbacks.app.train import config_dir, main
 from plasticity_callbacks.core.checkpoints import (TRUST_ENV, CheckpointError, RunInterrupted, VerifiedCheckpointIO,
-                                                   read_checkpoint, verify_file, write_verified)
+                                                   read_checkpoint, verify_file)
 from plasticity_callbacks.core.resume import ResumeError
 
+from fault_injection import hostile_checkpoint, signal_spec
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
 SMOKE = ["experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false"]
-
-
-class Payload:
-    """Unpickling this runs ``open(marker, "w")``: the file appears iff the pickle was trusted."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return open, (self.marker, "w")
-
-
-def hostile_checkpoint(path: Path, marker: Path) -> Path:
-    """A checkpoint-shaped dict carrying the payload, with a matching ``.sha256`` (anyone who swaps the file can)."""
-    buffer = io.BytesIO()
-    torch.save({"state_dict": {}, "global_step": 2, "callbacks": {}, "payload": Payload(marker)}, buffer)
-    write_verified(buffer.getvalue(), path)
-    return path
 
 
 def cli(*args, cwd, env=None):
@@ -265,21 +247,6 @@ def test_the_first_pipeline_json_write_is_atomic_under_sigterm(tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------ 5. SIGTERM / SIGINT
-class SignalAt(L.Callback):
-    """Sends ``signal`` to this process after training step ``step`` (before the checkpoint callback runs)."""
-
-    def __init__(self, step: int, signal_name: str = "SIGTERM"):
-        self.step, self.signal_name = step, signal_name
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), getattr(signal, self.signal_name))
-
-
-def signal_spec(step: int, name: str) -> str:
-    return f"+phases.sft.callbacks.stop={{_target_: test_resume_trust.SignalAt, step: {step}, signal_name: {name}}}"
-
-
 FIRE_RUN = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
 
 

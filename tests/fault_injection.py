@@ -1,0 +1,46 @@
+"""Faults the trust tests and ``benchmarks/faults.py`` inject: a hostile checkpoint and a stop signal mid-phase."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from plasticity_callbacks.core.checkpoints import write_verified
+
+
+class Payload:
+    """Unpickling this runs ``open(marker, "w")``: the file appears iff the pickle was trusted."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def hostile_checkpoint(path: Path, marker: Path, global_step: int = 2) -> Path:
+    """A checkpoint-shaped dict carrying the payload, with a matching ``.sha256`` (anyone who swaps the file can)."""
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {}, "global_step": global_step, "callbacks": {}, "payload": Payload(marker)}, buffer)
+    write_verified(buffer.getvalue(), path)
+    return path
+
+
+class SignalAt(L.Callback):
+    """Sends ``signal`` to this process after training step ``step`` (before the checkpoint callback runs)."""
+
+    def __init__(self, step: int, signal_name: str = "SIGTERM"):
+        self.step, self.signal_name = step, signal_name
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
+
+
+def signal_spec(step: int, name: str) -> str:
+    """The override that adds :class:`SignalAt` to the SFT phase (this module must be importable: tests/ on the path)."""
+    return f"+phases.sft.callbacks.stop={{_target_: fault_injection.SignalAt, step: {step}, signal_name: {name}}}"
