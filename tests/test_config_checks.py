@@ -18,9 +18,16 @@ def composed(*overrides):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_shipped_experiment_passes(experiment, caplog):
+    method = [] if experiment == "smoke" else ["+method=fire"]  # a single fit takes no method (refused below)
     with caplog.at_level(logging.WARNING):
-        check_config(composed(f"experiment={experiment}", "+method=fire"), [f"experiment={experiment}"])
+        check_config(composed(f"experiment={experiment}", *method), [f"experiment={experiment}"])
     assert not caplog.records
+
+
+def test_a_method_in_a_single_fit_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"\+method=fire has no effect in a single fit.*\+callbacks=<name>"):
+        check_config(composed("experiment=smoke", "+method=fire"), ["experiment=smoke", "+method=fire"])
+    check_config(composed("experiment=continual_digits", "+method=fire"), [])  # a task stream acts at its boundaries
 
 
 def test_a_setting_no_phase_uses_is_refused_and_one_some_phases_drop_is_warned(caplog):

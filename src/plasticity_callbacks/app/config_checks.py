@@ -202,6 +202,11 @@ def check_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
             check_data_paths(f"phases.{name}.data", block.data)
     if cfg.get("phases"):
         check_ignored_overrides(cfg, overrides)
+    elif cfg.get("method") is not None and not cfg.get("method_at_task_boundaries"):
+        # A method acts at phase or task boundaries; a single fit has neither, so it would be ignored.
+        raise ConfigError(f"+method={cfg.method.get('name', '?')} has no effect in a single fit (no phase or task "
+                          "boundary): run a pipeline (experiment=pretrain_sft, pipeline_smoke, continual_pretrain) or "
+                          "a task stream (experiment=continual_digits), or add callbacks to this fit with +callbacks=<name>")
 
 
 def optimizer_arguments() -> dict[str, inspect.Parameter]:
