@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from plasticity_callbacks.callbacks.continual_backprop import ContinualBackprop
 from plasticity_callbacks.core.distributed import rank_identical_generator
 from plasticity_callbacks.functional import continual_backprop as cbp
+from tiny import cpu_trainer
 
 ETA, MATURITY, RATE, LR, STEPS = 0.9, 5, 0.05, 0.1, 40
 
@@ -46,8 +47,7 @@ def _data(steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fit(module, callback, x, y, steps, **trainer_args):
-    trainer = L.Trainer(max_steps=steps, callbacks=[callback], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **trainer_args)
+    trainer = cpu_trainer(max_steps=steps, callbacks=[callback], **trainer_args)
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16))
     return trainer
 
@@ -186,8 +186,7 @@ def test_replaced_units_are_fresh_on_other_families(family):
     callback = ContinualBackprop(replacement_rate=0.3, maturity_threshold=2, decay_rate=0.9, init="default")
     trainer = _fit(module, callback, *data, 3) if family == "cnn" else None
     if trainer is None:
-        trainer = L.Trainer(max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+        trainer = cpu_trainer(max_steps=3, callbacks=[callback])
         trainer.fit(module, DataLoader(TensorDataset(*data), batch_size=16))
     optimizer = trainer.optimizers[0]
     assert callback.replaced > 0

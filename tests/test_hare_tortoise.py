@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks.callbacks.hare_tortoise import HareTortoise
+from tiny import cpu_trainer
 
 DECAY, EVERY, LR, STEPS = 0.7, 4, 0.1, 10
 
@@ -35,9 +36,7 @@ def test_matches_ema_and_periodic_reset():
     reference.load_state_dict(module.state_dict())
     x, y = torch.randn(STEPS * 4, 4), torch.randn(STEPS * 4, 2)
     callback = HareTortoise(decay=DECAY, schedule={"every_n_steps": EVERY})
-    trainer = L.Trainer(max_steps=STEPS, callbacks=[callback], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                        num_sanity_val_steps=0, limit_val_batches=1)
+    trainer = cpu_trainer(max_steps=STEPS, callbacks=[callback], limit_val_batches=1)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     trainer.fit(module, loader, val_dataloaders=loader)  # one epoch = STEPS steps, then validation
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks.callbacks.l2_init import L2Init
+from tiny import cpu_trainer
 
 LAMBDA, LR, STEPS = 0.5, 0.05, 8
 
@@ -36,8 +37,7 @@ def test_matches_the_loss_term_by_autograd(optimizer):
     module, reference = Net(optimizer), Net(optimizer)
     reference.load_state_dict(module.state_dict())
     x, y = torch.randn(STEPS * 4, 5), torch.randn(STEPS * 4, 2)
-    trainer = L.Trainer(max_steps=STEPS, callbacks=[L2Init(strength=LAMBDA)], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer = cpu_trainer(max_steps=STEPS, callbacks=[L2Init(strength=LAMBDA)])
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
 
     anchors = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -58,14 +58,12 @@ def test_exclude_leaves_parameters_free_and_empty_selection_is_refused():
     torch.manual_seed(0)
     module = Net("sgd")
     start = module.unused.detach().clone()
-    trainer = L.Trainer(max_steps=3, callbacks=[L2Init(strength=LAMBDA, selection={"exclude": ["unused"]})], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = cpu_trainer(max_steps=3, callbacks=[L2Init(strength=LAMBDA, selection={"exclude": ["unused"]})])
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(12, 5), torch.randn(12, 2)), batch_size=4))
     assert torch.equal(module.unused, start)
+    loader = DataLoader(TensorDataset(torch.randn(4, 5), torch.randn(4, 2)), batch_size=4)
     with pytest.raises(ValueError, match="no trainable parameter matches"):
-        L.Trainer(max_steps=1, callbacks=[L2Init(selection={"include": ["nothing.*"]})], logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False).fit(Net("sgd"), DataLoader(TensorDataset(torch.randn(4, 5),
-                                                                                     torch.randn(4, 2)), batch_size=4))
+        cpu_trainer(max_steps=1, callbacks=[L2Init(selection={"include": ["nothing.*"]})]).fit(Net("sgd"), loader)
 
 
 @pytest.mark.parametrize("bad", [dict(strength=-1.0), dict(strength="big"), dict(selection={"scope": "mlp"}),

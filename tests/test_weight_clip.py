@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks.callbacks.weight_clip import WeightClip
+from tiny import cpu_trainer
 
 KAPPA, LR, STEPS = 1.0, 0.2, 6
 
@@ -33,8 +34,7 @@ def test_matches_clamping_to_the_fan_in_bound_after_every_step():
     module, reference = Net(), Net()
     reference.load_state_dict(module.state_dict())
     x, y = torch.randn(STEPS * 8, 1, 6, 6) * 3, torch.randint(0, 2, (STEPS * 8,))
-    trainer = L.Trainer(max_steps=STEPS, callbacks=[WeightClip(kappa=KAPPA)], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer = cpu_trainer(max_steps=STEPS, callbacks=[WeightClip(kappa=KAPPA)])
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
 
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -71,8 +71,7 @@ def test_conv1d_bound_uses_its_input_rows():
 
     torch.manual_seed(0)
     module = Wrapped()
-    trainer = L.Trainer(max_steps=2, callbacks=[WeightClip(kappa=0.5)], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = cpu_trainer(max_steps=2, callbacks=[WeightClip(kappa=0.5)])
     trainer.fit(module, DataLoader(TensorDataset(torch.randint(0, 40, (8, 8))), batch_size=4))
     mlp = module.model.transformer.h[0].mlp
     for layer in (mlp.c_fc, mlp.c_proj):  # Conv1D stores (in, out): fan-in is its row count
