@@ -88,9 +88,14 @@ class _Matrix:
     U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,)
     S_prev: torch.Tensor | None = None
 
+    _minor: tuple | None = None  # (U_prev, r, contiguous U_m) last built
+
     @property
     def U_minor(self) -> torch.Tensor:
-        return self.U_prev[:, self.g - self.r:]
+        # contiguous and built once per SVD: it is read at every projected step
+        if self._minor is None or self._minor[0] is not self.U_prev or self._minor[1] != self.r:
+            self._minor = (self.U_prev, self.r, self.U_prev[:, self.g - self.r:].contiguous())
+        return self._minor[2]
 
 
 class AdaptiveSVDSwitch(PlasticityCallback):
@@ -268,6 +273,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.minor_training == "project":
+            return  # nothing is factorized, so no gradient to capture
         capture = self._cycle_now
         for m in self.matrices:
             if factorization.is_factorized(m.target.module, m.attr):
