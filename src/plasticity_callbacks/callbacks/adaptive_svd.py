@@ -54,7 +54,9 @@ class SVDOptions:
     """How each SVD cycle computes the singular triplets.
 
     Args:
-        method: ``full`` (``torch.linalg.svd``) or ``randomized`` (two ``torch.svd_lowrank`` blocks).
+        method: ``gram`` (``eigh`` of the smaller Gram matrix, the minor triplets recomputed from the
+            weight; ``full`` wherever that is not accurate), ``full`` (``torch.linalg.svd``) or
+            ``randomized`` (two ``torch.svd_lowrank`` blocks); see ``functional.subspace.svd_triplets``.
         niter: power iterations of ``method="randomized"``.
         dtype: ``float32`` or ``float64``.
 
@@ -62,7 +64,7 @@ class SVDOptions:
         >>> AdaptiveSVDSwitch(svd=SVDOptions(method="randomized", niter=4))
     """
 
-    method: str = "full"
+    method: str = "gram"
     niter: int = 2
     dtype: str = "float32"
 
@@ -307,7 +309,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=self.svd.torch_dtype,
                                seed=step)
             new_state, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                                  dtype=self.svd.torch_dtype, **asdict(self.thresholds))
+                                                  dtype=self.svd.torch_dtype, exact=self.svd.method != "randomized",
+                                                  **asdict(self.thresholds))
             if m.r is None and self.initial_rank is not None:
                 r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
             m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
