@@ -95,7 +95,12 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float = GRAM_SEPARATI
     by a Rayleigh–Ritz step on ``W`` itself (the SVD of ``W`` restricted to that basis, a
     ``block × n`` problem), which gets ``σ`` to the accuracy of an SVD of ``W`` as long as the basis
     holds the bottom directions, i.e. as long as the eigenvalue just above the block is well separated
-    from rounding (``λ_{block+1} ≥ separation·λ_max``, else None). The top triplets come from the
+    from rounding (``λ_{block+1} ≥ separation·λ_max``, else None; for a tall ``W``, whose ``U`` is
+    the other side, ``λ_min ≥ separation·λ_max``). Then a bottom vector's error from
+    directions outside the block is at most ``σ_max / (σ_i + σ_j) ≤ 1 / (2√separation)`` (≈ 16) times
+    the float32 SVD's own, and inside the block it is the SVD's. The other side's bottom vectors
+    (``V`` of a square or wide ``W``) are accurate to about ``eps·σ_max/σ_i`` (they only shape a
+    factorized split's ``A``, whose error ``W_p = W − BA`` absorbs). The top triplets come from the
     eigenpairs (the other side's vectors as ``Wᵀu/σ`` or ``Wv/σ``, accurate to ``eps·σ_max²/σ²``).
     None as well where the block is more than half of ``g`` (an SVD is cheaper then) or ``W`` is not finite.
 
@@ -114,16 +119,29 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float = GRAM_SEPARATI
     A = W if W.shape[0] <= W.shape[1] else W.mT  # (g, n), g <= n: A's left vectors are the Gram's eigenvectors
     lam, Q = torch.linalg.eigh(A @ A.mT)  # ascending
     top_lam = lam[-1]
-    if not bool(torch.isfinite(top_lam)) or not top_lam > 0 or not lam[block] >= separation * top_lam:
+    # A tall W's U is the other side, Wv/σ, whose error grows as eps·σ_max/σ: there the whole spectrum
+    # must be separated from rounding, not only the part above the block.
+    edge = lam[block] if A is W else lam[0]
+    if not bool(torch.isfinite(top_lam)) or not top_lam > 0 or not edge >= separation * top_lam:
         return None
     # W restricted to the bottom basis, as the tall (n, block) Aᵀ Q_b = X S Yᵀ (LAPACK is slower on wide input)
     X, S_bottom, Yh = torch.linalg.svd(A.mT @ Q[:, :block], full_matrices=False)
-    Y, Xh = Yh.mT, X.mT
-    S_top = lam[block:].flip(0).sqrt()
+    Y, Xh = Yh.mT, X.mT  # X (n, block): the other side's bottom vectors
     left = torch.cat([Q[:, block:].flip(1), Q[:, :block] @ Y], 1)  # (g, g), descending σ
-    right = torch.cat([(A.mT @ left[:, :g - block]) / S_top, Xh.mT], 1)  # (n, g)
-    S, order = torch.cat([S_top, S_bottom]).sort(descending=True, stable=True)  # ties at the block's edge
-    left, right = left[:, order], right[:, order]
+    right_top = A.mT @ left[:, :g - block]  # (n, g − block): the other side's top vectors, times σ
+    if A is not W:
+        # Tall W: these are U, which the switch compares and projects with. An eigenvector just above
+        # the block can lean into the block (a close eigenvalue across the edge) and tilt Wv toward
+        # the block's U (X): remove that, so U stays orthonormal, and read σ as the norm.
+        right_top = right_top - X @ (Xh @ right_top)
+        S_top = torch.linalg.vector_norm(right_top, dim=0)
+    else:
+        S_top = lam[block:].flip(0).sqrt()
+    right = torch.cat([right_top / S_top, X], 1)  # (n, g)
+    S = torch.cat([S_top, S_bottom])
+    if not bool(S_top[-1] >= S_bottom[0]):  # a near-tie at the block's edge swapped places
+        S, order = S.sort(descending=True, stable=True)
+        left, right = left[:, order], right[:, order]
     return SVD(left, S, right) if A is W else SVD(right, S, left)
 
 
