@@ -215,7 +215,7 @@ def test_gram_route_matches_a_float64_svd_on_known_spectra(shape):
         W64, U0, V0 = known_svd(*shape, S0, seed=30 + i)
         W = W64.float()
         # the route under test, not the fallback, except where a tall W's U (= Wv/σ) would lose accuracy
-        falls_back = shape[0] > shape[1] and float(S0[-1] / S0[0]) ** 2 < GRAM_SEPARATION
+        falls_back = shape[0] > shape[1] and float(S0[-1] / S0[0]) ** 2 < GRAM_SEPARATION * torch.finfo(torch.float32).eps
         assert (gram_triplets(W, block=2 * r + 8) is None) == falls_back, name
         U, S, V = svd_triplets(W, "gram", top=g - r)
         assert U.shape == (shape[0], g) and S.shape == (g,) and V.shape == (shape[1], g)
@@ -247,6 +247,12 @@ def test_gram_route_falls_back_to_the_svd_where_it_would_be_inexact():
     assert gram_triplets(torch.randn(32, 32, generator=g), block=24) is None  # most of g: the SVD is cheaper
     assert gram_triplets(torch.full((40, 40), float("nan")), block=8) is None
     assert gram_triplets(torch.zeros(40, 40), block=8) is None
+    # the trusted separation scales with the precision: a spectrum down to 1e-4 is refused in float32 only
+    W64, U0, _ = known_svd(64, 96, torch.logspace(0, -4, 64, dtype=torch.float64), seed=51)
+    assert gram_triplets(W64.float(), block=24) is None
+    U, S, V = gram_triplets(W64, block=24)
+    assert torch.allclose(S, torch.logspace(0, -4, 64, dtype=torch.float64), rtol=1e-9)
+    assert subspace_angle(U, U0, 56, torch.float64) < 1e-9
 
 
 @pytest.mark.parametrize("d", [40, 24])
