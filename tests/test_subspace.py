@@ -237,6 +237,25 @@ def test_gram_route_matches_a_float64_svd_on_known_spectra(shape):
                 assert got[2][key] == pytest.approx(want[2][key], rel=1e-3, abs=1e-4), (name, key)
 
 
+@pytest.mark.parametrize("shape", [(96, 96), (64, 160)])
+def test_gram_route_widens_its_block_over_tiny_singular_values(shape):
+    """30 singular values near rounding (below √(1e4·eps)·σ_max) and a minimal block of 24: the block grows
+    to hold them all, so the route is still taken, and every σ stays within the float32 SVD's error."""
+    g = min(shape)
+    S0 = torch.cat([torch.linspace(5, 1, g - 30, dtype=torch.float64), torch.logspace(-3, -4, 30, dtype=torch.float64)])
+    W64, U0, V0 = known_svd(*shape, S0, seed=45)
+    W = W64.float()
+    svd = gram_triplets(W, block=24)
+    assert svd is not None
+    U, S, V = svd
+    float32_svd = torch.linalg.svdvals(W).double()
+    assert (S.double() - S0).abs().max() <= 2 * (float32_svd - S0).abs().max() + 1e-6
+    assert subspace_angle(U.double(), U0, g - 30, torch.float64) < 1e-5  # the tiny subspace as a whole
+    assert torch.allclose(U.mT @ U, torch.eye(g), atol=1e-5) and torch.allclose((U * S) @ V.mT, W, atol=1e-5)
+    if shape[0] < shape[1]:  # its transpose is tall, whose U = Wv/σ would lose the tiny σ: the SVD instead
+        assert gram_triplets(W.mT.contiguous(), block=24) is None
+
+
 def test_gram_route_falls_back_to_the_svd_where_it_would_be_inexact():
     g = torch.Generator().manual_seed(50)
     rank_deficient = torch.randn(64, 20, generator=g) @ torch.randn(20, 64, generator=g)  # 44 zero σ: no separation

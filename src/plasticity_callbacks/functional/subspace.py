@@ -95,18 +95,20 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) 
     by a Rayleigh–Ritz step on ``W`` itself (the SVD of ``W`` restricted to that basis, a
     ``block × n`` problem), which gets ``σ`` to the accuracy of an SVD of ``W`` as long as the basis
     holds the bottom directions, i.e. as long as the eigenvalue just above the block is well separated
-    from rounding (``λ_{block+1} ≥ separation·λ_max``, else None; for a tall ``W``, whose ``U`` is
-    the other side, ``λ_min ≥ separation·λ_max``). Then a bottom vector's error from
+    from rounding (``λ_{block+1} ≥ separation·λ_max``: the block grows to every eigenvalue below that,
+    and None if it would pass ``g / 2``; for a tall ``W``, whose ``U`` is the other side,
+    ``λ_min ≥ separation·λ_max`` or None). Then a bottom vector's error from
     directions outside the block is at most ``σ_max / (σ_i + σ_j) ≤ 1 / (2√separation)`` (≈ 14 in float32) times
     the float32 SVD's own, and inside the block it is the SVD's. The other side's bottom vectors
     (``V`` of a square or wide ``W``) are accurate to about ``eps·σ_max/σ_i`` (they only shape a
     factorized split's ``A``, whose error ``W_p = W − BA`` absorbs). The top triplets come from the
     eigenpairs (the other side's vectors as ``Wᵀu/σ`` or ``Wv/σ``, accurate to ``eps·σ_max²/σ²``).
-    None as well where the block is more than half of ``g`` (an SVD is cheaper then) or ``W`` is not finite.
+    None as well where the block is more than half of ``g`` (an SVD is cheaper then) or ``W`` is not finite
+    or zero.
 
     Args:
         W: the ``(d_out, d_in)`` matrix, float32 or float64.
-        block: how many bottom triplets to recompute from ``W`` (the minor ones and a margin).
+        block: at least how many bottom triplets to recompute from ``W`` (the minor ones and a margin).
         separation: the smallest trusted ``λ_{block+1} / λ_max``; None: ``GRAM_SEPARATION·eps`` of ``W``'s dtype.
 
     Example:
@@ -121,10 +123,16 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) 
     A = W if W.shape[0] <= W.shape[1] else W.mT  # (g, n), g <= n: A's left vectors are the Gram's eigenvectors
     lam, Q = torch.linalg.eigh(A @ A.mT)  # ascending
     top_lam = lam[-1]
-    # A tall W's U is the other side, Wv/σ, whose error grows as eps·σ_max/σ: there the whole spectrum
-    # must be separated from rounding, not only the part above the block.
-    edge = lam[block] if A is W else lam[0]
-    if not bool(torch.isfinite(top_lam)) or not top_lam > 0 or not edge >= separation * top_lam:
+    if not bool(torch.isfinite(top_lam)) or not top_lam > 0:
+        return None
+    # The block grows past the eigenvalues too close to rounding (cheap: a block × n problem), so a
+    # square matrix with a few tiny σ still takes this route. A tall W's U is the other side, Wv/σ,
+    # whose error grows as eps·σ_max/σ: there the whole spectrum must be separated from rounding.
+    unresolved = int((lam < separation * top_lam).sum())
+    if A is not W and unresolved:
+        return None
+    block = max(block, unresolved)
+    if 2 * block > g:
         return None
     # W restricted to the bottom basis, as the tall (n, block) Aᵀ Q_b = X S Yᵀ (LAPACK is slower on wide input)
     X, S_bottom, Yh = torch.linalg.svd(A.mT @ Q[:, :block], full_matrices=False)
