@@ -354,9 +354,25 @@ def decide_mode(
     3. reconstruction error ≥ ``max_reconstruction_error`` → ``full``;
     4. otherwise keep ``mode``.
     Without a previous SVD the angle is unknown (NaN) and rule 2 cannot fire; without a gradient
-    both alignments are 0. ``exact``: ``svd`` is an SVD of ``W`` (method ``"gram"`` or ``"full"``), so the
-    reconstruction error is read from its spectrum. Returns ``(mode, r_next, diagnostics)``; ``r_next``
-    comes from :func:`next_rank`.
+    both alignments are 0.
+
+    Args:
+        W: the weight as its ``(d_out, ·)`` matrix; svd: its triplets (:func:`svd_triplets`).
+        U_prev, S_prev: the previous cycle's ``U`` and ``S`` (None on the first cycle).
+        grad: the step's ``∇W`` in the same orientation (None: alignments 0).
+        r: minor components of the current phase; mode: the current mode.
+        r_min: fewest minor components for :func:`next_rank`.
+        clobber_alignment, stable_angle, safe_minor_alignment, max_reconstruction_error: the rule's thresholds.
+        dtype: the working precision of the metrics.
+        exact: ``svd`` is an SVD of ``W`` (method ``"gram"`` or ``"full"``, not a sketch), so the
+            reconstruction error is read from its spectrum.
+
+    Returns:
+        ``(mode, r_next, diagnostics)``; ``r_next`` comes from :func:`next_rank`.
+
+    Example:
+        >>> svd = svd_triplets(W, top=W.shape[0] - 8)
+        >>> mode, r_next, diag = decide_mode(W, svd, None, None, W.grad, r=8, mode="full", exact=True)
     """
     if mode not in MODES:
         hint = f" ({mode!r} is now called {RENAMED[mode]!r})" if mode in RENAMED else ""
