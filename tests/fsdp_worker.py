@@ -111,6 +111,15 @@ def full(tensor):
     return tensor.full_tensor().detach().clone() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
 
 
+def whole(state):
+    """A callback's state with every tensor whole (FSDP2 keeps some sharded like their parameters)."""
+    if isinstance(state, dict):
+        return {k: whole(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [whole(v) for v in state]
+    return full(state) if torch.is_tensor(state) else state
+
+
 def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
     samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
@@ -161,7 +170,7 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
                  for p, state in trainer.optimizers[0].state.items()}
     result = {"params": params, "optimizer": optimizer,
               "metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
-              "callbacks": [c.state_dict() for c in callbacks if hasattr(c, "firing") or hasattr(c, "history")]}
+              "callbacks": [whole(c.state_dict()) for c in callbacks if hasattr(c, "firing") or hasattr(c, "history")]}
     if trainer.global_rank == 0 and devices > 1:
         torch.save(result, out / f"{spec['name']}.pt")
     return result

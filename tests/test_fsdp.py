@@ -23,6 +23,15 @@ DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"
                  "shrink_rate": 0.5, "min_factor": 0.1}
 SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
+L2_INIT = {"_target_": "plasticity_callbacks.L2Init", "strength": 0.5}
+# η = 0.5: the tortoise moves visibly in a few steps; reset at step 2 with the optimizer state dropped
+HARE_TORTOISE = {"_target_": "plasticity_callbacks.HareTortoise", "decay": 0.5, "schedule": {"steps": [2]},
+                 "reset_optimizer": True}
+# mature after one step, a fifth of the mature units replaced per step: units are replaced from step 2 on
+CBP = {"_target_": "plasticity_callbacks.ContinualBackprop", "replacement_rate": 0.2, "maturity_threshold": 1,
+       "seed": 7}
+# Resumed with FIRE below: the three methods' state goes through the checkpoint, acting on both sides of it.
+STATEFUL = [L2_INIT, dict(HARE_TORTOISE, schedule={"steps": [2, 5]}), CBP]
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -57,16 +66,30 @@ RUNS = [
     # WeightClip: elementwise on each rank's shard, GPT-2's Conv1D bounded by its stored rows (κ small: entries clip).
     {"name": "clip_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
      "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
+    # L2Init, HareTortoise and ContinualBackprop: their state is sharded like the weights (L2Init's θ₀, the
+    # tortoise) or whole on every rank (CBP's per-unit statistics). GPT-2's Conv1D (stored (in, out)): each rank
+    # holds some inputs of every unit of c_fc and some units' outgoing rows of c_proj.
+    {"name": "l2_mlp", "model": "mlp", "steps": 3, "callbacks": [L2_INIT]},
+    {"name": "l2_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [L2_INIT]},
+    {"name": "ht_mlp", "model": "mlp", "steps": 3, "callbacks": [HARE_TORTOISE]},
+    {"name": "ht_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [HARE_TORTOISE]},
+    {"name": "cbp_mlp", "model": "mlp", "steps": 4, "callbacks": [CBP]},
+    {"name": "cbp_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 4, "callbacks": [CBP]},
+    # The same three resumed from a full (one-file) checkpoint written at step 3 of the uninterrupted run.
+    {"name": "state_full_reference", "model": "mlp", "steps": 6, "epoch_steps": 3, "ckpt_every": 3,
+     "callbacks": STATEFUL},
+    {"name": "state_full_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3,
+     "resume": "state_full_reference_2/ckpt/epoch=0-step=3.ckpt", "callbacks": STATEFUL},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
-     "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+     "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
-     "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+     "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]},
 ]
 # Both ranks die right after the distributed checkpoint at step 3 (its own launch: the processes end there).
 CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "crash_at": 3, "ckpt_every": 3,
-           "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]}
+           "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]}
 
 
 @pytest.fixture(scope="module")
