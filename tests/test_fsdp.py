@@ -1,5 +1,6 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
-Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
+Perturb, FullReset, WeightClip, L2Init, HareTortoise and ContinualBackprop on sharded weights equal them on one
+process over the same global batches; a killed run resumes to the uninterrupted weights and callback state; every other
 strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
@@ -70,7 +71,8 @@ RUNS = [
     # tortoise) or whole on every rank (CBP's per-unit statistics). GPT-2's Conv1D (stored (in, out)): each rank
     # holds some inputs of every unit of c_fc and some units' outgoing rows of c_proj.
     {"name": "l2_mlp", "model": "mlp", "steps": 3, "callbacks": [L2_INIT]},
-    {"name": "l2_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [L2_INIT]},
+    {"name": "l2_gpt2", "model": "gpt2", "optimizer": "sgd", "lr": 0.1, "steps": 3,  # SGD: a strong pull to see
+     "callbacks": [dict(L2_INIT, strength=5.0)]},
     {"name": "ht_mlp", "model": "mlp", "steps": 3, "callbacks": [HARE_TORTOISE]},
     {"name": "ht_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [HARE_TORTOISE]},
     {"name": "cbp_mlp", "model": "mlp", "steps": 4, "callbacks": [CBP]},
@@ -148,6 +150,43 @@ def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
     assert_same_as_single(single, sharded, metrics=("weight_clip/clipped",))
 
 
+@pytest.mark.parametrize("name", ["l2_mlp", "l2_gpt2", "ht_mlp", "ht_gpt2", "cbp_mlp", "cbp_gpt2"])
+def test_stateful_methods_under_fsdp2_equal_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    untreated = run_single(out, dict(spec, name=f"{name}_untreated", callbacks=[]))
+    moved = max(float((sharded["params"][k] - untreated["params"][k]).abs().max()) for k in untreated["params"])
+    assert moved > 1e-4, "the method did not change the weights"  # ten times the float32 tolerance
+    state = sharded["callbacks"][0]
+    if name.startswith("l2"):  # pulled toward θ₀ (compared below with the single process's θ₀)
+        assert float(sharded["metrics"]["l2_init/distance"]) > 0
+    elif name.startswith("ht"):  # reset at step 2, the tortoise an average of the hare since
+        assert state["resets"] == 1 and float(sharded["metrics"]["hare_tortoise/distance"]) > 0
+    else:  # units replaced inside the run, on both ranks' shards
+        assert float(sharded["metrics"]["cbp/replaced"]) >= 4
+        assert any(bool((stats["age"] < 2).any()) for stats in state["stats"])
+    assert_same_as_single(single, sharded)
+    assert_close(single["callbacks"], sharded["callbacks"], "callbacks")  # θ₀ / tortoise / utilities, ages, means
+
+
+@pytest.mark.parametrize("kind", ["distributed", "full"])
+def test_stateful_methods_under_fsdp2_resume_to_the_uninterrupted_run(fsdp2_runs, kind):
+    """L2Init's θ₀ and the tortoise, sharded like the weights, written as the distributed checkpoint's shards
+    (a killed run) or gathered into one file; CBP's per-unit statistics whole on every rank."""
+    out, results = fsdp2_runs
+    reference, resumed = ((results["resume_reference"], results["resume_resumed"]) if kind == "distributed" else
+                          (results["state_full_reference"], results["state_full_resumed"]))
+    assert_close(reference["params"], resumed["params"], "params")
+    assert_close(reference["optimizer"], resumed["optimizer"], "optimizer")
+    # the methods' own state; the schedules' epoch bookkeeping (last_epoch) differs across an epoch-boundary resume
+    own = [[{k: v for k, v in state.items() if k != "schedule"} for state in run["callbacks"]]
+           for run in (reference, resumed)]
+    assert_close(*own, "callbacks")
+    tortoise = next(state for state in resumed["callbacks"] if "tortoise" in state)
+    assert tortoise["resets"] == 2  # step 2 before the checkpoint, step 5 after
+
+
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -177,11 +216,8 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
     for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
-                     WeightClip()):
+                     WeightClip(), ContinualBackprop(), L2Init(), HareTortoise()):
         accepted.check_strategy(trainer)
-    for callback in (ContinualBackprop(), L2Init(), HareTortoise()):
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH.*WeightClip do.*ddp"):
-            callback.check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
         AdaptiveSVDSwitch().check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):

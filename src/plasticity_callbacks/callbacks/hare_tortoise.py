@@ -80,6 +80,13 @@ class HareTortoise(PlasticityCallback):
         matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)
+        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "
+                       f"to it on {self.schedule.describe()}")
+
+    def _attach(self, trainer, pl_module) -> None:
+        """Pair the hare's parameters with the tortoise, placed like them (a no-op when it already is); again at
+        the first validation and at train start: FSDP2 restores a checkpoint after ``on_fit_start``."""
         chosen = matching_parameters(pl_module, self.selection, self.owner)
         if not self.tortoise:  # a restored checkpoint brings its tortoise
             self.names = [name for name, _ in chosen]
@@ -89,10 +96,9 @@ class HareTortoise(PlasticityCallback):
                              f"selects {len(chosen)}; use the same model and selection")
         self._hare = [p for _, p in chosen]
         self.tortoise = restore_like(trainer, self.tortoise, self._hare, "HareTortoise tortoise")
-        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "
-                       f"to it on {self.schedule.describe()}")
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)
         self._last_step = trainer.global_step
         super().on_train_start(trainer, pl_module)
 
@@ -117,6 +123,8 @@ class HareTortoise(PlasticityCallback):
             self._hare_saved = None
 
     def on_validation_start(self, trainer, pl_module) -> None:
+        if self._hare:  # in a fit
+            self._attach(trainer, pl_module)
         self._swap_in_tortoise()
 
     def on_validation_end(self, trainer, pl_module) -> None:

@@ -81,6 +81,15 @@ class L2Init(PlasticityCallback):
         require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: θ₀ is sharded like its parameter
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)
+        rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)  # FSDP2 restores a checkpoint after on_fit_start
+        super().on_train_start(trainer, pl_module)
+
+    def _attach(self, trainer, pl_module) -> None:
+        """Pair the selected parameters with their anchors, placed like them (a no-op when they already are)."""
         chosen = self.chosen(pl_module)
         if not self.anchors:  # a restored checkpoint keeps the θ₀ of the first fit
             self.names = [name for name, _ in chosen]
@@ -91,7 +100,6 @@ class L2Init(PlasticityCallback):
                              "selection")
         self._params = [p for _, p in chosen]
         self.anchors = restore_like(trainer, self.anchors, self._params, "L2Init anchors")
-        rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
