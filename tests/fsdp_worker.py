@@ -6,7 +6,7 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
-A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
+A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "hidden" (mlp),
 "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
 "distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter name, logged
 metrics and the callbacks' state.
@@ -124,7 +124,8 @@ def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
     samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
     if model == "mlp":
-        return ShardedMLP(lr=lr), loader(tiny.regression_loader(n=samples).dataset, batch, devices)
+        return (ShardedMLP(lr=lr, hidden=spec.get("hidden", 16)),
+                loader(tiny.regression_loader(n=samples).dataset, batch, devices))
     if model == "gpt":
         from plasticity_callbacks.models import GPTLightningModule
 

@@ -77,6 +77,11 @@ RUNS = [
     {"name": "ht_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [HARE_TORTOISE]},
     {"name": "cbp_mlp", "model": "mlp", "steps": 4, "callbacks": [CBP]},
     {"name": "cbp_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 4, "callbacks": [CBP]},
+    # 13 hidden units: rank 0 holds 7 rows, rank 1 six. The package GPT's relu² MLP (lr = 0: only CBP moves it).
+    {"name": "cbp_mlp_uneven", "model": "mlp", "hidden": 13, "steps": 4, "callbacks": [CBP]},
+    {"name": "cbp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [CBP]},
+    # Phi-3's fused gate_up_proj: a unit is a row in each half, the halves on different ranks.
+    {"name": "cbp_phi3", "model": "phi3", "optimizer": "sgd", "steps": 3, "callbacks": [CBP]},
     # The same three resumed from a full (one-file) checkpoint written at step 3 of the uninterrupted run.
     {"name": "state_full_reference", "model": "mlp", "steps": 6, "epoch_steps": 3, "ckpt_every": 3,
      "callbacks": STATEFUL},
@@ -150,7 +155,8 @@ def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
     assert_same_as_single(single, sharded, metrics=("weight_clip/clipped",))
 
 
-@pytest.mark.parametrize("name", ["l2_mlp", "l2_gpt2", "ht_mlp", "ht_gpt2", "cbp_mlp", "cbp_gpt2"])
+@pytest.mark.parametrize("name", ["l2_mlp", "l2_gpt2", "ht_mlp", "ht_gpt2", "cbp_mlp", "cbp_gpt2", "cbp_mlp_uneven",
+                                  "cbp_gpt", "cbp_phi3"])
 def test_stateful_methods_under_fsdp2_equal_one_process(fsdp2_runs, name):
     out, results = fsdp2_runs
     spec = next(r for r in RUNS if r["name"] == name)
