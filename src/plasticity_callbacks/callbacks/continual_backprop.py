@@ -332,10 +332,12 @@ def _retire_outgoing_(layer: HiddenUnits, units: torch.Tensor, unit_mean: torch.
     the shards. HF ``Conv1D`` (stored ``(reads, out)``) holds some reads of every output: each rank's part of
     the bias change is summed over the ranks (one all-reduce), then each zeroes the reads it holds."""
     down, bias = layer.down, getattr(layer.down, "bias", None)
-    if not is_dtensor(down.weight) or not is_conv1d(down):
-        local_bias = None if bias is None else local_part(bias)[0]
-        cbp.retire_outgoing_(_rows(down) if not is_dtensor(down.weight) else local_part(down.weight)[0], local_bias,
-                             units, unit_mean, layer.down_offset, layer.group)
+    if not is_dtensor(down.weight):
+        cbp.retire_outgoing_(_rows(down), bias, units, unit_mean, layer.down_offset, layer.group)
+        return
+    if not is_conv1d(down):  # whole output rows and their bias entries on each rank
+        cbp.retire_outgoing_(local_part(down.weight)[0], None if bias is None else local_part(bias)[0], units,
+                             unit_mean, layer.down_offset, layer.group)
         return
     if units.numel() == 0:
         return

@@ -36,6 +36,7 @@ from .distributed import is_dtensor, write_full_
 
 def writes_distributed_checkpoint(trainer) -> bool:
     """Whether the strategy writes a distributed checkpoint (a folder of shards) rather than one file."""
+    # ModelParallelStrategy(save_distributed_checkpoint=...) keeps the choice only as this private attribute
     return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
 
 
@@ -110,8 +111,8 @@ def _load_from_distributed_checkpoint(trainer, templates: dict[str, torch.Tensor
     path = getattr(trainer, "ckpt_path", None)
     if path is None or not Path(path).is_dir() or not all(is_dtensor(t) for t in templates.values()):
         raise ValueError(f"{what}: the checkpoint keeps them in its distributed checkpoint folder (FSDP2 shards); "
-                         f"resume it with ModelParallelStrategy and ckpt_path=<that folder> (got {path!r}), or "
-                         "consolidate it with the same strategy and save_distributed_checkpoint=False")
+                         f"resume it with ModelParallelStrategy and ckpt_path=<that folder> (got {path!r}); for a "
+                         "one-file checkpoint, resume there and save with save_distributed_checkpoint=False")
     from torch.distributed.checkpoint import load
 
     load({"state_dict": templates}, checkpoint_id=path)  # each rank reads the rows of its own shards
