@@ -43,8 +43,9 @@ class ContinualBackprop(PlasticityCallback):
     A channel flattened into a Linear scores ``mean|w_out| · E|h - f̂|`` over its positions (the reference's
     CNN code averages the per-position products).
 
-    **DDP**: the batch statistics are averaged over ranks before each update and the new rows come from a
-    generator seeded from ``(seed, global_step)``, so every rank replaces the same units identically.
+    **DDP**: the batch statistics are averaged over ranks before each update (the batch mean already in the
+    forward, as ``E|h - f̂|`` needs the global batch's ``f̂``) and the new rows come from a generator seeded from
+    ``(seed, global_step)``, so every rank replaces the same units identically, those of one process.
     **FSDP2** (``DTensor`` weights sharded by rows): the same, with the weight magnitudes summed over each
     rank's shard and then over the ranks; every rank draws all the new rows and writes those its shards hold,
     and zeroes the outgoing weights it holds. The per-unit statistics are small vectors, the same on every
