@@ -12,7 +12,7 @@ from ..core.model_map import Selection
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.parameter_patterns import matching_parameters, name_selection
 from ..core.schedule import Schedule
-from ..core.sharded_state import restore_like, squared_distance, state_copy
+from ..core.sharded_state import reshard, restore_like, squared_distance, state_copy
 from ..functional.anchors import ema_toward_
 from .base import PlasticityCallback
 
@@ -109,15 +109,17 @@ class HareTortoise(PlasticityCallback):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @torch.no_grad()
-    def _swap_in_tortoise(self) -> None:
+    def _swap_in_tortoise(self, pl_module) -> None:
         if self.evaluate_tortoise and self._hare and self._hare_saved is None:
+            reshard(pl_module)  # FSDP2: a unit gathered by an earlier evaluation would not see the write
             self._hare_saved = [h.detach().clone() for h in self._hare]
             for hare, tortoise in zip(self._hare, self.tortoise):
                 hare.copy_(tortoise)
 
     @torch.no_grad()
-    def _swap_back_hare(self) -> None:
+    def _swap_back_hare(self, pl_module) -> None:
         if self._hare_saved is not None:
+            reshard(pl_module)  # FSDP2: the evaluation left the root unit gathered with the tortoise's weights
             for hare, saved in zip(self._hare, self._hare_saved):
                 hare.copy_(saved)
             self._hare_saved = None
@@ -125,19 +127,20 @@ class HareTortoise(PlasticityCallback):
     def on_validation_start(self, trainer, pl_module) -> None:
         if self._hare:  # in a fit
             self._attach(trainer, pl_module)
-        self._swap_in_tortoise()
+        self._swap_in_tortoise(pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._swap_back_hare()  # before a plateau trigger may reset the hare
+        self._swap_back_hare(pl_module)  # before a plateau trigger may reset the hare
         super().on_validation_end(trainer, pl_module)
 
     def on_test_start(self, trainer, pl_module) -> None:
-        self._swap_in_tortoise()
+        self._swap_in_tortoise(pl_module)
 
     def on_test_end(self, trainer, pl_module) -> None:
-        self._swap_back_hare()
+        self._swap_back_hare(pl_module)
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
+        reshard(pl_module)  # FSDP2: a validation since the last step leaves the root unit gathered
         with torch.no_grad():
             distance = squared_distance(self._hare, self.tortoise).sqrt()
             for hare, tortoise in zip(self._hare, self.tortoise):

@@ -138,3 +138,20 @@ def squared_distance(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> 
         dist.all_reduce(part, group=sharded[0][0].device_mesh.get_group())
         total = total + part
     return total
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Put every FSDP2 unit of ``module`` back on its shards (a no-op for other modules and for units already
+    sharded). FSDP2 keeps a root unit's parameters gathered after a forward that no backward follows (an
+    evaluation), and the next forward computes with that gathered copy: a write to the shards in between is
+    not seen unless the unit is resharded first.
+
+    Example:
+        >>> reshard(pl_module)   # before writing weights at a validation end
+        >>> layer.weight.to_local().copy_(new_rows)
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
