@@ -30,7 +30,8 @@ from .callback_checks import check_callbacks
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
 from .methods import task_stream_callbacks
-from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics, resolve_method
+from .pipeline import Pipeline, instantiate_callbacks, resolve_method
+from .resumed_logs import LogPosition, restore_logs
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
     if cfg.get("method_at_task_boundaries"):
         callbacks += instantiate_callbacks(task_stream_callbacks(resolve_method(cfg)))
-    return callbacks + [instantiate(cfg.checkpoint)]
+    return callbacks + [LogPosition(), instantiate(cfg.checkpoint)]
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
@@ -73,20 +74,17 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         check_data_fits_model(datamodule, module.config)
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
     callbacks = [guard, *build_callbacks(cfg)]
-    if ckpt_path is not None:  # refuse before the logger empties the run's metrics file
-        guard.check(read_checkpoint(ckpt_path, mmap=True), callbacks, module, ckpt_path)
+    resumed_from = read_checkpoint(ckpt_path, mmap=True) if ckpt_path is not None else None
+    if resumed_from is not None:  # refuse before anything touches the run's logs
+        guard.check(resumed_from, callbacks, module, ckpt_path)
     logger = instantiate(cfg.logger)
+    if resumed_from is not None:  # the rows logged up to the checkpoint, once (resumed_logs.py)
+        restore_logs(logger, resumed_from)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
     started = time.perf_counter()
     if cfg.validate_before_fit and ckpt_path is None:
         guard.carried["val_loss_before"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
-    # Resuming in the same run directory: CSVLogger deletes the metrics file it reopens, so keep the
-    # rows logged before the interruption and put them back in front of the resumed run's rows.
-    earlier_rows = read_metrics(logger) if ckpt_path is not None else []
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if earlier_rows:
-        resumed_at = min((int(r["step"]) for r in read_metrics(logger)), default=trainer.global_step)
-        prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at])
     metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
     summary = {
         "parameters": sum(p.numel() for p in module.parameters()),
