@@ -1,10 +1,14 @@
 """A resumed run's logs hold every row of the uninterrupted run's, once: CSV rows and TensorBoard scalars.
 
-Each run is stopped by SIGTERM (``fault_injection.SignalAt``) and resumed in the same run directory:
-- right after the validation and checkpoint of step 3, where ReDo also recycled at the end of step 3
-  (its row, at step 3, was written before the checkpoint and is not logged again on resume),
-- then, resumed, at step 4, where no validation follows (the checkpoint is written at the end of the
-  batch, before Lightning logs the step's training row), then resumed to the end.
+Each run is interrupted three times and resumed in the same run directory each time:
+- SIGTERM (``fault_injection.SignalAt``) right after the validation and checkpoint of step 3, where ReDo
+  also recycled at the end of step 3 (its row, at step 3, was written before the checkpoint and is not
+  logged again on resume),
+- SIGTERM at step 4, where no validation follows (the checkpoint is written at the end of the batch,
+  before Lightning logs the step's training row),
+- a crash when step 5 starts (``fault_injection.CrashAt``): step 4's rows were written after the last
+  checkpoint, and the resumed run logs them again,
+then finished. A second interruption must not lose what the first resume restored.
 The single fit (``plasticity-train``'s ``fit``) and a pipeline phase go through the same rule
 (``app/resumed_logs.py``).
 """
@@ -20,6 +24,8 @@ from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.resumed_logs import kept, rewrite_events
 from plasticity_callbacks.app.train import config_dir, fit
 from plasticity_callbacks.core.checkpoints import RunInterrupted
+
+from fault_injection import Crash
 
 # ReDo recycles every 3 steps (an event row, written at the end of the batch); its dormant fractions are not
 # logged (log_every_n_steps=100): Lightning repeats a callback's on_step value in every later row of the epoch,
@@ -39,32 +45,35 @@ def compose_run(run_dir: Path, overrides: list[str]):
         return compose("config", overrides=[*overrides, f"paths.output_dir={run_dir}"])
 
 
-def run_single_fit(run_dir: Path, overrides: list[str], stop_at: int | None = None, resume: bool = False) -> None:
-    extra = ["ckpt_path=last", "resume_allow_changes=[callbacks.stop]"] if resume else []
-    if stop_at is not None:
-        extra.append(f"+callbacks.stop={{_target_: fault_injection.SignalAt, step: {stop_at}}}")
-    start(lambda: fit(compose_run(run_dir, [*overrides, *extra])), stop_at)
+def stop_at(step: int) -> str:
+    return f"{{_target_: fault_injection.SignalAt, step: {step}}}"
 
 
-def run_phase(run_dir: Path, overrides: list[str], stop_at: int | None = None, resume: bool = False) -> None:
-    extra = ["pipeline.resume=true", "resume_allow_changes=[phases.pretrain.callbacks.stop]"] if resume else []
-    if stop_at is not None:
-        extra.append(f"+phases.pretrain.callbacks.stop={{_target_: fault_injection.SignalAt, step: {stop_at}}}")
-    start(lambda: Pipeline(compose_run(run_dir, [*overrides, *extra])).run(), stop_at)
+def crash_at(step: int) -> str:
+    return f"{{_target_: fault_injection.CrashAt, step: {step}}}"
 
 
-def start(run, stop_at: int | None) -> None:
-    if stop_at is None:
-        run()
-        return
-    with pytest.raises(RunInterrupted) as stopped:
-        run()
-    assert stopped.value.step == stop_at
+def run_single_fit(run_dir: Path, overrides: list[str], fault: str | None = None, resume: bool = False) -> None:
+    extra = ["ckpt_path=last", "resume_allow_changes=[callbacks.fault]"] if resume else []
+    extra += [f"+callbacks.fault={fault}"] if fault else []
+    fit(compose_run(run_dir, [*overrides, *extra]))
 
 
-def interrupted_twice(run, run_dir: Path, overrides: list[str]) -> None:
-    run(run_dir, overrides, stop_at=3)
-    run(run_dir, overrides, stop_at=4, resume=True)
+def run_phase(run_dir: Path, overrides: list[str], fault: str | None = None, resume: bool = False) -> None:
+    extra = ["pipeline.resume=true", "resume_allow_changes=[phases.pretrain.callbacks.fault]"] if resume else []
+    extra += [f"+phases.pretrain.callbacks.fault={fault}"] if fault else []
+    Pipeline(compose_run(run_dir, [*overrides, *extra])).run()
+
+
+def interrupted_three_times(run, run_dir: Path, overrides: list[str]) -> None:
+    """Stopped by SIGTERM at step 3 (after its validation and ReDo's action) and at step 4 (no validation
+    follows), then crashed when step 5 starts (step 4's row written after its checkpoint), then finished."""
+    with pytest.raises(RunInterrupted):
+        run(run_dir, overrides, stop_at(3))
+    with pytest.raises(RunInterrupted):
+        run(run_dir, overrides, stop_at(4), resume=True)
+    with pytest.raises(Crash):
+        run(run_dir, overrides, crash_at(5), resume=True)
     run(run_dir, overrides, resume=True)
 
 
@@ -84,26 +93,27 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 @pytest.mark.parametrize("logger", ["csv", "tensorboard"])
-def test_a_single_fit_stopped_twice_and_resumed_logs_every_row_of_the_uninterrupted_fit_once(tmp_path, logger):
+def test_a_single_fit_interrupted_three_times_logs_every_row_of_the_uninterrupted_fit_once(tmp_path, logger):
     overrides = [*SINGLE_FIT, f"logger={logger}"]
     run_single_fit(tmp_path / "reference", overrides)
-    interrupted_twice(run_single_fit, tmp_path / "run", overrides)
+    interrupted_three_times(run_single_fit, tmp_path / "run", overrides)
     if logger == "csv":
         reference = csv_rows(tmp_path / "reference" / "logs")
-        assert {"redo/recycled", "val/loss"} <= {k for row in reference if row["step"] == "3" for k in row} | {
-            k for row in reference if row["step"] == "2" for k in row}  # an action and a validation at the stops
+        # what the first stop puts at its checkpoint: the validation after step 3 (logged at step 2), the action
+        assert [row["step"] for row in reference if "val/loss" in row] == ["2", "5"]
+        assert [row["step"] for row in reference if "redo/recycled" in row] == ["3", "6"]
         assert csv_rows(tmp_path / "run" / "logs") == reference
     else:
         reference = scalars(tmp_path / "reference" / "tensorboard")
         assert [step for step, _ in reference["redo/recycled"]] == [3, 6]
         resumed = scalars(tmp_path / "run" / "tensorboard")
-        assert len(list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 3  # one per fit
+        assert len(list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 4  # one per fit
         assert resumed == reference
 
 
-def test_a_pipeline_phase_stopped_twice_and_resumed_logs_every_row_of_the_uninterrupted_phase_once(tmp_path):
+def test_a_pipeline_phase_interrupted_three_times_logs_every_row_of_the_uninterrupted_phase_once(tmp_path):
     run_phase(tmp_path / "reference", PHASE)
-    interrupted_twice(run_phase, tmp_path / "run", PHASE)
+    interrupted_three_times(run_phase, tmp_path / "run", PHASE)
     reference = csv_rows(tmp_path / "reference" / "logs" / "pretrain")
     assert [row["step"] for row in reference if "val/loss" in row] == ["0", "2", "5", "6"]  # before, 3, 6, after
     assert [row["step"] for row in reference if "redo/recycled" in row] == ["3", "6"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,9 @@ def restore_logs(logger, checkpoint: dict[str, Any]) -> None:
     rows = read_csv_rows(folder / METRICS_FILE)
     rows = [row for index, row in enumerate(rows)
             if kept(index < position.get(METRICS_FILE, 0), int(row["step"]), resumed_at)]
-    logger.experiment  # noqa: B018 (creating the writer now: Lightning's CSVLogger deletes the old file here)
+    with warnings.catch_warnings():  # its warning that the old rows "will be deleted": they are logged again below
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        logger.experiment  # noqa: B018 (creating the writer now: Lightning's CSVLogger deletes the old file here)
     for row in rows:
         logger.log_metrics({name: number(value) for name, value in row.items() if value and name != "step"},
                            step=int(row["step"]))
