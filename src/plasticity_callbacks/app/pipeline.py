@@ -301,9 +301,14 @@ class Pipeline:
                 verify_file(self.final_checkpoint(phase))
                 continue
             last = self.checkpoint_dir(phase) / "last.ckpt"
-            if last.is_file():  # the interrupted phase
+            if last.is_file():  # the interrupted phase: also its model's shapes and its callbacks
                 guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
-                guard.check_origin(read_checkpoint(last, mmap=True), str(last))
+                interrupted = read_checkpoint(last, mmap=True)
+                module = module_on_meta(lambda: self.build_module(phase))
+                if module is None:
+                    guard.check_origin(interrupted, str(last))
+                else:
+                    guard.check(interrupted, [guard, *instantiate_callbacks(phase.callbacks)], module, str(last))
             return
 
     def checkpoint_dir(self, phase: Phase) -> Path:
@@ -425,6 +430,16 @@ class Pipeline:
             "metrics": metrics, "log_dir": logger.log_dir if hasattr(logger, "log_dir") else None,
             "checkpoint": str(self.final_checkpoint(phase)),
         }
+
+
+def module_on_meta(build) -> L.LightningModule | None:
+    """``build()``'s module with its tensors on the meta device (shapes without memory or initialization, for
+    the checks before a resume starts), or None when it cannot be built there (the run checks it again)."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:
+        return None
 
 
 def merged(results: list[dict[str, float]]) -> dict[str, float]:

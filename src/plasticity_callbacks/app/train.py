@@ -30,7 +30,7 @@ from .callback_checks import check_callbacks
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
 from .methods import task_stream_callbacks
-from .pipeline import Pipeline, instantiate_callbacks, resolve_method
+from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
 from .resumed_logs import LogPosition, restore_logs
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,8 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
     """Raise the refusal a resume would meet (ResumeError, CheckpointError) before Hydra creates the run
     directory or writes ``.hydra/`` and ``train.log`` into it: a missing run or checkpoint, a changed
     configuration, a checkpoint that is damaged, needs arbitrary code to load, or belongs to another
-    phase or run, a directory in use. Anything else (a bad value) is left to the run's own checks.
+    phase or run, a model whose shapes differ from the checkpoint's or a callback whose state it holds
+    missing (changes the configuration allowed), a directory in use. Anything else (a bad value) is left to the run's own checks.
 
     Args:
         argv: the command line after the program name.
@@ -208,7 +209,11 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
         elif cfg.get("ckpt_path") is not None:
             path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)
             guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
-            guard.check_origin(read_checkpoint(path, mmap=True), path)
+            checkpoint = read_checkpoint(path, mmap=True)
+            guard.check_origin(checkpoint, path)
+            module = module_on_meta(lambda: build_module(cfg))
+            if module is not None:  # a changed model or a removed callback (allowed changes of the configuration)
+                guard.check(checkpoint, [guard, *build_callbacks(cfg)], module, path)
         if run_dir.is_dir():
             RunLock(run_dir).acquire().release()
     except (ResumeError, CheckpointError):
