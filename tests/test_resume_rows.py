@@ -120,6 +120,17 @@ def test_a_pipeline_phase_interrupted_three_times_logs_every_row_of_the_uninterr
     assert csv_rows(tmp_path / "run" / "logs" / "pretrain") == reference
 
 
+def test_a_phase_crashed_before_its_first_checkpoint_starts_its_tensorboard_log_afresh(tmp_path):
+    overrides = [*PHASE, "logger=tensorboard"]
+    run_phase(tmp_path / "reference", overrides)
+    with pytest.raises(Crash):
+        run_phase(tmp_path / "run", overrides, crash_at(2))  # steps 0 and 1 logged, no checkpoint yet
+    run_phase(tmp_path / "run", overrides, resume=True)  # the phase runs again from its start
+    reference = scalars(tmp_path / "reference" / "tensorboard" / "pretrain")
+    assert [step for step, _ in reference["train/loss"]] == list(range(6))
+    assert scalars(tmp_path / "run" / "tensorboard" / "pretrain") == reference
+
+
 def test_the_rule_keeps_what_the_checkpoint_saw_and_every_earlier_step():
     # resumed at step 4: an action row at 4 written before the checkpoint stays; the training row of
     # step 3 written after a checkpoint at the end of its batch stays; a row at 4 written after it goes

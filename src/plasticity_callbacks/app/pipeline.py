@@ -308,7 +308,9 @@ class Pipeline:
                 if module is None:
                     guard.check_origin(interrupted, str(last))
                 else:
-                    guard.check(interrupted, [guard, *instantiate_callbacks(phase.callbacks)], module, str(last))
+                    callbacks = [guard, *instantiate_callbacks(phase.callbacks),
+                                 instantiate(self.cfg.checkpoint, dirpath=str(self.checkpoint_dir(phase)))]
+                    guard.check(interrupted, callbacks, module, str(last))
             return
 
     def checkpoint_dir(self, phase: Phase) -> Path:
@@ -401,8 +403,7 @@ class Pipeline:
         if interrupted is not None:
             guard.check(interrupted, callbacks, module, str(resume_from))
         logger = instantiate(cfg.logger, version=phase.name)
-        if interrupted is not None:  # the rows logged up to the checkpoint, once (resumed_logs.py)
-            restore_logs(logger, interrupted)
+        restore_logs(logger, interrupted)  # the rows logged up to the checkpoint, once (resumed_logs.py)
         quiet = {"enable_model_summary": False} if phase.index > 0 else {}  # the same model: summarized once
         trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, logger=logger, callbacks=callbacks,
                                          plugins=[VerifiedCheckpointIO()], **quiet)

@@ -82,19 +82,23 @@ def log_folder(logger) -> Path | None:
     return Path(logger.log_dir)
 
 
-def restore_logs(logger, checkpoint: dict[str, Any]) -> None:
+def restore_logs(logger, checkpoint: dict[str, Any] | None) -> None:
     """Before a fit resumed from ``checkpoint``: keep in ``logger``'s folder what the rule keeps (see the module).
+    Before a fit that starts afresh (``checkpoint=None``: a phase run again, or killed before its first
+    checkpoint): keep nothing of the earlier attempt's logs there.
 
-    Call it before ``trainer.fit``; it creates the CSV logger's file (Lightning empties it then) and logs
-    the kept rows into it again. Other loggers are left alone.
+    Call it before ``trainer.fit`` and before the logger writes anything; it creates the CSV logger's file
+    (Lightning empties it then) and logs the kept rows into it again, and rewrites TensorBoard's event
+    files. Other loggers (W&B, MLflow) are left alone.
 
     Args:
         logger: the resumed fit's logger (the same folder as the interrupted fit's).
-        checkpoint: the checkpoint it resumes from (``read_checkpoint(path, mmap=True)`` is enough).
+        checkpoint: the checkpoint it resumes from (``read_checkpoint(path, mmap=True)`` is enough), or None.
     """
     folder = log_folder(logger)
     if folder is None or rank_zero_only.rank != 0:
         return
+    checkpoint = {"global_step": 0, POSITION_KEY: {}} if checkpoint is None else checkpoint
     resumed_at = int(checkpoint["global_step"])
     position = checkpoint.get(POSITION_KEY)
     if position is None:
@@ -105,15 +109,14 @@ def restore_logs(logger, checkpoint: dict[str, Any]) -> None:
         for path in sorted(folder.glob(EVENT_FILES)):
             rewrite_events(path, position.get(path.name, 0), resumed_at)
         return
-    rows = read_csv_rows(folder / METRICS_FILE)
-    rows = [row for index, row in enumerate(rows)
-            if kept(index < position.get(METRICS_FILE, 0), int(row["step"]), resumed_at)]
+    rows = [row for index, row in enumerate(read_csv_rows(folder / METRICS_FILE))
+            if row.get("step") and kept(index < position.get(METRICS_FILE, 0), int(row["step"]), resumed_at)]
     with warnings.catch_warnings():  # its warning that the old rows "will be deleted": they are logged again below
         warnings.filterwarnings("ignore", message="Experiment logs directory")
         logger.experiment  # noqa: B018 (creating the writer now: Lightning's CSVLogger deletes the old file here)
-    for row in rows:
-        logger.log_metrics({name: number(value) for name, value in row.items() if value and name != "step"},
-                           step=int(row["step"]))
+    for row in rows:  # through the writer: the names are written already (with the logger's prefix, if any)
+        logger.experiment.log_metrics({name: number(value) for name, value in row.items() if value and name != "step"},
+                                      step=int(row["step"]))
     logger.save()
 
 
@@ -121,7 +124,7 @@ def read_csv_rows(path: Path) -> list[dict[str, str]]:
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        return [row for row in csv.DictReader(f) if row.get("step")]
+        return list(csv.DictReader(f))
 
 
 def number(text: str) -> int | float:

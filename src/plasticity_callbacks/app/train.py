@@ -78,8 +78,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     if resumed_from is not None:  # refuse before anything touches the run's logs
         guard.check(resumed_from, callbacks, module, ckpt_path)
     logger = instantiate(cfg.logger)
-    if resumed_from is not None:  # the rows logged up to the checkpoint, once (resumed_logs.py)
-        restore_logs(logger, resumed_from)
+    restore_logs(logger, resumed_from)  # the rows logged up to the checkpoint, once (resumed_logs.py)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
     started = time.perf_counter()
     if cfg.validate_before_fit and ckpt_path is None:
