@@ -118,7 +118,7 @@ def run(spec: dict) -> None:
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", every_n_train_steps=spec["ckpt_every"],
                                  save_top_k=-1, save_last=True)
     logger, last = project_logger(out), out / "checkpoints" / "last.ckpt"
-    if spec.get("resume") and last.is_file():  # the rows up to the checkpoint, once (what plasticity-train does)
+    if spec.get("resume") and last.is_file():  # the rows up to the checkpoint, once, as plasticity-train keeps them
         restore_logs(logger, torch.load(last, weights_only=True, mmap=True))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=spec["steps"], callbacks=[*callbacks, LogPosition(), checkpoint],

@@ -178,7 +178,8 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
     directory or writes ``.hydra/`` and ``train.log`` into it: a missing run or checkpoint, a changed
     configuration, a checkpoint that is damaged, needs arbitrary code to load, or belongs to another
     phase or run, a model whose shapes differ from the checkpoint's or a callback whose state it holds
-    missing (changes the configuration allowed), a directory in use. Anything else (a bad value) is left to the run's own checks.
+    missing (configuration changes allowed), a directory in use. Anything else (a bad value) is left to
+    the run's own checks.
 
     Args:
         argv: the command line after the program name.
