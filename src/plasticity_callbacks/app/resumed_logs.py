@@ -46,15 +46,16 @@ def kept(written_before_checkpoint: bool, step: int, resumed_at: int) -> bool:
 class LogPosition(L.Callback):
     """Records in every checkpoint how many rows ``metrics.csv`` held and how many bytes each TensorBoard
     event file held (after flushing both), under ``checkpoint["log_position"]``; :func:`restore_logs`
-    reads it on resume. Rank zero writes the logs, so rank zero records them.
+    reads it on resume. Rank zero writes the logs and measures them; every rank puts the same record in
+    its checkpoint (a sharded checkpoint is written by all of them).
 
     Example:
         >>> trainer = L.Trainer(callbacks=[LogPosition(), ModelCheckpoint(...)], logger=CSVLogger("runs"))
     """
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if trainer.is_global_zero:
-            checkpoint[POSITION_KEY] = log_position(trainer.loggers)
+        position = log_position(trainer.loggers) if trainer.is_global_zero else None
+        checkpoint[POSITION_KEY] = trainer.strategy.broadcast(position, src=0)
 
 
 def log_position(loggers) -> dict[str, int]:
