@@ -21,7 +21,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.pipeline import Pipeline
-from plasticity_callbacks.app.resumed_logs import kept, rewrite_events
+from plasticity_callbacks.app.resumed_logs import kept, restore_logs, rewrite_events
 from plasticity_callbacks.app.train import config_dir, fit
 from plasticity_callbacks.core.checkpoints import RunInterrupted
 
@@ -154,3 +154,15 @@ def test_an_event_file_keeps_the_events_before_its_checkpoint_position_and_below
     writer.close()
     rewrite_events(path, position, 3)
     assert scalars(tmp_path) == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (2, 2.5)], "action": [(3, 1.0)]}
+
+
+def test_a_checkpoint_without_a_log_position_keeps_the_earlier_steps_and_says_what_may_be_missing(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    first = CSVLogger(tmp_path, name="run", version="")
+    for step in range(4):
+        first.log_metrics({"loss": step / 3, "epoch": 0}, step=step)
+    first.save()
+    with pytest.warns(UserWarning, match="records no log position.*step 2"):
+        restore_logs(CSVLogger(tmp_path, name="run", version=""), {"global_step": 2})
+    assert csv_rows(tmp_path / "run") == [{"epoch": "0", "loss": str(step / 3), "step": str(step)} for step in (0, 1)]
