@@ -332,7 +332,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if self.initial_rank is not None:
             lo, hi = rank_bounds(g, self.r_min)
             return max(lo, min(self.initial_rank, hi))
-        S = torch.linalg.svdvals(W.to(self.svd.torch_dtype))
+        W = W.to(self.svd.torch_dtype)
+        S = torch.linalg.svdvals(W.mT if W.shape[0] < W.shape[1] else W)  # LAPACK is slower on wide input
         return next_rank(S, None, g // 2, self.r_min)[0]  # the initial r from the spectral structure
 
     def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:
