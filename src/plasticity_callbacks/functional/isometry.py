@@ -25,7 +25,6 @@ from .spectral import (
     estimated_deviation_from_isometry,
     orthogonalize,
     singular_values,
-    squared_frobenius_error,
 )
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
@@ -145,10 +144,11 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
     if param.is_cuda:
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()
-    if not bool(torch.isfinite(param).all()):
+    peak = float(torch.linalg.vector_norm(param, ord=math.inf))  # one pass: NaN/Inf and all-zero alike
+    if not math.isfinite(peak):
         return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
     matrices = as_matrices(param, groups)  # a view: writing into it writes the parameter
-    if not bool(matrices.any()):
+    if peak == 0.0:
         return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
     s = target_scale(param, options.scale, groups)
     record.scale = s
@@ -164,7 +164,10 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
         record.spectrum_before = (info.singular_values.flip(-1).float().cpu() if exact
                                   else singular_values(matrices).cpu())
     polar.mul_(s)
-    record.sfe = float(squared_frobenius_error(matrices, polar))
+    # W and sW̃ of one magnitude: their difference in float32 (or float64) is exact to its rounding (Sterbenz
+    # where they are close), so only the sum of squares needs float64.
+    wide = torch.float64 if matrices.dtype == torch.float64 else torch.float32
+    record.sfe = float(torch.linalg.vector_norm(matrices.to(wide) - polar.to(wide), dtype=torch.float64)) ** 2
     squared_norm = float(torch.linalg.vector_norm(matrices, dtype=torch.float64)) ** 2
     record.sfe_normalized = record.sfe / squared_norm if squared_norm > 0 else float("nan")
     matrices.copy_(polar)
