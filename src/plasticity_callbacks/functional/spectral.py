@@ -281,17 +281,16 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
         X = tall.to(dtype) / peak[..., None, None]
         return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
 
-    spectrum = None  # singular values of the scaled matrix, where the method computes them anyway
-    if method == "svd":
-        Q, spectrum = _svd_polar(scaled(), options.rcond)
+    if method == "svd":  # LAPACK scales a matrix of extreme magnitude itself: no divided copy needed
+        X = tall.to(dtype)
+        Q, spectrum = _svd_polar(X.masked_fill(bad[..., None, None], 0.0) if info.skipped else X, options.rcond)
+        info.singular_values = spectrum.to(torch.float64).flip(-1)
         converged = bad | True
     elif method == "eigh":
         Q, converged, eigenvalues = _eigh_polar(scaled(), bad)
-        spectrum = eigenvalues.clamp_min(0.0).sqrt()
+        info.singular_values = eigenvalues.to(torch.float64).clamp_min(0.0).sqrt() * peak.double()[..., None]
     else:
         Q, converged = _iterate(scaled(), bad, method, options, info)
-    if spectrum is not None:
-        info.singular_values = spectrum.to(torch.float64).sort(-1).values * peak.to(torch.float64)[..., None]
     missed = ~(converged | bad)
     if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
         info.fell_back = int(missed.sum())
