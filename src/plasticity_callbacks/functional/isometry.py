@@ -23,6 +23,7 @@ from .spectral import (
     PolarOptions,
     deviation_from_isometry,
     estimated_deviation_from_isometry,
+    largest_entry,
     orthogonalize,
     singular_values,
 )
@@ -144,7 +145,7 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
     if param.is_cuda:
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()
-    peak = float(torch.linalg.vector_norm(param, ord=math.inf))  # one pass: NaN/Inf and all-zero alike
+    peak = float(largest_entry(param.flatten(1)))  # one pass: NaN/Inf and all-zero alike
     if not math.isfinite(peak):
         return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
     matrices = as_matrices(param, groups)  # a view: writing into it writes the parameter
@@ -165,10 +166,13 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
                                   else singular_values(matrices).cpu())
     polar.mul_(s)
     # W and sW̃ of one magnitude: their difference in float32 (or float64) is exact to its rounding (Sterbenz
-    # where they are close), so only the sum of squares needs float64.
+    # where they are close); the norm accumulates in double on CPU, and squares of entries beyond 1e±15
+    # (outside float32's range) are taken in float64.
     wide = torch.float64 if matrices.dtype == torch.float64 else torch.float32
-    record.sfe = float(torch.linalg.vector_norm(matrices.to(wide) - polar.to(wide), dtype=torch.float64)) ** 2
-    squared_norm = float(torch.linalg.vector_norm(matrices, dtype=torch.float64)) ** 2
+    norm_dtype = None if 1e-15 < peak < 1e15 else torch.float64
+    record.sfe = float(torch.linalg.vector_norm(matrices.to(wide) - polar.to(wide), dtype=norm_dtype).double()) ** 2
+    squared_norm = (float(info.singular_values.square().sum()) if exact
+                    else float(torch.linalg.vector_norm(matrices.to(wide), dtype=norm_dtype).double()) ** 2)
     record.sfe_normalized = record.sfe / squared_norm if squared_norm > 0 else float("nan")
     matrices.copy_(polar)
     del polar

@@ -265,7 +265,7 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     tall = (W.mT if wide else W).detach()  # work on the tall orientation: the Gram is the small one
     # Divide by the largest entry first: the squares behind every norm and Gram matrix then neither
     # overflow (weights of 1e20) nor underflow (1e-25) in float32.
-    peak = torch.linalg.vector_norm(tall, ord=math.inf, dim=(-2, -1)).to(dtype)  # largest |entry|, no |W| copy
+    peak = largest_entry(W.detach()).to(dtype)
     bad = ~torch.isfinite(peak) | (peak == 0)
     info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
     if info.skipped:
@@ -299,6 +299,17 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
         Q = torch.where(bad[..., None, None], tall.to(dtype), Q)
     Q = (Q.mT if wide else Q).to(W.dtype).contiguous()
     return (Q, info) if return_info else Q
+
+
+def largest_entry(W: torch.Tensor) -> torch.Tensor:
+    """Largest ``|entry|`` of each ``(m, n)`` slice (NaN where a slice holds a NaN), in one pass without an
+    ``|W|`` copy (``aminmax``; an inf-norm reduction is 20× slower on CPU).
+
+    Example:
+        >>> largest_entry(torch.tensor([[1.0, -3.0], [2.0, 0.5]]))   # tensor(3.)
+    """
+    low, high = torch.aminmax(W) if W.dim() == 2 else torch.aminmax(W.flatten(-2), dim=-1)
+    return torch.maximum(-low, high)
 
 
 def _eigh_polar(X: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -660,11 +671,15 @@ def estimated_deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, probe
     Example:
         >>> estimated_deviation_from_isometry(orthogonalize(torch.randn(300, 200)))   # ≈ 1e-10
     """
-    X = W.detach().to(torch.float64)
+    X = W.detach()
     X = X.mT if X.shape[-2] < X.shape[-1] else X
     g = torch.Generator().manual_seed(0)
     Z = torch.randn(X.shape[-1], probes, generator=g, dtype=torch.float64).to(X.device)
-    residual = X.mT @ (X @ Z) - scale**2 * Z  # (..., n, probes)
+    gram_times_probes = torch.zeros(*X.shape[:-2], *Z.shape, dtype=torch.float64, device=X.device)
+    for start in range(0, X.shape[-2], 256):  # float64 a row block at a time: no float64 copy of W, cache-sized
+        rows = X[..., start:start + 256, :].to(torch.float64)
+        gram_times_probes += rows.mT @ (rows @ Z)
+    residual = gram_times_probes - scale**2 * Z  # (WᵀW − s²I) z, (..., n, probes)
     return residual.square().sum((-2, -1)) / probes
 
 
