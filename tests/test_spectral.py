@@ -537,8 +537,9 @@ def test_eigh_takes_the_float32_gram_only_where_its_error_is_a_float32_svds(monk
     """4:1 Gaussian (κ ≈ 3): float32 Gram and eigh, as accurate as a float32 SVD; κ = 30: float64 Gram."""
     torch.manual_seed(seed)
     dtypes = eigh_dtypes(monkeypatch)
+    kappa_30 = with_spectrum(512, 128, torch.logspace(0, -1.5, 128, dtype=torch.float64)).float()
     for W, route in [(torch.randn(1024, 256), torch.float32), (torch.randn(256, 1024), torch.float32),
-                     (with_spectrum(512, 128, torch.logspace(0, -1.5, 128, dtype=torch.float64)).float(), torch.float64)]:
+                     (kappa_30, torch.float64)]:
         dtypes.clear()
         Q, info = orthogonalize(W, return_info=True)
         U, _, Vh = torch.linalg.svd(W, full_matrices=False)

@@ -1,13 +1,19 @@
 """FIRE (Han et al., arXiv 2602.08040) on one weight: ``scale · polar(W)``, its options and its record.
 
-:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
-``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
-code does, and per group for a grouped or depthwise conv, whose operator is block-diagonal over
-groups; a fused matrix such as Q/K/V, gate/up or an LSTM's gates: one polar factor per row block,
-as the reference code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
-factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
-time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
-the model.
+:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is
+replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF ``Conv1D`` is transposed first;
+conv kernels: one polar factor per spatial tap, as the reference code does, and per group for a grouped
+or depthwise conv, whose operator is block-diagonal over groups; a fused matrix such as Q/K/V, gate/up
+or an LSTM's gates: one polar factor per row block, as the reference code splits GPT-2's ``c_attn``),
+then the optimizer state of exactly those weights is dropped. A factorized weight (``W_p + BA``) is
+treated as its effective weight. Weights are processed one at a time per thread (on CPU, ``apply_fire``
+runs one per torch thread), so the extra memory is that of a few matrices' solves (about 3× the largest
+matrix each), not of the model.
+
+The diagnostics cost no second factorization: with an exact method (SVD, ``eigh``) DfI before comes
+from the singular values the solver computed, SFE from one pass over the difference, and DfI after
+from a few probe vectors (the result is an isometry by construction); an iteration's (possibly
+partial) result is measured with Gram matrices.
 """
 from __future__ import annotations
 

@@ -662,8 +662,8 @@ def deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, dtype: torch.dt
 
 
 def estimated_deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, probes: int = 8) -> torch.Tensor:
-    """DfI ``‖WᵀW − s²I‖²_F`` (``WWᵀ`` for wide ``W``) per slice of ``(..., m, n)``, as float64, estimated from
-    ``probes`` Gaussian vectors ``z`` (Hutchinson: the mean of ``‖(WᵀW − s²I)z‖²`` is exact in expectation,
+    """DfI ``‖WᵀW − s²I‖²_F`` (``WWᵀ`` for wide ``W``) per slice of ``(..., m, n)``, as float64, estimated
+    from ``probes`` Gaussian vectors ``z`` (Hutchinson: the mean of ``‖(WᵀW − s²I)z‖²`` is exact in expectation,
     with a relative spread of at most ``√(2/probes)``). Costs ``2·probes`` products of ``W`` with a vector, in
     float64, instead of a Gram matrix (``n`` times as many): for checking an isometry that is exact by
     construction. Same probes on every call (a fixed generator).
