@@ -1,5 +1,5 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
-Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
+Perturb, FullReset, WeightClip and AdaptiveSVDSwitch (projection) on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
 strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
@@ -23,6 +23,11 @@ DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"
                  "shrink_rate": 0.5, "min_factor": 0.1}
 SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
+# Every matrix goes "minor" at each cycle (clobber_alignment 0: any principal share of the gradient), so from
+# step 1 on each trains only its r minor left singular directions; r from the spectrum, then grown or shrunk.
+SVD = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "schedule": {"steps": [1, 3]}, "r_min": 2,
+       "thresholds": {"clobber_alignment": 0.0}, "save_figure": False}
+SVD_RESUME = dict(SVD, schedule={"steps": [2, 4]})
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -59,6 +64,18 @@ RUNS = [
      "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
+    # AdaptiveSVDSwitch: Linear rows sharded (U split by rows, the projection one all-reduce a step; the two
+    # matrices' SVDs on different ranks) and GPT-2's Conv1D (each rank holds columns: U whole, a local projection).
+    {"name": "svd_mlp", "model": "mlp", "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
+    {"name": "svd_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 5, "callbacks": [dict(SVD, initial_rank=6)]},
+    # ... stopped after the distributed checkpoint of step 3 and resumed: U saved whole, each rank's part placed
+    # again; the projection at step 3 and the cycle at step 4 (angle to the saved U) use what was saved.
+    {"name": "svd_resume_reference", "model": "mlp", "optimizer": "sgd", "steps": 6, "epoch_steps": 3,
+     "callbacks": [SVD_RESUME]},
+    {"name": "svd_stopped", "model": "mlp", "optimizer": "sgd", "steps": 3, "epoch_steps": 3, "ckpt_every": 3,
+     "distributed_checkpoint": True, "callbacks": [SVD_RESUME]},
+    {"name": "svd_resumed", "model": "mlp", "optimizer": "sgd", "steps": 6, "epoch_steps": 3,
+     "resume": "svd_stopped_2/ckpt/last.ckpt", "distributed_checkpoint": True, "callbacks": [SVD_RESUME]},
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
      "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
@@ -134,6 +151,54 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
+def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
+    """The matrices whose principal part ``U_pᵀW`` is still ``S_p V_pᵀ`` of the last cycle's SVD (``U_pᵀW (U_pᵀW)ᵀ
+    = diag(S_p²)``), while their minor part moved: the updates since that cycle lay in ``span(U_m)``.
+    ``transposed``: the weights are stored ``(in, out)`` (GPT-2's Conv1D)."""
+    kept = []
+    state = result["callbacks"][0]["matrices"]
+    for name, entry in state.items():
+        W = result["params"][name].double()
+        W = W.T if transposed else W  # (out, in)
+        U, S, k = entry["U_prev"].double(), entry["S_prev"].double(), len(entry["S_prev"]) - entry["r"]
+        assert entry["state"] == "minor", name
+        principal, minor = U[:, :k].T @ W, U[:, k:].T @ W
+        torch.testing.assert_close(principal @ principal.T, torch.diag(S[:k] ** 2), rtol=1e-4, atol=1e-5 * S[0] ** 2,
+                                   msg=lambda m: f"{name}: the principal part moved: {m}")
+        assert not torch.allclose(minor @ minor.T, torch.diag(S[k:] ** 2), rtol=1e-3, atol=1e-6), name
+        kept.append(name)
+    return kept
+
+
+@pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2"])
+def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    history = sharded["callbacks"][0]["history"]
+    assert history == single["callbacks"][0]["history"]  # the same state and r per matrix per cycle
+    assert {step for step, *_ in history} == {1, 3} and all(state == "minor" for _, _, state, _ in history)
+    assert len(_principal_part_kept(sharded, transposed=spec["model"] == "gpt2")) == len(history) // 2 >= 2
+    for matrix, entry in sharded["callbacks"][0]["matrices"].items():
+        reference = single["callbacks"][0]["matrices"][matrix]
+        U, U_single, r = entry["U_prev"], reference["U_prev"], entry["r"]
+        assert_close(reference["S_prev"], entry["S_prev"], f"{matrix}.S")
+        assert_close(U_single[:, -r:] @ U_single[:, -r:].T, U[:, -r:] @ U[:, -r:].T, f"{matrix}.U_m U_mᵀ")
+    assert_same_as_single(single, sharded, metrics=(
+        "adaptive_svd/n_minor", "adaptive_svd/mean_angle", "adaptive_svd/mean_principal_alignment",
+        "adaptive_svd/mean_minor_alignment", "adaptive_svd/mean_reconstruction_error"))
+
+
+def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
+    out, results = fsdp2_runs
+    reference, resumed = results["svd_resume_reference"], results["svd_resumed"]
+    assert resumed["callbacks"][0]["history"] == reference["callbacks"][0]["history"]
+    assert [step for step, *_ in resumed["callbacks"][0]["history"]] == [2, 2, 4, 4]
+    assert_close(reference["params"], resumed["params"], "params")
+    assert_close(reference["optimizer"], resumed["optimizer"], "optimizer")
+    assert (out / "svd_stopped_2" / "ckpt" / "last.ckpt").is_dir()
+
+
 # ------------------------------------------------------------------ strategies and callbacks that refuse
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
@@ -154,12 +219,13 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
     for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
-                     WeightClip()):
+                     WeightClip(), AdaptiveSVDSwitch(minor_training="project")):
         accepted.check_strategy(trainer)
     for callback in (ContinualBackprop(), L2Init(), HareTortoise()):
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH.*WeightClip do.*ddp"):
+        with pytest.raises(MisconfigurationException,
+                           match="FSDP2.*FIREReinit, ReDoMonitor, DASH.*AdaptiveSVDSwitch.*WeightClip do.*ddp"):
             callback.check_strategy(trainer)
-    with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
-        AdaptiveSVDSwitch().check_strategy(trainer)
+    with pytest.raises(MisconfigurationException, match="factorize.*ModelParallelStrategy.*neither sharded.*'project'"):
+        AdaptiveSVDSwitch(minor_training="factorize").check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):
         TaskMetrics().setup(trainer, None, "fit")

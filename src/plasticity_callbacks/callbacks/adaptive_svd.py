@@ -2,6 +2,7 @@
 and minor-component training (an adaptive MiLoRA)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -13,9 +14,11 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..core import factorization
 from ..core.arguments import build_options, check_int, check_number
-from ..core.distributed import MisconfigurationException
+from ..core import sharded_subspace
+from ..core.distributed import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
 from ..core.figures import can_draw, save_figure
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
+from ..core.model_map.weights import stored_param
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
@@ -85,12 +88,28 @@ class _Matrix:
     g: int
     state: str = "full"  # "full" | "minor"
     r: int | None = None  # minor components of the current phase (None before the first SVD)
-    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,)
+    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,); FSDP2: U a DTensor (see below)
     S_prev: torch.Tensor | None = None
 
     @property
     def U_minor(self) -> torch.Tensor:
-        return self.U_prev[:, self.g - self.r:]
+        """The minor columns of ``U``; under FSDP2 the ones this rank holds (its rows, or all of a transposed view)."""
+        U = self.U_prev.to_local() if is_dtensor(self.U_prev) else self.U_prev
+        return U[:, self.g - self.r:]
+
+    def place(self) -> None:
+        """Under FSDP2 keep ``U`` as the projection needs it: a DTensor split by rows like the weight, or whole on
+        every rank for a transposed view (HF ``Conv1D``); a whole ``U`` loaded from a checkpoint is placed here."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        weight = self.target.param
+        if not is_dtensor(weight) or self.U_prev is None or is_dtensor(self.U_prev):
+            return
+        device = weight.to_local().device
+        placement = Replicate() if self.target.transposed else Shard(0)
+        # src_data_rank=None: every rank holds the same loaded U and keeps its part, no communication
+        self.U_prev = distribute_tensor(self.U_prev.to(device), weight.device_mesh, [placement], src_data_rank=None)
+        self.S_prev = self.S_prev.to(device)
 
 
 class AdaptiveSVDSwitch(PlasticityCallback):
@@ -177,18 +196,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- setup and resume
     def check_strategy(self, trainer: L.Trainer) -> None:
-        if "ModelParallel" in type(trainer.strategy).__name__:
-            raise MisconfigurationException(
-                "AdaptiveSVDSwitch does not act under FSDP2 (ModelParallelStrategy): each matrix's SVD needs it whole, "
-                "and between cycles every step's gradient projection U_m U_mᵀ∇W and its saved singular vectors would "
-                "have to follow the row shards; train this callback with strategy='ddp' (trainer=ddp).")
-        super().check_strategy(trainer)
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: core.sharded_subspace
         if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(
                 f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
-                f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (gradients of the new "
-                "factors would not be synchronized). Use minor_training='project' (same minor-subspace training by "
-                "gradient projection, DDP-safe) or a single device."
+                f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (the new factors would "
+                "be neither sharded nor gradient-synchronized). Use minor_training='project' (same minor-subspace "
+                "training by gradient projection, DDP- and FSDP2-safe) or a single device."
             )
 
     def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -212,7 +226,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def extra_state(self) -> dict:
         matrices = {}
         for m in self.matrices:
-            entry = {"state": m.state, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
+            # FSDP2: U whole (a gather per matrix, on every rank: Lightning builds the checkpoint on all of them),
+            # moved to the CPU one matrix at a time; at resume each rank keeps its part again (_Matrix.place)
+            U = gather_full(m.U_prev).cpu() if is_dtensor(m.U_prev) else m.U_prev
+            entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
@@ -235,6 +252,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self.history = [tuple(h) for h in self._pending["history"]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._follow_sharded_parameters()
         # Runs after configure_optimizers and before Lightning loads the optimizer state, so the
         # factors re-join their groups in the saved order and their moments load into them.
         if self._pending is None or self.minor_training != "factorize":
@@ -261,6 +279,14 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                     del state[key]
                 state[m.target.name] = getattr(m.target.module, m.attr).detach().clone()
 
+    def _follow_sharded_parameters(self) -> None:
+        """Point each view at its module's parameter now: FSDP2's ``fully_shard`` (``configure_model``, after
+        ``setup``) replaces every parameter with a sharded DTensor one."""
+        for m in self.matrices:
+            param = stored_param(m.target.module, m.target.attribute)
+            if param is not None and param is not m.target.param:
+                m.target = dataclasses.replace(m.target, param=param)
+
     # ---------------------------------------------------------------- training
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
         self._cycle_now = True  # the cycle needs the step's gradient: it runs in on_before_optimizer_step
@@ -278,16 +304,28 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             self._cycle_now = False
             self.log_event(trainer, self._cycle(trainer, pl_module))
         elif self.minor_training == "project":
+            sharded = []
             for m in self.matrices:
-                if m.state == "minor":
+                if m.state != "minor":
+                    continue
+                if is_dtensor(m.target.param):
+                    m.place()
+                    if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
+                        sharded.append((m.target.param.grad, m.U_prev[:, m.g - m.r:], m.target.transposed))
+                else:
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
+            if sharded:
+                sharded_subspace.project_sharded_(sharded)  # one all-reduce for all row-sharded matrices
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
     @torch.no_grad()
     def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         step, logged = trainer.global_step, []
-        for m in self.matrices:
+        for index, m in enumerate(self.matrices):
             module, weight = m.target.module, m.target.param
+            if is_dtensor(weight):
+                logged.append((m, self._sharded_cycle(trainer, m, index, step)))
+                continue
             factorized = factorization.is_factorized(module, m.attr)
             W = as_matrix(m.target.read())  # the effective weight in either structure, (out, in) orientation
             if not bool(torch.isfinite(W).all()):  # one sync per SVD cycle, which syncs anyway
@@ -317,6 +355,50 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                      if factorization.is_factorized(m.target.module, m.attr)]
             factorization.order_in_groups(trainer.optimizers, [p for part in parts for p in (part.B, part.A)])
         return self._metrics(logged)
+
+    def _sharded_cycle(self, trainer: L.Trainer, m: _Matrix, index: int, step: int) -> dict:
+        """One matrix's cycle under FSDP2 (``minor_training="project"``), on every rank: the weight, its gradient and
+        the previous ``U`` gathered (this matrix alone), the SVD and decision computed by one rank
+        (:func:`~plasticity_callbacks.core.sharded_subspace.owner_of`, round robin) and shared, so every rank
+        holds the same decision and the same vectors; then the gradient and linear moments projected."""
+        weight = m.target.param
+        m.place()
+        W = as_matrix(m.target.oriented(gather_full(weight)))  # (out, in·∏k), the same on every rank
+        if not bool(torch.isfinite(W).all()):  # the same W everywhere: every rank raises alike
+            raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
+                                     f"{step}; no subspace can be computed from it (lower the learning rate or "
+                                     "clip gradients, then resume from an earlier checkpoint)")
+        owner, dtype = sharded_subspace.owner_of(index, weight), self.svd.torch_dtype
+        keys = ("subspace_angle", "principal_alignment", "minor_alignment", "reconstruction_error", "effective_rank")
+        numbers = torch.zeros(2 + len(keys), dtype=torch.float64, device=W.device)  # minor?, r_next, diagnostics
+        U_prev = gather_full(m.U_prev) if m.U_prev is not None else None
+        grad = gather_full(weight.grad) if weight.grad is not None else None
+        svd = None
+        if sharded_subspace.is_owner(index, weight):
+            grad = as_matrix(m.target.oriented(grad)) if grad is not None else None
+            r = m.r if m.r is not None else self._initial_r(W, m.g)
+            svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step)
+            state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
+                                              dtype=dtype, **asdict(self.thresholds))
+            if m.r is None and self.initial_rank is not None:
+                r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+            numbers.copy_(torch.tensor([state == "minor", r_next, *(diag[k] for k in keys)], dtype=torch.float64))
+        del W, grad, U_prev  # the gathered copies: one matrix's worth at a time
+        sharded_subspace.broadcast_from(owner, numbers, weight)
+        S = sharded_subspace.broadcast_from(owner, svd.S.to(dtype) if svd is not None else
+                                            torch.empty(m.g, dtype=dtype, device=numbers.device), weight)
+        d_out = m.target.shape[0]
+        m.U_prev = sharded_subspace.share_from(owner, svd.U if svd is not None else None, weight, (d_out, m.g),
+                                               dtype, split_rows=not m.target.transposed)
+        m.state, m.r, m.S_prev = ("minor" if numbers[0] else "full"), int(numbers[1]), S
+        if self.minor_training == "project" and m.state == "minor":
+            U_minor = m.U_prev[:, m.g - m.r:]
+            moments = [(moment, U_minor, m.target.transposed)
+                       for moment in factorization.linear_moments(trainer.optimizers, weight)]
+            grads = [(weight.grad, U_minor, m.target.transposed)] if weight.grad is not None else []
+            sharded_subspace.project_sharded_(grads + moments)
+        self.history.append((step, m.target.name, m.state, m.r))
+        return dict(zip(keys, numbers[2:].tolist()))
 
     def _initial_r(self, W: torch.Tensor, g: int) -> int:
         if self.initial_rank is not None:

@@ -200,11 +200,19 @@ def project_gradient(param: torch.Tensor, U_minor: torch.Tensor, transposed: boo
         project_onto(param.grad.transpose(0, 1) if transposed else param.grad, U_minor)
 
 
+def linear_moments(optimizers, param: torch.Tensor) -> list[torch.Tensor]:
+    """The optimizer state of ``param`` that is linear in its gradient (Adam's ``exp_avg``, SGD/Muon's
+    momentum), shaped like ``param``."""
+    moments = []
+    for opt in leaf_optimizers(optimizers):
+        state = opt.state.get(param) or {}
+        moments += [state[key] for key in _LINEAR_STATE
+                    if torch.is_tensor(state.get(key)) and state[key].shape == param.shape]
+    return moments
+
+
 def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
     """Project the moments that are linear in the gradient (Adam's ``exp_avg``, SGD/Muon's momentum),
     so momentum gathered in full mode does not keep pushing principal directions."""
-    for opt in leaf_optimizers(optimizers):
-        state = opt.state.get(param)
-        for key in _LINEAR_STATE:
-            if state and torch.is_tensor(state.get(key)) and state[key].shape == param.shape:
-                project_onto(state[key].transpose(0, 1) if transposed else state[key], U_minor)
+    for moment in linear_moments(optimizers, param):
+        project_onto(moment.transpose(0, 1) if transposed else moment, U_minor)
