@@ -183,7 +183,8 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
         reference = single["callbacks"][0]["matrices"][matrix]
         U, U_single, r = entry["U_prev"], reference["U_prev"], entry["r"]
         assert_close(reference["S_prev"], entry["S_prev"], f"{matrix}.S")
-        assert_close(U_single[:, -r:] @ U_single[:, -r:].T, U[:, -r:] @ U[:, -r:].T, f"{matrix}.U_m U_mᵀ")
+        # the same minor subspace, up to rounding amplified by 1/(its gap to the principal one) (Davis–Kahan)
+        torch.testing.assert_close(U[:, -r:] @ U[:, -r:].T, U_single[:, -r:] @ U_single[:, -r:].T, rtol=0, atol=1e-3)
     assert_same_as_single(single, sharded, metrics=(
         "adaptive_svd/n_minor", "adaptive_svd/mean_angle", "adaptive_svd/mean_principal_alignment",
         "adaptive_svd/mean_minor_alignment", "adaptive_svd/mean_reconstruction_error"))
