@@ -7,8 +7,8 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
 A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
-"optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
-"distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter name, logged
+"optimizer", "hidden" (the MLP's width), "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint
+path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter name, logged
 metrics and the callbacks' state.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
     samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
     if model == "mlp":
-        return (ShardedMLP(lr=lr, optimizer=spec.get("optimizer", "adamw")),
+        return (ShardedMLP(lr=lr, optimizer=spec.get("optimizer", "adamw"), hidden=spec.get("hidden", 16)),
                 loader(tiny.regression_loader(n=samples).dataset, batch, devices))
     if model == "gpt":
         from plasticity_callbacks.models import GPTLightningModule

@@ -64,9 +64,10 @@ RUNS = [
      "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
-    # AdaptiveSVDSwitch: Linear rows sharded (U split by rows, the projection one all-reduce a step; the two
-    # matrices' SVDs on different ranks) and GPT-2's Conv1D (each rank holds columns: U whole, a local projection).
-    {"name": "svd_mlp", "model": "mlp", "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
+    # AdaptiveSVDSwitch: Linear rows sharded unevenly (15 rows: 8 and 7; U split by rows, the projection one
+    # all-reduce a step; the two matrices' SVDs on different ranks) and GPT-2's Conv1D (each rank holds columns of
+    # the (out, in) view: U whole, a local projection).
+    {"name": "svd_mlp", "model": "mlp", "hidden": 15, "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
     {"name": "svd_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 5, "callbacks": [dict(SVD, initial_rank=6)]},
     # ... stopped after the distributed checkpoint of step 3 and resumed: U saved whole, each rank's part placed
     # again; the projection at step 3 and the cycle at step 4 (angle to the saved U) use what was saved.

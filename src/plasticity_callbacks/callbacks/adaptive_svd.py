@@ -135,11 +135,22 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``; ``minor_training="project"``) the result is
+    the one process's on the same global batch. At a cycle each matrix, its gradient and its previous ``U``
+    are gathered, one matrix at a time; one rank (round robin over the matrices) computes the SVD and the
+    decision and shares them, so every rank acts on the same vectors. Peak extra memory per rank at a cycle:
+    those three gathered copies of one matrix, plus, on the rank computing it, its SVD (``U``, ``V``) and
+    ``decide_mode``'s temporaries (two more copies). Between cycles each rank keeps its own rows of ``U``
+    (a transposed view such as HF ``Conv1D``: all of ``U``), and a step's projections cost one all-reduce
+    of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
+    (:mod:`~plasticity_callbacks.core.sharded_subspace`). A checkpoint holds each ``U`` whole (gathered
+    one matrix at a time, moved to the CPU); at resume each rank keeps its part again.
+
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
     effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``.
 
     Args:
-        minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection, DDP-safe)
+        minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection; DDP and FSDP2)
             or ``factorize`` (``W_p + B @ A``, single device).
         schedule: when to run an SVD cycle (a Schedule or a mapping of its fields; step triggers only).
         selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping;
@@ -311,7 +322,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 if is_dtensor(m.target.param):
                     m.place()
                     if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
-                        sharded.append((m.target.param.grad, m.U_prev[:, m.g - m.r:], m.target.transposed))
+                        sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
                 else:
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
             if sharded:
@@ -373,18 +384,26 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         numbers = torch.zeros(2 + len(keys), dtype=torch.float64, device=W.device)  # minor?, r_next, diagnostics
         U_prev = gather_full(m.U_prev) if m.U_prev is not None else None
         grad = gather_full(weight.grad) if weight.grad is not None else None
-        svd = None
+        svd = failure = None
         if sharded_subspace.is_owner(index, weight):
-            grad = as_matrix(m.target.oriented(grad)) if grad is not None else None
-            r = m.r if m.r is not None else self._initial_r(W, m.g)
-            svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step)
-            state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                              dtype=dtype, **asdict(self.thresholds))
-            if m.r is None and self.initial_rank is not None:
-                r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
-            numbers.copy_(torch.tensor([state == "minor", r_next, *(diag[k] for k in keys)], dtype=torch.float64))
+            try:
+                grad = as_matrix(m.target.oriented(grad)) if grad is not None else None
+                r = m.r if m.r is not None else self._initial_r(W, m.g)
+                svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step)
+                state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
+                                                  dtype=dtype, **asdict(self.thresholds))
+                if m.r is None and self.initial_rank is not None:
+                    r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+                numbers.copy_(torch.tensor([state == "minor", r_next, *(diag[k] for k in keys)], dtype=torch.float64))
+            except Exception as error:  # told to the other ranks, which would wait for the result forever
+                failure, numbers[0] = error, -1
         del W, grad, U_prev  # the gathered copies: one matrix's worth at a time
         sharded_subspace.broadcast_from(owner, numbers, weight)
+        if numbers[0] < 0:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"AdaptiveSVDSwitch: rank {owner} of the data-parallel mesh failed in the SVD cycle "
+                               f"of {m.target.name!r} at step {step}; its own error says why")
         S = sharded_subspace.broadcast_from(owner, svd.S.to(dtype) if svd is not None else
                                             torch.empty(m.g, dtype=dtype, device=numbers.device), weight)
         d_out = m.target.shape[0]
@@ -392,10 +411,9 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                                                dtype, split_rows=not m.target.transposed)
         m.state, m.r, m.S_prev = ("minor" if numbers[0] else "full"), int(numbers[1]), S
         if self.minor_training == "project" and m.state == "minor":
-            U_minor = m.U_prev[:, m.g - m.r:]
-            moments = [(moment, U_minor, m.target.transposed)
+            moments = [(moment, m.U_minor, m.target.transposed)
                        for moment in factorization.linear_moments(trainer.optimizers, weight)]
-            grads = [(weight.grad, U_minor, m.target.transposed)] if weight.grad is not None else []
+            grads = [(weight.grad, m.U_minor, m.target.transposed)] if weight.grad is not None else []
             sharded_subspace.project_sharded_(grads + moments)
         self.history.append((step, m.target.name, m.state, m.r))
         return dict(zip(keys, numbers[2:].tolist()))

@@ -67,17 +67,17 @@ def project_sharded_(items: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> No
 
     Args:
         items: ``T`` a ``Shard(0)`` DTensor shaped like its weight (a gradient, a momentum), stored
-            ``(out, in, *k)``, or ``(in, out, *k)`` when ``transposed``; ``U_m`` a DTensor ``(out, r)``,
-            ``Shard(0)`` (each rank's rows) for a weight stored ``(out, …)``, ``Replicate()`` for a transposed one.
+            ``(out, in, *k)``, or ``(in, out, *k)`` when ``transposed``; ``U_m`` a plain tensor: this rank's rows
+            of the ``(out, r)`` minor vectors (laid out like the weight's rows), or all of them when ``transposed``.
 
     Example:
-        >>> project_sharded_([(layer.weight.grad, U_minor, False)])   # on every rank
+        >>> project_sharded_([(layer.weight.grad, U_minor.to_local(), False)])   # on every rank
     """
-    rows = [(T.to_local(), U.to_local()) for T, U, transposed in items if not transposed]
+    rows = [(T.to_local(), U) for T, U, transposed in items if not transposed]
     for T, U, transposed in items:
         if transposed:  # this rank's columns of the (out, in) view: U_m U_mᵀ acts on each column alone
             local = T.to_local().transpose(0, 1)
-            local.copy_((U.to_local() @ (U.to_local().mT @ as_matrix(local).to(U.dtype))).reshape(local.shape))
+            local.copy_((U @ (U.mT @ as_matrix(local).to(U.dtype))).reshape(local.shape))
     if not rows:
         return
     # U_mᵀ T = Σ_ranks U_m[rows]ᵀ T[rows]: each rank's share, all matrices in one all-reduce
