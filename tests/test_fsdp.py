@@ -24,10 +24,11 @@ DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"
 SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
 # Every matrix goes "minor" at each cycle (clobber_alignment 0: any principal share of the gradient), so from
-# step 1 on each trains only its r minor left singular directions; r from the spectrum, then grown or shrunk.
-SVD = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "schedule": {"steps": [1, 3]}, "r_min": 2,
+# step 2 on each trains only its r minor left singular directions; r from the spectrum, then grown or shrunk.
+SVD = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "schedule": {"steps": [2, 4]}, "r_min": 2,
        "thresholds": {"clobber_alignment": 0.0}, "save_figure": False}
-SVD_RESUME = dict(SVD, schedule={"steps": [2, 4]})
+# Linear rows sharded unevenly (15 rows: 8 and 7), in epochs of 3 steps (the resume below stops at a boundary)
+SVD_MLP = {"model": "mlp", "hidden": 15, "optimizer": "sgd", "steps": 6, "epoch_steps": 3, "callbacks": [SVD]}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -64,19 +65,15 @@ RUNS = [
      "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
-    # AdaptiveSVDSwitch: Linear rows sharded unevenly (15 rows: 8 and 7; U split by rows, the projection one
-    # all-reduce a step; the two matrices' SVDs on different ranks) and GPT-2's Conv1D (each rank holds columns of
-    # the (out, in) view: U whole, a local projection).
-    {"name": "svd_mlp", "model": "mlp", "hidden": 15, "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
+    # AdaptiveSVDSwitch: Linear rows (U split by rows, the projection one all-reduce a step; the two matrices' SVDs
+    # on different ranks) and GPT-2's Conv1D (each rank holds columns of the (out, in) view: U whole, a local
+    # projection).
+    {"name": "svd_mlp", **SVD_MLP},
     {"name": "svd_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 5, "callbacks": [dict(SVD, initial_rank=6)]},
-    # ... stopped after the distributed checkpoint of step 3 and resumed: U saved whole, each rank's part placed
+    # svd_mlp stopped after the distributed checkpoint of step 3 and resumed: U saved whole, each rank's part placed
     # again; the projection at step 3 and the cycle at step 4 (angle to the saved U) use what was saved.
-    {"name": "svd_resume_reference", "model": "mlp", "optimizer": "sgd", "steps": 6, "epoch_steps": 3,
-     "callbacks": [SVD_RESUME]},
-    {"name": "svd_stopped", "model": "mlp", "optimizer": "sgd", "steps": 3, "epoch_steps": 3, "ckpt_every": 3,
-     "distributed_checkpoint": True, "callbacks": [SVD_RESUME]},
-    {"name": "svd_resumed", "model": "mlp", "optimizer": "sgd", "steps": 6, "epoch_steps": 3,
-     "resume": "svd_stopped_2/ckpt/last.ckpt", "distributed_checkpoint": True, "callbacks": [SVD_RESUME]},
+    {"name": "svd_stopped", **dict(SVD_MLP, steps=3), "ckpt_every": 3, "distributed_checkpoint": True},
+    {"name": "svd_resumed", **SVD_MLP, "resume": "svd_stopped_2/ckpt/last.ckpt", "distributed_checkpoint": True},
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
      "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
@@ -178,7 +175,7 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
     single, sharded = run_single(out, spec), results[name]
     history = sharded["callbacks"][0]["history"]
     assert history == single["callbacks"][0]["history"]  # the same state and r per matrix per cycle
-    assert {step for step, *_ in history} == {1, 3} and all(state == "minor" for _, _, state, _ in history)
+    assert {step for step, *_ in history} == {2, 4} and all(state == "minor" for _, _, state, _ in history)
     assert len(_principal_part_kept(sharded, transposed=spec["model"] == "gpt2")) == len(history) // 2 >= 2
     for matrix, entry in sharded["callbacks"][0]["matrices"].items():
         reference = single["callbacks"][0]["matrices"][matrix]
@@ -193,7 +190,7 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
 
 def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
-    reference, resumed = results["svd_resume_reference"], results["svd_resumed"]
+    reference, resumed = results["svd_mlp"], results["svd_resumed"]
     assert resumed["callbacks"][0]["history"] == reference["callbacks"][0]["history"]
     assert [step for step, *_ in resumed["callbacks"][0]["history"]] == [2, 2, 4, 4]
     assert_close(reference["params"], resumed["params"], "params")

@@ -12,9 +12,8 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..core import factorization
+from ..core import factorization, sharded_subspace
 from ..core.arguments import build_options, check_int, check_number
-from ..core import sharded_subspace
 from ..core.distributed import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
 from ..core.figures import can_draw, save_figure
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
@@ -139,8 +138,9 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     the one process's on the same global batch. At a cycle each matrix, its gradient and its previous ``U``
     are gathered, one matrix at a time; one rank (round robin over the matrices) computes the SVD and the
     decision and shares them, so every rank acts on the same vectors. Peak extra memory per rank at a cycle:
-    those three gathered copies of one matrix, plus, on the rank computing it, its SVD (``U``, ``V``) and
-    ``decide_mode``'s temporaries (two more copies). Between cycles each rank keeps its own rows of ``U``
+    those three gathered copies of one matrix, plus, on the rank computing it, its SVD and ``decide_mode``'s
+    temporaries: about 9 copies of the largest matrix in all (``benchmarks/adaptive_svd_fsdp.py``; about 7
+    when every rank holds the matrix, as under DDP). Between cycles each rank keeps its own rows of ``U``
     (a transposed view such as HF ``Conv1D``: all of ``U``), and a step's projections cost one all-reduce
     of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
     (:mod:`~plasticity_callbacks.core.sharded_subspace`). A checkpoint holds each ``U`` whole (gathered
