@@ -18,7 +18,7 @@ group dicts with the inner Muon/AdamW, so one append reaches both. Appending in 
 matrices are factorized, which is what lets a checkpoint resume into it.
 
 ``minor_training="project"``: the weight stays one parameter; in "minor" phases its gradient is replaced
-by ``U_m U_mᵀ ∇W`` before the optimizer step (no parameter surgery, DDP-safe). Relation to the
+by ``U_m U_mᵀ ∇W`` before the optimizer step (no parameter surgery; DDP and FSDP2). Relation to the
 factorized form: at ``W = W_p + BA`` a gradient step on ``B, A`` changes the weight by
 ``−η (B Bᵀ ∇W + ∇W AᵀA) = −η (U_m S_m U_mᵀ ∇W + ∇W V_m S_m V_mᵀ)`` to first order: a
 σ-weighted projection onto the minor *left* subspace plus one onto the minor *right* subspace
