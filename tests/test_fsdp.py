@@ -70,6 +70,8 @@ RUNS = [
     # projection).
     {"name": "svd_mlp", **SVD_MLP},
     {"name": "svd_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 5, "callbacks": [dict(SVD, initial_rank=6)]},
+    # nn.MultiheadAttention's bare in_proj_weight (48 × 16, one matrix to AdaptiveSVD) and out_proj, the FFN.
+    {"name": "svd_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
     # svd_mlp stopped after the distributed checkpoint of step 3 and resumed: U saved whole, each rank's part placed
     # again; the projection at step 3 and the cycle at step 4 (angle to the saved U) use what was saved.
     {"name": "svd_stopped", **dict(SVD_MLP, steps=3), "ckpt_every": 3, "distributed_checkpoint": True},
@@ -157,7 +159,7 @@ def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
     state = result["callbacks"][0]["matrices"]
     for name, entry in state.items():
         W = result["params"][name].double()
-        W = W.T if transposed else W  # (out, in)
+        W = W.T if transposed else W.reshape(W.shape[0], -1)  # (out, in·∏k)
         U, S, k = entry["U_prev"].double(), entry["S_prev"].double(), len(entry["S_prev"]) - entry["r"]
         assert entry["state"] == "minor", name
         principal, minor = U[:, :k].T @ W, U[:, k:].T @ W
@@ -168,7 +170,7 @@ def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
     return kept
 
 
-@pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2"])
+@pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2", "svd_encoder"])
 def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
     out, results = fsdp2_runs
     spec = next(r for r in RUNS if r["name"] == name)
