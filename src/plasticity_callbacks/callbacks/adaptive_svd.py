@@ -87,28 +87,33 @@ class _Matrix:
     g: int
     state: str = "full"  # "full" | "minor"
     r: int | None = None  # minor components of the current phase (None before the first SVD)
-    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,); FSDP2: U a DTensor (see below)
+    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,); FSDP2: U split by rows (a DTensor)
     S_prev: torch.Tensor | None = None
+    U_minor_whole: torch.Tensor | None = None  # FSDP2, transposed view: every row of U's minor columns (see place)
 
     @property
     def U_minor(self) -> torch.Tensor:
-        """The minor columns of ``U``; under FSDP2 the ones this rank holds (its rows, or all of a transposed view)."""
+        """The minor columns of ``U``; under FSDP2 this rank's rows of them, or all of them for a transposed view."""
+        if self.U_minor_whole is not None:
+            return self.U_minor_whole
         U = self.U_prev.to_local() if is_dtensor(self.U_prev) else self.U_prev
         return U[:, self.g - self.r:]
 
     def place(self) -> None:
-        """Under FSDP2 keep ``U`` as the projection needs it: a DTensor split by rows like the weight, or whole on
-        every rank for a transposed view (HF ``Conv1D``); a whole ``U`` loaded from a checkpoint is placed here."""
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        """Under FSDP2 keep ``U`` split by rows like the weight (a ``Shard(0)`` DTensor), and for a transposed view
+        (HF ``Conv1D``, whose shards hold whole columns of the ``(out, in)`` view) its minor columns whole on every
+        rank, which the projection of a column needs; a whole ``U`` loaded from a checkpoint is placed here."""
+        from torch.distributed.tensor import Shard, distribute_tensor
 
         weight = self.target.param
         if not is_dtensor(weight) or self.U_prev is None or is_dtensor(self.U_prev):
             return
-        device = weight.to_local().device
-        placement = Replicate() if self.target.transposed else Shard(0)
-        # src_data_rank=None: every rank holds the same loaded U and keeps its part, no communication
-        self.U_prev = distribute_tensor(self.U_prev.to(device), weight.device_mesh, [placement], src_data_rank=None)
-        self.S_prev = self.S_prev.to(device)
+        U = self.U_prev.to(weight.to_local().device)
+        if self.target.transposed and self.state == "minor":
+            self.U_minor_whole = U[:, self.g - self.r:].contiguous()
+        # src_data_rank=None: every rank holds the same loaded U and keeps its rows, no communication
+        self.U_prev = distribute_tensor(U, weight.device_mesh, [Shard(0)], src_data_rank=None)
+        self.S_prev = self.S_prev.to(U.device)
 
 
 class AdaptiveSVDSwitch(PlasticityCallback):
@@ -137,12 +142,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``; ``minor_training="project"``) the result is
     the one process's on the same global batch. At a cycle each matrix, its gradient and its previous ``U``
     are gathered, one matrix at a time; one rank (round robin over the matrices) computes the SVD and the
-    decision and shares them, so every rank acts on the same vectors. Peak extra memory per rank at a cycle:
+    decision and shares them, so every rank acts on the same vectors (``U`` scattered by rows). Peak extra
+    memory per rank at a cycle:
     those three gathered copies of one matrix, plus, on the rank computing it, its SVD and ``decide_mode``'s
     temporaries: about 9 copies of the largest matrix in all (``benchmarks/adaptive_svd_fsdp.py``; about 7
     when every rank holds the matrix, as under DDP). Between cycles each rank keeps its own rows of ``U``
-    (a transposed view such as HF ``Conv1D``: all of ``U``), and a step's projections cost one all-reduce
-    of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
+    (a transposed view such as HF ``Conv1D``: also all rows of its ``r`` minor columns), and a step's
+    projections cost one all-reduce of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
     (:mod:`~plasticity_callbacks.core.sharded_subspace`). A checkpoint holds each ``U`` whole (gathered
     one matrix at a time, moved to the CPU); at resume each rank keeps its part again.
 
@@ -406,10 +412,12 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                                f"of {m.target.name!r} at step {step}; its own error says why")
         S = sharded_subspace.broadcast_from(owner, svd.S.to(dtype) if svd is not None else
                                             torch.empty(m.g, dtype=dtype, device=numbers.device), weight)
-        d_out = m.target.shape[0]
-        m.U_prev = sharded_subspace.share_from(owner, svd.U if svd is not None else None, weight, (d_out, m.g),
-                                               dtype, split_rows=not m.target.transposed)
+        m.U_prev = sharded_subspace.scatter_rows_from(owner, svd.U if svd is not None else None, weight,
+                                                      (m.target.shape[0], m.g), dtype)
         m.state, m.r, m.S_prev = ("minor" if numbers[0] else "full"), int(numbers[1]), S
+        m.U_minor_whole = None
+        if m.target.transposed and m.state == "minor":  # one all-gather of (d_out, r)
+            m.U_minor_whole = m.U_prev[:, m.g - m.r:].full_tensor()
         if self.minor_training == "project" and m.state == "minor":
             moments = [(moment, m.U_minor, m.target.transposed)
                        for moment in factorization.linear_moments(trainer.optimizers, weight)]

@@ -8,11 +8,13 @@
   (``Shard(0)``, laid out like the weight), and one all-reduce of an ``r × d_in`` matrix per matrix (all
   matrices of a step coalesced into one all-reduce) gives every rank the sum.
 * Hugging Face's ``Conv1D`` (stored ``(in, out)``, any transposed view) gives each rank whole columns of
-  the ``(out, in)`` view, so its projection is local; every rank keeps all of ``U`` (``Replicate``).
+  the ``(out, in)`` view, so its projection is local; every rank keeps every row of ``U_m`` (``r`` columns)
+  besides its rows of ``U``.
 
 The singular vectors are those of the whole matrix: each matrix is gathered at an SVD cycle, one at a
 time, and its SVD is computed by one rank (:func:`owner_of`, spread over the ranks) which shares the
-outcome (:func:`share_from`), so every rank acts on the same vectors and the same decision.
+outcome (:func:`broadcast_from`, :func:`scatter_rows_from`), so every rank acts on the same vectors and the
+same decision.
 """
 from __future__ import annotations
 
@@ -31,27 +33,28 @@ def is_owner(index: int, tensor: torch.Tensor) -> bool:
     return tensor.device_mesh.get_local_rank() == owner_of(index, tensor)
 
 
-def share_from(owner: int, tensor: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...],
-               dtype: torch.dtype, split_rows: bool) -> torch.Tensor:
-    """``tensor`` of the rank ``owner`` placed over the mesh of ``like`` (a DTensor parameter): each rank
-    receives its own rows (``split_rows``: a scatter, rows laid out as ``like``'s) or all of it (a broadcast).
+def scatter_rows_from(owner: int, tensor: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` of the rank ``owner`` split by rows over the mesh of ``like`` (a DTensor parameter): a scatter,
+    each rank receiving its chunk in ``torch.chunk``'s layout, as FSDP2 shards (so a weight with as many rows
+    holds the same rows on each rank).
 
     Args:
         owner: the mesh rank holding the value; the others pass ``tensor=None``.
         shape, dtype: the value's (every rank must know them to receive it).
 
     Returns:
-        A DTensor, ``Shard(0)`` or ``Replicate()``, on ``like``'s mesh and device.
+        A ``Shard(0)`` DTensor on ``like``'s mesh and device.
 
     Example:
-        >>> U = share_from(owner_of(i, w), svd.U if mine else None, w, (d_out, g), torch.float32, split_rows=True)
+        >>> U = scatter_rows_from(owner_of(i, w), svd.U if mine else None, w, (d_out, g), torch.float32)
     """
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = like.device_mesh
     if mesh.get_local_rank() != owner:  # a receive buffer: its values are never read
         tensor = torch.empty(shape, dtype=dtype, device=like.to_local().device)
-    return distribute_tensor(tensor.to(dtype), mesh, [Shard(0) if split_rows else Replicate()], src_data_rank=owner)
+    return distribute_tensor(tensor.to(dtype), mesh, [Shard(0)], src_data_rank=owner)
 
 
 def broadcast_from(owner: int, tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
