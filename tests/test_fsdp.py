@@ -29,6 +29,9 @@ SVD = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "schedule": {"steps
        "thresholds": {"clobber_alignment": 0.0}, "save_figure": False}
 # Linear rows sharded unevenly (15 rows: 8 and 7), in epochs of 3 steps (the resume below stops at a boundary)
 SVD_MLP = {"model": "mlp", "hidden": 15, "optimizer": "sgd", "steps": 6, "epoch_steps": 3, "callbacks": [SVD]}
+# GPT-2's epochs are 8 steps (the model zoo's 64 samples): a resume at step 8, a cycle after it at step 9
+SVD_GPT2 = {"model": "gpt2", "optimizer": "sgd", "steps": 10,
+            "callbacks": [dict(SVD, initial_rank=6, schedule={"steps": [2, 9]})]}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -69,13 +72,18 @@ RUNS = [
     # on different ranks) and GPT-2's Conv1D (each rank holds columns of the (out, in) view: U whole, a local
     # projection).
     {"name": "svd_mlp", **SVD_MLP},
-    {"name": "svd_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 5, "callbacks": [dict(SVD, initial_rank=6)]},
+    {"name": "svd_gpt2", **SVD_GPT2},
     # nn.MultiheadAttention's bare in_proj_weight (48 × 16, one matrix to AdaptiveSVD) and out_proj, the FFN.
     {"name": "svd_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
-    # svd_mlp stopped after the distributed checkpoint of step 3 and resumed: U saved whole, each rank's part placed
-    # again; the projection at step 3 and the cycle at step 4 (angle to the saved U) use what was saved.
-    {"name": "svd_stopped", **dict(SVD_MLP, steps=3), "ckpt_every": 3, "distributed_checkpoint": True},
-    {"name": "svd_resumed", **SVD_MLP, "resume": "svd_stopped_2/ckpt/last.ckpt", "distributed_checkpoint": True},
+    # svd_mlp and svd_gpt2 stopped after a distributed checkpoint and resumed: U saved whole, each rank's part
+    # placed again (Conv1D: its minor columns whole); the projections and the next cycle (its angle to the saved
+    # U) use what was saved.
+    {"name": "svd_mlp_stopped", **dict(SVD_MLP, steps=3), "ckpt_every": 3, "distributed_checkpoint": True},
+    {"name": "svd_mlp_resumed", **SVD_MLP, "resume": "svd_mlp_stopped_2/ckpt/last.ckpt",
+     "distributed_checkpoint": True},
+    {"name": "svd_gpt2_stopped", **dict(SVD_GPT2, steps=8), "ckpt_every": 8, "distributed_checkpoint": True},
+    {"name": "svd_gpt2_resumed", **SVD_GPT2, "resume": "svd_gpt2_stopped_2/ckpt/last.ckpt",
+     "distributed_checkpoint": True},
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
      "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
@@ -165,7 +173,9 @@ def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
         principal, minor = U[:, :k].T @ W, U[:, k:].T @ W
         torch.testing.assert_close(principal @ principal.T, torch.diag(S[:k] ** 2), rtol=1e-4, atol=1e-5 * S[0] ** 2,
                                    msg=lambda m: f"{name}: the principal part moved: {m}")
-        assert not torch.allclose(minor @ minor.T, torch.diag(S[k:] ** 2), rtol=1e-3, atol=1e-6), name
+        moved = [(part @ part.T - torch.diag(values**2)).abs().max() for part, values in ((principal, S[:k]),
+                                                                                          (minor, S[k:]))]
+        assert moved[1] > 20 * moved[0], f"{name}: the minor part moved {moved[1]:.2e}, the principal {moved[0]:.2e}"
         kept.append(name)
     return kept
 
@@ -177,7 +187,8 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
     single, sharded = run_single(out, spec), results[name]
     history = sharded["callbacks"][0]["history"]
     assert history == single["callbacks"][0]["history"]  # the same state and r per matrix per cycle
-    assert {step for step, *_ in history} == {2, 4} and all(state == "minor" for _, _, state, _ in history)
+    assert {step for step, *_ in history} == set(spec["callbacks"][0]["schedule"]["steps"])
+    assert all(state == "minor" for _, _, state, _ in history)
     assert len(_principal_part_kept(sharded, transposed=spec["model"] == "gpt2")) == len(history) // 2 >= 2
     for matrix, entry in sharded["callbacks"][0]["matrices"].items():
         reference = single["callbacks"][0]["matrices"][matrix]
@@ -190,14 +201,14 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
         "adaptive_svd/mean_minor_alignment", "adaptive_svd/mean_reconstruction_error"))
 
 
-def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
+@pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2"])
+def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs, name):
     out, results = fsdp2_runs
-    reference, resumed = results["svd_mlp"], results["svd_resumed"]
-    assert resumed["callbacks"][0]["history"] == reference["callbacks"][0]["history"]
-    assert [step for step, *_ in resumed["callbacks"][0]["history"]] == [2, 2, 4, 4]
+    reference, resumed = results[name], results[f"{name}_resumed"]
+    history = resumed["callbacks"][0]["history"]
+    assert history == reference["callbacks"][0]["history"] and len({step for step, *_ in history}) == 2
     assert_close(reference["params"], resumed["params"], "params")
     assert_close(reference["optimizer"], resumed["optimizer"], "optimizer")
-    assert (out / "svd_stopped_2" / "ckpt" / "last.ckpt").is_dir()
 
 
 # ------------------------------------------------------------------ strategies and callbacks that refuse
