@@ -8,8 +8,8 @@ process with ``devices=1`` for the single-process reference on the same global b
 
 A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
 "optimizer", "hidden" (the MLP's width), "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint
-path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter name, logged
-metrics and the callbacks' state.
+path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter
+name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
 

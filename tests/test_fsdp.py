@@ -1,5 +1,6 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
-Perturb, FullReset, WeightClip and AdaptiveSVDSwitch (projection) on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
+Perturb, FullReset, WeightClip and AdaptiveSVDSwitch (projection) on sharded weights equal them on one process
+over the same global batches; a killed run resumes to the uninterrupted weights; every other
 strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
@@ -160,8 +161,9 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
 
 
 def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
-    """The matrices whose principal part ``U_pᵀW`` is still ``S_p V_pᵀ`` of the last cycle's SVD (``U_pᵀW (U_pᵀW)ᵀ
-    = diag(S_p²)``), while their minor part moved: the updates since that cycle lay in ``span(U_m)``.
+    """The matrices whose principal part ``U_pᵀW`` is still ``S_p V_pᵀ`` of the last cycle's SVD
+    (``U_pᵀW (U_pᵀW)ᵀ = diag(S_p²)``), while their minor part moved: the updates since that cycle lay in
+    ``span(U_m)``.
     ``transposed``: the weights are stored ``(in, out)`` (GPT-2's Conv1D)."""
     kept = []
     state = result["callbacks"][0]["matrices"]
