@@ -145,7 +145,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     decision and shares them, so every rank acts on the same vectors (``U`` scattered by rows). Peak extra
     memory per rank at a cycle:
     those three gathered copies of one matrix, plus, on the rank computing it, its SVD and ``decide_mode``'s
-    temporaries: about 9 copies of the largest matrix in all (``benchmarks/adaptive_svd_fsdp.py``; about 7
+    temporaries: 8 to 9 copies of the largest matrix in all (``benchmarks/adaptive_svd_fsdp.py``; 5 to 7
     when every rank holds the matrix, as under DDP). Between cycles each rank keeps its own rows of ``U``
     (a transposed view such as HF ``Conv1D``: also all rows of its ``r`` minor columns), and a step's
     projections cost one all-reduce of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
