@@ -67,10 +67,8 @@ RUNS = [
     # WeightClip: elementwise on each rank's shard, GPT-2's Conv1D bounded by its stored rows (κ small: entries clip).
     {"name": "clip_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
      "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
-    # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
-    # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     # AdaptiveSVDSwitch: Linear rows (U split by rows, the projection one all-reduce a step; the two matrices' SVDs
-    # on different ranks) and GPT-2's Conv1D (each rank holds columns of the (out, in) view: U whole, a local
+    # on different ranks) and GPT-2's Conv1D (each rank holds columns of the (out, in) view: U_m whole, a local
     # projection).
     {"name": "svd_mlp", **SVD_MLP},
     {"name": "svd_gpt2", **SVD_GPT2},
@@ -85,6 +83,8 @@ RUNS = [
     {"name": "svd_gpt2_stopped", **dict(SVD_GPT2, steps=8), "ckpt_every": 8, "distributed_checkpoint": True},
     {"name": "svd_gpt2_resumed", **SVD_GPT2, "resume": "svd_gpt2_stopped_2/ckpt/last.ckpt",
      "distributed_checkpoint": True},
+    # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
+    # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
      "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
