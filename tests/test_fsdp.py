@@ -71,6 +71,8 @@ RUNS = [
     # on different ranks) and GPT-2's Conv1D (each rank holds columns of the (out, in) view: U_m whole, a local
     # projection).
     {"name": "svd_mlp", **SVD_MLP},
+    # AdamW: its exp_avg (a DTensor sharded like the weight) projected at each switch, as on one process.
+    {"name": "svd_mlp_adamw", **dict(SVD_MLP, optimizer="adamw")},
     {"name": "svd_gpt2", **SVD_GPT2},
     # nn.MultiheadAttention's bare in_proj_weight (48 × 16, one matrix to AdaptiveSVD) and out_proj, the FFN.
     {"name": "svd_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 7, "callbacks": [SVD]},
@@ -201,6 +203,15 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded, metrics=(
         "adaptive_svd/n_minor", "adaptive_svd/mean_angle", "adaptive_svd/mean_principal_alignment",
         "adaptive_svd/mean_minor_alignment", "adaptive_svd/mean_reconstruction_error"))
+
+
+def test_adaptive_svd_under_fsdp2_projects_adam_moments_as_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "svd_mlp_adamw")
+    single, sharded = run_single(out, spec), results["svd_mlp_adamw"]
+    assert sharded["callbacks"][0]["history"] == single["callbacks"][0]["history"]
+    assert all(state["exp_avg"].abs().sum() > 0 for state in sharded["optimizer"].values())
+    assert_same_as_single(single, sharded, metrics=("adaptive_svd/n_minor", "adaptive_svd/mean_angle"))
 
 
 @pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2"])
