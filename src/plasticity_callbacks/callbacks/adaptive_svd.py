@@ -128,8 +128,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     Hooks: ``on_train_batch_start`` asks the schedule and ``act`` marks the step for a cycle (so a
     factorized matrix captures the step's gradient over every micro-batch),
     ``on_before_optimizer_step`` runs the cycle on the step's (all-reduced) gradient, so no gradient is lost at a switch; between cycles it projects the gradients of
-    ``"minor"`` matrices (``minor_training="project"``). ``on_fit_start`` rebuilds a factorized
-    structure from a checkpoint; ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into
+    ``"minor"`` matrices (``minor_training="project"``). ``on_fit_start`` follows the parameters FSDP2
+    sharded after ``setup`` and rebuilds a factorized structure from a checkpoint; ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into
     the checkpoint's model state, so it loads with or without this callback; ``on_train_end``
     saves a figure of the state and r per matrix.
 
