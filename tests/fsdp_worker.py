@@ -6,10 +6,10 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
-A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
-"optimizer", "hidden" (the MLP's width), "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint
-path under ``out``), "distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter
-name, logged metrics and the callbacks' state.
+A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "hidden" (mlp),
+"optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
+"distributed_checkpoint", "val_every" (model-zoo models: one validation batch every that many training batches)}``;
+the result: full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
 
@@ -66,6 +66,12 @@ class Sharded(model_zoo.Wrapped):
     def train_dataloader(self):
         return loader(model_zoo.batches(self.family, n=1, batch=16 * self.batch), self.batch, self.devices)
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", model_zoo.loss_of(self.family, self.model, batch), sync_dist=True)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
 
 class ShardedMLP(tiny.TinyMLPModule):
     def configure_model(self):
@@ -111,6 +117,15 @@ def full(tensor):
     return tensor.full_tensor().detach().clone() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
 
 
+def whole(state):
+    """A callback's state with every tensor whole (FSDP2 keeps some sharded like their parameters)."""
+    if isinstance(state, dict):
+        return {k: whole(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [whole(v) for v in state]
+    return full(state) if torch.is_tensor(state) else state
+
+
 def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
     samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
@@ -135,6 +150,8 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from plasticity_callbacks.core.sharded_state import reshard
+
     L.seed_everything(spec.get("seed", 0), workers=True)
     module, data = build(spec, devices)
     callbacks = [instantiate(c) for c in spec.get("callbacks", [])]
@@ -153,16 +170,18 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
         logger=CSVLogger(run_dir, name="logs", version=""), log_every_n_steps=1,
         enable_checkpointing=bool(spec.get("ckpt_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,
+        val_check_interval=spec.get("val_every"), limit_val_batches=1 if spec.get("val_every") else 0,
     )
     resume = spec.get("resume")
     trainer.fit(module, train_dataloaders=data, ckpt_path=str(out / resume) if resume else None)
+    reshard(module)  # a validation at the last step leaves the root unit gathered: its parameters not the optimizer's
     params = {n: full(p) for n, p in module.named_parameters()}
     names = {id(p): n for n, p in module.named_parameters()}
     optimizer = {names[id(p)]: {k: full(v) for k, v in state.items()}
                  for p, state in trainer.optimizers[0].state.items()}
     result = {"params": params, "optimizer": optimizer,
               "metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
-              "callbacks": [c.state_dict() for c in callbacks if hasattr(c, "firing") or hasattr(c, "history")]}
+              "callbacks": [whole(c.state_dict()) for c in callbacks if hasattr(c, "firing") or hasattr(c, "history")]}
     if trainer.global_rank == 0 and devices > 1:
         torch.save(result, out / f"{spec['name']}.pt")
     return result
