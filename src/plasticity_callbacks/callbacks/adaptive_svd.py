@@ -20,6 +20,7 @@ from ..core.model_map import Selection, WeightView, require_targets, select_targ
 from ..core.model_map.weights import stored_param
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
+from ..core.sharded_state import load_named, pack_for_checkpoint
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from .base import PlasticityCallback
 
@@ -99,21 +100,27 @@ class _Matrix:
         U = self.U_prev.to_local() if is_dtensor(self.U_prev) else self.U_prev
         return U[:, self.g - self.r:]
 
-    def place(self) -> None:
+    def place(self, trainer: L.Trainer) -> None:
         """Under FSDP2 keep ``U`` split by rows like the weight (a ``Shard(0)`` DTensor), and for a transposed view
         (HF ``Conv1D``, whose shards hold whole columns of the ``(out, in)`` view) its minor columns whole on every
-        rank, which the projection of a column needs; a whole ``U`` loaded from a checkpoint is placed here."""
+        rank, which the projection of a column needs. What a checkpoint gave is placed here: a whole ``U`` (each
+        rank keeps its rows) or the name of the rows each rank wrote into a distributed checkpoint."""
         from torch.distributed.tensor import Shard, distribute_tensor
 
         weight = self.target.param
         if not is_dtensor(weight) or self.U_prev is None or is_dtensor(self.U_prev):
             return
-        U = self.U_prev.to(weight.to_local().device)
+        device = weight.to_local().device
+        self.S_prev = self.S_prev.to(device)
+        if isinstance(self.U_prev, str):  # its rows in the distributed checkpoint being resumed
+            empty = torch.empty(self.target.shape[0], self.g, dtype=self.S_prev.dtype, device=device)
+            template = distribute_tensor(empty, weight.device_mesh, [Shard(0)], src_data_rank=None)
+            self.U_prev = load_named(trainer, {self.U_prev: template}, "AdaptiveSVDSwitch singular vectors")[
+                self.U_prev]
+        else:  # src_data_rank=None: every rank holds the same loaded U and keeps its rows, no communication
+            self.U_prev = distribute_tensor(self.U_prev.to(device), weight.device_mesh, [Shard(0)], src_data_rank=None)
         if self.target.transposed and self.state == "minor":
-            self.U_minor_whole = U[:, self.g - self.r:].contiguous()
-        # src_data_rank=None: every rank holds the same loaded U and keeps its rows, no communication
-        self.U_prev = distribute_tensor(U, weight.device_mesh, [Shard(0)], src_data_rank=None)
-        self.S_prev = self.S_prev.to(U.device)
+            self.U_minor_whole = self.U_prev[:, self.g - self.r:].full_tensor()
 
 
 class AdaptiveSVDSwitch(PlasticityCallback):
@@ -149,8 +156,9 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     when every rank holds the matrix, as under DDP). Between cycles each rank keeps its own rows of ``U``
     (a transposed view such as HF ``Conv1D``: also all rows of its ``r`` minor columns), and a step's
     projections cost one all-reduce of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
-    (:mod:`~plasticity_callbacks.core.sharded_subspace`). A checkpoint holds each ``U`` whole (gathered
-    one matrix at a time, moved to the CPU); at resume each rank keeps its part again.
+    (:mod:`~plasticity_callbacks.core.sharded_subspace`). In a distributed checkpoint each rank writes its
+    rows of every ``U`` (a one-file checkpoint: each ``U`` gathered in turn into rank 0's CPU memory); at
+    resume each rank reads its rows back.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
     effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``.
@@ -177,6 +185,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     summary_metrics = ("adaptive_svd/n_minor",)
     default_schedule = Schedule(every_n_steps=100, start_step=100)
     extra_state_types = {"matrices": dict, "history": list}
+    optional_state_types = {"singular_vectors": list}  # FSDP2: each matrix's U, sharded by rows
 
     def __init__(
         self,
@@ -243,16 +252,18 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def extra_state(self) -> dict:
         matrices = {}
         for m in self.matrices:
-            # FSDP2: U whole (a gather per matrix, on every rank: Lightning builds the checkpoint on all of them),
-            # moved to the CPU one matrix at a time; at resume each rank keeps its part again (_Matrix.place)
-            U = gather_full(m.U_prev).cpu() if is_dtensor(m.U_prev) else m.U_prev
+            # FSDP2: U (each rank's rows) goes to "singular_vectors", which on_save_checkpoint writes shard by shard
+            U = None if is_dtensor(m.U_prev) else m.U_prev
             entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
             matrices[m.target.name] = entry
-        return {"matrices": matrices, "history": list(self.history)}
+        state = {"matrices": matrices, "history": list(self.history)}
+        if any(is_dtensor(m.U_prev) for m in self.matrices):  # replaced, never changed in place: no copy needed
+            state["singular_vectors"] = [m.U_prev if is_dtensor(m.U_prev) else None for m in self.matrices]
+        return state
 
     def load_extra_state(self, state: dict) -> None:
         self._pending = state
@@ -262,10 +273,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if self._pending is None or not self.matrices:
             return
         saved = self._pending["matrices"]
+        # FSDP2: each U is a whole tensor, or a name in the distributed checkpoint (placed at first use)
+        sharded = dict(zip(saved, self._pending.get("singular_vectors") or [None] * len(saved)))
         for m in self.matrices:
             entry = saved.get(m.target.name)
             if entry is not None:
-                m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], entry["U_prev"], entry["S_prev"]
+                U = entry["U_prev"] if sharded.get(m.target.name) is None else sharded[m.target.name]
+                m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], U, entry["S_prev"]
         self.history = [tuple(h) for h in self._pending["history"]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -285,7 +299,11 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self._pending = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state."""
+        """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state. FSDP2:
+        each rank writes its rows of every ``U`` into the distributed checkpoint (a one-file checkpoint: each
+        ``U`` gathered in turn into rank 0's CPU memory), see :mod:`~plasticity_callbacks.core.sharded_state`."""
+        if "singular_vectors" in checkpoint.get("callbacks", {}).get(self.state_key, {}):
+            pack_for_checkpoint(trainer, checkpoint, self.state_key, ("singular_vectors",))
         state = checkpoint.get("state_dict")
         if state is None:
             return
@@ -326,7 +344,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 if m.state != "minor":
                     continue
                 if is_dtensor(m.target.param):
-                    m.place()
+                    m.place(trainer)
                     if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
                         sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
                 else:
@@ -379,7 +397,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         (:func:`~plasticity_callbacks.core.sharded_subspace.owner_of`, round robin) and shared, so every rank
         holds the same decision and the same vectors; then the gradient and linear moments projected."""
         weight = m.target.param
-        m.place()
+        m.place(trainer)
         W = as_matrix(m.target.oriented(gather_full(weight)))  # (out, in·∏k), the same on every rank
         if not bool(torch.isfinite(W).all()):  # the same W everywhere: every rank raises alike
             raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "

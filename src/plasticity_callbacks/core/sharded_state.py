@@ -107,6 +107,18 @@ def restore_like(trainer, saved: Sequence, params: Sequence[torch.Tensor], what:
     return restored
 
 
+def load_named(trainer, templates: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """Fill ``templates`` (``DTensor``s placed as the caller keeps them) with the tensors that
+    :func:`pack_for_checkpoint` wrote under these names into the distributed checkpoint being resumed; each
+    rank reads the rows of its own shards. A collective: call it on every rank.
+
+    Example:
+        >>> U = load_named(trainer, {name: DTensor.empty(...)}, "AdaptiveSVDSwitch singular vectors")[name]
+    """
+    _load_from_distributed_checkpoint(trainer, templates, what)
+    return templates
+
+
 def _load_from_distributed_checkpoint(trainer, templates: dict[str, torch.Tensor], what: str) -> None:
     path = getattr(trainer, "ckpt_path", None)
     if path is None or not Path(path).is_dir() or not all(is_dtensor(t) for t in templates.values()):
