@@ -1,4 +1,5 @@
-"""Callback state shaped like the model's parameters (L2Init's θ₀, HareTortoise's tortoise) under FSDP2.
+"""Callback state shaped like the model's parameters (L2Init's θ₀, HareTortoise's tortoise) under FSDP2, and
+state split by rows the same way (AdaptiveSVDSwitch's singular vectors, saved and loaded by the same path).
 
 Under FSDP2 such state is kept sharded like its parameter: a ``DTensor`` with the parameter's placements,
 each rank holding the rows of its own shard, no rank ever a whole copy. Lightning's
