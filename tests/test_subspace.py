@@ -6,8 +6,8 @@ import torch
 
 from plasticity_callbacks.core.factorization import project_onto
 from plasticity_callbacks.functional.subspace import (
-    GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_triplets, mode_rule, next_rank,
-    reconstruction_error, subspace_angle, svd_triplets,
+    GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_triplets, mode_rule,
+    next_rank, reconstruction_error, subspace_angle, svd_triplets,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -200,7 +200,8 @@ def spectra(g, seed):
     gen = torch.Generator().manual_seed(seed)
     bottom_heavy = torch.linspace(1, 1e-3, g, dtype=torch.float64) ** 1.5
     flat = torch.linspace(3, 1, g, dtype=torch.float64)
-    gapped = torch.cat([torch.linspace(10, 2, g - 8, dtype=torch.float64), torch.linspace(0.05, 0.01, 8, dtype=torch.float64)])
+    gapped = torch.cat([torch.linspace(10, 2, g - 8, dtype=torch.float64),
+                        torch.linspace(0.05, 0.01, 8, dtype=torch.float64)])
     jitter = 1 + 0.01 * torch.rand(g, generator=gen, dtype=torch.float64)
     return {name: (S * jitter).sort(descending=True).values
             for name, S in (("bottom_heavy", bottom_heavy), ("flat", flat), ("gapped", gapped))}
@@ -215,7 +216,8 @@ def test_gram_route_matches_a_float64_svd_on_known_spectra(shape):
         W64, U0, V0 = known_svd(*shape, S0, seed=30 + i)
         W = W64.float()
         # the route under test, not the fallback, except where a tall W's U (= Wv/σ) would lose accuracy
-        falls_back = shape[0] > shape[1] and float(S0[-1] / S0[0]) ** 2 < GRAM_SEPARATION * torch.finfo(torch.float32).eps
+        separation = GRAM_SEPARATION * torch.finfo(torch.float32).eps
+        falls_back = shape[0] > shape[1] and float(S0[-1] / S0[0]) ** 2 < separation
         assert (gram_triplets(W, block=2 * r + 8) is None) == falls_back, name
         U, S, V = svd_triplets(W, "gram", top=g - r)
         assert U.shape == (shape[0], g) and S.shape == (g,) and V.shape == (shape[1], g)
@@ -262,7 +264,8 @@ def test_gram_route_falls_back_to_the_svd_where_it_would_be_inexact():
     assert gram_triplets(rank_deficient, block=24) is None
     U, S, V = svd_triplets(rank_deficient, "gram", top=56)
     reference = torch.linalg.svdvals(rank_deficient.double())
-    assert torch.allclose(S.double(), reference, atol=1e-4) and torch.allclose((U * S) @ V.mT, rank_deficient, atol=1e-3)
+    assert torch.allclose(S.double(), reference, atol=1e-4)
+    assert torch.allclose((U * S) @ V.mT, rank_deficient, atol=1e-3)
     assert gram_triplets(torch.randn(32, 32, generator=g), block=24) is None  # most of g: the SVD is cheaper
     assert gram_triplets(torch.full((40, 40), float("nan")), block=8) is None
     assert gram_triplets(torch.zeros(40, 40), block=8) is None

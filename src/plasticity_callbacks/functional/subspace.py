@@ -97,9 +97,9 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) 
     holds the bottom directions, i.e. as long as the eigenvalue just above the block is well separated
     from rounding (``λ_{block+1} ≥ separation·λ_max``: the block grows to every eigenvalue below that,
     and None if it would pass ``g / 2``; for a tall ``W``, whose ``U`` is the other side,
-    ``λ_min ≥ separation·λ_max`` or None). Then a bottom vector's error from
-    directions outside the block is at most ``σ_max / (σ_i + σ_j) ≤ 1 / (2√separation)`` (≈ 14 in float32) times
-    the float32 SVD's own, and inside the block it is the SVD's. The other side's bottom vectors
+    ``λ_min ≥ separation·λ_max`` or None). Then a bottom vector's error from directions outside the
+    block is at most ``σ_max / (σ_i + σ_j) ≤ 1 / (2√separation)`` (≈ 14 in float32) times the float32
+    SVD's own, and inside the block it is the SVD's. The other side's bottom vectors
     (``V`` of a square or wide ``W``) are accurate to about ``eps·σ_max/σ_i`` (they only shape a
     factorized split's ``A``, whose error ``W_p = W − BA`` absorbs). The top triplets come from the
     eigenpairs (the other side's vectors as ``Wᵀu/σ`` or ``Wv/σ``, accurate to ``eps·σ_max²/σ²``).
@@ -241,7 +241,7 @@ def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: t
 
 def gradient_alignment(grad: torch.Tensor, U: torch.Tensor, r: int,
                        dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """``(‖U_p U_pᵀ G‖/‖G‖, ‖U_m U_mᵀ G‖/‖G‖)`` with ``U_p = U[:, :g−r]``, ``U_m = U[:, g−r:g]``.
+    """``(‖U_p U_pᵀ G‖/‖G‖, ‖U_m U_mᵀ G‖/‖G‖)``, ``U_p = U[:, :g−r]``, ``U_m = U[:, g−r:g]``.
 
     The squares sum to 1 when ``U`` spans the whole output space (``d_out ≤ d_in``); then only the
     ``r`` minor columns are used: the principal share is ``√(1 − minor²)`` while that is at least
