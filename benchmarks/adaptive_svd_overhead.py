@@ -3,6 +3,7 @@
     python benchmarks/adaptive_svd_overhead.py                          # widths 128,256,512; batches 1, 16
     python benchmarks/adaptive_svd_overhead.py --widths 128 --batches 1 --memory
     python benchmarks/adaptive_svd_overhead.py --compare full --default-thresholds  # decisions vs LAPACK SVD
+    python benchmarks/adaptive_svd_overhead.py --minor-training project,factorize  # both routes, one baseline
 
 Per GPT width (4 layers, sequence 256, byte vocabulary) and batch size: one fit with the switch in
 its callback list, SVD cycles every ``--every`` steps (so a short fit holds several), every matrix
@@ -12,11 +13,17 @@ machine), a clock callback times each whole step. From the medians — one SVD c
 step, one step without the hooks — the share at the default interval (``--interval``, 100):
 ``(cycle + (interval − 1)·projection) / (interval · step)``. Targets: ≤ 1 % at every width, ≤ 5 % at 1×256.
 
+``--minor-training project,factorize``: one row per route, each also against a baseline fit without the
+switch (same model, data and steps; measured before and after the routes): a factorized matrix
+(frozen ``W_p`` + trainable ``B @ A``) has no hook to time, its cost or saving is in the step itself, so
+the share there is ``(cycle step − base + (interval − 1)·(minor step − base)) / (interval · base)``.
+
 ``--memory``: AdamW state bytes with every block matrix factorized at rank r against full.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import cpu_trainer, token_loader  # noqa: E402
 
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
+from plasticity_callbacks.callbacks.base import PlasticityCallback  # noqa: E402
+from plasticity_callbacks.core.factorization import project_gradient  # noqa: E402
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers  # noqa: E402
 from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
 
@@ -53,11 +62,45 @@ class TimedSwitch(AdaptiveSVDSwitch):
         self.hook_seconds += time.process_time() - started
 
 
+class BackwardProjectionSwitch(TimedSwitch):
+    """Route "project-backward" (measured here, not in the product): each minor weight's gradient is projected
+    by a ``register_post_accumulate_grad_hook`` inside the backward, while it is in cache, instead of in
+    ``on_before_optimizer_step``. The hooks come off for a cycle step (the decision reads the raw gradient)
+    and go back on after it with the new ``U_m``."""
+
+    def __init__(self, **options):
+        super().__init__(minor_training="project", **options)
+        self.handles = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._cycle_now:
+            self._unhook()
+
+    def _unhook(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.cycled = cycle = self._cycle_now
+        started = time.process_time()
+        if cycle:
+            AdaptiveSVDSwitch.on_before_optimizer_step(self, trainer, pl_module, optimizer)
+            for m in self.matrices:
+                if m.state == "minor":
+                    project = functools.partial(project_gradient, U_minor=m.U_minor, transposed=m.target.transposed)
+                    self.handles.append(m.target.param.register_post_accumulate_grad_hook(project))
+        else:  # the projection already ran in the backward; the schedule's trigger still runs
+            PlasticityCallback.on_before_optimizer_step(self, trainer, pl_module, optimizer)
+        self.hook_seconds += time.process_time() - started
+
+
 class StepClock(L.Callback):
     """Process CPU time from one step's first hook to the next's, and the switch's share of it; first in
     the callback list, so every hook of the switch falls inside the step it belongs to."""
 
-    def __init__(self, switch: TimedSwitch):
+    def __init__(self, switch: TimedSwitch | None = None):
         self.switch = switch
         self.steps: list[tuple[int, float, float, bool]] = []  # (step, step seconds, hook seconds, cycled)
         self._open: tuple[int, float] | None = None
@@ -65,11 +108,13 @@ class StepClock(L.Callback):
     def _close(self) -> None:
         if self._open is not None:
             step, started = self._open
-            self.steps.append((step, time.process_time() - started, self.switch.hook_seconds, self.switch.cycled))
+            hooks, cycled = (self.switch.hook_seconds, self.switch.cycled) if self.switch else (0.0, False)
+            self.steps.append((step, time.process_time() - started, hooks, cycled))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._close()
-        self.switch.hook_seconds, self.switch.cycled = 0.0, False
+        if self.switch is not None:
+            self.switch.hook_seconds, self.switch.cycled = 0.0, False
         self._open = (trainer.global_step, time.process_time())
 
     def on_train_end(self, trainer, pl_module):
@@ -84,30 +129,60 @@ def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule
 
 
 def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: int = 4, cycles: int = 3,
-            layers: int = 4, sequence_len: int = 256, worst_case: bool = True, **switch_options) -> dict:
+            layers: int = 4, sequence_len: int = 256, worst_case: bool = True, minor_training: str = "project",
+            **switch_options) -> dict:
     """Fit with the switch acting every ``every`` steps; return the medians and the share at ``interval``.
 
     ``worst_case``: every matrix forced "minor" (``clobber_alignment=0``); else the default thresholds.
     Returns a dict with ``cycles`` (SVD cycles that ran), ``matrices``, ``minor`` (matrices in the "minor"
     state at the end), ``step``, ``cycle``, ``projection`` (seconds), ``share`` (the switch's time over the
-    steps' at ``interval``) and ``history`` (the switch's ``(step, matrix, state, r)`` decisions)."""
+    steps' at ``interval``), ``cycle_step`` and ``minor_step`` (whole steps: a cycle's, and the median
+    step after the first cycle that ran none) and ``history`` (the switch's ``(step, matrix, state, r)``
+    decisions)."""
     L.seed_everything(0)
     module = gpt_module(width, layers, sequence_len)
     thresholds = {"clobber_alignment": 0.0} if worst_case else {}
-    switch = TimedSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
-                         thresholds=thresholds, save_figure=False, log_per_matrix=False, **switch_options)
+    options = dict(schedule=Schedule(every_n_steps=every, start_step=every), thresholds=thresholds,
+                   save_figure=False, log_per_matrix=False, **switch_options)
+    switch = (BackwardProjectionSwitch(**options) if minor_training == "project-backward" else
+              TimedSwitch(minor_training=minor_training, **options))
     clock = StepClock(switch)
     steps = every * (cycles + 1) + 1
     loader = token_loader(n=steps * batch_size, sequence_len=sequence_len, vocab=256, batch_size=batch_size)
     cpu_trainer(max_steps=steps, callbacks=[clock, switch]).fit(module, loader)
     ran = [s for s in clock.steps if s[3]]
-    later = [s for s in clock.steps if s[0] > every]  # after the first cycle: every matrix projects
+    later = [s for s in clock.steps if s[0] > every and not s[3]]  # after the first cycle: every matrix minor
     cycle = statistics.median(h for *_, h, cycled in ran) if ran else float("nan")
-    projection = statistics.median(h for *_, h, cycled in later if not cycled) if later else float("nan")
+    projection = statistics.median(h for *_, h, _ in later) if later else float("nan")
     step = statistics.median(t - h for _, t, h, _ in clock.steps[1:])
     return {"cycles": len(ran), "matrices": len(switch.matrices), "step": step, "cycle": cycle,
             "minor": sum(m.state == "minor" for m in switch.matrices), "projection": projection,
-            "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history)}
+            "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history),
+            "cycle_step": statistics.median(t for _, t, *_ in ran) if ran else float("nan"),
+            "minor_step": statistics.median(t for _, t, *_ in later) if later else float("nan")}
+
+
+def baseline_step(width: int = 128, batch_size: int = 1, every: int = 4, cycles: int = 3, layers: int = 4,
+                  sequence_len: int = 256) -> float:
+    """Median step (process CPU seconds) of the same fit as ``measure`` without the switch."""
+    L.seed_everything(0)
+    module = gpt_module(width, layers, sequence_len)
+    clock = StepClock()
+    steps = every * (cycles + 1) + 1
+    loader = token_loader(n=steps * batch_size, sequence_len=sequence_len, vocab=256, batch_size=batch_size)
+    cpu_trainer(max_steps=steps, callbacks=[clock]).fit(module, loader)
+    return statistics.median(t for _, t, *_ in clock.steps[1:])
+
+
+def decisions_differ(a: list, b: list) -> str:
+    """How two runs' ``(step, matrix, state, r)`` decisions compare, cycle by cycle."""
+    if a == b:
+        return "same decisions"
+    steps = sorted({h[0] for h in a} | {h[0] for h in b})
+    differ = [s for s in steps if [h for h in a if h[0] == s] != [h for h in b if h[0] == s]]
+    states = sum(x[2] != y[2] for x, y in zip(a, b))
+    return (f"decisions differ at cycle steps {differ} of {steps} ({states} of {len(a)} states differ, "
+            f"the rest in r)")
 
 
 def state_bytes(optimizer) -> int:
@@ -140,6 +215,35 @@ def report(label: str, r: dict, target: float) -> None:
           f"(target <= {target:g} %)", flush=True)
 
 
+def report_route(label: str, r: dict, base: float, interval: int, target: float) -> None:
+    """A route against the step without the switch: the cycle step's and a minor step's excess over it."""
+    cycle, minor = r["cycle_step"] - base, r["minor_step"] - base
+    share = (cycle + (interval - 1) * minor) / (interval * base)
+    print(f"  {label}: cycle step {1e3 * r['cycle_step']:7.1f} ms (+{1e3 * cycle:6.1f}), minor step "
+          f"{1e3 * r['minor_step']:7.1f} ms ({1e3 * minor:+6.2f}, {100 * minor / base:+5.2f} %; hooks "
+          f"{1e3 * r['projection']:5.2f}) -> {100 * share:+5.2f} % vs base (target <= {target:g} %)", flush=True)
+
+
+def compare_routes(width: int, batch: int, routes: list[str], args, options: dict) -> None:
+    """Every route and the switch-free baseline in one process, the baseline before and after."""
+    target = 5.0 if batch == 1 else 1.0
+    shape = dict(every=args.every, cycles=args.cycles)
+    before = baseline_step(width, batch, **shape)
+    results = {route: measure(width, batch, args.interval, minor_training=route, **shape, **options)
+               for route in routes}
+    after = baseline_step(width, batch, **shape)
+    base = (before + after) / 2
+    print(f"  width {width:4d} batch {batch:2d}x256 base step {1e3 * base:7.1f} ms (before {1e3 * before:.1f}, "
+          f"after {1e3 * after:.1f})", flush=True)
+    for route, r in results.items():
+        report(f"    {route:9s} hooks", r, target)
+        report_route(f"    {route:9s} steps", r, base, args.interval, target)
+    if len(routes) > 1:
+        first, *rest = routes
+        for route in rest:
+            print(f"    {route} vs {first}: {decisions_differ(results[first]['history'], results[route]['history'])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="128,256,512")
@@ -153,6 +257,9 @@ def main() -> None:
                              "every decision (state and r per matrix and cycle) is the same")
     parser.add_argument("--default-thresholds", action="store_true",
                         help="add a row per width and batch with the default thresholds (not every matrix minor)")
+    parser.add_argument("--minor-training", default=None, metavar="ROUTES",
+                        help="comma-separated routes (project,factorize,project-backward): a row per route plus a switch-free "
+                             "baseline in the same run; replaces the plain rows")
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time on one thread: comparable on a shared machine
@@ -163,6 +270,9 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             target = 5.0 if batch == 1 else 1.0
             label = f"width {width:4d} batch {batch:2d}x256"
+            if args.minor_training:
+                compare_routes(width, batch, args.minor_training.split(","), args, options)
+                continue
             r = measure(width, batch, args.interval, args.every, args.cycles, **options)
             report(label, r, target)
             if args.compare:

@@ -101,12 +101,28 @@ class FlipToFull(L.Callback):
             self.switch.thresholds = SwitchThresholds(clobber_alignment=1.0, max_reconstruction_error=0.0)
 
 
+class Probes(L.Callback):
+    """After each backward: per step, whether each factorized matrix carries its gradient probe."""
+
+    def __init__(self, switch):
+        self.switch, self.steps = switch, {}
+
+    def on_after_backward(self, trainer, pl_module):
+        self.steps[trainer.global_step] = [factorization.components(m.target.module, m.attr).captured is not None
+                                           for m in self.switch.matrices
+                                           if factorization.is_factorized(m.target.module, m.attr)]
+
+
 def test_switch_back_to_full_folds_and_trains_the_whole_matrix_again():
     module, loader = build("gpt", optimizer="muon")  # B, A join Muon's group inside CombinedOptimizer
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(every_n_steps=2, start_step=2),
                                **ALWAYS_MINOR)
-    trainer = cpu_trainer(max_steps=7, callbacks=[switch, FlipToFull(switch, at=4)])
+    probes = Probes(switch)
+    trainer = cpu_trainer(max_steps=7, callbacks=[switch, FlipToFull(switch, at=4), probes])
     trainer.fit(module, loader)
+    # the gradient probes ride along on the cycle step only (step 4: factorized since step 2), off around it
+    assert probes.steps[4] and all(probes.steps[4])
+    assert probes.steps[3] and not any(probes.steps[3]) and not any(probes.steps[5])
     optimizer = trainer.optimizers[0]
     states = [state for step, _, state, _ in switch.history]
     assert "minor" in states and all(state == "full" for step, _, state, _ in switch.history if step >= 4)

@@ -216,6 +216,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self.svd = build_options(SVDOptions, svd or {}, self.owner, "svd")
         self.minor_training = minor_training
         self._cycle_now = False  # the schedule said so at this step's first batch
+        self._capturing = False  # factorized weights carry their gradient probes (a cycle step)
         self.r_min, self.initial_rank = r_min, initial_rank
         self.log_per_matrix, self.save_figure = log_per_matrix, save_figure
         self.matrices: list[_Matrix] = []
@@ -336,9 +337,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.minor_training == "project":
-            return  # nothing is factorized, so no gradient to capture
         capture = self._cycle_now
+        if self.minor_training == "project" or capture == self._capturing:
+            return  # nothing factorized, or the probes already as this step needs them (a loop costs every step)
+        self._capturing = capture
         for m in self.matrices:
             if factorization.is_factorized(m.target.module, m.attr):
                 factorization.components(m.target.module, m.attr).capture = capture
