@@ -137,8 +137,8 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
     Returns a dict with ``cycles`` (SVD cycles that ran), ``matrices``, ``minor`` (matrices in the "minor"
     state at the end), ``step``, ``cycle``, ``projection`` (seconds), ``share`` (the switch's time over the
     steps' at ``interval``), ``cycle_step`` and ``minor_step`` (whole steps: a cycle's, and the median
-    step after the first cycle that ran none) and ``history`` (the switch's ``(step, matrix, state, r)``
-    decisions)."""
+    step after the first cycle that ran none), ``history`` (the switch's ``(step, matrix, state, r)``
+    decisions) and ``weights`` (each target's effective weight at the end)."""
     L.seed_everything(0)
     module = gpt_module(width, layers, sequence_len)
     thresholds = {"clobber_alignment": 0.0} if worst_case else {}
@@ -159,7 +159,8 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
             "minor": sum(m.state == "minor" for m in switch.matrices), "projection": projection,
             "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history),
             "cycle_step": statistics.median(t for _, t, *_ in ran) if ran else float("nan"),
-            "minor_step": statistics.median(t for _, t, *_ in later) if later else float("nan")}
+            "minor_step": statistics.median(t for _, t, *_ in later) if later else float("nan"),
+            "weights": [m.target.read().detach().clone() for m in switch.matrices]}
 
 
 def baseline_step(width: int = 128, batch_size: int = 1, every: int = 4, cycles: int = 3, layers: int = 4,

@@ -185,6 +185,14 @@ def test_overhead_benchmark_drives_the_switch_through_real_hooks():
     result = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16)
     assert result["cycles"] >= 1 and result["matrices"] == 6  # Q, K, V, attention out, MLP in and out
     assert result["cycle"] > 0 and result["projection"] > 0 and 0 < result["share"] < math.inf
+    # the backward-hook projection is the same projection: the same decisions and bit-identical weights
+    backward = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16,
+                       minor_training="project-backward")
+    assert backward["cycles"] == result["cycles"] and backward["history"] == result["history"]
+    assert all(torch.equal(a, b) for a, b in zip(backward["weights"], result["weights"]))
+    factorized = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16,
+                         minor_training="factorize")
+    assert factorized["cycles"] >= 1 and factorized["minor"] == 6 and factorized["minor_step"] > 0
 
 
 def known_svd(d_out, d_in, S, seed):
