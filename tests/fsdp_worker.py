@@ -6,9 +6,10 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
-A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
+A run: ``{"name", "model": mlp | gpt | digits | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
 "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
-"distributed_checkpoint"}``; the result: full parameters, full optimizer state by parameter name, logged
+"distributed_checkpoint", "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
+arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result: full parameters, full optimizer state by parameter name, logged
 metrics and the callbacks' state.
 """
 from __future__ import annotations
@@ -119,9 +120,14 @@ def build(spec: dict, devices: int):
     if model == "gpt":
         from plasticity_callbacks.models import GPTLightningModule
 
-        config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16)
+        config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16) | spec.get("gpt", {})
         return (GPTLightningModule(config, lr=lr, schedule="constant"),
                 loader(tiny.token_loader(n=samples).dataset, batch, devices))
+    if model == "digits":
+        from plasticity_callbacks.data.digits import RandomLabelDigits
+        from plasticity_callbacks.models.classifier import DigitsClassifier
+
+        return DigitsClassifier(widths=[32, 32], lr=lr), RandomLabelDigits(**spec["stream"])
     # SGD for attention models: a key bias has a zero gradient (softmax ignores it), and Adam would turn
     # the rounding noise of two reduction orders into full-size, different steps.
     module = Sharded(model, lr, batch, devices, spec.get("optimizer", "adamw"))
@@ -154,7 +160,8 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,
     )
     resume = spec.get("resume")
-    trainer.fit(module, train_dataloaders=data, ckpt_path=str(out / resume) if resume else None)
+    data = {"datamodule": data} if isinstance(data, L.LightningDataModule) else {"train_dataloaders": data}
+    trainer.fit(module, **data, ckpt_path=str(out / resume) if resume else None)
     params = {n: full(p) for n, p in module.named_parameters()}
     names = {id(p): n for n, p in module.named_parameters()}
     optimizer = {names[id(p)]: {k: full(v) for k, v in state.items()}

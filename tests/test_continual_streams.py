@@ -112,7 +112,7 @@ def test_loader_starts_at_the_current_step():
     stream = RandomLabelDigits(num_tasks=2, steps_per_task=4, batch_size=32, samples_per_task=100, seed=0)
 
     class Clock:
-        global_step, world_size, accumulate_grad_batches = 0, 1, 1
+        global_step, global_rank, world_size, accumulate_grad_batches = 0, 0, 1, 1
 
     clock = Clock()
     stream.trainer = clock

@@ -1,12 +1,15 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
-Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted weights; every other
-strategy or callback that cannot act on shards refuses at setup with the fix.
+Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches, and
+so do TaskMetrics' per-task metrics on a digits stream and GateLogger's gates of the GPT's reciprocal blocks; a
+killed run resumes to the uninterrupted weights; every other strategy or callback that cannot act on shards
+refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
 the few steps each run trains.
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +26,8 @@ DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"
                  "shrink_rate": 0.5, "min_factor": 0.1}
 SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
+METRICS = {"_target_": "plasticity_callbacks.callbacks.task_metrics.TaskMetrics", "probe_steps": 3, "probe_lr": 1e-2,
+           "stability_tasks": 1, "grad_norm_every_n_steps": 1}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -63,6 +68,14 @@ RUNS = [
      "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
      "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+    # TaskMetrics on a digits task stream (each rank trains on half of every batch): online metrics averaged over
+    # ranks, end-of-task metrics on the whole evaluation data on every rank, the probe trained on the shards.
+    {"name": "metrics_digits", "model": "digits", "steps": 6,
+     "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
+     "callbacks": [METRICS]},
+    # GateLogger on the package's GPT with reciprocal attention and MLP: their 1-element gates sharded like any weight.
+    {"name": "gates_gpt", "model": "gpt", "steps": 3, "gpt": {"attention": "reciprocal", "mlp": "reciprocal"},
+     "callbacks": [{"_target_": "plasticity_callbacks.GateLogger", "every_n_steps": 1}]},
 ]
 # Both ranks die right after the distributed checkpoint at step 3 (its own launch: the processes end there).
 CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "crash_at": 3, "ckpt_every": 3,
@@ -134,6 +147,37 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
+def test_task_metrics_under_fsdp2_equal_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "metrics_digits")
+    single, sharded = run_single(out, spec), results["metrics_digits"]
+    rows, sharded_rows = single["callbacks"][0]["history"], sharded["callbacks"][0]["history"]
+    assert [r["task"] for r in sharded_rows] == [0, 1]
+    for row, sharded_row in zip(rows, sharded_rows):
+        assert set(row) == set(sharded_row)
+        for key, value in row.items():
+            if key == "retained_accuracy" and row["task"] == 0:
+                assert math.isnan(value) and math.isnan(sharded_row[key])
+                continue
+            assert sharded_row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert 0 < sharded_row["probe_accuracy"] and 0 < sharded_row["grad_norm"]
+    # The probe trained on the shards and put everything back: the weights are those of a run without it.
+    assert_same_as_single(single, sharded)
+    assert_close(run_single(out, dict(spec, name="metrics_digits_plain", callbacks=[]))["params"], sharded["params"])
+
+
+def test_gate_logger_under_fsdp2_logs_the_gates_of_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "gates_gpt")
+    single, sharded = run_single(out, spec), results["gates_gpt"]
+    gates = [k for k in single["metrics"] if k.startswith("gates/")]
+    assert len(gates) == 2 * (6 + 7)  # per layer: attention's 4 values and 2 decisions, the MLP's 5 and 2
+    assert sharded["params"]["model.blocks.0.mlp.skip_rec"].shape == (1,)
+    assert float(sharded["metrics"]["gates/model.blocks.0.attn/gate_std"]) != pytest.approx(torch.sigmoid(
+        torch.tensor(2.0)).item())  # trained off its init, then logged
+    assert_same_as_single(single, sharded, metrics=tuple(gates))
+
+
 # ------------------------------------------------------------------ strategies and callbacks that refuse
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
@@ -161,5 +205,6 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
             callback.check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
         AdaptiveSVDSwitch().check_strategy(trainer)
-    with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):
+    trainer = SimpleNamespace(strategy=type("FSDPStrategy", (), {})())
+    with pytest.raises(MisconfigurationException, match="TaskMetrics.*FSDPStrategy.*ModelParallelStrategy.*ddp"):
         TaskMetrics().setup(trainer, None, "fit")
