@@ -18,6 +18,8 @@ import torch
 from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_single
 
 FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
+# The reference recipe (method/fire.yaml): 5 Newton–Schulz steps, a partial orthogonalization.
+FIRE_NS = dict(FIRE, options={"method": "newton_schulz", "normalize": "frobenius", "steps": 5})
 REDO = {"_target_": "plasticity_callbacks.ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
         "schedule": {"every_n_steps": 2}}
 DASH = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 3, "min_factor": 0.3}
@@ -36,6 +38,10 @@ RUNS = [
     {"name": "fire_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
     # nn.MultiheadAttention's in_proj (48×16): rank 0 holds rows 0..23, so the K block (16..31) is split across ranks.
     {"name": "fire_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
+    # A fixed Newton–Schulz count stops short of the polar factor: every block gathered and iterated as on one
+    # process (Linear rows; GPT-2's Conv1D with its fused Q/K/V blocks).
+    {"name": "fire_ns_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE_NS]},
+    {"name": "fire_ns_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE_NS]},
     # The package's GPT sharded by its own configure_model, its head included, at fit start; AdamW's state of
     # the treated weights is reset at step 2 (lr = 0: Adam would turn the rounding noise of two gradient
     # reduction orders, on entries whose gradient is near zero, into lr-sized steps that differ).
@@ -97,6 +103,17 @@ def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert float(sharded["metrics"]["fire/layers"]) > 0
     assert float(sharded["metrics"]["fire/dfi_after"]) < 1e-6 * float(sharded["metrics"]["fire/dfi_before"])
     assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/sfe", "fire/layers"))
+
+
+@pytest.mark.parametrize("name", ["fire_ns_mlp", "fire_ns_gpt2"])
+def test_fire_with_a_fixed_iteration_count_under_fsdp2_equals_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["fire/layers"]) > 0
+    # 5 steps leave the weights measurably off an isometry: not the exact polar factor in disguise
+    assert float(sharded["metrics"]["fire/dfi_after"]) > 1e-3 * float(sharded["metrics"]["fire/dfi_before"])
+    assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/dfi_after", "fire/sfe", "fire/layers"))
 
 
 @pytest.mark.parametrize("name", ["redo_mlp", "redo_gpt2"])
