@@ -309,3 +309,25 @@ def test_every_block_combination_composes_from_hydra_and_trains():
             # (a tiny first gradient, e.g. α's at step 3, may not move a float32 scalar under warmup)
             must_move = {"model.lm_head.weight", "model.blocks.0.attn.c_q.weight", "model.blocks.0.mlp.c_proj.weight"}
             assert must_move <= moved, where
+
+
+@pytest.mark.parametrize("kind", ["attn", "mlp"])
+def test_block_scalars_are_one_element_and_a_0d_state_dict_loads_with_the_same_forward(kind):
+    config = GPTConfig(**{**SMALL, "attention": "reciprocal", "mlp": "reciprocal"})
+    block = getattr(GPT(config).blocks[0], kind).double()
+    with torch.no_grad():
+        for name in block.gate_values().keys() - {"gate_std", "gate_rec"} | {"skip_std", "skip_rec"}:
+            getattr(block, name).uniform_(-1, 1)  # off their init: every scalar visible in the output
+        block.c_proj.weight.normal_(0, 0.1)
+    scalars = [n for n, p in block.named_parameters() if p.dim() < 2]
+    assert scalars and all(getattr(block, n).shape == (1,) for n in scalars)  # fully_shard takes (1,), not ()
+    x, attn_out = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
+    run = (lambda b: b(x)) if kind == "attn" else (lambda b: b(x, attn_out=attn_out))
+    expected = run(block)
+    zero_d = {k: v.reshape(()) if k in scalars else v for k, v in block.state_dict().items()}  # scalars stored 0-d
+    fresh = getattr(GPT(config).blocks[0], kind).double()
+    fresh.load_state_dict(zero_d)
+    torch.testing.assert_close(run(fresh), expected, rtol=0, atol=0)
+    for name in scalars:  # the same forward when the scalars are 0-d parameters
+        setattr(fresh, name, torch.nn.Parameter(getattr(fresh, name).detach().reshape(())))
+    torch.testing.assert_close(run(fresh), expected, rtol=0, atol=0)
