@@ -9,8 +9,8 @@ process with ``devices=1`` for the single-process reference on the same global b
 A run: ``{"name", "model": mlp | gpt | digits | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
 "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
 "distributed_checkpoint", "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
-arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result: full parameters, full optimizer state by parameter name, logged
-metrics and the callbacks' state.
+arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result:
+full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
 

@@ -199,18 +199,23 @@ def test_gate_logger_under_fsdp2_logs_the_gates_of_one_process(fsdp2_runs):
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
 def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
+    from plasticity_callbacks.callbacks.gate_logger import GateLogger
+    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
     from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type(strategy, (), {})())
     for fsdp2 in (False, True):
         with pytest.raises(MisconfigurationException, match=f"{strategy}.*ModelParallelStrategy.*fully_shard.*ddp"):
             require_full_parameters(trainer, "Owner", fsdp2=fsdp2)
+    for observer in (TaskMetrics(), GateLogger()):  # they read weights too: refused at setup, before any data
+        with pytest.raises(MisconfigurationException,
+                           match=f"{type(observer).__name__} cannot act under strategy {strategy}.*ModelParallel"):
+            observer.setup(trainer, None, "fit")
 
 
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
     from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
                                       FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
-    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
     from plasticity_callbacks.core.distributed import MisconfigurationException
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
@@ -222,6 +227,3 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
             callback.check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
         AdaptiveSVDSwitch().check_strategy(trainer)
-    trainer = SimpleNamespace(strategy=type("FSDPStrategy", (), {})())
-    with pytest.raises(MisconfigurationException, match="TaskMetrics.*FSDPStrategy.*ModelParallelStrategy.*ddp"):
-        TaskMetrics().setup(trainer, None, "fit")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..core.arguments import check_int
-from ..core.distributed import gather_full
+from ..core.distributed import gather_full, require_full_parameters
 
 
 def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -43,6 +43,7 @@ class GateLogger(L.Callback):
         self._modules: list[tuple[str, nn.Module]] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        require_full_parameters(trainer, "GateLogger", fsdp2=True)  # FSDP2: each gate gathered from its shard
         self._modules = gated_modules(pl_module)
         if not self._modules:
             raise ValueError("GateLogger: the model has no gated blocks (modules with gate_values()); "

@@ -50,7 +50,7 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
             "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
         f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "
-        "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "
+        "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<number of ranks>, "
         "tensor_parallel_size=1) with fully_shard(..., mesh=self.device_mesh['data_parallel']) in configure_model "
         "(trainer=fsdp2), or strategy='ddp'."
     )
