@@ -140,6 +140,13 @@ class TaskMetrics(L.Callback):
     run keeps its earlier tasks) and written at the end of training to ``<log dir>/tasks.csv`` (one row
     per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the stream's settings, training seconds).
 
+    On several ranks (DDP, or FSDP2: Lightning's ``ModelParallelStrategy``) every number is one process's
+    on the same stream: each rank trains on an equal share of every batch, so the online values are
+    averaged over ranks each step; the end-of-task metrics run on the whole evaluation data on every rank
+    (identical inputs, identical results: no reduction to get wrong, at the cost of repeating a small
+    evaluation); norms combine FSDP2's shards; the probe trains the sharded module in place and restores it
+    (:func:`probe_accuracy`), so no rank ever holds the whole model. FSDP1 and DeepSpeed are refused at setup.
+
     Args:
         tau: dormancy threshold of ``dormant`` (ReDo's 0.025).
         method: the name of the plasticity method under test, recorded in ``stream.json``.
