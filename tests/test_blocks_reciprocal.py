@@ -331,3 +331,24 @@ def test_block_scalars_are_one_element_and_a_0d_state_dict_loads_with_the_same_f
     for name in scalars:  # the same forward when the scalars are 0-d parameters
         setattr(fresh, name, torch.nn.Parameter(getattr(fresh, name).detach().reshape(())))
     torch.testing.assert_close(run(fresh), expected, rtol=0, atol=0)
+
+
+def test_a_checkpoint_with_0d_block_scalars_resumes_training(tmp_path):
+    module = tiny_gpt_module(attention="reciprocal", mlp="reciprocal")
+    trainer = cpu_trainer(max_steps=2, default_root_dir=tmp_path)
+    trainer.fit(module, token_loader())
+    trainer.save_checkpoint(tmp_path / "new.ckpt")
+    checkpoint = torch.load(tmp_path / "new.ckpt", weights_only=False)
+    scalars = {k for k, v in checkpoint["state_dict"].items() if v.shape == (1,)}
+    assert len(scalars) == 2 * (4 + 5)
+    checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars else v for k, v in checkpoint["state_dict"].items()}
+    for state in checkpoint["optimizer_states"][0]["state"].values():  # Adam's moments of 0-d parameters
+        state.update({k: v.reshape(()) for k, v in state.items() if k != "step" and v.shape == (1,)})
+    torch.save(checkpoint, tmp_path / "zero_d.ckpt")
+    resumed = {}
+    for name in ("new", "zero_d"):
+        module = tiny_gpt_module(attention="reciprocal", mlp="reciprocal")
+        cpu_trainer(max_steps=4).fit(module, token_loader(), ckpt_path=tmp_path / f"{name}.ckpt")
+        resumed[name] = module.state_dict()
+    for key, value in resumed["new"].items():
+        assert torch.equal(resumed["zero_d"][key], value), key
