@@ -76,3 +76,12 @@ def test_fsdp2_data_parallel_size_must_be_the_rank_count():
     with pytest.raises(ConfigError, match="tensor_parallel_size=2.*=1$"):
         check_config(composed("experiment=smoke", "trainer=fsdp2", "trainer.strategy.tensor_parallel_size=2",
                               "trainer.strategy.data_parallel_size=1"))
+
+
+def test_a_pipeline_under_fsdp2_needs_single_file_checkpoints():
+    pipeline = ["experiment=pipeline_smoke", "+method=fire", "trainer=fsdp2"]
+    with pytest.raises(ConfigError, match="save_distributed_checkpoint=true.*set trainer.strategy."
+                                          "save_distributed_checkpoint=false"):
+        check_config(composed(*pipeline), pipeline)
+    check_config(composed(*pipeline, "trainer.strategy.save_distributed_checkpoint=false"), pipeline)
+    check_config(composed("experiment=continual_digits", "+method=fire", "trainer=fsdp2"), [])  # one fit: any
