@@ -49,7 +49,8 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
             f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit, ReDoMonitor, DASH, ShrinkPerturb, FullReset and WeightClip do. "
             "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
-        f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "
+        f"{owner} cannot act under strategy {name}: the strategy flattens parameters into shards (FSDP1's flat "
+        "parameters, DeepSpeed's ZeRO partitions) that hold no weight matrix whole. "
         "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<number of ranks>, "
         "tensor_parallel_size=1) with fully_shard(..., mesh=self.device_mesh['data_parallel']) in configure_model "
         "(trainer=fsdp2), or strategy='ddp'."
