@@ -8,7 +8,7 @@ process with ``devices=1`` for the single-process reference on the same global b
 
 A run: ``{"name", "model": mlp | gpt | digits | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
 "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
-"distributed_checkpoint", "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
+"distributed_checkpoint", "ddp" (DDP instead of FSDP2), "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
 arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result:
 full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
 """
@@ -152,9 +152,9 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     steps = spec.get("steps", 4)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                       save_distributed_checkpoint=spec.get("distributed_checkpoint", False))
-        if devices > 1 else "auto",
+        strategy="auto" if devices == 1 else "ddp" if spec.get("ddp") else
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                              save_distributed_checkpoint=spec.get("distributed_checkpoint", False)),
         logger=CSVLogger(run_dir, name="logs", version=""), log_every_n_steps=1,
         enable_checkpointing=bool(spec.get("ckpt_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,

@@ -79,6 +79,10 @@ RUNS = [
     {"name": "metrics_digits", "model": "digits", "steps": 6,
      "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
      "callbacks": [METRICS]},
+    # The same stream under DDP: every rank holds the whole model; the probe's backward runs outside DDP's forward.
+    {"name": "metrics_digits_ddp", "model": "digits", "steps": 6, "ddp": True,
+     "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
+     "callbacks": [METRICS]},
     # GateLogger on the package's GPT with reciprocal attention and MLP: their 1-element gates sharded like any weight.
     {"name": "gates_gpt", "model": "gpt", "steps": 3, "gpt": {"attention": "reciprocal", "mlp": "reciprocal"},
      "callbacks": [{"_target_": "plasticity_callbacks.GateLogger", "every_n_steps": 1}]},
@@ -164,10 +168,11 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
-def test_task_metrics_under_fsdp2_equal_one_process(fsdp2_runs):
+@pytest.mark.parametrize("name", ["metrics_digits", "metrics_digits_ddp"])
+def test_task_metrics_on_two_ranks_equal_one_process(fsdp2_runs, name):
     out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == "metrics_digits")
-    single, sharded = run_single(out, spec), results["metrics_digits"]
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
     rows, sharded_rows = single["callbacks"][0]["history"], sharded["callbacks"][0]["history"]
     assert [r["task"] for r in sharded_rows] == [0, 1]
     for row, sharded_row in zip(rows, sharded_rows):
@@ -180,7 +185,7 @@ def test_task_metrics_under_fsdp2_equal_one_process(fsdp2_runs):
         assert 0 < sharded_row["probe_accuracy"] and 0 < sharded_row["grad_norm"]
     # The probe trained on the shards and put everything back: the weights are those of a run without it.
     assert_same_as_single(single, sharded)
-    assert_close(run_single(out, dict(spec, name="metrics_digits_plain", callbacks=[]))["params"], sharded["params"])
+    assert_close(run_single(out, dict(spec, name=f"{name}_plain", callbacks=[]))["params"], sharded["params"])
 
 
 def test_gate_logger_under_fsdp2_logs_the_gates_of_one_process(fsdp2_runs):
