@@ -44,3 +44,19 @@ class SignalAt(L.Callback):
 def signal_spec(step: int, name: str) -> str:
     """The override that adds :class:`SignalAt` to the SFT phase (this module must be importable: tests/ on the path)."""
     return f"+phases.sft.callbacks.stop={{_target_: fault_injection.SignalAt, step: {step}, signal_name: {name}}}"
+
+
+class Crash(Exception):
+    """The injected crash of :class:`CrashAt`."""
+
+
+class CrashAt(L.Callback):
+    """Raises :class:`Crash` when training step ``step`` starts: a run that dies (SIGKILL, OOM) after logging
+    the steps since its last checkpoint, which the resumed run trains and logs again."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            raise Crash(f"crashed at step {self.step}")

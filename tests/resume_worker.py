@@ -6,7 +6,8 @@ callbacks, a ``ModelCheckpoint`` every ``ckpt_every`` steps (``last.ckpt`` too) 
 logger config (configs/logger/csv.yaml). ``stop_at`` interrupts it when optimizer step ``stop_at``
 is about to start (so the checkpoint of that step is on disk), or with ``at="validation"`` when the
 validation after step ``stop_at`` starts: ``how="raise"`` raises, ``how="wait"`` writes ``<out>/ready``
-and waits for a signal. ``resume: true`` continues with ``ckpt_path="last"``. Each run that finishes
+and waits for a signal. ``resume: true`` continues with ``ckpt_path="last"``, keeping the metric
+rows logged up to that checkpoint (``LogPosition``, ``restore_logs``). Each run that finishes
 saves ``<out>/result.pt``.
 """
 import csv
@@ -23,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import build  # noqa: E402
 
+from plasticity_callbacks.app.resumed_logs import LogPosition, restore_logs  # noqa: E402
 from plasticity_callbacks.data.sampler import ResumableDataLoader  # noqa: E402
 
 
@@ -115,9 +117,12 @@ def run(spec: dict) -> None:
         callbacks.append(Interrupt(spec["stop_at"], spec.get("how", "raise"), out))
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", every_n_train_steps=spec["ckpt_every"],
                                  save_top_k=-1, save_last=True)
+    logger, last = project_logger(out), out / "checkpoints" / "last.ckpt"
+    if spec.get("resume") and last.is_file():  # the rows up to the checkpoint, once, as plasticity-train keeps them
+        restore_logs(logger, torch.load(last, weights_only=True, mmap=True))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=spec["steps"], callbacks=[*callbacks, checkpoint],
-        logger=project_logger(out), log_every_n_steps=1,
+        accelerator="cpu", devices=1, max_steps=spec["steps"], callbacks=[*callbacks, LogPosition(), checkpoint],
+        logger=logger, log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
         accumulate_grad_batches=spec.get("accumulate", 1),
     )

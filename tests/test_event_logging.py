@@ -55,12 +55,3 @@ def test_an_action_at_fit_start_is_one_row_at_step_0(tmp_path):
     assert [step for step, _ in logged] == [0], logged
     assert float(trainer.callback_metrics["fire/dfi_before"]) == pytest.approx(float(logged[0][1]))
 
-
-def test_a_resumed_phase_keeps_only_the_validation_rows_of_its_checkpoint_step():
-    """At the checkpoint's step validation ran before the interruption; training and actions run again after it."""
-    from plasticity_callbacks.app.pipeline import is_validation_row
-
-    validation = {"step": "4", "val/loss": "1.5", "train/loss": "", "fire/dfi_before": ""}
-    action = {"step": "4", "val/loss": "", "train/loss": "", "fire/dfi_before": "0.3"}
-    training = {"step": "4", "val/loss": "", "train/loss": "2.0", "fire/dfi_before": ""}
-    assert [is_validation_row(r) for r in (validation, action, training)] == [True, False, False]

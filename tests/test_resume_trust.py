@@ -22,7 +22,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.pipeline import Pipeline, read_state, write_state
-from plasticity_callbacks.app.train import config_dir, main
+from plasticity_callbacks.app.train import config_dir, fit, main
 from plasticity_callbacks.core.checkpoints import (TRUST_ENV, CheckpointError, RunInterrupted, VerifiedCheckpointIO,
                                                    read_checkpoint, verify_file)
 from plasticity_callbacks.core.resume import ResumeError
@@ -152,6 +152,48 @@ def test_a_refused_resume_writes_nothing_into_the_run_directory(pretrained, tmp_
         expected = "written by phase 'pretrain', not by phase 'sft'"
     before = snapshot(run)
     assert expected in refused([*SMOKE, f"hydra.run.dir={run}", "pipeline.resume=true", *extra], monkeypatch, capsys)
+    assert snapshot(run) == before
+
+
+SINGLE_FIT = ["experiment=smoke", "validate_before_fit=false", "trainer.max_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A single fit with ReDo, checkpointed at its last step; and a pipeline stopped in its first phase."""
+    runs = tmp_path_factory.mktemp("fitted")
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        fit(compose("config", overrides=[*SINGLE_FIT, "+callbacks=redo", f"paths.output_dir={runs / 'fit'}"]))
+    stop = "+phases.pretrain.callbacks.stop={_target_: fault_injection.SignalAt, step: 2}"
+    with pytest.raises(RunInterrupted):
+        Pipeline(compose_pipeline(runs / "pipeline", "pipeline.stop_phase=pretrain", stop)).run()
+    return runs
+
+
+@pytest.mark.parametrize("case", ["fit: removed callback", "fit: changed model", "phase: removed callback",
+                                  "phase: changed model"])
+def test_a_resume_the_model_or_its_callbacks_refuse_writes_nothing_into_the_run_directory(fitted, tmp_path, case,
+                                                                                          monkeypatch, capsys):
+    """The configuration change is allowed, the checkpoint does not fit it: refused before Hydra writes anything."""
+    kind, change = case.split(": ")
+    run = copy_run(fitted / kind.replace("phase", "pipeline"), tmp_path / "run")
+    if kind == "fit":
+        args = [*SINGLE_FIT, "ckpt_path=last"] + (["+callbacks=redo"] if change == "changed model" else [])
+        allowed = []
+    else:
+        args = [*SMOKE, "pipeline.stop_phase=pretrain", "pipeline.resume=true"]
+        allowed = ["phases.pretrain.callbacks.stop"]
+    if change == "removed callback":
+        args += ["~callbacks.redo"] if kind == "phase" else []
+        allowed.append("callbacks.redo")
+        expected = "holds state of callbacks this run does not have: ReDoMonitor"
+    else:
+        args.append("model.n_embd=16")
+        allowed.append("model.n_embd")
+        expected = "the model has other shapes than the checkpoint's"
+    before = snapshot(run)
+    line = refused([*args, f"hydra.run.dir={run}", f"resume_allow_changes=[{','.join(allowed)}]"], monkeypatch, capsys)
+    assert expected in line, line
     assert snapshot(run) == before
 
 

@@ -33,7 +33,6 @@ phase is recorded complete only once its ``final.ckpt`` is verified on disk.
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import time
@@ -55,6 +54,7 @@ from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
 from .methods import check_method
+from .resumed_logs import LogPosition, restore_logs
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
 STATE_FILE = "pipeline.json"
@@ -301,9 +301,16 @@ class Pipeline:
                 verify_file(self.final_checkpoint(phase))
                 continue
             last = self.checkpoint_dir(phase) / "last.ckpt"
-            if last.is_file():  # the interrupted phase
+            if last.is_file():  # the interrupted phase: also its model's shapes and its callbacks
                 guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
-                guard.check_origin(read_checkpoint(last, mmap=True), str(last))
+                interrupted = read_checkpoint(last, mmap=True)
+                module = module_on_meta(lambda: self.build_module(phase))
+                if module is None:
+                    guard.check_origin(interrupted, str(last))
+                else:
+                    callbacks = [guard, *instantiate_callbacks(phase.callbacks),
+                                 instantiate(self.cfg.checkpoint, dirpath=str(self.checkpoint_dir(phase)))]
+                    guard.check(interrupted, callbacks, module, str(last))
             return
 
     def checkpoint_dir(self, phase: Phase) -> Path:
@@ -391,20 +398,18 @@ class Pipeline:
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
         guard = ResumeGuard(config=self.fingerprint, allow_changes=list(cfg.get("resume_allow_changes") or []),
                             phase=phase.name)
-        callbacks = [guard, *callbacks, instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
-        resumed_at = 0  # the step the resume starts from, read now: by the end of the fit last.ckpt is a later one
-        if resume_from is not None:
-            interrupted = read_checkpoint(resume_from, mmap=True)
+        callbacks = [guard, *callbacks, LogPosition(), instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
+        interrupted = read_checkpoint(resume_from, mmap=True) if resume_from is not None else None
+        if interrupted is not None:
             guard.check(interrupted, callbacks, module, str(resume_from))
-            resumed_at = int(interrupted["global_step"])
         logger = instantiate(cfg.logger, version=phase.name)
+        restore_logs(logger, interrupted)  # the rows logged up to the checkpoint, once (resumed_logs.py)
         quiet = {"enable_model_summary": False} if phase.index > 0 else {}  # the same model: summarized once
         trainer: L.Trainer = instantiate(phase.trainer, max_steps=phase.steps, logger=logger, callbacks=callbacks,
                                          plugins=[VerifiedCheckpointIO()], **quiet)
         rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
         started = time.perf_counter()
-        earlier_rows = read_metrics(logger) if resume_from is not None else []
         if resume_from is None and cfg.get("validate_before_fit", True):
             before = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
             guard.carried["val_loss_before"] = before.get("val/loss")
@@ -413,11 +418,6 @@ class Pipeline:
         train_loss = metrics.get("train/loss")
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
         trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
-        if earlier_rows:
-            # rows up to the checkpoint: validation at its step ran before the interruption; training and a
-            # method's actions at its step ran after, and the resumed fit logs them again
-            prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at
-                                     or (int(r["step"]) == resumed_at and is_validation_row(r))])
         metrics.update({k: float(v) for k, v in after.items()})
         first = self.phases[0].name
         return {
@@ -433,36 +433,14 @@ class Pipeline:
         }
 
 
-def metrics_file(logger) -> Path | None:
-    log_dir = getattr(logger, "log_dir", None)
-    return Path(log_dir) / "metrics.csv" if log_dir else None
-
-
-def read_metrics(logger) -> list[dict[str, str]]:
-    """The rows a CSV logger wrote before an interruption (a new CSVLogger would delete them)."""
-    path = metrics_file(logger)
-    if path is None or not path.is_file():
-        return []
-    with path.open(newline="") as f:
-        return [row for row in csv.DictReader(f) if row.get("step")]
-
-
-def is_validation_row(row: dict[str, str]) -> bool:
-    """A row the validation loop logged (``val/*``, ``retention/*``), not a training step or a method's action."""
-    return any(value and name.startswith(("val/", "retention/")) for name, value in row.items())
-
-
-def prepend_metrics(logger, rows: list[dict[str, str]]) -> None:
-    """Put the rows from before a mid-phase resume back in front of the resumed run's rows."""
-    path = metrics_file(logger)
-    if path is None or rank_zero_only.rank != 0:
-        return
-    new_rows = read_metrics(logger)
-    fields = list(dict.fromkeys(k for row in rows + new_rows for k in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows + new_rows)
+def module_on_meta(build) -> L.LightningModule | None:
+    """``build()``'s module with its tensors on the meta device (shapes without memory or initialization, for
+    the checks before a resume starts), or None when it cannot be built there (the run checks it again)."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:
+        return None
 
 
 def merged(results: list[dict[str, float]]) -> dict[str, float]:

@@ -30,7 +30,8 @@ from .callback_checks import check_callbacks
 from .config_checks import check_command_line, check_config
 from .console import configure_run_output
 from .methods import task_stream_callbacks
-from .pipeline import Pipeline, instantiate_callbacks, prepend_metrics, read_metrics, resolve_method
+from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
+from .resumed_logs import LogPosition, restore_logs
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
     if cfg.get("method_at_task_boundaries"):
         callbacks += instantiate_callbacks(task_stream_callbacks(resolve_method(cfg)))
-    return callbacks + [instantiate(cfg.checkpoint)]
+    return callbacks + [LogPosition(), instantiate(cfg.checkpoint)]
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
@@ -73,20 +74,16 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         check_data_fits_model(datamodule, module.config)
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
     callbacks = [guard, *build_callbacks(cfg)]
-    if ckpt_path is not None:  # refuse before the logger empties the run's metrics file
-        guard.check(read_checkpoint(ckpt_path, mmap=True), callbacks, module, ckpt_path)
+    resumed_from = read_checkpoint(ckpt_path, mmap=True) if ckpt_path is not None else None
+    if resumed_from is not None:  # refuse before anything touches the run's logs
+        guard.check(resumed_from, callbacks, module, ckpt_path)
     logger = instantiate(cfg.logger)
+    restore_logs(logger, resumed_from)  # the rows logged up to the checkpoint, once (resumed_logs.py)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
     started = time.perf_counter()
     if cfg.validate_before_fit and ckpt_path is None:
         guard.carried["val_loss_before"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
-    # Resuming in the same run directory: CSVLogger deletes the metrics file it reopens, so keep the
-    # rows logged before the interruption and put them back in front of the resumed run's rows.
-    earlier_rows = read_metrics(logger) if ckpt_path is not None else []
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if earlier_rows:
-        resumed_at = min((int(r["step"]) for r in read_metrics(logger)), default=trainer.global_step)
-        prepend_metrics(logger, [r for r in earlier_rows if int(r["step"]) < resumed_at])
     metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
     summary = {
         "parameters": sum(p.numel() for p in module.parameters()),
@@ -180,7 +177,9 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
     """Raise the refusal a resume would meet (ResumeError, CheckpointError) before Hydra creates the run
     directory or writes ``.hydra/`` and ``train.log`` into it: a missing run or checkpoint, a changed
     configuration, a checkpoint that is damaged, needs arbitrary code to load, or belongs to another
-    phase or run, a directory in use. Anything else (a bad value) is left to the run's own checks.
+    phase or run, a model whose shapes differ from the checkpoint's or a callback whose state it holds
+    missing (configuration changes allowed), a directory in use. Anything else (a bad value) is left to
+    the run's own checks.
 
     Args:
         argv: the command line after the program name.
@@ -210,7 +209,11 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
         elif cfg.get("ckpt_path") is not None:
             path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)
             guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
-            guard.check_origin(read_checkpoint(path, mmap=True), path)
+            checkpoint = read_checkpoint(path, mmap=True)
+            guard.check_origin(checkpoint, path)
+            module = module_on_meta(lambda: build_module(cfg))
+            if module is not None:  # a changed model or a removed callback (allowed changes of the configuration)
+                guard.check(checkpoint, [guard, *build_callbacks(cfg)], module, path)
         if run_dir.is_dir():
             RunLock(run_dir).acquire().release()
     except (ResumeError, CheckpointError):

@@ -290,6 +290,20 @@ def validation_follows(trainer) -> bool:
         return False
 
 
+def write_step_row(trainer) -> None:
+    """Log the current training step's metrics row now, as Lightning does right after the ``on_train_batch_end``
+    hooks: a stop raised in one of them would lose that row, and the resumed fit starts at the next step."""
+    try:
+        trainer._logger_connector.update_train_step_metrics()
+    except AttributeError:  # another Lightning version
+        rank_zero_warn(f"stopping at step {trainer.global_step}: could not log that step's metrics before the "
+                       "checkpoint (this Lightning version has no logger_connector.update_train_step_metrics); "
+                       "its row is missing from the logs after the resume")
+        return
+    for logger in trainer.loggers:
+        logger.save()
+
+
 class ModelCheckpointAfterValidation(ModelCheckpoint):
     """``ModelCheckpoint`` whose step-triggered save waits for the validation of the same step.
 
@@ -366,6 +380,8 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
         if pl_module.automatic_optimization and validation_follows(trainer):
             self._save_after_validation = True
             return
+        if self._received is not None:
+            write_step_row(trainer)  # the fit stops in this hook, before Lightning logs the step
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._received is not None:
             self._save_and_stop(trainer)
