@@ -12,6 +12,7 @@ from tiny import build, cpu_trainer, tiny_gpt_module, token_loader
 
 from plasticity_callbacks.callbacks.gate_logger import GateLogger
 from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.core.resume import check_shapes
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.reciprocal_attention import fold_reciprocal, reciprocal_dim_mask
@@ -345,6 +346,7 @@ def test_a_checkpoint_with_0d_block_scalars_resumes_training(tmp_path):
     for state in checkpoint["optimizer_states"][0]["state"].values():  # Adam's moments of 0-d parameters
         state.update({k: v.reshape(()) for k, v in state.items() if k != "step" and v.shape == (1,)})
     torch.save(checkpoint, tmp_path / "zero_d.ckpt")
+    check_shapes(checkpoint["state_dict"], module, "zero_d.ckpt")  # the resume guard lets it through
     resumed = {}
     for name in ("new", "zero_d"):
         module = tiny_gpt_module(attention="reciprocal", mlp="reciprocal")
