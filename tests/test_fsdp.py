@@ -1,8 +1,8 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
 Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches, and
 so do TaskMetrics' per-task metrics on a digits stream and GateLogger's gates of the GPT's reciprocal blocks; a
-killed run resumes to the uninterrupted weights; every other strategy or callback that cannot act on shards
-refuses at setup with the fix.
+killed run resumes to the uninterrupted weights; ``plasticity-train trainer=fsdp2`` runs the GPT end to end;
+every other strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
 the few steps each run trains.
@@ -232,3 +232,26 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
             callback.check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
         AdaptiveSVDSwitch().check_strategy(trainer)
+
+
+def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
+    """The Hydra app end to end on 2 CPU ranks: the GPT shards itself (1-element gates included), FIRE acts at
+    fit start, GateLogger logs every step, and the checkpoint is a distributed one (a folder of shards)."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    args = ["experiment=smoke", "trainer=fsdp2", "trainer.max_steps=2", "model/attention=reciprocal",
+            "model/mlp=reciprocal", "+callbacks=[fire,gates]", "callbacks.gates.every_n_steps=1",
+            f"hydra.run.dir={tmp_path}/run"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "run" / "logs" / "metrics.csv").open()))
+    assert any(float(r.get("fire/layers") or 0) > 0 for r in rows)
+    gates = [float(r["gates/model.blocks.1.mlp/gate_rec"]) for r in rows if r.get("gates/model.blocks.1.mlp/gate_rec")]
+    assert gates and all(0 < g < 0.5 for g in gates)  # sigmoid(-3) trained a little: logged by every rank alike
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_dir()
