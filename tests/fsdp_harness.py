@@ -53,6 +53,10 @@ def assert_close(single, sharded, path: str = "") -> None:
         assert set(single) == set(sharded), f"{path}: keys {sorted(set(single) ^ set(sharded))} differ"
         for key in single:
             assert_close(single[key], sharded[key], f"{path}.{key}")
+    elif isinstance(single, (list, tuple)):
+        assert isinstance(sharded, (list, tuple)) and len(single) == len(sharded), f"{path}: {single!r} vs {sharded!r}"
+        for index, (a, b) in enumerate(zip(single, sharded)):
+            assert_close(a, b, f"{path}[{index}]")
     else:
         assert single == sharded, f"{path}: {single!r} != {sharded!r}"
 

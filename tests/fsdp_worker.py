@@ -6,9 +6,10 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
-A run: ``{"name", "model": mlp | gpt | digits | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
-"optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
-"distributed_checkpoint", "ddp" (DDP instead of FSDP2), "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
+A run: ``{"name", "model": mlp | gpt | digits | digits_root_head | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
+"hidden" (mlp), "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under
+``out``), "distributed_checkpoint", "val_every" (model-zoo models: one validation batch every that many training
+batches), "ddp" (DDP instead of FSDP2), "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
 arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result:
 full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
 """
@@ -67,10 +68,36 @@ class Sharded(model_zoo.Wrapped):
     def train_dataloader(self):
         return loader(model_zoo.batches(self.family, n=1, batch=16 * self.batch), self.batch, self.devices)
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", model_zoo.loss_of(self.family, self.model, batch), sync_dist=True)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
 
 class ShardedMLP(tiny.TinyMLPModule):
     def configure_model(self):
         shard_every_layer(self)
+
+
+def _digits_root_head():
+    from plasticity_callbacks.models.classifier import DigitsClassifier
+
+    class DigitsRootHead(DigitsClassifier):
+        """The digits MLP with its output layer left in the root unit, which an evaluation leaves gathered."""
+
+        def configure_model(self):
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if self.device_mesh is None or isinstance(self.network, FSDPModule):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for layer in list(self.network)[:-1]:
+                if list(layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.network, mesh=mesh)
+
+    return DigitsRootHead
 
 
 def shard_every_layer(module: L.LightningModule) -> None:
@@ -112,11 +139,21 @@ def full(tensor):
     return tensor.full_tensor().detach().clone() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
 
 
+def whole(state):
+    """A callback's state with every tensor whole (FSDP2 keeps some sharded like their parameters)."""
+    if isinstance(state, dict):
+        return {k: whole(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [whole(v) for v in state]
+    return full(state) if torch.is_tensor(state) else state
+
+
 def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
     samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
     if model == "mlp":
-        return ShardedMLP(lr=lr), loader(tiny.regression_loader(n=samples).dataset, batch, devices)
+        return (ShardedMLP(lr=lr, hidden=spec.get("hidden", 16)),
+                loader(tiny.regression_loader(n=samples).dataset, batch, devices))
     if model == "gpt":
         from plasticity_callbacks.models import GPTLightningModule
 
@@ -128,6 +165,10 @@ def build(spec: dict, devices: int):
         from plasticity_callbacks.models.classifier import DigitsClassifier
 
         return DigitsClassifier(widths=[32, 32], lr=lr), RandomLabelDigits(**spec["stream"])
+    if model == "digits_root_head":
+        from plasticity_callbacks.data.digits import RandomLabelDigits
+
+        return _digits_root_head()(widths=[32, 32], lr=lr), RandomLabelDigits(**spec["stream"])
     # SGD for attention models: a key bias has a zero gradient (softmax ignores it), and Adam would turn
     # the rounding noise of two reduction orders into full-size, different steps.
     module = Sharded(model, lr, batch, devices, spec.get("optimizer", "adamw"))
@@ -139,6 +180,8 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from plasticity_callbacks.core.sharded_state import reshard
 
     L.seed_everything(spec.get("seed", 0), workers=True)
     module, data = build(spec, devices)
@@ -158,17 +201,19 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
         logger=CSVLogger(run_dir, name="logs", version=""), log_every_n_steps=1,
         enable_checkpointing=bool(spec.get("ckpt_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,
+        val_check_interval=spec.get("val_every"), limit_val_batches=1 if spec.get("val_every") else 0,
     )
     resume = spec.get("resume")
     data = {"datamodule": data} if isinstance(data, L.LightningDataModule) else {"train_dataloaders": data}
     trainer.fit(module, **data, ckpt_path=str(out / resume) if resume else None)
+    reshard(module)  # a validation at the last step leaves the root unit gathered: its parameters not the optimizer's
     params = {n: full(p) for n, p in module.named_parameters()}
     names = {id(p): n for n, p in module.named_parameters()}
     optimizer = {names[id(p)]: {k: full(v) for k, v in state.items()}
                  for p, state in trainer.optimizers[0].state.items()}
     result = {"params": params, "optimizer": optimizer,
               "metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
-              "callbacks": [c.state_dict() for c in callbacks if hasattr(c, "firing") or hasattr(c, "history")]}
+              "callbacks": [whole(c.state_dict()) for c in callbacks if hasattr(c, "firing") or hasattr(c, "history")]}
     if trainer.global_rank == 0 and devices > 1:
         torch.save(result, out / f"{spec['name']}.pt")
     return result

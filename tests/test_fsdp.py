@@ -1,8 +1,9 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
-Perturb, FullReset and WeightClip on sharded weights equal them on one process over the same global batches, and
-so do TaskMetrics' per-task metrics on a digits stream and GateLogger's gates of the GPT's reciprocal blocks; a
-killed run resumes to the uninterrupted weights; ``plasticity-train trainer=fsdp2`` runs the GPT end to end;
-every other strategy or callback that cannot act on shards refuses at setup with the fix.
+Perturb, FullReset, WeightClip, L2Init, HareTortoise and ContinualBackprop on sharded weights equal them on one
+process over the same global batches, and so do TaskMetrics' per-task metrics on a digits stream and GateLogger's
+gates of the GPT's reciprocal blocks; a killed run resumes to the uninterrupted weights and callback state;
+``plasticity-train trainer=fsdp2`` runs the GPT end to end; every other strategy or callback that cannot act on
+shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
 the few steps each run trains.
@@ -30,6 +31,15 @@ SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
 METRICS = {"_target_": "plasticity_callbacks.callbacks.task_metrics.TaskMetrics", "probe_steps": 3, "probe_lr": 1e-2,
            "stability_tasks": 1, "grad_norm_every_n_steps": 1}
+L2_INIT = {"_target_": "plasticity_callbacks.L2Init", "strength": 0.5}
+# η = 0.5: the tortoise moves visibly in a few steps; reset at step 2 with the optimizer state dropped
+HARE_TORTOISE = {"_target_": "plasticity_callbacks.HareTortoise", "decay": 0.5, "schedule": {"steps": [2]},
+                 "reset_optimizer": True}
+# mature after one step, a fifth of the mature units replaced per step: units are replaced from step 2 on
+CBP = {"_target_": "plasticity_callbacks.ContinualBackprop", "replacement_rate": 0.2, "maturity_threshold": 1,
+       "seed": 7}
+# Resumed with FIRE below: the three methods' state goes through the checkpoint, acting on both sides of it.
+STATEFUL = [L2_INIT, dict(HARE_TORTOISE, schedule={"steps": [2, 5]}), CBP]
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -68,15 +78,44 @@ RUNS = [
     # WeightClip: elementwise on each rank's shard, GPT-2's Conv1D bounded by its stored rows (κ small: entries clip).
     {"name": "clip_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
      "callbacks": [{"_target_": "plasticity_callbacks.WeightClip", "kappa": 0.1}]},
+    # L2Init, HareTortoise and ContinualBackprop: their state is sharded like the weights (L2Init's θ₀, the
+    # tortoise) or whole on every rank (CBP's per-unit statistics). GPT-2's Conv1D (stored (in, out)): each rank
+    # holds some inputs of every unit of c_fc and some units' outgoing rows of c_proj.
+    {"name": "l2_mlp", "model": "mlp", "steps": 3, "callbacks": [L2_INIT]},
+    {"name": "l2_gpt2", "model": "gpt2", "optimizer": "sgd", "lr": 0.1, "steps": 3,  # SGD: a strong pull to see
+     "callbacks": [dict(L2_INIT, strength=5.0)]},
+    {"name": "ht_mlp", "model": "mlp", "steps": 3, "callbacks": [HARE_TORTOISE]},
+    {"name": "ht_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [HARE_TORTOISE]},
+    # The tortoise evaluated at step 2, the hare trained on and reset at step 3: FSDP2 keeps the root unit's
+    # weights (GPT-2's embeddings) gathered after an evaluation forward, so a write to the shards must reshard.
+    {"name": "ht_gpt2_val", "model": "gpt2", "optimizer": "sgd", "lr": 0.1, "steps": 4, "val_every": 2,
+     "callbacks": [dict(HARE_TORTOISE, decay=0.9, schedule={"steps": [3]})]},
+    {"name": "cbp_mlp", "model": "mlp", "steps": 4, "callbacks": [CBP]},
+    {"name": "cbp_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 4, "callbacks": [CBP]},
+    # 13 hidden units: rank 0 holds 7 rows, rank 1 six. The package GPT's relu² MLP (lr = 0: only CBP moves it).
+    {"name": "cbp_mlp_uneven", "model": "mlp", "hidden": 13, "steps": 4, "callbacks": [CBP]},
+    {"name": "cbp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [CBP]},
+    # Phi-3's fused gate_up_proj: a unit is a row in each half, the halves on different ranks.
+    {"name": "cbp_phi3", "model": "phi3", "optimizer": "sgd", "steps": 3, "callbacks": [CBP]},
+    # The same three resumed from a full (one-file) checkpoint written at step 3 of the uninterrupted run.
+    {"name": "state_full_reference", "model": "mlp", "steps": 6, "epoch_steps": 3, "ckpt_every": 3,
+     "callbacks": STATEFUL},
+    {"name": "state_full_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3,
+     "resume": "state_full_reference_2/ckpt/epoch=0-step=3.ckpt", "callbacks": STATEFUL},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
-     "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+     "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
-     "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]},
+     "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]},
     # TaskMetrics on a digits task stream (each rank trains on half of every batch): online metrics averaged over
     # ranks, end-of-task metrics on the whole evaluation data on every rank, the probe trained on the shards.
     {"name": "metrics_digits", "model": "digits", "steps": 6,
+     "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
+     "callbacks": [METRICS]},
+    # The output layer in the root unit, which the evaluations leave gathered: the probe and the next steps must
+    # see the shards (the probe trains, then restores, the head's rows).
+    {"name": "metrics_digits_root_head", "model": "digits_root_head", "steps": 6,
      "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
      "callbacks": [METRICS]},
     # The same stream under DDP: every rank holds the whole model; the probe's backward runs outside DDP's forward.
@@ -89,7 +128,7 @@ RUNS = [
 ]
 # Both ranks die right after the distributed checkpoint at step 3 (its own launch: the processes end there).
 CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "crash_at": 3, "ckpt_every": 3,
-           "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]})]}
+           "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +198,45 @@ def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
     assert_same_as_single(single, sharded, metrics=("weight_clip/clipped",))
 
 
+@pytest.mark.parametrize("name", ["l2_mlp", "l2_gpt2", "ht_mlp", "ht_gpt2", "ht_gpt2_val", "cbp_mlp", "cbp_gpt2", "cbp_mlp_uneven",
+                                  "cbp_gpt", "cbp_phi3"])
+def test_stateful_methods_under_fsdp2_equal_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    untreated = run_single(out, dict(spec, name=f"{name}_untreated", callbacks=[]))
+    moved = max(float((sharded["params"][k] - untreated["params"][k]).abs().max()) for k in untreated["params"])
+    assert moved > 1e-4, "the method did not change the weights"  # ten times the float32 tolerance
+    state = sharded["callbacks"][0]
+    if name.startswith("l2"):  # pulled toward θ₀ (compared below with the single process's θ₀)
+        assert float(sharded["metrics"]["l2_init/distance"]) > 0
+    elif name.startswith("ht"):  # reset at step 2, the tortoise an average of the hare since
+        assert state["resets"] == 1 and float(sharded["metrics"]["hare_tortoise/distance"]) > 0
+    else:  # units replaced inside the run, on both ranks' shards
+        assert float(sharded["metrics"]["cbp/replaced"]) >= 4
+        assert any(bool((stats["age"] < 2).any()) for stats in state["stats"])
+    assert_same_as_single(single, sharded, metrics=("val/loss",) if spec.get("val_every") else ())
+    assert_close(single["callbacks"], sharded["callbacks"], "callbacks")  # θ₀ / tortoise / utilities, ages, means
+
+
+@pytest.mark.parametrize("kind", ["distributed", "full"])
+def test_stateful_methods_under_fsdp2_resume_to_the_uninterrupted_run(fsdp2_runs, kind):
+    """L2Init's θ₀ and the tortoise, sharded like the weights, written as the distributed checkpoint's shards
+    (a killed run) or gathered into one file; CBP's per-unit statistics whole on every rank."""
+    out, results = fsdp2_runs
+    reference, resumed = ((results["resume_reference"], results["resume_resumed"]) if kind == "distributed" else
+                          (results["state_full_reference"], results["state_full_resumed"]))
+    assert_close(reference["params"], resumed["params"], "params")
+    assert_close(reference["optimizer"], resumed["optimizer"], "optimizer")
+    # the methods' own state: the schedules' last_epoch is Lightning's epoch count, which differs across this
+    # resume (the checkpoint of step 3 is written before epoch 0 ends; no schedule here acts on epochs)
+    own = [[{k: v for k, v in state.items() if k != "schedule"} for state in run["callbacks"]]
+           for run in (reference, resumed)]
+    assert_close(*own, "callbacks")
+    tortoise = next(state for state in resumed["callbacks"] if "tortoise" in state)
+    assert tortoise["resets"] == 2  # step 2 before the checkpoint, step 5 after
+
+
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -168,7 +246,7 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
-@pytest.mark.parametrize("name", ["metrics_digits", "metrics_digits_ddp"])
+@pytest.mark.parametrize("name", ["metrics_digits", "metrics_digits_root_head", "metrics_digits_ddp"])
 def test_task_metrics_on_two_ranks_equal_one_process(fsdp2_runs, name):
     out, results = fsdp2_runs
     spec = next(r for r in RUNS if r["name"] == name)
@@ -225,11 +303,8 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
     for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
-                     WeightClip()):
+                     WeightClip(), ContinualBackprop(), L2Init(), HareTortoise()):
         accepted.check_strategy(trainer)
-    for callback in (ContinualBackprop(), L2Init(), HareTortoise()):
-        with pytest.raises(MisconfigurationException, match="FSDP2.*FIREReinit, ReDoMonitor, DASH.*WeightClip do.*ddp"):
-            callback.check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
         AdaptiveSVDSwitch().check_strategy(trainer)
 

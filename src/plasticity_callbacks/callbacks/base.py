@@ -12,6 +12,7 @@ from ..core.callback_state import check_state
 from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection, coverage_report, require_targets, select_targets
 from ..core.schedule import Schedule, ScheduleState
+from ..core.sharded_state import pack_for_checkpoint
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
@@ -41,6 +42,8 @@ class PlasticityCallback(L.Callback):
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
         optional_state_types: keys :meth:`extra_state` may leave out, with their types.
+        parameter_state_keys: keys of :meth:`extra_state` holding lists of tensors shaped like parameters
+            (sharded like them under FSDP2, written by :func:`~..core.sharded_state.pack_for_checkpoint`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -77,6 +80,7 @@ class PlasticityCallback(L.Callback):
     step_hook: ClassVar[str] = "on_train_batch_start"
     extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     optional_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
+    parameter_state_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
         super().__init__()
@@ -149,6 +153,10 @@ class PlasticityCallback(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": None if self.firing is None else self.firing.state_dict(),
                 "pending_logs": dict(self._pending_logs), **self.extra_state()}
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self.parameter_state_keys:  # FSDP2 shards: to the distributed checkpoint, or gathered for one file
+            pack_for_checkpoint(trainer, checkpoint, self.state_key, self.parameter_state_keys)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state(self, state_dict, {"schedule": type(None) if self.firing is None else dict,

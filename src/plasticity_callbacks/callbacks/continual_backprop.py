@@ -8,9 +8,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..core.arguments import check_int, check_number
-from ..core.distributed import all_reduce_mean, rank_identical_generator
+from ..core.distributed import all_reduce_mean, is_dtensor, rank_identical_generator, require_full_parameters
 from ..core.model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
 from ..core.optimizer_state import zero_optimizer_state_slices
+from ..core.sharding import local_part
 from ..functional import continual_backprop as cbp
 from .base import PlasticityCallback
 
@@ -42,9 +43,14 @@ class ContinualBackprop(PlasticityCallback):
     A channel flattened into a Linear scores ``mean|w_out| · E|h - f̂|`` over its positions (the reference's
     CNN code averages the per-position products).
 
-    **DDP**: the batch statistics are averaged over ranks before each update and the new rows come from a
-    generator seeded from ``(seed, global_step)``, so every rank replaces the same units identically.
-    Sharded strategies are refused in ``setup``. Statistics, ages and carried counts are in ``state_dict``.
+    **DDP**: the batch statistics are averaged over ranks before each update (the batch mean already in the
+    forward, as ``E|h - f̂|`` needs the global batch's ``f̂``) and the new rows come from a generator seeded from
+    ``(seed, global_step)``, so every rank replaces the same units identically, those of one process.
+    **FSDP2** (``DTensor`` weights sharded by rows): the same, with the weight magnitudes summed over each
+    rank's shard and then over the ranks; every rank draws all the new rows and writes those its shards hold,
+    and zeroes the outgoing weights it holds. The per-unit statistics are small vectors, the same on every
+    rank, kept whole. FSDP1 and DeepSpeed are refused in ``setup``. Statistics, ages and carried counts are in
+    ``state_dict``.
     It acts every step, so it takes no schedule.
 
     Args:
@@ -97,10 +103,14 @@ class ContinualBackprop(PlasticityCallback):
         self._pending: dict | None = None
         self._hooks: list = []
         self._last_step = -1
+        self._trainer = None
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(rate=self.rate, maturity=self.maturity, layers=sorted(self.layer_map or {}))
+
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows and columns of shards
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -115,6 +125,7 @@ class ContinualBackprop(PlasticityCallback):
                            "contribution is dropped there; pass bias_correction=False to say that is intended")
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._trainer = trainer  # the strategy's collectives, for the forward hooks
         if not self.stats:
             device = self.layers[0].up.weight.device
             self.stats = [{key: torch.zeros(layer.width, device=device) for key in ("util", "mean", "age")}
@@ -134,9 +145,11 @@ class ContinualBackprop(PlasticityCallback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._remove_hooks()
+        self._trainer = None
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._remove_hooks()
+        self._trainer = None
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -151,7 +164,10 @@ class ContinualBackprop(PlasticityCallback):
         units, unit_dim = self.layers[index].unit_activity(h.detach())
         units = units.movedim(unit_dim, -1).reshape(-1, units.shape[unit_dim]).float()  # (samples, units)
         stats = self.stats[index]
-        batch_mean = units.mean(0)
+        # The adaptation term measures h against f̂, which holds this step's mean over the whole global batch:
+        # with several ranks the mean is reduced here, in the forward (a (units,) vector per layer; every rank runs
+        # the same training forwards), so that each rank's E|h - f̂| averages to one process's.
+        batch_mean = units.mean(0) if self.utility == "contribution" else all_reduce_mean(self._trainer, units.mean(0))
         if self.utility == "contribution":
             activity = units.abs().mean(0)
         else:
@@ -201,23 +217,23 @@ class ContinualBackprop(PlasticityCallback):
             rows = _rows(incoming)
             # a fused [gate | up] layer: the unit is its row in each half
             picked = torch.cat([units, units + layer.width]) if layer.fused_gate else units
+            # every rank draws all the new rows (one generator, the same on every rank) and writes those it holds
             new = cbp.draw_rows(len(picked), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
-            cbp.redraw_incoming_(rows, getattr(incoming, "bias", None), picked, new)
+            _redraw_incoming_(incoming, picked, new)
             mask = _mask(picked, rows.shape[0])
             zero_optimizer_state_slices(trainer.optimizers, incoming.weight, mask, dim=int(is_conv1d(incoming)))
             if getattr(incoming, "bias", None) is not None:
                 zero_optimizer_state_slices(trainer.optimizers, incoming.bias, mask, dim=0)
-        down = _rows(layer.down)  # (out, reads, *kernel)
-        cbp.retire_outgoing_(down, getattr(layer.down, "bias", None), units,
-                             unit_mean if self.bias_correction else None, layer.down_offset, layer.group)
+        _retire_outgoing_(layer, units, unit_mean if self.bias_correction else None)
         columns = cbp.unit_columns(units, layer.down_offset, layer.group)
-        zero_optimizer_state_slices(trainer.optimizers, layer.down.weight, _mask(columns, down.shape[1]),
+        zero_optimizer_state_slices(trainer.optimizers, layer.down.weight, _mask(columns, _rows(layer.down).shape[1]),
                                     dim=int(not is_conv1d(layer.down)))
         if layer.norm is not None:  # a fresh BatchNorm channel: scale 1, shift 0, statistics of a new layer
             for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
                 tensor = getattr(layer.norm, name, None)
                 if tensor is not None:
-                    tensor[units] = value
+                    local, span = local_part(tensor)
+                    local[_held(units, span, local.shape[0])[0]] = value
 
     def extra_state(self) -> dict:
         if not self.stats:
@@ -262,12 +278,77 @@ def _mask(indices: torch.Tensor, size: int) -> torch.Tensor:
 
 def _incoming_magnitude(layer: HiddenUnits) -> torch.Tensor:
     """``mean |w_in[i, :]|`` per unit ``i`` (a fused [gate | up] layer: over the unit's row in both halves)."""
-    rows = _rows(layer.up).detach().abs().flatten(1).float().mean(1)
+    rows = _mean_abs(_rows(layer.up), keep=0)
     return rows.view(2, layer.width).mean(0) if layer.fused_gate else rows
 
 
 def _outgoing_magnitude(layer: HiddenUnits) -> torch.Tensor:
     """``mean_k |w_out[k, i]|`` per unit ``i``, over ``down``'s outputs, kernel taps and the unit's positions."""
-    down = _rows(layer.down).detach().abs().float()
-    reads = down.movedim(1, 0).flatten(1).mean(1)  # (reads,)
+    reads = _mean_abs(_rows(layer.down), keep=1)  # (reads,)
     return reads.narrow(0, layer.down_offset, layer.width * layer.group).view(layer.width, layer.group).mean(1)
+
+
+def _mean_abs(weight: torch.Tensor, keep: int) -> torch.Tensor:
+    """``mean |w|`` over every dim of ``weight`` but ``keep``, whole on every rank. A FSDP2 ``DTensor``: sums of
+    each rank's shard, then all-gathered (``keep`` sharded) or all-reduced (a sum over the sharded dim)."""
+    weight = weight.detach()
+    if not is_dtensor(weight):
+        return weight.abs().movedim(keep, 0).flatten(1).float().mean(1)
+    dims = [d for d in range(weight.dim()) if d != keep]
+    return weight.abs().float().sum(dims).full_tensor() / (weight.numel() // weight.shape[keep])
+
+
+def _held(indices: torch.Tensor, span: slice, held: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of ``indices`` along a dim of which this rank holds ``span`` (``held`` entries): their local positions
+    and which of ``indices`` they are (a plain tensor: all of them)."""
+    start = span.start or 0
+    mine = (indices >= start) & (indices < start + held)
+    return indices[mine] - start, mine
+
+
+@torch.no_grad()
+def _redraw_incoming_(layer: nn.Module, units: torch.Tensor, new_rows: torch.Tensor) -> None:
+    """Rows ``units`` of ``layer``'s ``(out, in)`` weight become ``new_rows``, their bias 0; under FSDP2 each rank
+    writes what its shards hold (HF ``Conv1D``, stored ``(in, out)``: its inputs of every unit)."""
+    bias = getattr(layer, "bias", None)
+    if not is_dtensor(layer.weight):
+        cbp.redraw_incoming_(_rows(layer), bias, units, new_rows)
+        return
+    local, span = local_part(layer.weight)
+    if is_conv1d(layer):
+        local[:, units] = new_rows[:, span].mT.to(local.dtype)
+    else:
+        where, mine = _held(units, span, local.shape[0])
+        local[where] = new_rows[mine].to(local.dtype)
+    if bias is not None:
+        local_bias, span = local_part(bias)
+        local_bias[_held(units, span, local_bias.shape[0])[0]] = 0
+
+
+@torch.no_grad()
+def _retire_outgoing_(layer: HiddenUnits, units: torch.Tensor, unit_mean: torch.Tensor | None) -> None:
+    """Zero ``units``' outgoing weights in ``down``, first moving their mean contribution into its bias
+    (:func:`~plasticity_callbacks.functional.continual_backprop.retire_outgoing_`). Under FSDP2 a
+    Linear/conv ``down`` holds whole output rows on each rank, and their bias entries: the same computation on
+    the shards. HF ``Conv1D`` (stored ``(reads, out)``) holds some reads of every output: each rank's part of
+    the bias change is summed over the ranks (one all-reduce), then each zeroes the reads it holds."""
+    down, bias = layer.down, getattr(layer.down, "bias", None)
+    if not is_dtensor(down.weight):
+        cbp.retire_outgoing_(_rows(down), bias, units, unit_mean, layer.down_offset, layer.group)
+        return
+    if not is_conv1d(down):  # whole output rows and their bias entries on each rank
+        cbp.retire_outgoing_(local_part(down.weight)[0], None if bias is None else local_part(bias)[0], units,
+                             unit_mean, layer.down_offset, layer.group)
+        return
+    if units.numel() == 0:
+        return
+    local, span = local_part(down.weight)  # (reads held, out)
+    columns = cbp.unit_columns(units, layer.down_offset, layer.group)
+    where, mine = _held(columns, span, local.shape[0])
+    if bias is not None and unit_mean is not None:
+        means = unit_mean[units].repeat_interleave(layer.group)[mine].to(local.dtype)
+        change = (local[where] * means[:, None]).sum(0)  # (out,): this rank's reads
+        torch.distributed.all_reduce(change, group=down.weight.device_mesh.get_group())
+        local_bias, bias_span = local_part(bias)
+        local_bias += change[bias_span].to(local_bias.dtype)
+    local[where] = 0

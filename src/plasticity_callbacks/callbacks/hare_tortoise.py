@@ -7,10 +7,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
+from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.parameter_patterns import matching_parameters, name_selection
 from ..core.schedule import Schedule
+from ..core.sharded_state import reshard, restore_like, squared_distance, state_copy
 from ..functional.anchors import ema_toward_
 from .base import PlasticityCallback
 
@@ -27,6 +29,8 @@ class HareTortoise(PlasticityCallback):
     (``on_validation_start``/``on_test_start``) and the hare's swapped back at their end; an evaluation
     that runs inside training hooks (a task stream's TaskMetrics) sees the hare. Buffers (BatchNorm
     statistics) are the hare's. Deterministic, so identical on every DDP rank; the tortoise is in ``state_dict``.
+    Under FSDP2 the tortoise is sharded like the hare: each rank averages, resets and swaps its own shards
+    (:mod:`~plasticity_callbacks.core.sharded_state`: how it is saved).
     Logs ``hare_tortoise/distance`` (``‖θ_H - θ_T‖`` just before a reset).
 
     Args:
@@ -47,6 +51,7 @@ class HareTortoise(PlasticityCallback):
     summary_metrics = ("hare_tortoise/distance",)
     default_schedule = Schedule(every_n_steps=1000)
     extra_state_types = {"names": list, "tortoise": list, "resets": int}
+    parameter_state_keys = ("tortoise",)
 
     def __init__(self, decay: float = 0.999, schedule: Schedule | Mapping | None = None, reset_optimizer: bool = False,
                  evaluate_tortoise: bool = True, selection: Selection | Mapping | None = None):
@@ -68,23 +73,32 @@ class HareTortoise(PlasticityCallback):
         return self._generate_state_key(decay=self.decay, schedule=self.schedule.describe(),
                                         include=self.selection.include, exclude=self.selection.exclude)
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: the tortoise is sharded like the hare
+
     def check_targets(self, trainer, pl_module) -> None:
         matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)
+        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "
+                       f"to it on {self.schedule.describe()}")
+
+    def _attach(self, trainer, pl_module) -> None:
+        """Pair the hare's parameters with the tortoise, placed like them (a no-op when it already is); again at
+        the first validation and at train start: FSDP2 restores a checkpoint after ``on_fit_start``."""
         chosen = matching_parameters(pl_module, self.selection, self.owner)
         if not self.tortoise:  # a restored checkpoint brings its tortoise
             self.names = [name for name, _ in chosen]
-            self.tortoise = [p.detach().clone() for _, p in chosen]
+            self.tortoise = [p.detach().clone() for _, p in chosen]  # FSDP2: each rank clones its own shard
         if [name for name, _ in chosen] != self.names:
             raise ValueError(f"HareTortoise: the checkpoint's tortoise tracks {len(self.names)} parameters, this model "
                              f"selects {len(chosen)}; use the same model and selection")
         self._hare = [p for _, p in chosen]
-        self.tortoise = [t.to(device=p.device, dtype=p.dtype) for t, p in zip(self.tortoise, self._hare)]
-        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "
-                       f"to it on {self.schedule.describe()}")
+        self.tortoise = restore_like(trainer, self.tortoise, self._hare, "HareTortoise tortoise")
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)
         self._last_step = trainer.global_step
         super().on_train_start(trainer, pl_module)
 
@@ -95,35 +109,40 @@ class HareTortoise(PlasticityCallback):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @torch.no_grad()
-    def _swap_in_tortoise(self) -> None:
+    def _swap_in_tortoise(self, pl_module) -> None:
         if self.evaluate_tortoise and self._hare and self._hare_saved is None:
+            reshard(pl_module)  # FSDP2: a unit gathered by an earlier evaluation would not see the write
             self._hare_saved = [h.detach().clone() for h in self._hare]
             for hare, tortoise in zip(self._hare, self.tortoise):
                 hare.copy_(tortoise)
 
     @torch.no_grad()
-    def _swap_back_hare(self) -> None:
+    def _swap_back_hare(self, pl_module) -> None:
         if self._hare_saved is not None:
+            reshard(pl_module)  # FSDP2: the evaluation left the root unit gathered with the tortoise's weights
             for hare, saved in zip(self._hare, self._hare_saved):
                 hare.copy_(saved)
             self._hare_saved = None
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._swap_in_tortoise()
+        if self._hare:  # in a fit
+            self._attach(trainer, pl_module)
+        self._swap_in_tortoise(pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._swap_back_hare()  # before a plateau trigger may reset the hare
+        self._swap_back_hare(pl_module)  # before a plateau trigger may reset the hare
         super().on_validation_end(trainer, pl_module)
 
     def on_test_start(self, trainer, pl_module) -> None:
-        self._swap_in_tortoise()
+        self._swap_in_tortoise(pl_module)
 
     def on_test_end(self, trainer, pl_module) -> None:
-        self._swap_back_hare()
+        self._swap_back_hare(pl_module)
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
+        reshard(pl_module)  # FSDP2: a validation since the last step leaves the root unit gathered
         with torch.no_grad():
-            distance = torch.sqrt(sum((h.float() - t.float()).pow(2).sum() for h, t in zip(self._hare, self.tortoise)))
+            distance = squared_distance(self._hare, self.tortoise).sqrt()
             for hare, tortoise in zip(self._hare, self.tortoise):
                 hare.copy_(tortoise)
         if self.reset_optimizer:
@@ -133,7 +152,7 @@ class HareTortoise(PlasticityCallback):
         return {"hare_tortoise/distance": float(distance)}
 
     def extra_state(self) -> dict:
-        return {"names": list(self.names), "tortoise": [t.detach().cpu().clone() for t in self.tortoise],
+        return {"names": list(self.names), "tortoise": [state_copy(t) for t in self.tortoise],
                 "resets": self.resets}
 
     def load_extra_state(self, state: dict) -> None:

@@ -8,8 +8,10 @@ from torch import nn
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.arguments import check_number
+from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection
 from ..core.parameter_patterns import matching_parameters, name_selection
+from ..core.sharded_state import restore_like, squared_distance, state_copy
 from ..functional.anchors import l2_init_grad_
 from .base import PlasticityCallback
 
@@ -24,7 +26,8 @@ class L2Init(PlasticityCallback):
     run yet, so the term is clipped with the loss's gradient as it would be inside the loss) every
     selected parameter's gradient gets ``λ(θ - θ₀)``. ``θ₀`` is the parameters at the start of the
     first fit (identical on every rank: DDP broadcasts rank 0's weights before any callback runs), kept
-    in ``state_dict``, so a resumed run pulls toward the same point. The ``½`` and the parameters follow the
+    in ``state_dict``, so a resumed run pulls toward the same point. Under FSDP2 each rank keeps ``θ₀`` of its
+    own shard and pulls its gradient shard (:mod:`~plasticity_callbacks.core.sharded_state`: how it is saved). The ``½`` and the parameters follow the
     authors' code (``skumar9876/L2_Init``, ``L2InitAgent``: ``λ·0.5·Σ(θ - θ₀)²``, so the paper's λ sweeps mean
     the same here): every trainable parameter except those of normalization layers (LayerNorm, RMSNorm,
     BatchNorm, GroupNorm; ``include_norms=True`` pulls them too); ``selection``'s name patterns narrow it.
@@ -44,6 +47,7 @@ class L2Init(PlasticityCallback):
     summary_metrics = ("l2_init/distance",)
     default_schedule = None  # the pull acts at every optimizer step
     extra_state_types = {"names": list, "anchors": list}
+    parameter_state_keys = ("anchors",)
 
     def __init__(self, strength: float = 1e-3, include_norms: bool = False,
                  selection: Selection | Mapping | None = None):
@@ -73,29 +77,39 @@ class L2Init(PlasticityCallback):
     def check_targets(self, trainer, pl_module) -> None:
         self.chosen(pl_module)  # fails before any training
 
+    def check_strategy(self, trainer) -> None:
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: θ₀ is sharded like its parameter
+
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)
+        rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._attach(trainer, pl_module)  # FSDP2 restores a checkpoint after on_fit_start
+        super().on_train_start(trainer, pl_module)
+
+    def _attach(self, trainer, pl_module) -> None:
+        """Pair the selected parameters with their anchors, placed like them (a no-op when they already are)."""
         chosen = self.chosen(pl_module)
         if not self.anchors:  # a restored checkpoint keeps the θ₀ of the first fit
             self.names = [name for name, _ in chosen]
-            self.anchors = [p.detach().clone() for _, p in chosen]
+            self.anchors = [p.detach().clone() for _, p in chosen]  # FSDP2: each rank clones its own shard
         if [name for name, _ in chosen] != self.names:
             raise ValueError(f"L2Init: the checkpoint anchored {len(self.names)} parameters {self.names[:3]}..., this "
                              f"model selects {len(chosen)} {[n for n, _ in chosen][:3]}...; use the same model and "
                              "selection")
         self._params = [p for _, p in chosen]
-        self.anchors = [a.to(p.device) for a, p in zip(self.anchors, self._params)]
-        rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")
+        self.anchors = restore_like(trainer, self.anchors, self._params, "L2Init anchors")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        l2_init_grad_(self._params, self.anchors, self.strength)
+        l2_init_grad_(self._params, self.anchors, self.strength)  # FSDP2: shard by shard, gradients already reduced
         if trainer.global_step % trainer.log_every_n_steps == 0:
-            with torch.no_grad():
-                distance = torch.sqrt(sum((p.float() - a.float()).pow(2).sum() for p, a in zip(self._params, self.anchors)))
+            distance = squared_distance(self._params, self.anchors).sqrt()
             pl_module.log("l2_init/distance", distance, on_step=True, on_epoch=False)
 
     def extra_state(self) -> dict:
-        return {"names": list(self.names), "anchors": [a.detach().cpu().clone() for a in self.anchors]}
+        return {"names": list(self.names), "anchors": [state_copy(a) for a in self.anchors]}
 
     def load_extra_state(self, state: dict) -> None:
         self.names, self.anchors = list(state["names"]), list(state["anchors"])

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from ..core.arguments import check_int
 from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
 from ..core.figures import run_output_dir
+from ..core.sharded_state import reshard
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
 
@@ -31,7 +32,7 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
 
     The module must provide ``hidden_activations(x) -> [(name, tensor), ...]`` (last = final hidden layer).
     Under a distributed strategy every rank passes the same ``(x, y)`` (a forward under FSDP2 is a
-    collective), so each computes one process's values.
+    collective), so each computes one process's values; FSDP2 units are left on their shards.
     """
     was_training = pl_module.training
     pl_module.eval()
@@ -42,6 +43,7 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
             hidden = [h for _, h in pl_module.hidden_activations(x)]
     finally:
         pl_module.train(was_training)
+        reshard(pl_module)  # FSDP2 leaves a root unit gathered after an evaluation: back to its shards
     scores = torch.cat([dormancy_scores(mean_abs_activation(h, unit_dim=1)) for h in hidden])
     features = hidden[-1].flatten(1)  # (M, width)
     return {
@@ -64,6 +66,7 @@ def accuracy_on(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor) 
             logits = pl_module(x.to(pl_module.device))
     finally:
         pl_module.train(was_training)
+        reshard(pl_module)
     return float((logits.argmax(-1) == y.to(logits.device)).float().mean())
 
 
@@ -88,6 +91,7 @@ def probe_accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, st
     Example:
         >>> probe_accuracy(pl_module, *stream.probe_data(), steps=50, lr=1e-3)   # module unchanged after
     """
+    reshard(module)  # FSDP2: an evaluation left the root unit gathered; its parameters are then not the shards
     params = [p for p in module.parameters() if p.requires_grad]
     saved_params = [p.detach().clone() for p in params]
     saved_grads = [p.grad for p in params]
@@ -109,6 +113,7 @@ def probe_accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, st
             logits = module(x)
         return float((logits.argmax(-1) == y).float().mean())
     finally:
+        reshard(module)  # the last forward left the root unit gathered with the probe's weights
         with torch.no_grad():
             for p, saved, grad in zip(params, saved_params, saved_grads):
                 p.copy_(saved)

@@ -46,7 +46,8 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
         return
     if "ModelParallel" in name:
         raise MisconfigurationException(
-            f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit, ReDoMonitor, DASH, ShrinkPerturb, FullReset and WeightClip do. "
+            f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit, ReDoMonitor, DASH, "
+            "ShrinkPerturb, FullReset, WeightClip, L2Init, HareTortoise and ContinualBackprop do. "
             "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
         f"{owner} cannot act under strategy {name}: the strategy flattens parameters into shards (FSDP1's flat "
