@@ -65,34 +65,36 @@ class TimedSwitch(AdaptiveSVDSwitch):
 class BackwardProjectionSwitch(TimedSwitch):
     """Route "project-backward" (measured here, not in the product): each minor weight's gradient is projected
     by a ``register_post_accumulate_grad_hook`` inside the backward, while it is in cache, instead of in
-    ``on_before_optimizer_step``. The hooks come off for a cycle step (the decision reads the raw gradient)
-    and go back on after it with the new ``U_m``."""
+    ``on_before_optimizer_step``. Off on a cycle step (the decision reads the raw gradient); the hooks are
+    registered again after each cycle with the new ``U_m``. ``alternate``: in the backward on odd steps only,
+    in ``on_before_optimizer_step`` on even ones, so one fit under one load compares the two places."""
 
-    def __init__(self, **options):
+    def __init__(self, alternate: bool = False, **options):
         super().__init__(minor_training="project", **options)
-        self.handles = []
+        self.alternate, self.in_backward, self.handles = alternate, False, []
+
+    def _project(self, param, U_minor, transposed):
+        if self.in_backward:
+            project_gradient(param, U_minor, transposed)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._cycle_now:
-            self._unhook()
-
-    def _unhook(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        self.in_backward = not self._cycle_now and (not self.alternate or trainer.global_step % 2 == 1)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.cycled = cycle = self._cycle_now
         started = time.process_time()
         if cycle:
             AdaptiveSVDSwitch.on_before_optimizer_step(self, trainer, pl_module, optimizer)
-            for m in self.matrices:
-                if m.state == "minor":
-                    project = functools.partial(project_gradient, U_minor=m.U_minor, transposed=m.target.transposed)
-                    self.handles.append(m.target.param.register_post_accumulate_grad_hook(project))
-        else:  # the projection already ran in the backward; the schedule's trigger still runs
+            for handle in self.handles:
+                handle.remove()
+            self.handles = [m.target.param.register_post_accumulate_grad_hook(
+                functools.partial(self._project, U_minor=m.U_minor, transposed=m.target.transposed))
+                for m in self.matrices if m.state == "minor"]
+        elif self.in_backward:  # projected in the backward already; the schedule's trigger still runs
             PlasticityCallback.on_before_optimizer_step(self, trainer, pl_module, optimizer)
+        else:
+            AdaptiveSVDSwitch.on_before_optimizer_step(self, trainer, pl_module, optimizer)
         self.hook_seconds += time.process_time() - started
 
 
@@ -144,8 +146,10 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
     thresholds = {"clobber_alignment": 0.0} if worst_case else {}
     options = dict(schedule=Schedule(every_n_steps=every, start_step=every), thresholds=thresholds,
                    save_figure=False, log_per_matrix=False, **switch_options)
-    switch = (BackwardProjectionSwitch(**options) if minor_training == "project-backward" else
-              TimedSwitch(minor_training=minor_training, **options))
+    if minor_training.startswith("project-"):  # project-backward, project-alternate
+        switch = BackwardProjectionSwitch(alternate=minor_training == "project-alternate", **options)
+    else:
+        switch = TimedSwitch(minor_training=minor_training, **options)
     clock = StepClock(switch)
     steps = every * (cycles + 1) + 1
     loader = token_loader(n=steps * batch_size, sequence_len=sequence_len, vocab=256, batch_size=batch_size)
@@ -160,7 +164,13 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
             "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history),
             "cycle_step": statistics.median(t for _, t, *_ in ran) if ran else float("nan"),
             "minor_step": statistics.median(t for _, t, *_ in later) if later else float("nan"),
-            "weights": [m.target.read().detach().clone() for m in switch.matrices]}
+            "weights": [m.target.read().detach().clone() for m in switch.matrices],
+            "odd_step": median_or_nan([t for step, t, *_ in later if step % 2]),
+            "even_step": median_or_nan([t for step, t, *_ in later if not step % 2])}
+
+
+def median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def baseline_step(width: int = 128, batch_size: int = 1, every: int = 4, cycles: int = 3, layers: int = 4,
@@ -239,6 +249,10 @@ def compare_routes(width: int, batch: int, routes: list[str], args, options: dic
     for route, r in results.items():
         report(f"    {route:9s} hooks", r, target)
         report_route(f"    {route:9s} steps", r, base, args.interval, target)
+        if route == "project-alternate":  # the same fit: odd steps project in the backward, even ones after it
+            print(f"    {route}: median step projecting in the backward {1e3 * r['odd_step']:7.2f} ms, in "
+                  f"on_before_optimizer_step {1e3 * r['even_step']:7.2f} ms: ratio "
+                  f"{r['odd_step'] / r['even_step']:.3f}", flush=True)
     if len(routes) > 1:
         first, *rest = routes
         for route in rest:
@@ -259,7 +273,8 @@ def main() -> None:
     parser.add_argument("--default-thresholds", action="store_true",
                         help="add a row per width and batch with the default thresholds (not every matrix minor)")
     parser.add_argument("--minor-training", default=None, metavar="ROUTES",
-                        help="comma-separated routes (project,factorize,project-backward): a row per route plus a switch-free "
+                        help="comma-separated routes (project, factorize, project-backward, project-alternate: both places of the "
+                             "projection in one fit, alternating steps): a row per route plus a switch-free "
                              "baseline in the same run; replaces the plain rows")
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
