@@ -46,6 +46,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.checkpoint_folders import save_folder, saves_folders
 from ..core.checkpoints import (CheckpointError, VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred,
                                 verify_file)
 from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
@@ -287,9 +288,9 @@ class Pipeline:
         checkpoint of another phase or run in the place of the one the run would load."""
         names = [p.name for p in self.phases]
         start = names.index(self.options.get("start_phase") or names[0])
-        if self.options.get("init_from") is not None and Path(self.options.init_from).is_file():
+        if self.options.get("init_from") is not None and Path(self.options.init_from).exists():
             read_checkpoint(self.options.init_from, mmap=True)  # mmap: checked without reading every tensor
-        elif start > 0 and self.final_checkpoint(self.phases[start - 1]).is_file():
+        elif start > 0 and self.final_checkpoint(self.phases[start - 1]).exists():
             previous = self.final_checkpoint(self.phases[start - 1])
             ResumeGuard(phase=names[start - 1]).check_origin(read_checkpoint(previous, mmap=True), str(previous),
                                                              compare_config=False)
@@ -297,11 +298,11 @@ class Pipeline:
             return
         allow = list(self.cfg.get("resume_allow_changes") or [])
         for phase in self.phases[start:]:
-            if phase.name in self.state["phases"] and self.final_checkpoint(phase).is_file():
+            if phase.name in self.state["phases"] and self.final_checkpoint(phase).exists():
                 verify_file(self.final_checkpoint(phase))
                 continue
             last = self.checkpoint_dir(phase) / "last.ckpt"
-            if last.is_file():  # the interrupted phase: also its model's shapes and its callbacks
+            if last.exists():  # the interrupted phase: also its model's shapes and its callbacks
                 guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
                 interrupted = read_checkpoint(last, mmap=True)
                 module = module_on_meta(lambda: self.build_module(phase))
@@ -328,7 +329,7 @@ class Pipeline:
         """Recorded complete in pipeline.json and its final.ckpt present (integrity checked when loaded)."""
         if phase.name not in self.state["phases"]:
             return False
-        if not self.final_checkpoint(phase).is_file():
+        if not self.final_checkpoint(phase).exists():
             rank_zero_warn(f"phase {phase.name}: {STATE_FILE} records it complete but {self.final_checkpoint(phase)} "
                            "is missing; running it again (from its last.ckpt when there is one)")
             return False
@@ -341,7 +342,7 @@ class Pipeline:
         previous, previous_phase = self.options.get("init_from"), None  # init_from: another run's weights
         if previous is None and start > 0:
             previous, previous_phase = self.final_checkpoint(self.phases[start - 1]), names[start - 1]
-        if previous is not None and not Path(previous).is_file():
+        if previous is not None and not Path(previous).exists():
             raise ConfigError(f"cannot start at phase {names[start]!r}: no checkpoint {previous} "
                               "(run the earlier phase first or set pipeline.init_from)")
         offset = sum(self.phases[i].steps for i in range(start))
@@ -382,7 +383,7 @@ class Pipeline:
                   previous_phase: str | None = None) -> dict[str, Any]:
         cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
         resume_from = ckpt_dir / "last.ckpt" if self.options.get("resume") else None
-        resume_from = resume_from if resume_from is not None and resume_from.is_file() else None
+        resume_from = resume_from if resume_from is not None and resume_from.exists() else None
         L.seed_everything(cfg.seed + phase.index, workers=True)
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)
@@ -393,6 +394,10 @@ class Pipeline:
                 ResumeGuard(phase=previous_phase).check_origin(saved, str(previous), compare_config=False)
             module.load_state_dict(saved["state_dict"])
             if phase.carry_optimizer:
+                if "optimizer_states" not in saved:
+                    raise ConfigError(f"phases.{phase.name}.carry_optimizer: {previous} is a distributed checkpoint, "
+                                      "whose optimizer shards this pipeline does not carry into a new phase; set "
+                                      "carry_optimizer: false, or train the earlier phase with trainer=cpu/ddp")
                 callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
         # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
@@ -417,7 +422,10 @@ class Pipeline:
         metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
         train_loss = metrics.get("train/loss")
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
-        trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
+        if saves_folders(trainer):  # a distributed checkpoint: written aside, checksummed, renamed (all ranks)
+            save_folder(trainer, self.final_checkpoint(phase))
+        else:
+            trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
         metrics.update({k: float(v) for k, v in after.items()})
         first = self.phases[0].name
         return {
