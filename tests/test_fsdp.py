@@ -178,7 +178,8 @@ def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process
     spec = next(r for r in RUNS if r["name"] == "sp_gpt_after_validation")
     single, sharded = run_single(out, spec), results["sp_gpt_after_validation"]
     assert sharded["callbacks"][0]["applications"] == single["callbacks"][0]["applications"] == 1
-    # lr = 0: the weights are the shrunk ones either way; step 3's loss tells which weights its forward used
+    # Without a reshard before the action, the shrunk shards of the root unit (embeddings, head) do not survive
+    # step 3: its gathered copy from the validation is what the step computes with and leaves behind.
     assert_same_as_single(single, sharded, metrics=("train/loss",))
 
 

@@ -12,7 +12,7 @@ from ..core.callback_state import check_state
 from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection, coverage_report, require_targets, select_targets
 from ..core.schedule import Schedule, ScheduleState
-from ..core.sharded_state import pack_for_checkpoint
+from ..core.sharded_state import pack_for_checkpoint, reshard
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
@@ -170,6 +170,9 @@ class PlasticityCallback(L.Callback):
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule, defer: bool = False) -> None:
         """Call :meth:`act` when ``reason`` is not None and log its metrics as an event."""
         if reason is not None:
+            # FSDP2 keeps the root unit gathered after an evaluation forward (a validation just ran); the next
+            # forward would use that copy and the write to the shards would be lost. No-op without FSDP2.
+            reshard(pl_module)
             self.log_event(trainer, self.act(trainer, pl_module, reason) or {}, defer)
 
     def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any], defer: bool = False) -> None:
