@@ -8,7 +8,8 @@ process with ``devices=1`` for the single-process reference on the same global b
 
 A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "hidden" (mlp),
 "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
-"distributed_checkpoint", "val_every" (model-zoo models: one validation batch every that many training batches)}``;
+"distributed_checkpoint", "carry_from" (a distributed checkpoint under ``out`` whose optimizer moments
+``CarryOptimizerState`` loads at fit start), "val_every" (model-zoo models: one validation batch every that many training batches)}``;
 the result: full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
@@ -159,6 +160,10 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     if spec.get("ckpt_every"):
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "ckpt", every_n_train_steps=spec["ckpt_every"],
                                          save_top_k=-1, save_last=True))
+    if spec.get("carry_from"):  # a pipeline phase starting from another run's distributed checkpoint
+        from plasticity_callbacks.app.pipeline import CarryOptimizerState
+
+        callbacks.insert(0, CarryOptimizerState(folder=out / spec["carry_from"]))
     if spec.get("crash_at"):
         callbacks.append(Crash(spec["crash_at"]))
     steps = spec.get("steps", 4)

@@ -76,6 +76,10 @@ RUNS = [
     {"name": "sp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [SHRINK_PERTURB]},
     # Right after a validation (a plateau trigger at the second one, step 2): the evaluation left the root unit
     # (embeddings, head) gathered, and step 3 must compute with the shrunk weights, not that stale copy.
+    # A pipeline phase after an FSDP2 phase carries the moments from its distributed checkpoint (0 steps: the
+    # carried state is the result), under another learning rate.
+    {"name": "carry_source", "model": "gpt", "steps": 2, "ckpt_every": 2, "distributed_checkpoint": True},
+    {"name": "carry_target", "model": "gpt", "lr": 0.5, "steps": 0, "carry_from": "carry_source_2/ckpt/last.ckpt"},
     {"name": "sp_gpt_after_validation", "model": "gpt", "lr": 0.0, "steps": 3, "val_every": 1,
      "callbacks": [dict(SHRINK_PERTURB, schedule=AT_SECOND_VALIDATION)]},
     {"name": "reset_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
@@ -171,6 +175,15 @@ def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert float(sharded["metrics"]["dash_periodic/shrunk_fraction"]) == 1.0  # every row, each by its own factor
     assert_same_as_single(single, sharded, metrics=("dash/shrunk", "dash/factor_min", "dash_periodic/shrunk",
                                                     "dash_periodic/factor_min"))
+
+
+def test_a_phase_carries_the_optimizer_moments_of_a_distributed_checkpoint(fsdp2_runs):
+    out, results = fsdp2_runs
+    source, target = results["carry_source"]["optimizer"], results["carry_target"]["optimizer"]
+    assert source and set(source) == set(target)
+    for name, state in source.items():
+        for key, value in state.items():
+            torch.testing.assert_close(target[name][key], value, rtol=0, atol=0, msg=f"{name}.{key}")
 
 
 def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process(fsdp2_runs):

@@ -145,17 +145,47 @@ class PhaseModule(GPTLightningModule):
 class CarryOptimizerState(L.Callback):
     """At fit start, loads the previous phase's optimizer moments into this phase's fresh optimizer,
     keeping this phase's learning rates and schedule. Listed first, so that a method acting in
-    ``on_fit_start`` (e.g. FIRE resetting the state of the weights it treated) acts after it."""
+    ``on_fit_start`` (e.g. FIRE resetting the state of the weights it treated) acts after it.
 
-    def __init__(self, optimizer_states: list[dict]):
+    Args:
+        optimizer_states: the previous checkpoint's ``optimizer_states`` (a file checkpoint).
+        folder: the previous phase's distributed checkpoint (FSDP2): each rank reads its shards of the moments.
+    """
+
+    def __init__(self, optimizer_states: list[dict] | None = None, folder: str | Path | None = None):
         self.optimizer_states = optimizer_states
+        self.folder = folder
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        if self.folder is not None:
+            for index, optimizer in enumerate(trainer.optimizers):
+                load_sharded_moments(pl_module, optimizer, Path(self.folder), f"optimizer_{index}")
+            return
         if len(trainer.optimizers) != len(self.optimizer_states):
             raise ConfigError(f"carry_optimizer: the previous phase had {len(self.optimizer_states)} optimizers, "
                               f"this one has {len(trainer.optimizers)}")
         for optimizer, saved in zip(trainer.optimizers, self.optimizer_states):
             optimizer.load_state_dict(with_saved_moments(optimizer.state_dict(), saved))
+
+
+def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: str) -> None:
+    """Load the moments saved under ``key`` in the distributed checkpoint ``folder`` into ``optimizer`` (each rank
+    its shards, by parameter name), keeping ``optimizer``'s own param groups (learning rates, schedule)."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict creates the moments of a fresh optimizer (a zero step at lr 0) for dcp.load to fill
+    groups = copy.deepcopy(get_optimizer_state_dict(module, optimizer)["param_groups"])
+    saved = {key: get_optimizer_state_dict(module, optimizer)}
+    try:
+        dcp.load(saved, checkpoint_id=str(folder))
+    except Exception as err:  # another optimizer, other parameters: DCP names the missing keys
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"carry_optimizer: the optimizer state in {folder} does not fit this phase's optimizer "
+                          f"({first}); set carry_optimizer: false") from err
+    set_optimizer_state_dict(module, optimizer, {"state": saved[key]["state"], "param_groups": groups})
 
 
 def with_saved_moments(current: dict, saved: dict) -> dict:
@@ -394,11 +424,8 @@ class Pipeline:
                 ResumeGuard(phase=previous_phase).check_origin(saved, str(previous), compare_config=False)
             module.load_state_dict(saved["state_dict"])
             if phase.carry_optimizer:
-                if "optimizer_states" not in saved:
-                    raise ConfigError(f"phases.{phase.name}.carry_optimizer: {previous} is a distributed checkpoint, "
-                                      "whose optimizer shards this pipeline does not carry into a new phase; set "
-                                      "carry_optimizer: false, or train the earlier phase with trainer=cpu/ddp")
-                callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
+                callbacks.insert(0, CarryOptimizerState(folder=previous) if Path(previous).is_dir()
+                                 else CarryOptimizerState(saved["optimizer_states"]))
         # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
         guard = ResumeGuard(config=self.fingerprint, allow_changes=list(cfg.get("resume_allow_changes") or []),
