@@ -179,7 +179,8 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     )
     resume = spec.get("resume")
     validation = data if spec.get("val_every") and data is not None else None  # the training batches again
-    trainer.fit(module, train_dataloaders=data, val_dataloaders=validation, ckpt_path=str(out / resume) if resume else None)
+    trainer.fit(module, train_dataloaders=data, val_dataloaders=validation,
+                ckpt_path=str(out / resume) if resume else None)
     reshard(module)  # a validation at the last step leaves the root unit gathered: its parameters not the optimizer's
     params = {n: full(p) for n, p in module.named_parameters()}
     names = {id(p): n for n, p in module.named_parameters()}

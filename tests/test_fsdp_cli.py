@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from plasticity_callbacks.app.train import main
 from plasticity_callbacks.core.checkpoint_folders import verify_folder
 from plasticity_callbacks.core.checkpoints import CheckpointError, checksum_path, read_checkpoint
 
@@ -80,9 +79,8 @@ def test_a_stopped_fsdp2_run_resumed_with_ckpt_path_last_ends_at_the_uninterrupt
     started = read_checkpoint(stopped / "checkpoints" / "last.ckpt")["state_dict"]
     assert any(not torch.equal(started[k], expected["state_dict"][k]) for k in started)  # steps 5, 6 were trained
     rows = metric_rows(full)
-    assert any(row.get("shrink_perturb/weight_norm_after") for row in rows) or any(
-        k.startswith("shrink") for k in rows[0]), "Shrink & Perturb logged nothing"
-    assert metric_rows(resumed) == rows
+    assert len([row for row in rows if row.get("shrink_perturb/norm_ratio")]) == 3  # steps 2, 4, 6
+    assert metric_rows(resumed) == rows  # every row once: none lost or repeated at the stop
 
 
 def corrupt_shard(folder: Path) -> None:

@@ -32,6 +32,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from .checkpoints import (TRUST_ENV, CheckpointError, _pending_path, _write_synced, checksum_path,
+                          load_trusted_or_weights_only, sha256_of_file, unreadable)
+
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shards
 REST_FILE = "meta.pt"  # Lightning's checkpoint dict less weights and optimizer states (rank 0)
 STATE_DICT_PREFIX = "state_dict."  # the model's entries in the index (Lightning saves {"state_dict": ...})
@@ -47,12 +50,11 @@ def saves_folders(trainer) -> bool:
 def save_folder(trainer, path: str | Path, weights_only: bool = False) -> None:
     """``trainer.save_checkpoint(path)`` for a strategy that writes folders, so that a reader never sees a
     partial folder and its files' checksums are recorded (see the module). Call it on every rank."""
-    from .checkpoints import CheckpointError, _pending_path
 
     path = Path(path)
     pending = _pending_path(path)
-    if trainer.is_global_zero and pending.exists():  # left by a write that was interrupted
-        shutil.rmtree(pending) if pending.is_dir() else pending.unlink()
+    if trainer.is_global_zero and pending.is_dir():  # left by a write that was interrupted
+        shutil.rmtree(pending)
     trainer.strategy.barrier("checkpoint_folder_start")
     trainer.save_checkpoint(pending, weights_only=weights_only)
     trainer.strategy.barrier("checkpoint_folder_written")
@@ -68,7 +70,6 @@ def save_folder(trainer, path: str | Path, weights_only: bool = False) -> None:
 
 def commit_folder(pending: Path, path: Path) -> None:
     """Record ``pending``'s files in ``path``'s checksum file, then put ``pending`` in the place of ``path``."""
-    from .checkpoints import _pending_path, _write_synced, checksum_path, sha256_of_file
 
     lines = []
     for file in folder_files(pending):
@@ -100,7 +101,6 @@ def folder_files(folder: Path) -> list[str]:
 
 def recorded_files(path: Path) -> dict[str, tuple[str, int]] | None:
     """``{file: (sha256, size)}`` from the checksum file beside the folder ``path``; None when there is none."""
-    from .checkpoints import CheckpointError, checksum_path
 
     side = checksum_path(path)
     if not side.is_file():
@@ -117,7 +117,6 @@ def recorded_files(path: Path) -> dict[str, tuple[str, int]] | None:
 
 def mismatch(folder: Path, recorded: dict[str, tuple[str, int]]) -> str | None:
     """What in ``folder`` differs from ``recorded`` (one phrase), or None when every file matches."""
-    from .checkpoints import sha256_of_file
 
     for name, (digest, size) in recorded.items():
         file = folder / name
@@ -133,7 +132,6 @@ def mismatch(folder: Path, recorded: dict[str, tuple[str, int]]) -> str | None:
 def verify_folder(path: str | Path) -> Path:
     """Check the checkpoint folder ``path`` is complete and matches the checksums beside it (when there are some);
     a one-line :class:`CheckpointError` otherwise."""
-    from .checkpoints import CheckpointError, _pending_path
 
     path = Path(path)
     pending = _pending_path(path)
@@ -184,7 +182,6 @@ class IndexUnpickler(pickle.Unpickler):
 
 def read_index(path: Path, trust: bool = False):
     """The folder's ``torch.distributed.checkpoint`` index (tensor shapes, dtypes, where each shard lies)."""
-    from .checkpoints import TRUST_ENV, CheckpointError, unreadable
 
     index_file = path / INDEX_FILE
     try:
@@ -206,7 +203,6 @@ def read_folder(path: Path, map_location: Any = "cpu", trust: bool = False, tens
     Optimizer states stay in the folder (Lightning's strategy restores them into its sharded optimizer)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpoints import load_trusted_or_weights_only
 
     checkpoint = load_trusted_or_weights_only(path / REST_FILE, map_location=map_location, trust=trust)
     entries = {fqn[len(STATE_DICT_PREFIX):]: entry for fqn, entry in read_index(path, trust).state_dict_metadata.items()
@@ -222,7 +218,3 @@ def read_folder(path: Path, map_location: Any = "cpu", trust: bool = False, tens
             dcp.load({"state_dict": state}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     checkpoint["state_dict"] = state
     return checkpoint
-
-
-def remove_folder(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -26,6 +26,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -36,8 +37,6 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-
-from .checkpoint_folders import read_folder, remove_folder, save_folder, saves_folders, verify_folder
 
 CHECKSUM_SUFFIX = ".sha256"
 PENDING_SUFFIX = ".writing"  # the new bytes, renamed over the checkpoint once its checksum is recorded
@@ -165,6 +164,8 @@ def verify_file(path: str | Path) -> Path:
     path = Path(path)
     pending = _pending_path(path)
     if path.is_dir() or pending.is_dir():
+        from .checkpoint_folders import verify_folder  # (it builds on this module)
+
         return verify_folder(path)
     recorded = recorded_checksum(path) if path.is_file() or pending.is_file() else None
     if recorded is not None and pending.is_file() and sha256_of_file(pending) == recorded[0]:
@@ -219,6 +220,8 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | N
     path = verify_file(path)
     trust = trusted_by_environment() if trust is None else trust
     if path.is_dir():  # a distributed checkpoint; mmap: the checks need shapes, not weights
+        from .checkpoint_folders import read_folder
+
         return read_folder(path, map_location=map_location, trust=trust, tensors=not load_kwargs.get("mmap"))
     return load_trusted_or_weights_only(path, map_location=map_location, trust=trust, **load_kwargs)
 
@@ -249,7 +252,7 @@ def unreadable(path: Path, err: Exception) -> CheckpointError:
 
 def remove_with_checksum(path: str | Path) -> None:
     if Path(path).is_dir():  # a distributed checkpoint
-        remove_folder(Path(path))
+        shutil.rmtree(path, ignore_errors=True)
     for file in (Path(path), checksum_path(Path(path))):
         file.unlink(missing_ok=True)
 
@@ -388,6 +391,8 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
         rank_zero_info(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping")
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
+        from .checkpoint_folders import save_folder, saves_folders
+
         if not saves_folders(trainer):
             return super()._save_checkpoint(trainer, filepath)
         # The strategy writes a folder without the CheckpointIO plugin: written aside, checksummed, renamed.
