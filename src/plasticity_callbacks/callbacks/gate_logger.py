@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..core.arguments import check_int
+from ..core.distributed import gather_full, require_full_parameters
 
 
 def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -20,7 +21,9 @@ class GateLogger(L.Callback):
     the decisions exist only here, for reading.
 
     Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps; changes nothing.
-    Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank.
+    Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank under
+    DDP; under FSDP2 (``ModelParallelStrategy``) each is a 1-element ``DTensor`` held by one rank, and
+    every rank gathers it (``full_tensor``, a collective of one number), so all ranks log the same value.
 
     Args:
         every_n_steps: optimizer steps between two logs (a logging cadence, not a plasticity action).
@@ -40,6 +43,7 @@ class GateLogger(L.Callback):
         self._modules: list[tuple[str, nn.Module]] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        require_full_parameters(trainer, "GateLogger", fsdp2=True)  # FSDP2: each gate gathered from its shard
         self._modules = gated_modules(pl_module)
         if not self._modules:
             raise ValueError("GateLogger: the model has no gated blocks (modules with gate_values()); "
@@ -50,6 +54,7 @@ class GateLogger(L.Callback):
             return
         for name, module in self._modules:
             for key, value in module.gate_values().items():
+                value = gather_full(value).reshape(())  # (1,) or a DTensor shard of it -> a scalar
                 pl_module.log(f"gates/{name}/{key}", value, on_step=True, on_epoch=False)
                 if self.log_decisions and key.startswith("gate_"):
                     decision = (value > 0.5).to(torch.float32)
