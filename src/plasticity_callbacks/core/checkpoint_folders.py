@@ -41,10 +41,10 @@ STATE_DICT_PREFIX = "state_dict."  # the model's entries in the index (Lightning
 
 
 def saves_folders(trainer) -> bool:
-    """Whether ``trainer``'s strategy writes its checkpoints as folders of shards (FSDP2, FSDP1 sharded)."""
-    strategy = trainer.strategy
-    return bool(getattr(strategy, "_save_distributed_checkpoint", False)
-                or getattr(strategy, "_state_dict_type", None) == "sharded")
+    """Whether ``trainer``'s strategy writes its checkpoints as folders of shards (``ModelParallelStrategy`` with
+    ``save_distributed_checkpoint=True``; FSDP1, whose sharded folders are laid out otherwise, is refused by the
+    callbacks)."""
+    return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
 
 
 def save_folder(trainer, path: str | Path, weights_only: bool = False) -> None:
