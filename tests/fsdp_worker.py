@@ -130,7 +130,7 @@ def build(spec: dict, devices: int):
     batch, model, lr = spec.get("batch", 4), spec.get("model", "mlp"), spec.get("lr", 1e-2)
     samples = 2 * batch * spec.get("epoch_steps", 8)  # global batches of 2·batch samples per epoch
     if model == "mlp":
-        return (ShardedMLP(lr=lr, hidden=spec.get("hidden", 16)),
+        return (ShardedMLP(lr=lr, optimizer=spec.get("optimizer", "adamw"), hidden=spec.get("hidden", 16)),
                 loader(tiny.regression_loader(n=samples).dataset, batch, devices))
     if model == "gpt":
         from plasticity_callbacks.models import GPTLightningModule

@@ -1,6 +1,7 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
-Perturb, FullReset, WeightClip, L2Init, HareTortoise and ContinualBackprop on sharded weights equal them on one
-process over the same global batches; a killed run resumes to the uninterrupted weights and callback state; every other
+Perturb, FullReset, WeightClip, L2Init, HareTortoise, ContinualBackprop and AdaptiveSVDSwitch (projection) on
+sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted
+weights and callback state; every other
 strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
@@ -33,6 +34,15 @@ CBP = {"_target_": "plasticity_callbacks.ContinualBackprop", "replacement_rate":
        "seed": 7}
 # Resumed with FIRE below: the three methods' state goes through the checkpoint, acting on both sides of it.
 STATEFUL = [L2_INIT, dict(HARE_TORTOISE, schedule={"steps": [2, 5]}), CBP]
+# Every matrix goes "minor" at each cycle (clobber_alignment 0: any principal share of the gradient), so from
+# step 2 on each trains only its r minor left singular directions; r from the spectrum, then grown or shrunk.
+SVD = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "schedule": {"steps": [2, 4]}, "r_min": 2,
+       "thresholds": {"clobber_alignment": 0.0}, "save_figure": False}
+# Linear rows sharded unevenly (15 rows: 8 and 7), in epochs of 3 steps (the resume below stops at a boundary)
+SVD_MLP = {"model": "mlp", "hidden": 15, "optimizer": "sgd", "steps": 6, "epoch_steps": 3, "callbacks": [SVD]}
+# GPT-2's epochs are 8 steps (the model zoo's 64 samples): a resume at step 8, a cycle after it at step 9
+SVD_GPT2 = {"model": "gpt2", "optimizer": "sgd", "steps": 10,
+            "callbacks": [dict(SVD, initial_rank=6, schedule={"steps": [2, 9]})]}
 RUNS = [
     # Linear rows sharded: a tall (16×8) and a square (16×16) matrix, Gram route.
     {"name": "fire_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE]},
@@ -91,6 +101,23 @@ RUNS = [
      "callbacks": STATEFUL},
     {"name": "state_full_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3,
      "resume": "state_full_reference_2/ckpt/epoch=0-step=3.ckpt", "callbacks": STATEFUL},
+    # AdaptiveSVDSwitch: Linear rows (U split by rows, the projection one all-reduce a step; the two matrices' SVDs
+    # on different ranks) and GPT-2's Conv1D (each rank holds columns of the (out, in) view: U_m whole, a local
+    # projection).
+    {"name": "svd_mlp", **SVD_MLP},
+    # AdamW: its exp_avg (a DTensor sharded like the weight) projected at each switch, as on one process.
+    {"name": "svd_mlp_adamw", **dict(SVD_MLP, optimizer="adamw")},
+    {"name": "svd_gpt2", **SVD_GPT2},
+    # nn.MultiheadAttention's bare in_proj_weight (48 × 16, one matrix to AdaptiveSVD) and out_proj, the FFN.
+    {"name": "svd_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 7, "callbacks": [SVD]},
+    # svd_mlp stopped after a distributed checkpoint (each rank writes its rows of U) and svd_gpt2 after a one-file
+    # one (each U gathered whole), then resumed: each rank's rows placed again (Conv1D: its minor columns whole);
+    # the projections and the next cycle (its angle to the saved U) use what was saved.
+    {"name": "svd_mlp_stopped", **dict(SVD_MLP, steps=3), "ckpt_every": 3, "distributed_checkpoint": True},
+    {"name": "svd_mlp_resumed", **SVD_MLP, "resume": "svd_mlp_stopped_2/ckpt/last.ckpt",
+     "distributed_checkpoint": True},
+    {"name": "svd_gpt2_stopped", **dict(SVD_GPT2, steps=8), "ckpt_every": 8},
+    {"name": "svd_gpt2_resumed", **SVD_GPT2, "resume": "svd_gpt2_stopped_2/ckpt/last.ckpt"},
     # Resume: FIRE at steps 1 and 4, uninterrupted, and resumed from the crashed run's step-3 checkpoint (epochs of
     # 3 steps: the test's sampler keeps no position, so the crash falls on an epoch boundary).
     {"name": "resume_reference", "model": "mlp", "steps": 6, "epoch_steps": 3,
@@ -207,6 +234,76 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
+def _svd_state(result: dict) -> dict[str, dict]:
+    """AdaptiveSVDSwitch's state per matrix, with its ``U`` (under FSDP2 kept apart, sharded by rows)."""
+    state = result["callbacks"][0]
+    sharded = dict(zip(state["matrices"], state.get("singular_vectors") or [None] * len(state["matrices"])))
+    return {name: dict(entry, U_prev=entry["U_prev"] if sharded[name] is None else sharded[name])
+            for name, entry in state["matrices"].items()}
+
+
+def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
+    """The matrices whose principal part ``U_pᵀW`` is still ``S_p V_pᵀ`` of the last cycle's SVD
+    (``U_pᵀW (U_pᵀW)ᵀ = diag(S_p²)``), while their minor part moved: the updates since that cycle lay in
+    ``span(U_m)``.
+    ``transposed``: the weights are stored ``(in, out)`` (GPT-2's Conv1D)."""
+    kept = []
+    for name, entry in _svd_state(result).items():
+        W = result["params"][name].double()
+        W = W.T if transposed else W.reshape(W.shape[0], -1)  # (out, in·∏k)
+        U, S, k = entry["U_prev"].double(), entry["S_prev"].double(), len(entry["S_prev"]) - entry["r"]
+        assert entry["state"] == "minor", name
+        principal, minor = U[:, :k].T @ W, U[:, k:].T @ W
+        torch.testing.assert_close(principal @ principal.T, torch.diag(S[:k] ** 2), rtol=1e-4, atol=1e-5 * S[0] ** 2,
+                                   msg=lambda m: f"{name}: the principal part moved: {m}")
+        moved = [(part @ part.T - torch.diag(values**2)).abs().max() for part, values in ((principal, S[:k]),
+                                                                                          (minor, S[k:]))]
+        assert moved[1] > 10 * moved[0], f"{name}: the minor part moved {moved[1]:.2e}, the principal {moved[0]:.2e}"
+        kept.append(name)
+    return kept
+
+
+@pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2", "svd_encoder"])
+def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    history = sharded["callbacks"][0]["history"]
+    assert history == single["callbacks"][0]["history"]  # the same state and r per matrix per cycle
+    assert {step for step, *_ in history} == set(spec["callbacks"][0]["schedule"]["steps"])
+    assert all(state == "minor" for _, _, state, _ in history)
+    assert len(_principal_part_kept(sharded, transposed=spec["model"] == "gpt2")) == len(history) // 2 >= 2
+    assert "singular_vectors" in sharded["callbacks"][0] and "singular_vectors" not in single["callbacks"][0]
+    for matrix, entry in _svd_state(sharded).items():
+        reference = _svd_state(single)[matrix]
+        U, U_single, r = entry["U_prev"], reference["U_prev"], entry["r"]
+        assert_close(reference["S_prev"], entry["S_prev"], f"{matrix}.S")
+        # the same minor subspace, up to rounding amplified by 1/(its gap to the principal one) (Davis–Kahan)
+        torch.testing.assert_close(U[:, -r:] @ U[:, -r:].T, U_single[:, -r:] @ U_single[:, -r:].T, rtol=0, atol=1e-3)
+    assert_same_as_single(single, sharded, metrics=(
+        "adaptive_svd/n_minor", "adaptive_svd/mean_angle", "adaptive_svd/mean_principal_alignment",
+        "adaptive_svd/mean_minor_alignment", "adaptive_svd/mean_reconstruction_error"))
+
+
+def test_adaptive_svd_under_fsdp2_projects_adam_moments_as_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "svd_mlp_adamw")
+    single, sharded = run_single(out, spec), results["svd_mlp_adamw"]
+    assert sharded["callbacks"][0]["history"] == single["callbacks"][0]["history"]
+    assert all(state["exp_avg"].abs().sum() > 0 for state in sharded["optimizer"].values())
+    assert_same_as_single(single, sharded, metrics=("adaptive_svd/n_minor", "adaptive_svd/mean_angle"))
+
+
+@pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2"])
+def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    reference, resumed = results[name], results[f"{name}_resumed"]
+    history = resumed["callbacks"][0]["history"]
+    assert history == reference["callbacks"][0]["history"] and len({step for step, *_ in history}) == 2
+    assert_close(reference["params"], resumed["params"], "params")
+    assert_close(reference["optimizer"], resumed["optimizer"], "optimizer")
+
+
 # ------------------------------------------------------------------ strategies and callbacks that refuse
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
@@ -223,13 +320,17 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
     from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
                                       FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
     from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
-    from plasticity_callbacks.core.distributed import MisconfigurationException
+    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
     for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
-                     WeightClip(), ContinualBackprop(), L2Init(), HareTortoise()):
+                     WeightClip(), ContinualBackprop(), L2Init(), HareTortoise(),
+                     AdaptiveSVDSwitch(minor_training="project")):
         accepted.check_strategy(trainer)
-    with pytest.raises(MisconfigurationException, match="AdaptiveSVDSwitch.*FSDP2.*SVD.*strategy='ddp'"):
-        AdaptiveSVDSwitch().check_strategy(trainer)
+    with pytest.raises(MisconfigurationException,
+                       match="Owner.*FSDP2.*FIREReinit, ReDoMonitor, DASH.*AdaptiveSVDSwitch.*do.*ddp"):
+        require_full_parameters(trainer, "Owner")  # a callback that does not declare fsdp2=True
+    with pytest.raises(MisconfigurationException, match="factorize.*ModelParallelStrategy.*neither sharded.*'project'"):
+        AdaptiveSVDSwitch(minor_training="factorize").check_strategy(trainer)
     with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):
         TaskMetrics().setup(trainer, None, "fit")

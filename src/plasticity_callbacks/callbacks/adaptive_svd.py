@@ -2,6 +2,7 @@
 and minor-component training (an adaptive MiLoRA)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -11,13 +12,15 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..core import factorization
+from ..core import factorization, sharded_subspace
 from ..core.arguments import build_options, check_int, check_number
-from ..core.distributed import MisconfigurationException
+from ..core.distributed import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
 from ..core.figures import can_draw, save_figure
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
+from ..core.model_map.weights import stored_param
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
+from ..core.sharded_state import load_named, pack_for_checkpoint
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from .base import PlasticityCallback
 
@@ -85,12 +88,39 @@ class _Matrix:
     g: int
     state: str = "full"  # "full" | "minor"
     r: int | None = None  # minor components of the current phase (None before the first SVD)
-    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,)
+    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,); FSDP2: U split by rows (a DTensor)
     S_prev: torch.Tensor | None = None
+    U_minor_whole: torch.Tensor | None = None  # FSDP2, transposed view: every row of U's minor columns (see place)
 
     @property
     def U_minor(self) -> torch.Tensor:
-        return self.U_prev[:, self.g - self.r:]
+        """The minor columns of ``U``; under FSDP2 this rank's rows of them, or all of them for a transposed view."""
+        if self.U_minor_whole is not None:
+            return self.U_minor_whole
+        U = self.U_prev.to_local() if is_dtensor(self.U_prev) else self.U_prev
+        return U[:, self.g - self.r:]
+
+    def place(self, trainer: L.Trainer) -> None:
+        """Under FSDP2 keep ``U`` split by rows like the weight (a ``Shard(0)`` DTensor), and for a transposed view
+        (HF ``Conv1D``, whose shards hold whole columns of the ``(out, in)`` view) its minor columns whole on every
+        rank, which the projection of a column needs. What a checkpoint gave is placed here: a whole ``U`` (each
+        rank keeps its rows) or the name of the rows each rank wrote into a distributed checkpoint."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        weight = self.target.param
+        if not is_dtensor(weight) or self.U_prev is None or is_dtensor(self.U_prev):
+            return
+        device = weight.to_local().device
+        self.S_prev = self.S_prev.to(device)
+        if isinstance(self.U_prev, str):  # its rows in the distributed checkpoint being resumed
+            empty = torch.empty(self.target.shape[0], self.g, dtype=self.S_prev.dtype, device=device)
+            template = distribute_tensor(empty, weight.device_mesh, [Shard(0)], src_data_rank=None)
+            self.U_prev = load_named(trainer, {self.U_prev: template}, "AdaptiveSVDSwitch singular vectors")[
+                self.U_prev]
+        else:  # src_data_rank=None: every rank holds the same loaded U and keeps its rows, no communication
+            self.U_prev = distribute_tensor(self.U_prev.to(device), weight.device_mesh, [Shard(0)], src_data_rank=None)
+        if self.target.transposed and self.state == "minor":
+            self.U_minor_whole = self.U_prev[:, self.g - self.r:].full_tensor()
 
 
 class AdaptiveSVDSwitch(PlasticityCallback):
@@ -105,8 +135,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     Hooks: ``on_train_batch_start`` asks the schedule and ``act`` marks the step for a cycle (so a
     factorized matrix captures the step's gradient over every micro-batch),
     ``on_before_optimizer_step`` runs the cycle on the step's (all-reduced) gradient, so no gradient is lost at a switch; between cycles it projects the gradients of
-    ``"minor"`` matrices (``minor_training="project"``). ``on_fit_start`` rebuilds a factorized
-    structure from a checkpoint; ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into
+    ``"minor"`` matrices (``minor_training="project"``). ``on_fit_start`` follows the parameters FSDP2
+    sharded after ``setup`` and rebuilds a factorized structure from a checkpoint; ``on_save_checkpoint`` writes plain weights (``W_p + BA``) into
     the checkpoint's model state, so it loads with or without this callback; ``on_train_end``
     saves a figure of the state and r per matrix.
 
@@ -116,11 +146,25 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``; ``minor_training="project"``) the result is
+    the one process's on the same global batch. At a cycle each matrix, its gradient and its previous ``U``
+    are gathered, one matrix at a time; one rank (round robin over the matrices) computes the SVD and the
+    decision and shares them, so every rank acts on the same vectors (``U`` scattered by rows). Peak extra
+    memory per rank at a cycle:
+    those three gathered copies of one matrix, plus, on the rank computing it, its SVD and ``decide_mode``'s
+    temporaries: 8 to 9 copies of the largest matrix in all (``benchmarks/adaptive_svd_fsdp.py``; 5 to 7
+    when every rank holds the matrix, as under DDP). Between cycles each rank keeps its own rows of ``U``
+    (a transposed view such as HF ``Conv1D``: also all rows of its ``r`` minor columns), and a step's
+    projections cost one all-reduce of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
+    (:mod:`~plasticity_callbacks.core.sharded_subspace`). In a distributed checkpoint each rank writes its
+    rows of every ``U`` (a one-file checkpoint: each ``U`` gathered in turn into rank 0's CPU memory); at
+    resume each rank reads its rows back.
+
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
     effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``.
 
     Args:
-        minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection, DDP-safe)
+        minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection; DDP and FSDP2)
             or ``factorize`` (``W_p + B @ A``, single device).
         schedule: when to run an SVD cycle (a Schedule or a mapping of its fields; step triggers only).
         selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping;
@@ -141,6 +185,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     summary_metrics = ("adaptive_svd/n_minor",)
     default_schedule = Schedule(every_n_steps=100, start_step=100)
     extra_state_types = {"matrices": dict, "history": list}
+    optional_state_types = {"singular_vectors": list}  # FSDP2: each matrix's U, sharded by rows
 
     def __init__(
         self,
@@ -177,18 +222,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- setup and resume
     def check_strategy(self, trainer: L.Trainer) -> None:
-        if "ModelParallel" in type(trainer.strategy).__name__:
-            raise MisconfigurationException(
-                "AdaptiveSVDSwitch does not act under FSDP2 (ModelParallelStrategy): each matrix's SVD needs it whole, "
-                "and between cycles every step's gradient projection U_m U_mᵀ∇W and its saved singular vectors would "
-                "have to follow the row shards; train this callback with strategy='ddp' (trainer=ddp).")
-        super().check_strategy(trainer)
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: core.sharded_subspace
         if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(
                 f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
-                f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (gradients of the new "
-                "factors would not be synchronized). Use minor_training='project' (same minor-subspace training by "
-                "gradient projection, DDP-safe) or a single device."
+                f"{type(trainer.strategy).__name__} cannot follow after wrapping the model (the new factors would "
+                "be neither sharded nor gradient-synchronized). Use minor_training='project' (same minor-subspace "
+                "training by gradient projection, DDP- and FSDP2-safe) or a single device."
             )
 
     def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -212,13 +252,18 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def extra_state(self) -> dict:
         matrices = {}
         for m in self.matrices:
-            entry = {"state": m.state, "r": m.r, "U_prev": m.U_prev, "S_prev": m.S_prev}
+            # FSDP2: U (each rank's rows) goes to "singular_vectors", which on_save_checkpoint writes shard by shard
+            U = None if is_dtensor(m.U_prev) else m.U_prev
+            entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
             matrices[m.target.name] = entry
-        return {"matrices": matrices, "history": list(self.history)}
+        state = {"matrices": matrices, "history": list(self.history)}
+        if any(is_dtensor(m.U_prev) for m in self.matrices):  # replaced, never changed in place: no copy needed
+            state["singular_vectors"] = [m.U_prev if is_dtensor(m.U_prev) else None for m in self.matrices]
+        return state
 
     def load_extra_state(self, state: dict) -> None:
         self._pending = state
@@ -228,13 +273,17 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if self._pending is None or not self.matrices:
             return
         saved = self._pending["matrices"]
+        # FSDP2: each U is a whole tensor, or a name in the distributed checkpoint (placed at first use)
+        sharded = dict(zip(saved, self._pending.get("singular_vectors") or [None] * len(saved)))
         for m in self.matrices:
             entry = saved.get(m.target.name)
             if entry is not None:
-                m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], entry["U_prev"], entry["S_prev"]
+                U = entry["U_prev"] if sharded.get(m.target.name) is None else sharded[m.target.name]
+                m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], U, entry["S_prev"]
         self.history = [tuple(h) for h in self._pending["history"]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._follow_sharded_parameters()
         # Runs after configure_optimizers and before Lightning loads the optimizer state, so the
         # factors re-join their groups in the saved order and their moments load into them.
         if self._pending is None or self.minor_training != "factorize":
@@ -250,7 +299,11 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self._pending = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state."""
+        """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state. FSDP2:
+        each rank writes its rows of every ``U`` into the distributed checkpoint (a one-file checkpoint: each
+        ``U`` gathered in turn into rank 0's CPU memory), see :mod:`~plasticity_callbacks.core.sharded_state`."""
+        if "singular_vectors" in checkpoint.get("callbacks", {}).get(self.state_key, {}):
+            pack_for_checkpoint(trainer, checkpoint, self.state_key, ("singular_vectors",))
         state = checkpoint.get("state_dict")
         if state is None:
             return
@@ -260,6 +313,14 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 for key in [k for k in state if k.startswith(f"{prefix}parametrizations.{m.attr}.")]:
                     del state[key]
                 state[m.target.name] = getattr(m.target.module, m.attr).detach().clone()
+
+    def _follow_sharded_parameters(self) -> None:
+        """Point each view at its module's parameter now: FSDP2's ``fully_shard`` (``configure_model``, after
+        ``setup``) replaces every parameter with a sharded DTensor one."""
+        for m in self.matrices:
+            param = stored_param(m.target.module, m.target.attribute)
+            if param is not None and param is not m.target.param:
+                m.target = dataclasses.replace(m.target, param=param)
 
     # ---------------------------------------------------------------- training
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
@@ -278,16 +339,28 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             self._cycle_now = False
             self.log_event(trainer, self._cycle(trainer, pl_module))
         elif self.minor_training == "project":
+            sharded = []
             for m in self.matrices:
-                if m.state == "minor":
+                if m.state != "minor":
+                    continue
+                if is_dtensor(m.target.param):
+                    m.place(trainer)
+                    if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
+                        sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
+                else:
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
+            if sharded:
+                sharded_subspace.project_sharded_(sharded)  # one all-reduce for all row-sharded matrices
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
     @torch.no_grad()
     def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         step, logged = trainer.global_step, []
-        for m in self.matrices:
+        for index, m in enumerate(self.matrices):
             module, weight = m.target.module, m.target.param
+            if is_dtensor(weight):
+                logged.append((m, self._sharded_cycle(trainer, m, index, step)))
+                continue
             factorized = factorization.is_factorized(module, m.attr)
             W = as_matrix(m.target.read())  # the effective weight in either structure, (out, in) orientation
             if not bool(torch.isfinite(W).all()):  # one sync per SVD cycle, which syncs anyway
@@ -317,6 +390,59 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                      if factorization.is_factorized(m.target.module, m.attr)]
             factorization.order_in_groups(trainer.optimizers, [p for part in parts for p in (part.B, part.A)])
         return self._metrics(logged)
+
+    def _sharded_cycle(self, trainer: L.Trainer, m: _Matrix, index: int, step: int) -> dict:
+        """One matrix's cycle under FSDP2 (``minor_training="project"``), on every rank: the weight, its gradient and
+        the previous ``U`` gathered (this matrix alone), the SVD and decision computed by one rank
+        (:func:`~plasticity_callbacks.core.sharded_subspace.owner_of`, round robin) and shared, so every rank
+        holds the same decision and the same vectors; then the gradient and linear moments projected."""
+        weight = m.target.param
+        m.place(trainer)
+        W = as_matrix(m.target.oriented(gather_full(weight)))  # (out, in·∏k), the same on every rank
+        if not bool(torch.isfinite(W).all()):  # the same W everywhere: every rank raises alike
+            raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
+                                     f"{step}; no subspace can be computed from it (lower the learning rate or "
+                                     "clip gradients, then resume from an earlier checkpoint)")
+        owner, dtype = sharded_subspace.owner_of(index, weight), self.svd.torch_dtype
+        keys = ("subspace_angle", "principal_alignment", "minor_alignment", "reconstruction_error", "effective_rank")
+        numbers = torch.zeros(2 + len(keys), dtype=torch.float64, device=W.device)  # minor?, r_next, diagnostics
+        U_prev = gather_full(m.U_prev) if m.U_prev is not None else None
+        grad = gather_full(weight.grad) if weight.grad is not None else None
+        svd = failure = None
+        if sharded_subspace.is_owner(index, weight):
+            try:
+                grad = as_matrix(m.target.oriented(grad)) if grad is not None else None
+                r = m.r if m.r is not None else self._initial_r(W, m.g)
+                svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step)
+                state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
+                                                  dtype=dtype, **asdict(self.thresholds))
+                if m.r is None and self.initial_rank is not None:
+                    r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+                numbers.copy_(torch.tensor([state == "minor", r_next, *(diag[k] for k in keys)], dtype=torch.float64))
+            except Exception as error:  # told to the other ranks, which would wait for the result forever
+                failure, numbers[0] = error, -1
+        del W, grad, U_prev  # the gathered copies: one matrix's worth at a time
+        sharded_subspace.broadcast_from(owner, numbers, weight)
+        if numbers[0] < 0:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"AdaptiveSVDSwitch: rank {owner} of the data-parallel mesh failed in the SVD cycle "
+                               f"of {m.target.name!r} at step {step}; its own error says why")
+        S = sharded_subspace.broadcast_from(owner, svd.S.to(dtype) if svd is not None else
+                                            torch.empty(m.g, dtype=dtype, device=numbers.device), weight)
+        m.U_prev = sharded_subspace.scatter_rows_from(owner, svd.U if svd is not None else None, weight,
+                                                      (m.target.shape[0], m.g), dtype)
+        m.state, m.r, m.S_prev = ("minor" if numbers[0] else "full"), int(numbers[1]), S
+        m.U_minor_whole = None
+        if m.target.transposed and m.state == "minor":  # one all-gather of (d_out, r)
+            m.U_minor_whole = m.U_prev[:, m.g - m.r:].full_tensor()
+        if self.minor_training == "project" and m.state == "minor":
+            moments = [(moment, m.U_minor, m.target.transposed)
+                       for moment in factorization.linear_moments(trainer.optimizers, weight)]
+            grads = [(weight.grad, m.U_minor, m.target.transposed)] if weight.grad is not None else []
+            sharded_subspace.project_sharded_(grads + moments)
+        self.history.append((step, m.target.name, m.state, m.r))
+        return dict(zip(keys, numbers[2:].tolist()))
 
     def _initial_r(self, W: torch.Tensor, g: int) -> int:
         if self.initial_rank is not None:

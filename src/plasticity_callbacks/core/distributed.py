@@ -47,7 +47,8 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
     if "ModelParallel" in name:
         raise MisconfigurationException(
             f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit, ReDoMonitor, DASH, "
-            "ShrinkPerturb, FullReset, WeightClip, L2Init, HareTortoise and ContinualBackprop do. "
+            "ShrinkPerturb, FullReset, WeightClip, L2Init, HareTortoise, ContinualBackprop and "
+            "AdaptiveSVDSwitch(minor_training='project') do. "
             "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
         f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "

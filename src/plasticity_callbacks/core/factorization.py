@@ -18,7 +18,7 @@ group dicts with the inner Muon/AdamW, so one append reaches both. Appending in 
 matrices are factorized, which is what lets a checkpoint resume into it.
 
 ``minor_training="project"``: the weight stays one parameter; in "minor" phases its gradient is replaced
-by ``U_m U_mᵀ ∇W`` before the optimizer step (no parameter surgery, DDP-safe). Relation to the
+by ``U_m U_mᵀ ∇W`` before the optimizer step (no parameter surgery; DDP and FSDP2). Relation to the
 factorized form: at ``W = W_p + BA`` a gradient step on ``B, A`` changes the weight by
 ``−η (B Bᵀ ∇W + ∇W AᵀA) = −η (U_m S_m U_mᵀ ∇W + ∇W V_m S_m V_mᵀ)`` to first order: a
 σ-weighted projection onto the minor *left* subspace plus one onto the minor *right* subspace
@@ -200,11 +200,19 @@ def project_gradient(param: torch.Tensor, U_minor: torch.Tensor, transposed: boo
         project_onto(param.grad.transpose(0, 1) if transposed else param.grad, U_minor)
 
 
+def linear_moments(optimizers, param: torch.Tensor) -> list[torch.Tensor]:
+    """The optimizer state of ``param`` that is linear in its gradient (Adam's ``exp_avg``, SGD/Muon's
+    momentum), shaped like ``param``."""
+    moments = []
+    for opt in leaf_optimizers(optimizers):
+        state = opt.state.get(param) or {}
+        moments += [state[key] for key in _LINEAR_STATE
+                    if torch.is_tensor(state.get(key)) and state[key].shape == param.shape]
+    return moments
+
+
 def project_optimizer_state(optimizers, param: torch.Tensor, U_minor: torch.Tensor, transposed: bool = False) -> None:
     """Project the moments that are linear in the gradient (Adam's ``exp_avg``, SGD/Muon's momentum),
     so momentum gathered in full mode does not keep pushing principal directions."""
-    for opt in leaf_optimizers(optimizers):
-        state = opt.state.get(param)
-        for key in _LINEAR_STATE:
-            if state and torch.is_tensor(state.get(key)) and state[key].shape == param.shape:
-                project_onto(state[key].transpose(0, 1) if transposed else state[key], U_minor)
+    for moment in linear_moments(optimizers, param):
+        project_onto(moment.transpose(0, 1) if transposed else moment, U_minor)

@@ -1,4 +1,5 @@
-"""Callback state shaped like the model's parameters (L2Init's θ₀, HareTortoise's tortoise) under FSDP2.
+"""Callback state shaped like the model's parameters (L2Init's θ₀, HareTortoise's tortoise) under FSDP2, and
+state split by rows the same way (AdaptiveSVDSwitch's singular vectors, saved and loaded by the same path).
 
 Under FSDP2 such state is kept sharded like its parameter: a ``DTensor`` with the parameter's placements,
 each rank holding the rows of its own shard, no rank ever a whole copy. Lightning's
@@ -105,6 +106,18 @@ def restore_like(trainer, saved: Sequence, params: Sequence[torch.Tensor], what:
         _load_from_distributed_checkpoint(trainer, names, what)
         restored = [names[e] if isinstance(e, str) else t for e, t in zip(saved, restored)]
     return restored
+
+
+def load_named(trainer, templates: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """Fill ``templates`` (``DTensor``s placed as the caller keeps them) with the tensors that
+    :func:`pack_for_checkpoint` wrote under these names into the distributed checkpoint being resumed; each
+    rank reads the rows of its own shards. A collective: call it on every rank.
+
+    Example:
+        >>> U = load_named(trainer, {name: DTensor.empty(...)}, "AdaptiveSVDSwitch singular vectors")[name]
+    """
+    _load_from_distributed_checkpoint(trainer, templates, what)
+    return templates
 
 
 def _load_from_distributed_checkpoint(trainer, templates: dict[str, torch.Tensor], what: str) -> None:
