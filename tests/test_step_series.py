@@ -125,3 +125,29 @@ def test_log_at_step_writes_once_at_the_current_step_and_keeps_the_values(tmp_pa
         assert list(csv.DictReader(f)) == [{"a": "0.25", "b": "3.0", "step": "7"}]
     with pytest.raises(ValueError, match="one number"):
         log_at_step(trainer, {"c": torch.ones(2)})
+
+
+def test_gate_logger_writes_the_gates_once_at_each_step_it_reads_them(tmp_path):
+    from plasticity_callbacks.callbacks.gate_logger import GateLogger
+
+    from tiny import cpu_trainer, tiny_gpt_module, token_loader
+
+    class GateRecord(L.Callback):  # the gate the logger reads, read here first in the same hook
+        def __init__(self):
+            self.gates = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.gates[trainer.global_step] = float(pl_module.model.blocks[0].attn.gate_values()["gate_rec"])
+
+    L.seed_everything(0)
+    module, record = tiny_gpt_module(attention="reciprocal", mlp="reciprocal", n_kv_head=1), GateRecord()
+    trainer = cpu_trainer(max_steps=6, log_every_n_steps=1, callbacks=[record, GateLogger(every_n_steps=3)],
+                          logger=CSVLogger(tmp_path, name="run", version=0))
+    trainer.fit(module, token_loader())
+    with open(tmp_path / "run" / "version_0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    name = "gates/model.blocks.0.attn/gate_rec"
+    logged = {int(row["step"]): float(row[name]) for row in rows if row[name]}
+    assert sum(1 for row in rows if row[name]) == 2 and sorted(logged) == [3, 6]
+    assert logged == pytest.approx({step: record.gates[step] for step in (3, 6)})
+    assert record.gates[3] != record.gates[6]  # the gate trains: a repeated value would show
