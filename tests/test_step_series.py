@@ -3,6 +3,7 @@ never repeated in later rows (Lightning's ``pl_module.log`` would repeat it unti
 from __future__ import annotations
 
 import csv
+import shutil
 
 import lightning as L
 import pytest
@@ -11,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 pytest.importorskip("sklearn")
 
+from plasticity_callbacks.app.report import Run, read_curves, single_fit_state  # noqa: E402
 from plasticity_callbacks.callbacks.l2_init import L2Init  # noqa: E402
 from plasticity_callbacks.callbacks.redo import ReDoMonitor  # noqa: E402
 from plasticity_callbacks.callbacks.task_metrics import TaskMetrics  # noqa: E402
@@ -58,20 +60,20 @@ def logged(tmp_path_factory):
     L.seed_everything(0)
     trainer = L.Trainer(max_epochs=1, log_every_n_steps=LOG_EVERY, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[measured, redo, L2Init(strength=1e-2), tasks],
-                        logger=[CSVLogger(folder, name="csv", version=0), TensorBoardLogger(folder, name="tb",
-                                                                                            version=0)])
+                        logger=[CSVLogger(folder, name="logs", version=""),  # a single fit's folders, as the
+                                TensorBoardLogger(folder, name="tensorboard", version="")])  # report reads them
     stream = PermutedDigits(num_tasks=TASKS, steps_per_task=STEPS_PER_TASK, batch_size=32, seed=1)
     trainer.fit(DigitsClassifier(widths=[16]), datamodule=stream)
-    with open(folder / "csv" / "version_0" / "metrics.csv", newline="") as f:
+    with open(folder / "logs" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(folder / "tb" / "version_0"), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(folder / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
     csv_series = {name: {int(row["step"]): float(row[name]) for row in rows if row.get(name)} for name in rows[0]}
     csv_counts = {name: sum(1 for row in rows if row.get(name)) for name in rows[0]}
-    return trainer, measured, tasks, csv_series, csv_counts, scalars
+    return trainer, measured, tasks, csv_series, csv_counts, scalars, folder
 
 
 def expected(measured: Measured, tasks: TaskMetrics) -> dict[str, dict[int, float]]:
@@ -90,7 +92,7 @@ def test_the_measured_steps_are_the_expected_ones(logged):
 
 @pytest.mark.parametrize("name", ["redo/dormant", "l2_init/distance", "task/accuracy", "task/index"])
 def test_each_measurement_is_one_csv_row_at_its_step_with_its_value(logged, name):
-    _, measured, tasks, csv_series, csv_counts, _ = logged
+    _, measured, tasks, csv_series, csv_counts, *_ = logged
     want = expected(measured, tasks)[name]
     assert csv_counts[name] == len(want), (name, csv_series[name])  # once each: not repeated in later rows
     assert sorted(csv_series[name]) == sorted(want)
@@ -100,7 +102,7 @@ def test_each_measurement_is_one_csv_row_at_its_step_with_its_value(logged, name
 
 @pytest.mark.parametrize("name", ["redo/dormant", "l2_init/distance", "task/accuracy", "task/index"])
 def test_each_measurement_is_one_tensorboard_point_at_its_step_with_its_value(logged, name):
-    _, measured, tasks, _, _, scalars = logged
+    _, measured, tasks, _, _, scalars, _ = logged
     want = expected(measured, tasks)[name]
     assert sorted(scalars[name]) == sorted(want)
     for step, value in want.items():
@@ -111,6 +113,21 @@ def test_the_latest_measurement_stays_in_callback_metrics_for_monitors(logged):
     trainer, measured, tasks, *_ = logged
     for name, series in expected(measured, tasks).items():
         assert float(trainer.callback_metrics[name]) == pytest.approx(series[max(series)], rel=1e-5, abs=1e-7)
+
+
+def test_the_report_reads_each_measurement_at_its_step_and_the_last_one_as_the_runs(logged, tmp_path):
+    _, measured, *_, folder = logged
+    (folder / ".hydra").mkdir(exist_ok=True)
+    (folder / ".hydra" / "config.yaml").write_text("seed: 0\ncallbacks:\n  redo: {tau: 0.5}\n")
+    tensorboard_only = tmp_path / "tensorboard_only"
+    shutil.copytree(folder / "tensorboard", tensorboard_only / "tensorboard")
+    (tensorboard_only / ".hydra").mkdir()
+    (tensorboard_only / ".hydra" / "config.yaml").write_text("seed: 0\ncallbacks:\n  redo: {tau: 0.5}\n")
+    for run_dir in (folder, tensorboard_only):
+        method, seed, state = single_fit_state(run_dir)
+        assert state["phases"]["fit"]["dormant_fraction"] == pytest.approx(measured.dormant[max(measured.dormant)])
+        curves = read_curves(Run(run_dir, method, seed, state))
+        assert curves["dormant"] == pytest.approx(measured.dormant), run_dir.name  # the measured steps only
 
 
 def test_log_at_step_writes_once_at_the_current_step_and_keeps_the_values(tmp_path):
