@@ -8,6 +8,7 @@ import shutil
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 pytest.importorskip("sklearn")
@@ -58,8 +59,10 @@ def logged(tmp_path_factory):
     redo = ReDoMonitor(tau=0.5, collect_every_n_steps=1, log_every_n_steps=REDO_EVERY)
     measured, tasks = Measured(redo), TaskMetrics()
     L.seed_everything(0)
-    trainer = L.Trainer(max_epochs=1, log_every_n_steps=LOG_EVERY, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[measured, redo, L2Init(strength=1e-2), tasks],
+    best = ModelCheckpoint(dirpath=folder / "checkpoints", monitor="task/accuracy", mode="max",
+                           every_n_train_steps=STEPS_PER_TASK, save_top_k=1)
+    trainer = L.Trainer(max_epochs=1, log_every_n_steps=LOG_EVERY, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[measured, redo, L2Init(strength=1e-2), tasks, best],
                         logger=[CSVLogger(folder, name="logs", version=""),  # a single fit's folders, as the
                                 TensorBoardLogger(folder, name="tensorboard", version="")])  # report reads them
     stream = PermutedDigits(num_tasks=TASKS, steps_per_task=STEPS_PER_TASK, batch_size=32, seed=1)
@@ -113,6 +116,10 @@ def test_the_latest_measurement_stays_in_callback_metrics_for_monitors(logged):
     trainer, measured, tasks, *_ = logged
     for name, series in expected(measured, tasks).items():
         assert float(trainer.callback_metrics[name]) == pytest.approx(series[max(series)], rel=1e-5, abs=1e-7)
+    best = trainer.checkpoint_callback  # ModelCheckpoint(monitor="task/accuracy") saw every task end's value
+    accuracies = [row["accuracy"] for row in tasks.history]
+    assert float(best.best_model_score) == pytest.approx(max(accuracies), rel=1e-6)
+    assert f"step={tasks.history[accuracies.index(max(accuracies))]['step']}" in best.best_model_path
 
 
 def test_the_report_reads_each_measurement_at_its_step_and_the_last_one_as_the_runs(logged, tmp_path):
