@@ -175,3 +175,11 @@ def test_gate_logger_writes_the_gates_once_at_each_step_it_reads_them(tmp_path):
     assert sum(1 for row in rows if row[name]) == 2 and sorted(logged) == [3, 6]
     assert logged == pytest.approx({step: record.gates[step] for step in (3, 6)})
     assert record.gates[3] != record.gates[6]  # the gate trains: a repeated value would show
+
+
+def test_l2_init_measures_nothing_when_the_trainer_logs_nothing():
+    from tiny import TinyMLPModule, cpu_trainer, regression_loader
+
+    trainer = cpu_trainer(max_steps=2, log_every_n_steps=0, callbacks=[L2Init(strength=1e-2)])
+    trainer.fit(TinyMLPModule(), regression_loader())
+    assert "l2_init/distance" not in trainer.callback_metrics
