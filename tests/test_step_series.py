@@ -30,7 +30,7 @@ class Measured(L.Callback):
     as it computes them, and ``‖θ - θ₀‖`` from this callback's own copy of the initial weights."""
 
     def __init__(self, redo: ReDoMonitor):
-        self.redo, self.dormant, self.distance, self._start = redo, {}, {}, None
+        self.dormant, self.distance, self._start, self._step = {}, {}, None, None
         fractions = redo._fractions
 
         def recorded(scores):
