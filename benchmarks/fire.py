@@ -1,7 +1,8 @@
 """FIRE benchmark: the default polar factor against every exact anchor, per size and on a GPT-2-small-sized model.
 
     python benchmarks/fire.py --sizes 256,512,768,1024        # CPU, one thread (~2 min on a quiet core)
-    python benchmarks/fire.py --part model                    # GPT-2-small-sized model only (~2 min)
+    python benchmarks/fire.py --part model --threads 1,2      # GPT-2-small-sized model only (~3 min)
+    python benchmarks/fire.py --sizes 4096 --rounds 1 --anchors svd,eigh64 --exact-max 2048   # ~6 min
     python benchmarks/fire.py --device cuda --sizes 256,1024,4096
 
 Part 1 — per size ``n`` (default 256 … 4096), a square ``n×n`` and a tall ``4n×n`` Gaussian matrix
@@ -19,11 +20,14 @@ default is faster); ``vs fastest`` is default / the fastest anchor (target ≤ 1
 
 Part 2 — ``apply_fire`` with default options on a GPT-2-small-sized model (12 layers, width 768,
 vocabulary 50304: 72 target matrices, Q/K/V separate) against one AdamW training step at batch
-1×256, measured in the same rounds (target: FIRE ≤ 2 training steps).
+1×256, measured in the same rounds at the same thread count, for each count in ``--threads``
+(target: FIRE ≤ 2 training steps). Then the floor of FIRE's design on CPU: the LAPACK calls and the
+two matrix products alone (an SVD per square weight; per oblong weight its Gram matrix, ``eigh``,
+and ``X·(V Λ^(-1/2) Vᵀ)``), and the step's FLOPs (``torch.utils.flop_counter``) per second.
 
-CPU timings are process CPU time (``time.process_time``) on ``--threads`` threads (default 1), so
-other jobs on a shared machine inflate them less; CUDA timings are wall time between synchronizes.
-The machine is shared: read the ratios, which are measured side by side, not the absolute times.
+CPU timings are process CPU time (``time.process_time``), so other jobs on a shared machine inflate
+them less; with several threads the wall time is given too (CPU time then sums the threads). CUDA
+timings are wall time between synchronizes. Read the ratios, measured side by side, not the times.
 """
 from __future__ import annotations
 
@@ -79,21 +83,24 @@ class Clock:
         return time.process_time() - start, out
 
 
-def relative_error(Q: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((Q.double() - exact).norm() / exact.norm())
+def relative_error(Q: torch.Tensor, exact: torch.Tensor | None) -> float:
+    return float("nan") if exact is None else float((Q.double() - exact).norm() / exact.norm())
 
 
-def matrix_table(sizes: list[int], rounds: int, device: torch.device, clock: Clock) -> None:
-    print(f"{'matrix':>11s} {'default':>22s} " + " ".join(f"{name:>30s}" for name in ANCHORS) + "  vs fastest")
+def matrix_table(sizes: list[int], rounds: int, device: torch.device, clock: Clock, anchors: dict,
+                 exact_max: int) -> None:
+    print(f"{'matrix':>11s} {'default':>22s} " + " ".join(f"{name:>30s}" for name in anchors) + "  vs fastest")
     generator = torch.Generator().manual_seed(0)
     for n in sizes:
         for m in (n, 4 * n):
             W = torch.randn(m, n, generator=generator).to(device)
-            U, _, Vh = torch.linalg.svd(W.double(), full_matrices=False)
-            exact = U @ Vh
-            del U, Vh
+            exact = None  # error "nan": no float64 SVD reference above --exact-max
+            if n <= exact_max:
+                U, _, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+                exact = U @ Vh
+                del U, Vh
             methods = {"default": lambda: orthogonalize(W, return_info=True),
-                       **{name: (lambda anchor=anchor: anchor(W)) for name, anchor in ANCHORS.items()}}
+                       **{name: (lambda anchor=anchor: anchor(W)) for name, anchor in anchors.items()}}
             times = {name: [] for name in methods}
             errors, info = {}, None
             for r in range(rounds):  # interleaved, starting at a different method each round
@@ -106,9 +113,9 @@ def matrix_table(sizes: list[int], rounds: int, device: torch.device, clock: Clo
                     errors[name] = relative_error(out, exact)
                     del out
             median = {name: statistics.median(values) for name, values in times.items()}
-            fastest = min(median[name] for name in ANCHORS)
+            fastest = min(median[name] for name in anchors)
             cells = [f"{info.method:>6s} {median['default']:7.3f}s {errors['default']:6.1e}"]
-            for name in ANCHORS:
+            for name in anchors:
                 cells.append(f"{median[name]:8.3f}s {errors[name]:6.1e} ratio {median['default'] / median[name]:5.2f}")
             print(f"{m:>5d}x{n:<5d} " + " ".join(f"{c:>22s}" if i == 0 else f"{c:>30s}" for i, c in enumerate(cells))
                   + f"  {median['default'] / fastest:5.2f}", flush=True)
@@ -125,7 +132,7 @@ def gpt2_small(device: torch.device) -> GPT:
     return model
 
 
-def whole_model(rounds: int, device: torch.device, clock: Clock) -> None:
+def whole_model(rounds: int, device: torch.device, clock: Clock, threads: int) -> None:
     model = gpt2_small(device)
     config = model.config
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -139,18 +146,53 @@ def whole_model(rounds: int, device: torch.device, clock: Clock) -> None:
         optimizer.step()
 
     train_step()  # warm up, and create the optimizer state FIRE resets
-    step_times, fire_times, records = [], [], []
+    step_times, fire_times, step_walls, fire_walls, records = [], [], [], [], []
     for _ in range(rounds):
+        wall = time.perf_counter()
         step_times.append(clock(train_step)[0])
+        step_walls.append(time.perf_counter() - wall)
+        wall = time.perf_counter()
         seconds, records = clock(lambda: apply_fire(model, optimizer))
+        fire_walls.append(time.perf_counter() - wall)
         fire_times.append(seconds)
     step, fire = statistics.median(step_times), statistics.median(fire_times)
     done = [r for r in records if r.skipped is None]
     print(f"GPT-2-small-sized model ({config.n_layer} layers, width {config.n_embd}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters): FIRE on {len(done)} matrices, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters), {threads} thread(s): FIRE on "
+          f"{len(done)} matrices ({', '.join(sorted({str(r.shape) for r in done}))}), "
           f"largest DfI after {max(r.dfi_after for r in done):.1e}")
     print(f"  one training step (1x{config.sequence_len} tokens, AdamW) {step:.2f} s; apply_fire {fire:.2f} s; "
           f"ratio FIRE / step = {fire / step:.2f} (target <= 2)", flush=True)
+    if threads > 1 or device.type == "cuda":
+        step_wall, fire_wall = statistics.median(step_walls), statistics.median(fire_walls)
+        print(f"  wall time: step {step_wall:.2f} s; apply_fire {fire_wall:.2f} s; ratio {fire_wall / step_wall:.2f}")
+    if device.type == "cpu":
+        floor(model, clock, step, train_step)
+
+
+def floor(model: GPT, clock: Clock, step: float, train_step) -> None:
+    """The LAPACK calls and matrix products FIRE's CPU design cannot avoid, timed alone on the same weights."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    weights = [p.detach() for name, p in model.named_parameters() if p.dim() == 2 and "blocks" in name]
+    square = [W for W in weights if W.shape[0] == W.shape[1]]
+    oblong = [W if W.shape[0] > W.shape[1] else W.T.contiguous() for W in weights if W.shape[0] != W.shape[1]]
+    svd = sum(clock(lambda W=W: torch.linalg.svd(W, full_matrices=False))[0] for W in square)
+    grams = [W.mT @ W for W in oblong]
+    gram = sum(clock(lambda W=W: W.mT @ W)[0] for W in oblong)
+    eigh = sum(clock(lambda G=G: torch.linalg.eigh(G))[0] for G in grams)
+    product = sum(clock(lambda W=W, G=G: W @ G)[0] for W, G in zip(oblong, grams))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        train_step()
+    flops = counter.get_total_flops()
+    total = svd + gram + eigh + product
+    products = sum(4 * W.shape[0] * W.shape[1] ** 2 for W in oblong)  # XᵀX and X·M: 2mn² multiply-adds each
+    print(f"  calls alone: sgesdd on {len(square)} square {svd:.2f} s; on {len(oblong)} oblong: XᵀX {gram:.2f} s, "
+          f"ssyevd {eigh:.2f} s, X·M {product:.2f} s; total {total:.2f} s = {total / step:.2f} steps")
+    print(f"  step: {flops / 1e9:.0f} GFLOP in {step:.2f} s = {flops / 1e9 / step:.0f} GFLOP/s; XᵀX and X·M: "
+          f"{products / 1e9:.0f} GFLOP in {gram + product:.2f} s = {products / 1e9 / (gram + product):.0f} GFLOP/s",
+          flush=True)
 
 
 def main() -> None:
@@ -158,21 +200,27 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "matrices", "model"), default="all")
     parser.add_argument("--sizes", default="256,512,1024,2048,4096", help="comma-separated n (square n×n, tall 4n×n)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", default="1", help="torch CPU threads; the model part runs each of a list (1,2)")
+    parser.add_argument("--anchors", default=",".join(ANCHORS), help=f"comma-separated, of {', '.join(ANCHORS)}")
+    parser.add_argument("--exact-max", type=int, default=2048, help="largest n with a float64 SVD reference")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
+    anchors = {name: ANCHORS[name] for name in args.anchors.split(",")}
+    torch.set_num_threads(threads[0])
     device = torch.device(args.device)
     clock = Clock(device)
     warnings.simplefilter("ignore")
     started = time.perf_counter()
     print(f"torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f", {args.threads} thread(s)")
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f", {threads[0]} thread(s)")
           + f", float32, {args.rounds} interleaved rounds, medians; ratio = default / anchor time")
     if args.part in ("all", "matrices"):
-        matrix_table([int(n) for n in args.sizes.split(",")], args.rounds, device, clock)
+        matrix_table([int(n) for n in args.sizes.split(",")], args.rounds, device, clock, anchors, args.exact_max)
     if args.part in ("all", "model"):
-        whole_model(args.rounds, device, clock)
+        for count in threads if device.type == "cpu" else threads[:1]:
+            torch.set_num_threads(count)
+            whole_model(args.rounds, device, clock, count)
     print(f"total {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 

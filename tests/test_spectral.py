@@ -515,3 +515,134 @@ def test_svd_that_fails_to_converge_in_float32_is_retried_in_float64(monkeypatch
     W = torch.randn(40, 40)
     Q = orthogonalize(W, PolarOptions("svd"))
     assert Q.dtype == torch.float32 and rel(Q, exact_polar(W)) < 1e-6
+
+
+# ------------------------------------------------------------------------ the fast exact routes and their diagnostics
+
+
+def eigh_dtypes(monkeypatch) -> list:
+    """Record the dtype of every Gram matrix ``torch.linalg.eigh`` is given."""
+    seen, eigh = [], torch.linalg.eigh
+
+    def recording(A, *args, **kwargs):
+        seen.append(A.dtype)
+        return eigh(A, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "eigh", recording)
+    return seen
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_eigh_takes_the_float32_gram_only_where_its_error_is_a_float32_svds(monkeypatch, seed):
+    """4:1 Gaussian (κ ≈ 3): float32 Gram and eigh, as accurate as a float32 SVD; κ = 30: float64 Gram."""
+    torch.manual_seed(seed)
+    dtypes = eigh_dtypes(monkeypatch)
+    kappa_30 = with_spectrum(512, 128, torch.logspace(0, -1.5, 128, dtype=torch.float64)).float()
+    for W, route in [(torch.randn(1024, 256), torch.float32), (torch.randn(256, 1024), torch.float32),
+                     (kappa_30, torch.float64)]:
+        dtypes.clear()
+        Q, info = orthogonalize(W, return_info=True)
+        U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+        assert info.method == "eigh" and dtypes == [route]
+        assert rel(Q, exact_polar(W)) <= 2 * rel(U @ Vh, exact_polar(W)) + 1e-6
+        assert float(deviation_from_isometry(Q, dtype=torch.float64)) < 1e-8
+
+
+def test_eigh_checks_a_wrong_condition_estimate_on_the_exact_eigenvalues(monkeypatch):
+    """The Lanczos estimate of κ² is from below; were it far off, the float32 eigenvalues still catch it."""
+    import plasticity_callbacks.functional.spectral as spectral
+
+    monkeypatch.setattr(spectral, "_condition_squared_estimate", lambda G, bad: torch.ones(G.shape[:-2]))
+    dtypes = eigh_dtypes(monkeypatch)
+    W = with_spectrum(400, 100, torch.logspace(0, -3, 100, dtype=torch.float64)).float()  # κ = 1e3
+    Q = orthogonalize(W, PolarOptions("eigh"))
+    assert dtypes == [torch.float32, torch.float64]  # tried, rejected, redone in float64
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    assert rel(Q, exact_polar(W)) <= 2 * rel(U @ Vh, exact_polar(W))
+
+
+@pytest.mark.parametrize("method", ["svd", "eigh"])
+@pytest.mark.parametrize("shape", [(96, 96), (160, 40), (40, 160), (3, 90, 30)])
+@pytest.mark.parametrize("magnitude", [1e-25, 1.0, 1e20])
+def test_exact_methods_return_the_singular_values_they_computed(method, shape, magnitude):
+    W = torch.randn(*shape) * magnitude
+    W[..., :, 0] = 0.0  # rank-deficient: a zero singular value, to the SVD answer for eigh
+    _, info = orthogonalize(W, PolarOptions(method), return_info=True)
+    exact = torch.linalg.svdvals(W.double()).flip(-1)  # ascending
+    assert info.singular_values.shape == exact.shape and info.singular_values.dtype == torch.float64
+    assert float((info.singular_values - exact).abs().max()) <= 1e-5 * float(exact.max())
+    assert orthogonalize(W, PolarOptions("polar_express"), return_info=True)[1].singular_values is None
+
+
+@pytest.mark.parametrize("method", ["auto", "svd", "eigh"])
+@pytest.mark.parametrize("shape", [(128, 128), (256, 64), (64, 256)])
+def test_fire_diagnostics_of_an_exact_method_need_no_gram_matrix(monkeypatch, method, shape):
+    """DfI before from the solver's singular values, SFE from one difference, DfI after from probes: each
+    equal to its float64 definition, and no Gram matrix of the weight is formed for them."""
+    import plasticity_callbacks.functional.isometry as isometry
+    from plasticity_callbacks.functional.isometry import fire_matrix
+
+    W = torch.randn(*shape) * torch.logspace(0, -1, shape[1])  # spread singular values: DfI well above 0
+    param = W.clone()
+    monkeypatch.setattr(isometry, "deviation_from_isometry", lambda *a, **k: pytest.fail("a Gram matrix for DfI"))
+    record = fire_matrix("w", param, FIREOptions(method=method))
+    s = math.sqrt(shape[0] / shape[1])
+    assert math.isclose(record.dfi_before, float(deviation_from_isometry(W.double(), s, torch.float64)), rel_tol=1e-5)
+    assert math.isclose(record.sfe, float(squared_frobenius_error(W, param)), rel_tol=1e-6)
+    assert math.isclose(record.sfe_normalized, record.sfe / float(W.double().square().sum()), rel_tol=1e-6)
+    assert 0 <= record.dfi_after < 1e-8 and rel(param / s, exact_polar(W)) < 1e-5
+
+
+def test_estimated_deviation_from_isometry_is_unbiased():
+    from plasticity_callbacks.functional.spectral import estimated_deviation_from_isometry
+
+    for W in (torch.randn(200, 50, dtype=torch.float64), torch.randn(2, 30, 90, dtype=torch.float64)):
+        exact = deviation_from_isometry(W, 1.5, torch.float64)
+        estimate = estimated_deviation_from_isometry(W, 1.5, probes=400)
+        assert torch.allclose(estimate, exact, rtol=0.25)
+    Q = exact_polar(torch.randn(300, 100)).float()
+    assert float(estimated_deviation_from_isometry(Q)) < 1e-9  # a float32 isometry: rounding only
+
+
+def test_apply_fire_on_several_threads_equals_one_thread_and_restores_the_count():
+    """On CPU with T threads the weights are solved T at a time; the result, the records and their order,
+    the warnings and the thread count afterwards are those of one thread."""
+    def model():
+        torch.manual_seed(0)
+        layers = [nn.Linear(48, 48), nn.Linear(48, 192), nn.Linear(192, 48), nn.Conv2d(4, 8, 3), nn.Linear(48, 2)]
+        with torch.no_grad():
+            layers[1].weight.zero_()
+        return nn.Sequential(*layers)
+
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, 3):
+        torch.set_num_threads(count)
+        try:
+            net = model()
+            with pytest.warns(UserWarning, match="1.weight is all zero"):
+                records = apply_fire(net, selection=Selection(exclude=("4.*",)))
+            assert torch.get_num_threads() == count
+            results.append((net, records))
+        finally:
+            torch.set_num_threads(threads)
+    (one, one_records), (many, many_records) = results
+    assert [r.name for r in many_records] == [r.name for r in one_records] == ["0.weight", "1.weight", "2.weight",
+                                                                                "3.weight"]
+    for a, b in zip(one.parameters(), many.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert [r.skipped for r in many_records] == [None, "zero", None, None]
+
+
+def test_apply_fire_on_several_threads_restores_the_count_when_a_weight_raises():
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        net[1].weight[0, 0] = float("nan")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(DegenerateMatrixError, match="1.weight contains NaN"):
+            apply_fire(net, options=FIREOptions(on_degenerate="raise"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

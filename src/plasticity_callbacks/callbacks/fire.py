@@ -44,7 +44,7 @@ class FIREReinit(PlasticityCallback):
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
         options: how to orthogonalize and rescale (:class:`~plasticity_callbacks.functional.isometry.FIREOptions`
-            or a mapping of its fields); None: its defaults (Polar Express to ``tol=1e-5``, ``√(d_out/d_in)``).
+            or a mapping of its fields); None: its defaults (the exact polar factor by the fastest method, ``√(d_out/d_in)``).
         selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping of
             its fields); None: every weight but the output head, conv kernels included (one polar
             factor per spatial tap).

@@ -6,8 +6,15 @@ of rows, a grouped conv is treated per group and tap), write them back (a factor
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
 split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
 rows of every polar factor (:func:`~plasticity_callbacks.core.sharding.sharded_fire`).
+
+On CPU with ``torch.get_num_threads() = T > 1`` the weights are solved ``T`` at a time, one thread each:
+LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin against other work on a
+busy machine), while independent matrices scale with the threads.
 """
 from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -58,25 +65,52 @@ def apply_fire(
         targets = require_targets(select_targets(module, selection), "apply_fire", selection)
     refuse_unknown_splits(targets, "FIRE")
     records, fired = [], []
-    for target in targets:
-        if is_dtensor(target.param):  # FSDP2: each rank writes its own rows, no whole matrix (core.sharding)
-            done = sharded_fire(target, options, record_spectra)
+    local = [t for t in targets if not is_dtensor(t.param)]
+    workers = min(torch.get_num_threads(), len(local)) if all(t.param.device.type == "cpu" for t in local) else 1
+    with _thread_pool(workers) as pool:
+        pending = {id(t): pool.submit(_fire_target, t, options, record_spectra) for t in local} if pool else {}
+        for target in targets:
+            if is_dtensor(target.param):  # FSDP2: each rank writes its own rows (collectives: in order, here)
+                done = sharded_fire(target, options, record_spectra)
+            elif pool:
+                done = pending[id(target)].result()
+            else:
+                done = _fire_target(target, options, record_spectra)
             records.extend(done)
-            fired.extend(target.trainable() if any(r.skipped is None for r in done) else [])
-            continue
-        blocks, changed = target.block_list(), False
-        with torch.no_grad():
-            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
-            for block in blocks:
-                name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
-                rows = block.take(weight)  # a view for contiguous rows, else a copy put back below
-                record = fire_matrix(name, rows, options, record_spectra, target.groups)
-                block.put(weight, rows)
-                records.append(record)
-                changed |= record.skipped is None
-            target.write(weight)
-        if changed:
-            fired.extend(target.trainable())
+            if any(r.skipped is None for r in done):
+                fired.extend(target.trainable())
     if options.reset_optimizer and optimizers is not None and fired:
         reset_optimizer_state(optimizers, fired)
     return records
+
+
+def _fire_target(target: WeightView, options: FIREOptions, record_spectra: bool) -> list[FireRecord]:
+    """FIRE on one (unsharded) weight, one row block at a time, written back in place."""
+    records = []
+    with torch.no_grad():
+        weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
+        blocks = target.block_list()
+        for block in blocks:
+            name = target.name if len(blocks) == 1 else f"{target.name}[{block.label}]"
+            rows = block.take(weight)  # a view for contiguous rows, else a copy put back below
+            records.append(fire_matrix(name, rows, options, record_spectra, target.groups))
+            block.put(weight, rows)
+        target.write(weight)
+    return records
+
+
+@contextlib.contextmanager
+def _thread_pool(workers: int):
+    """``workers`` threads of one intra-op thread each (None when ``workers <= 1``); the thread count is
+    restored after."""
+    if workers <= 1:
+        yield None
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)

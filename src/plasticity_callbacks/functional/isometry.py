@@ -1,13 +1,19 @@
 """FIRE (Han et al., arXiv 2602.08040) on one weight: ``scale · polar(W)``, its options and its record.
 
-:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF
-``Conv1D`` is transposed first; conv kernels: one polar factor per spatial tap, as the reference
-code does, and per group for a grouped or depthwise conv, whose operator is block-diagonal over
-groups; a fused matrix such as Q/K/V, gate/up or an LSTM's gates: one polar factor per row block,
-as the reference code splits GPT-2's ``c_attn``), then the optimizer state of exactly those weights is dropped. A
-factorized weight (``W_p + BA``) is treated as its effective weight. Weights are processed one at a
-time, so the extra memory is that of one matrix's iteration (about 3× the largest matrix), not of
-the model.
+:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is
+replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF ``Conv1D`` is transposed first;
+conv kernels: one polar factor per spatial tap, as the reference code does, and per group for a grouped
+or depthwise conv, whose operator is block-diagonal over groups; a fused matrix such as Q/K/V, gate/up
+or an LSTM's gates: one polar factor per row block, as the reference code splits GPT-2's ``c_attn``),
+then the optimizer state of exactly those weights is dropped. A factorized weight (``W_p + BA``) is
+treated as its effective weight. Weights are processed one at a time per thread (on CPU, ``apply_fire``
+runs one per torch thread), so the extra memory is that of a few matrices' solves (about 3× the largest
+matrix each), not of the model.
+
+The diagnostics cost no second factorization: with an exact method (SVD, ``eigh``) DfI before comes
+from the singular values the solver computed, SFE from one pass over the difference, and DfI after
+from a few probe vectors (the result is an isometry by construction); an iteration's (possibly
+partial) result is measured with Gram matrices.
 """
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ from .spectral import (
     DegenerateMatrixError,
     PolarOptions,
     deviation_from_isometry,
+    estimated_deviation_from_isometry,
+    largest_entry,
     orthogonalize,
     singular_values,
-    squared_frobenius_error,
 )
 
 SCALES = ("sqrt_dout_din", "unit", "preserve_norm")
@@ -37,8 +44,8 @@ class FireRecord:
     name: str
     shape: tuple[int, ...]
     scale: float = float("nan")
-    dfi_before: float = float("nan")
-    dfi_after: float = float("nan")
+    dfi_before: float = float("nan")  # from the solver's singular values where it computed them (svd, eigh)
+    dfi_after: float = float("nan")  # exact methods: an 8-probe estimate (spectral.estimated_deviation_from_isometry)
     sfe: float = float("nan")  # ‖W − W̃‖²_F
     sfe_normalized: float = float("nan")  # SFE / ‖W‖²_F
     iterations: int = 0
@@ -144,29 +151,44 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
     if param.is_cuda:
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()
-    if not bool(torch.isfinite(param).all()):
+    peak = float(largest_entry(param.flatten(1)))  # one pass: NaN/Inf and all-zero alike
+    if not math.isfinite(peak):
         return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
     matrices = as_matrices(param, groups)  # a view: writing into it writes the parameter
-    if not bool(matrices.any()):
+    if peak == 0.0:
         return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
     s = target_scale(param, options.scale, groups)
     record.scale = s
-    record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
+    # The whole weight was checked above; an all-zero conv tap inside it stays as it is, without a warning.
+    polar, info = orthogonalize(matrices, replace(options, on_degenerate="skip"), return_info=True,
+                                warn_degenerate=False)
+    exact = info.singular_values is not None  # svd / eigh: the spectrum came with the polar factor
+    if exact:
+        record.dfi_before = float((info.singular_values.square() - s * s).square().sum())
+    else:
+        record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
     if record_spectra:
-        record.spectrum_before = singular_values(matrices).cpu()
-    with warnings.catch_warnings():  # an all-zero conv tap stays zero; that is expected, not news
-        warnings.simplefilter("ignore")
-        # The whole weight was checked above; an all-zero conv tap inside it stays as it is.
-        polar, info = orthogonalize(matrices, replace(options, on_degenerate="skip"), return_info=True)
+        record.spectrum_before = (info.singular_values.flip(-1).float().cpu() if exact
+                                  else singular_values(matrices).cpu())
     polar.mul_(s)
-    record.sfe = float(squared_frobenius_error(matrices, polar))
-    record.sfe_normalized = float(squared_frobenius_error(matrices, polar, normalized=True))
+    # W and sW̃ of one magnitude: their difference in float32 (or float64) is exact to its rounding (Sterbenz
+    # where they are close); the norm accumulates in double on CPU, and squares of entries beyond 1e±15
+    # (outside float32's range) are taken in float64.
+    wide = torch.float64 if matrices.dtype == torch.float64 else torch.float32
+    norm_dtype = None if 1e-15 < peak < 1e15 else torch.float64
+    record.sfe = float(torch.linalg.vector_norm(matrices.to(wide) - polar.to(wide), dtype=norm_dtype).double()) ** 2
+    squared_norm = (float(info.singular_values.square().sum()) if exact
+                    else float(torch.linalg.vector_norm(matrices.to(wide), dtype=norm_dtype).double()) ** 2)
+    record.sfe_normalized = record.sfe / squared_norm if squared_norm > 0 else float("nan")
     matrices.copy_(polar)
     del polar
     if param.is_cuda:
         torch.cuda.synchronize(param.device)
     record.seconds = time.perf_counter() - started
-    record.dfi_after = float(deviation_from_isometry(matrices, s, dtype).sum())
+    # An exact method's result is an isometry by construction: a probe estimate checks it at the cost of a few
+    # matrix-vector products; an iteration's (possibly partial) result is measured exactly.
+    deviation = estimated_deviation_from_isometry(matrices, s) if exact else deviation_from_isometry(matrices, s, dtype)
+    record.dfi_after = float(deviation.sum())
     if record_spectra:
         record.spectrum_after = singular_values(matrices).cpu()
     record.iterations, record.matmuls, record.fell_back = info.iterations, info.matmuls, info.fell_back

@@ -8,9 +8,12 @@ matrix or a batch ``(..., m, n)``, working on the tall orientation (wide matrice
 transpose), by one of:
 
 * ``svd`` — LAPACK / cuSOLVER ``U Vᵀ`` (``torch.linalg.polar`` does not exist).
-* ``eigh`` — ``X (XᵀX)^(-1/2)`` from a float64 ``eigh`` of the Gram matrix of the smaller side: on one
-  CPU thread 0.6–0.7× an SVD's time on 4:1 matrices, error ``eps₆₄·κ²``; slices that are numerically
-  rank-deficient get the SVD answer. :func:`polar_from_gram` is the same map for a ``W`` split by rows.
+* ``eigh`` — ``X (XᵀX)^(-1/2)`` from an ``eigh`` of the Gram matrix of the smaller side, for oblong
+  matrices (the Gram matrix is then the small side). Its error is about ``eps·κ²`` of the precision the
+  Gram matrix is formed in: float32 where a cheap Lanczos estimate of ``κ²`` says that is below a float32
+  SVD's own rounding (``κ ≤ 4``: a Gaussian 4:1 matrix has ``κ = 3``), else float64; slices that are
+  numerically rank-deficient get the SVD answer. :func:`polar_from_gram` is the same map for a ``W``
+  split by rows.
 * ``polar_express`` / ``newton_schulz`` — matrix products only (the GPU's strength): an odd polynomial
   applied to every singular value at once, ``X ← X·q(XᵀX)``. Cubic Newton–Schulz
   ``p(σ) = 1.5σ − 0.5σ³`` grows tiny singular values only 1.5× per step (~30 steps on a square Gaussian
@@ -51,9 +54,14 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 DEFAULT_NORMALIZE = {"newton_schulz": "frobenius", "polar_express": "gram"}
 DEFAULT_MAX_STEPS = {"newton_schulz": 60, "polar_express": 30}
 DEFAULT_TOL = 1e-5
-# On one CPU thread, float64 eigh of the n×n Gram matrix beats LAPACK's SVD once m ≥ 1.5·n (0.64× at
-# 4:1) and ties it on square matrices, where SVD keeps the edge in accuracy (benchmarks/fire.py).
+# On one CPU thread, eigh of the n×n Gram matrix beats LAPACK's SVD once m ≥ 1.5·n and loses to it on
+# square matrices, whose Gram matrix is as large as the matrix and squares its condition (benchmarks/fire.py).
 EIGH_MIN_ASPECT = 1.5
+# A float32 Gram matrix moves the polar factor by about 3·u·κ² (u = 2⁻²⁴, the float32 unit roundoff;
+# measured on 4:1 matrices, κ = 3 … 100); up to u·κ² = 1e-6 (κ ≤ 4) that is the rounding of a float32
+# SVD itself (2e-6 at 3072×768), at 0.6× the float64 route's time.
+FLOAT32_GRAM_MAX_ERROR = 1e-6
+_UNIT_ROUNDOFF32 = torch.finfo(torch.float32).eps / 2
 
 
 def polar_express_coefficients(lower: float = 3e-4, steps: int = 10, safety: float = 1.01) -> tuple:
@@ -201,6 +209,8 @@ class PolarInfo:
     skipped: int = 0  # degenerate slices (zero / NaN / Inf) returned unchanged
     slices: int = 1
     lower: float = float("nan")  # Polar Express: the smallest σ bound a slice's schedule was built for
+    # Singular values of W per slice (float64, ascending) where the method computed them (svd, eigh); None else.
+    singular_values: torch.Tensor | None = None
 
 
 def choose_method(shape: tuple[int, ...] | torch.Size, device: torch.device | str, dtype: torch.dtype) -> str:
@@ -221,7 +231,8 @@ def choose_method(shape: tuple[int, ...] | torch.Size, device: torch.device | st
     return "eigh" if dtype == torch.float32 and m >= EIGH_MIN_ASPECT * n else "svd"
 
 
-def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_info: bool = False):
+def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_info: bool = False, *,
+                  warn_degenerate: bool = True):
     """The (unscaled) polar factor of ``W`` (``(m, n)`` or a batch ``(..., m, n)``), same shape and dtype.
 
     A full isometry (every singular value 1, orthogonality error ``‖QᵀQ − I‖_F/(2√n)`` within ``tol``)
@@ -230,7 +241,10 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     Args:
         W: the matrix or batch of matrices.
         options: a :class:`PolarOptions` (None: its defaults, the fastest exact method).
-        return_info: also return a :class:`PolarInfo`.
+        return_info: also return a :class:`PolarInfo` (with the singular values of ``W`` where the method
+            computed them: the diagnostics need no second factorization).
+        warn_degenerate: warn about skipped slices (``on_degenerate='skip'``); a caller that has checked
+            the whole weight and reports it itself passes False (a warning filter is not thread-safe).
 
     Example:
         >>> Q, info = orthogonalize(torch.randn(256, 64), return_info=True)
@@ -251,7 +265,7 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     tall = (W.mT if wide else W).detach()  # work on the tall orientation: the Gram is the small one
     # Divide by the largest entry first: the squares behind every norm and Gram matrix then neither
     # overflow (weights of 1e20) nor underflow (1e-25) in float32.
-    peak = torch.linalg.vector_norm(tall, ord=math.inf, dim=(-2, -1)).to(dtype)  # largest |entry|, no |W| copy
+    peak = largest_entry(W.detach()).to(dtype)
     bad = ~torch.isfinite(peak) | (peak == 0)
     info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
     if info.skipped:
@@ -259,46 +273,116 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
                 "contain NaN/Inf")
         if options.on_degenerate == "raise":
             raise DegenerateMatrixError(f"orthogonalize: {what}; they have no polar factor")
-        warnings.warn(f"orthogonalize: {what}; left unchanged (no polar factor)", stacklevel=2)
+        if warn_degenerate:
+            warnings.warn(f"orthogonalize: {what}; left unchanged (no polar factor)", stacklevel=2)
         peak = torch.where(bad, torch.ones_like(peak), peak)
 
     def scaled() -> torch.Tensor:  # a fresh copy each time, never held here: peak memory
         X = tall.to(dtype) / peak[..., None, None]
         return X.masked_fill_(bad[..., None, None], 0.0) if info.skipped else X  # zero: a fixed point
 
-    if method == "svd":
-        Q, converged = _svd_polar(scaled(), options.rcond), bad | True
+    if method == "svd":  # LAPACK scales a matrix of extreme magnitude itself: no divided copy needed
+        X = tall.to(dtype)
+        Q, spectrum = _svd_polar(X.masked_fill(bad[..., None, None], 0.0) if info.skipped else X, options.rcond)
+        info.singular_values = spectrum.to(torch.float64).flip(-1)
+        converged = bad | True
     elif method == "eigh":
-        Q, converged = _eigh_polar(scaled(), bad)
+        Q, converged, eigenvalues = _eigh_polar(scaled(), bad)
+        info.singular_values = eigenvalues.to(torch.float64).clamp_min(0.0).sqrt() * peak.double()[..., None]
     else:
         Q, converged = _iterate(scaled(), bad, method, options, info)
     missed = ~(converged | bad)
     if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
         info.fell_back = int(missed.sum())
-        Q[missed] = _svd_polar(scaled()[missed])
+        Q[missed] = _svd_polar(scaled()[missed])[0]
     if info.skipped:
         Q = torch.where(bad[..., None, None], tall.to(dtype), Q)
     Q = (Q.mT if wide else Q).to(W.dtype).contiguous()
     return (Q, info) if return_info else Q
 
 
-def _eigh_polar(X: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``X (XᵀX)^(-1/2)`` of a tall ``X`` from a float64 ``eigh`` of its Gram matrix, and per slice whether
-    it is trustworthy: numerically full rank (else the caller completes it by SVD). The error is about
-    ``eps₆₄·κ²`` from the Gram matrix plus ``eps·κ`` from the last product, which runs in float64
-    whenever float32 rounding (``eps₃₂·κ``) would pass 1e-6."""
+def largest_entry(W: torch.Tensor) -> torch.Tensor:
+    """Largest ``|entry|`` of each ``(m, n)`` slice (NaN where a slice holds a NaN), in one pass without an
+    ``|W|`` copy (``aminmax``; an inf-norm reduction is 20× slower on CPU).
+
+    Example:
+        >>> largest_entry(torch.tensor([[1.0, -3.0], [2.0, 0.5]]))   # tensor(3.)
+    """
+    low, high = torch.aminmax(W) if W.dim() == 2 else torch.aminmax(W.flatten(-2), dim=-1)
+    return torch.maximum(-low, high)
+
+
+def _eigh_polar(X: torch.Tensor, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``X (XᵀX)^(-1/2)`` of a tall ``X`` from an ``eigh`` of its Gram matrix; per slice whether it is
+    trustworthy (numerically full rank, else the caller completes it by SVD); and the eigenvalues (``σ²``).
+
+    The error is about ``eps·κ²`` of the Gram matrix's precision, plus ``eps·κ`` from the products after.
+    A float32 ``X`` whose Lanczos estimate of ``κ²`` keeps ``u·κ²`` (float32 unit roundoff ``u``) under
+    ``FLOAT32_GRAM_MAX_ERROR`` stays in float32 (checked again on the exact eigenvalues); otherwise the Gram
+    matrix and ``eigh`` are float64, and the products run in float64 whenever their float32 rounding
+    (``≈ eps₃₂·κ``, within 2× of a float32 SVD's own error) would pass ``DEFAULT_TOL``."""
+    if X.dtype == torch.float32 and X.shape[-1] > 1:
+        G = _symmetric_gram(X)  # float32: half a float64 Gram matrix's time
+        if bool((_condition_squared_estimate(G, bad) * _UNIT_ROUNDOFF32 <= FLOAT32_GRAM_MAX_ERROR).all()):
+            eigenvalues, V = torch.linalg.eigh(G)  # ascending
+            well_conditioned = eigenvalues[..., 0] * FLOAT32_GRAM_MAX_ERROR >= _UNIT_ROUNDOFF32 * eigenvalues[..., -1]
+            if bool((well_conditioned | bad).all()):  # the estimate was right: κ² is known now, not guessed
+                inverse_root = eigenvalues.clamp_min(torch.finfo(torch.float32).tiny).rsqrt()
+                return X @ ((V * inverse_root[..., None, :]) @ V.mT), bad | True, eigenvalues
+        del G
     X64 = X.to(torch.float64)
-    eigenvalues, V = torch.linalg.eigh(X64.mT @ X64)  # ascending
+    eigenvalues, V = torch.linalg.eigh(_symmetric_gram(X64))  # ascending
     n = X.shape[-1]
     full_rank = eigenvalues[..., 0] > n * torch.finfo(torch.float64).eps * eigenvalues[..., -1]
     inverse_root = eigenvalues.clamp_min(torch.finfo(torch.float64).tiny).rsqrt()
-    inverse_sqrt = (V * inverse_root[..., None, :]) @ V.mT  # (..., n, n)
     condition = (eigenvalues[..., -1] / eigenvalues[..., 0].clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
-    if X.dtype == torch.float64 or bool((torch.where(bad | ~full_rank, 0.0, condition) * 1.2e-7 > 1e-6).any()):
-        Q = (X64 @ inverse_sqrt).to(X.dtype)
-    else:
-        Q = X @ inverse_sqrt.to(X.dtype)
-    return Q, bad | full_rank
+    if X.dtype == torch.float64 or bool((torch.where(bad | ~full_rank, 0.0, condition) * 1.2e-7 > DEFAULT_TOL).any()):
+        Q = (X64 @ ((V * inverse_root[..., None, :]) @ V.mT)).to(X.dtype)
+    else:  # float32 products lose eps₃₂·κ ≤ DEFAULT_TOL: V Λ^(-1/2) Vᵀ and X·(it) at float32 speed
+        V32 = V.to(X.dtype)
+        Q = X @ ((V32 * inverse_root.to(X.dtype)[..., None, :]) @ V32.mT)
+    return Q, bad | full_rank, eigenvalues
+
+
+def _symmetric_gram(X: torch.Tensor) -> torch.Tensor:
+    """``XᵀX`` from three products of column halves (the fourth block is a transpose): 3/4 of the
+    multiply-adds of ``X.mT @ X``, since torch has no ``syrk``."""
+    n = X.shape[-1]
+    if n < 256:
+        return X.mT @ X
+    left, right = X[..., :n // 2], X[..., n // 2:]
+    cross = left.mT @ right
+    return torch.cat([torch.cat([left.mT @ left, cross], -1), torch.cat([cross.mT, right.mT @ right], -1)], -2)
+
+
+def _condition_squared_estimate(G: torch.Tensor, bad: torch.Tensor, steps: int = 24) -> torch.Tensor:
+    """Per slice, ``λ_max/λ_min`` of the symmetric positive semi-definite ``G`` from the extreme Ritz values of
+    a short Lanczos run (float64, full re-orthogonalization, a fixed start): an estimate from below, so the
+    caller checks the exact eigenvalues after; inf where the smallest Ritz value is not positive, 1 on ``bad``."""
+    n = G.shape[-1]
+    G64 = G.to(torch.float64)
+    g = torch.Generator().manual_seed(0)  # every rank, every run: the same route
+    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(G.device).expand(*G.shape[:-2], n, 1)
+    basis, alphas, betas = [q / torch.linalg.vector_norm(q, dim=(-2, -1), keepdim=True)], [], []
+    for _ in range(min(steps, n)):
+        w = G64 @ basis[-1]
+        alphas.append((basis[-1] * w).sum((-2, -1)))
+        Qk = torch.cat(basis, dim=-1)
+        w = w - Qk @ (Qk.mT @ w)  # twice: Lanczos vectors lose orthogonality as Ritz values converge
+        w = w - Qk @ (Qk.mT @ w)
+        beta = torch.linalg.vector_norm(w, dim=(-2, -1))
+        if bool((beta <= 1e-12 * alphas[0].abs()).all()):  # an invariant subspace: the Ritz values are exact
+            break
+        betas.append(beta)
+        basis.append(w / beta.clamp_min(torch.finfo(torch.float64).tiny)[..., None, None])
+    k = len(alphas)
+    T = torch.diag_embed(torch.stack(alphas, -1))
+    if k > 1:
+        off = torch.diag_embed(torch.stack(betas[:k - 1], -1), offset=1)
+        T = T + off + off.mT
+    ritz = torch.linalg.eigvalsh(T)  # ascending
+    ratio = torch.where(ritz[..., 0] > 0, ritz[..., -1] / ritz[..., 0], torch.full_like(ritz[..., 0], math.inf))
+    return torch.where(bad, torch.ones_like(ratio), ratio)
 
 
 class RankDeficientError(ValueError):
@@ -547,16 +631,16 @@ def _power_iteration_norm(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(X @ v, dim=(-2, -1)).clamp_min(torch.finfo(X.dtype).tiny)
 
 
-def _svd_polar(X: torch.Tensor, rcond: float | None = None) -> torch.Tensor:
-    """``U Vᵀ`` of a tall ``X``: orthonormal columns whatever the singular values (LAPACK completes
-    the null directions); with ``rcond`` the directions of ``σ < rcond·σ_max`` are dropped instead."""
+def _svd_polar(X: torch.Tensor, rcond: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``U Vᵀ`` of a tall ``X`` and its singular values: orthonormal columns whatever the singular values
+    (LAPACK completes the null directions); with ``rcond`` the directions of ``σ < rcond·σ_max`` are dropped."""
     try:
         U, S, Vh = torch.linalg.svd(X, full_matrices=False)
     except torch.linalg.LinAlgError:  # LAPACK's divide and conquer can miss on clustered σ (a near-isometry)
         U, S, Vh = (t.to(X.dtype) for t in torch.linalg.svd(X.to(torch.float64), full_matrices=False))
     if rcond is not None:
         U = U * (S > rcond * S[..., :1]).to(X.dtype)[..., None, :]
-    return U @ Vh
+    return U @ Vh, S
 
 
 # ---------------------------------------------------------------------------------- diagnostics
@@ -575,6 +659,28 @@ def deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, dtype: torch.dt
     peak = peak.double()
     error = _isometry_error(X.mT @ X, (scale / peak) ** 2)  # ‖X̂ᵀX̂ − (s/p)²I‖_F / (2√n)
     return (error * (2 * math.sqrt(X.shape[-1]))).square() * peak**4
+
+
+def estimated_deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, probes: int = 8) -> torch.Tensor:
+    """DfI ``‖WᵀW − s²I‖²_F`` (``WWᵀ`` for wide ``W``) per slice of ``(..., m, n)``, as float64, estimated
+    from ``probes`` Gaussian vectors ``z`` (Hutchinson: the mean of ``‖(WᵀW − s²I)z‖²`` is exact in expectation,
+    with a relative spread of at most ``√(2/probes)``). Costs ``2·probes`` products of ``W`` with a vector, in
+    float64, instead of a Gram matrix (``n`` times as many): for checking an isometry that is exact by
+    construction. Same probes on every call (a fixed generator).
+
+    Example:
+        >>> estimated_deviation_from_isometry(orthogonalize(torch.randn(300, 200)))   # ≈ 1e-10
+    """
+    X = W.detach()
+    X = X.mT if X.shape[-2] < X.shape[-1] else X
+    g = torch.Generator().manual_seed(0)
+    Z = torch.randn(X.shape[-1], probes, generator=g, dtype=torch.float64).to(X.device)
+    gram_times_probes = torch.zeros(*X.shape[:-2], *Z.shape, dtype=torch.float64, device=X.device)
+    for start in range(0, X.shape[-2], 256):  # float64 a row block at a time: no float64 copy of W, cache-sized
+        rows = X[..., start:start + 256, :].to(torch.float64)
+        gram_times_probes += rows.mT @ (rows @ Z)
+    residual = gram_times_probes - scale**2 * Z  # (WᵀW − s²I) z, (..., n, probes)
+    return residual.square().sum((-2, -1)) / probes
 
 
 def squared_frobenius_error(W: torch.Tensor, W_new: torch.Tensor, normalized: bool = False,
