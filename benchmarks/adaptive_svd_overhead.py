@@ -2,6 +2,7 @@
 
     python benchmarks/adaptive_svd_overhead.py                          # widths 128,256,512; batches 1, 16
     python benchmarks/adaptive_svd_overhead.py --widths 128 --batches 1 --memory
+    python benchmarks/adaptive_svd_overhead.py --compare full --default-thresholds  # decisions vs LAPACK SVD
 
 Per GPT width (4 layers, sequence 256, byte vocabulary) and batch size: one fit with the switch in
 its callback list, SVD cycles every ``--every`` steps (so a short fit holds several), every matrix
@@ -83,16 +84,18 @@ def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule
 
 
 def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: int = 4, cycles: int = 3,
-            layers: int = 4, sequence_len: int = 256, **switch_options) -> dict:
+            layers: int = 4, sequence_len: int = 256, worst_case: bool = True, **switch_options) -> dict:
     """Fit with the switch acting every ``every`` steps; return the medians and the share at ``interval``.
 
-    Returns a dict with ``cycles`` (SVD cycles that ran), ``matrices``, ``step``, ``cycle``, ``projection``
-    (seconds) and ``share`` (the switch's time over the steps' at ``interval``)."""
+    ``worst_case``: every matrix forced "minor" (``clobber_alignment=0``); else the default thresholds.
+    Returns a dict with ``cycles`` (SVD cycles that ran), ``matrices``, ``minor`` (matrices in the "minor"
+    state at the end), ``step``, ``cycle``, ``projection`` (seconds), ``share`` (the switch's time over the
+    steps' at ``interval``) and ``history`` (the switch's ``(step, matrix, state, r)`` decisions)."""
     L.seed_everything(0)
     module = gpt_module(width, layers, sequence_len)
+    thresholds = {"clobber_alignment": 0.0} if worst_case else {}
     switch = TimedSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
-                         thresholds={"clobber_alignment": 0.0}, save_figure=False, log_per_matrix=False,
-                         **switch_options)
+                         thresholds=thresholds, save_figure=False, log_per_matrix=False, **switch_options)
     clock = StepClock(switch)
     steps = every * (cycles + 1) + 1
     loader = token_loader(n=steps * batch_size, sequence_len=sequence_len, vocab=256, batch_size=batch_size)
@@ -103,7 +106,8 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
     projection = statistics.median(h for *_, h, cycled in later if not cycled) if later else float("nan")
     step = statistics.median(t - h for _, t, h, _ in clock.steps[1:])
     return {"cycles": len(ran), "matrices": len(switch.matrices), "step": step, "cycle": cycle,
-            "projection": projection, "share": (cycle + (interval - 1) * projection) / (interval * step)}
+            "minor": sum(m.state == "minor" for m in switch.matrices), "projection": projection,
+            "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history)}
 
 
 def state_bytes(optimizer) -> int:
@@ -130,6 +134,12 @@ def memory(ranks: list[int]) -> None:
         print(f"  {label:10s} {total / 2**20:8.2f} MiB   ratio vs full {total / full_total:6.3f}")
 
 
+def report(label: str, r: dict, target: float) -> None:
+    print(f"  {label}: {r['matrices']} matrices, {r['cycles']} cycles; step {1e3 * r['step']:7.1f} ms, SVD cycle "
+          f"{1e3 * r['cycle']:7.1f} ms, projection {1e3 * r['projection']:5.2f} ms/step -> {100 * r['share']:5.2f} % "
+          f"(target <= {target:g} %)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="128,256,512")
@@ -137,21 +147,32 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=100, help="steps between SVD cycles (the default: 100)")
     parser.add_argument("--every", type=int, default=4, help="cycle spacing in the measured fit")
     parser.add_argument("--cycles", type=int, default=3)
-    parser.add_argument("--svd-method", default=None, help="full | randomized (default: the callback's)")
+    parser.add_argument("--svd-method", default=None, help="gram | full | randomized (default: the callback's)")
+    parser.add_argument("--compare", default=None, metavar="METHOD",
+                        help="also run each worst case with this SVD method (e.g. full): its time, and whether "
+                             "every decision (state and r per matrix and cycle) is the same")
+    parser.add_argument("--default-thresholds", action="store_true",
+                        help="add a row per width and batch with the default thresholds (not every matrix minor)")
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time on one thread: comparable on a shared machine
     options = {} if args.svd_method is None else {"svd": {"method": args.svd_method}}
     print(f"AdaptiveSVDSwitch through trainer.fit's hooks, GPT 4 layers x width, sequence 256, every matrix "
-          f"projecting; one thread, process CPU time; share at interval {args.interval}")
+          f"projecting (worst case) unless labelled; one thread, process CPU time; share at interval {args.interval}")
     for width in [int(w) for w in args.widths.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            r = measure(width, batch, args.interval, args.every, args.cycles, **options)
             target = 5.0 if batch == 1 else 1.0
-            print(f"  width {width:4d} batch {batch:2d}x256: {r['matrices']} matrices, {r['cycles']} cycles; step "
-                  f"{1e3 * r['step']:7.1f} ms, SVD cycle {1e3 * r['cycle']:7.1f} ms, projection "
-                  f"{1e3 * r['projection']:5.2f} ms/step -> {100 * r['share']:5.2f} % (target <= {target:g} %)",
-                  flush=True)
+            label = f"width {width:4d} batch {batch:2d}x256"
+            r = measure(width, batch, args.interval, args.every, args.cycles, **options)
+            report(label, r, target)
+            if args.compare:
+                other = measure(width, batch, args.interval, args.every, args.cycles,
+                                svd={"method": args.compare})
+                same = "same decisions" if other["history"] == r["history"] else "DIFFERENT decisions"
+                report(f"{label} svd={args.compare} ({same})", other, target)
+            if args.default_thresholds:
+                d = measure(width, batch, args.interval, args.every, args.cycles, worst_case=False, **options)
+                report(f"{label} default thresholds ({d['minor']} of {d['matrices']} minor at the end)", d, target)
     if args.memory:
         memory([64, 32, 8])
 

@@ -6,10 +6,12 @@ process with ``devices=1`` for the single-process reference on the same global b
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
 
-A run: ``{"name", "model": mlp | gpt | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr", "hidden" (mlp),
-"optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under ``out``),
-"distributed_checkpoint", "val_every" (model-zoo models: one validation batch every that many training batches)}``;
-the result: full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
+A run: ``{"name", "model": mlp | gpt | digits | digits_root_head | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
+"hidden" (mlp), "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under
+``out``), "distributed_checkpoint", "val_every" (model-zoo models: one validation batch every that many training
+batches), "ddp" (DDP instead of FSDP2), "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
+arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result:
+full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
 """
 from __future__ import annotations
 
@@ -78,6 +80,26 @@ class ShardedMLP(tiny.TinyMLPModule):
         shard_every_layer(self)
 
 
+def _digits_root_head():
+    from plasticity_callbacks.models.classifier import DigitsClassifier
+
+    class DigitsRootHead(DigitsClassifier):
+        """The digits MLP with its output layer left in the root unit, which an evaluation leaves gathered."""
+
+        def configure_model(self):
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if self.device_mesh is None or isinstance(self.network, FSDPModule):
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for layer in list(self.network)[:-1]:
+                if list(layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.network, mesh=mesh)
+
+    return DigitsRootHead
+
+
 def shard_every_layer(module: L.LightningModule) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -135,9 +157,18 @@ def build(spec: dict, devices: int):
     if model == "gpt":
         from plasticity_callbacks.models import GPTLightningModule
 
-        config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16)
+        config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16) | spec.get("gpt", {})
         return (GPTLightningModule(config, lr=lr, schedule="constant"),
                 loader(tiny.token_loader(n=samples).dataset, batch, devices))
+    if model == "digits":
+        from plasticity_callbacks.data.digits import RandomLabelDigits
+        from plasticity_callbacks.models.classifier import DigitsClassifier
+
+        return DigitsClassifier(widths=[32, 32], lr=lr), RandomLabelDigits(**spec["stream"])
+    if model == "digits_root_head":
+        from plasticity_callbacks.data.digits import RandomLabelDigits
+
+        return _digits_root_head()(widths=[32, 32], lr=lr), RandomLabelDigits(**spec["stream"])
     # SGD for attention models: a key bias has a zero gradient (softmax ignores it), and Adam would turn
     # the rounding noise of two reduction orders into full-size, different steps.
     module = Sharded(model, lr, batch, devices, spec.get("optimizer", "adamw"))
@@ -164,16 +195,17 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     steps = spec.get("steps", 4)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                       save_distributed_checkpoint=spec.get("distributed_checkpoint", False))
-        if devices > 1 else "auto",
+        strategy="auto" if devices == 1 else "ddp" if spec.get("ddp") else
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                              save_distributed_checkpoint=spec.get("distributed_checkpoint", False)),
         logger=CSVLogger(run_dir, name="logs", version=""), log_every_n_steps=1,
         enable_checkpointing=bool(spec.get("ckpt_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,
         val_check_interval=spec.get("val_every"), limit_val_batches=1 if spec.get("val_every") else 0,
     )
     resume = spec.get("resume")
-    trainer.fit(module, train_dataloaders=data, ckpt_path=str(out / resume) if resume else None)
+    data = {"datamodule": data} if isinstance(data, L.LightningDataModule) else {"train_dataloaders": data}
+    trainer.fit(module, **data, ckpt_path=str(out / resume) if resume else None)
     reshard(module)  # a validation at the last step leaves the root unit gathered: its parameters not the optimizer's
     params = {n: full(p) for n, p in module.named_parameters()}
     names = {id(p): n for n, p in module.named_parameters()}

@@ -12,6 +12,7 @@ from tiny import build, cpu_trainer, tiny_gpt_module, token_loader
 
 from plasticity_callbacks.callbacks.gate_logger import GateLogger
 from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.core.resume import check_shapes
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.reciprocal_attention import fold_reciprocal, reciprocal_dim_mask
@@ -309,3 +310,47 @@ def test_every_block_combination_composes_from_hydra_and_trains():
             # (a tiny first gradient, e.g. α's at step 3, may not move a float32 scalar under warmup)
             must_move = {"model.lm_head.weight", "model.blocks.0.attn.c_q.weight", "model.blocks.0.mlp.c_proj.weight"}
             assert must_move <= moved, where
+
+
+@pytest.mark.parametrize("kind", ["attn", "mlp"])
+def test_block_scalars_are_one_element_and_a_0d_state_dict_loads_with_the_same_forward(kind):
+    config = GPTConfig(**{**SMALL, "attention": "reciprocal", "mlp": "reciprocal"})
+    block = getattr(GPT(config).blocks[0], kind).double()
+    with torch.no_grad():
+        for name in block.gate_values().keys() - {"gate_std", "gate_rec"} | {"skip_std", "skip_rec"}:
+            getattr(block, name).uniform_(-1, 1)  # off their init: every scalar visible in the output
+        block.c_proj.weight.normal_(0, 0.1)
+    scalars = [n for n, p in block.named_parameters() if p.dim() < 2]
+    assert scalars and all(getattr(block, n).shape == (1,) for n in scalars)  # fully_shard takes (1,), not ()
+    x, attn_out = torch.randn(2, 5, 64, dtype=torch.float64), torch.randn(2, 5, 64, dtype=torch.float64)
+    run = (lambda b: b(x)) if kind == "attn" else (lambda b: b(x, attn_out=attn_out))
+    expected = run(block)
+    zero_d = {k: v.reshape(()) if k in scalars else v for k, v in block.state_dict().items()}  # scalars stored 0-d
+    fresh = getattr(GPT(config).blocks[0], kind).double()
+    fresh.load_state_dict(zero_d)
+    torch.testing.assert_close(run(fresh), expected, rtol=0, atol=0)
+    for name in scalars:  # the same forward when the scalars are 0-d parameters
+        setattr(fresh, name, torch.nn.Parameter(getattr(fresh, name).detach().reshape(())))
+    torch.testing.assert_close(run(fresh), expected, rtol=0, atol=0)
+
+
+def test_a_checkpoint_with_0d_block_scalars_resumes_training(tmp_path):
+    module = tiny_gpt_module(attention="reciprocal", mlp="reciprocal")
+    trainer = cpu_trainer(max_steps=2, default_root_dir=tmp_path)
+    trainer.fit(module, token_loader())
+    trainer.save_checkpoint(tmp_path / "new.ckpt")
+    checkpoint = torch.load(tmp_path / "new.ckpt", weights_only=False)
+    scalars = {k for k, v in checkpoint["state_dict"].items() if v.shape == (1,)}
+    assert len(scalars) == 2 * (4 + 5)
+    checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars else v for k, v in checkpoint["state_dict"].items()}
+    for state in checkpoint["optimizer_states"][0]["state"].values():  # Adam's moments of 0-d parameters
+        state.update({k: v.reshape(()) for k, v in state.items() if k != "step" and v.shape == (1,)})
+    torch.save(checkpoint, tmp_path / "zero_d.ckpt")
+    check_shapes(checkpoint["state_dict"], module, "zero_d.ckpt")  # the resume guard lets it through
+    resumed = {}
+    for name in ("new", "zero_d"):
+        module = tiny_gpt_module(attention="reciprocal", mlp="reciprocal")
+        cpu_trainer(max_steps=4).fit(module, token_loader(), ckpt_path=tmp_path / f"{name}.ckpt")
+        resumed[name] = module.state_dict()
+    for key, value in resumed["new"].items():
+        assert torch.equal(resumed["zero_d"][key], value), key

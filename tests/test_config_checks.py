@@ -63,3 +63,25 @@ def test_command_line_accepts_valid_sweeps_and_refuses_a_bad_option_in_one(tmp_p
     check_command_line(["-m", "+method=warm,fire", "seed=0,1", run_dir], config_dir())
     with pytest.raises(ConfigError, match=r"method=fier: no such option.*did you mean 'fire'"):
         check_command_line(["-m", "+method=warm,fier", run_dir], config_dir())
+
+
+def test_fsdp2_data_parallel_size_must_be_the_rank_count():
+    check_config(composed("experiment=smoke", "trainer=fsdp2", "trainer.devices=4"))  # derived from devices
+    with pytest.raises(ConfigError, match=r"data_parallel_size=2 is not the rank count .* 2 × 2 = 4.*=4$"):
+        check_config(composed("experiment=smoke", "trainer=fsdp2", "trainer.num_nodes=2"))
+    check_config(composed("experiment=smoke", "trainer=fsdp2", "trainer.num_nodes=2",
+                          "trainer.strategy.data_parallel_size=4"))
+    with pytest.raises(ConfigError, match="trainer.devices='auto'.*number of devices"):
+        check_config(composed("experiment=smoke", "trainer=fsdp2", "trainer.devices=auto"))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*=1$"):
+        check_config(composed("experiment=smoke", "trainer=fsdp2", "trainer.strategy.tensor_parallel_size=2",
+                              "trainer.strategy.data_parallel_size=1"))
+
+
+def test_a_pipeline_under_fsdp2_needs_single_file_checkpoints():
+    pipeline = ["experiment=pipeline_smoke", "+method=fire", "trainer=fsdp2"]
+    with pytest.raises(ConfigError, match="save_distributed_checkpoint=true.*set trainer.strategy."
+                                          "save_distributed_checkpoint=false"):
+        check_config(composed(*pipeline), pipeline)
+    check_config(composed(*pipeline, "trainer.strategy.save_distributed_checkpoint=false"), pipeline)
+    check_config(composed("experiment=continual_digits", "+method=fire", "trainer=fsdp2"), [])  # one fit: any

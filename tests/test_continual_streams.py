@@ -112,7 +112,7 @@ def test_loader_starts_at_the_current_step():
     stream = RandomLabelDigits(num_tasks=2, steps_per_task=4, batch_size=32, samples_per_task=100, seed=0)
 
     class Clock:
-        global_step, world_size, accumulate_grad_batches = 0, 1, 1
+        global_step, global_rank, world_size, accumulate_grad_batches = 0, 0, 1, 1
 
     clock = Clock()
     stream.trainer = clock
@@ -141,3 +141,21 @@ def test_bad_fractions_and_too_large_batches_are_refused():
         WarmStartDigits(fractions=[0.5, 0.2])
     with pytest.raises(ValueError, match="batch_size"):
         RandomLabelDigits(samples_per_task=50, batch_size=64).task(0)
+
+
+def test_ranks_share_each_batch_and_an_uneven_split_is_refused():
+    stream = RandomLabelDigits(num_tasks=2, steps_per_task=4, batch_size=12, samples_per_task=100, seed=0)
+    whole = StreamBatches(stream)
+    shares = [StreamBatches(stream, rank, 3) for rank in range(3)]
+    for step in (0, 5):
+        x, y = whole[step]
+        for rank, share in enumerate(shares):  # rank r: rows r, r+3, ... of the step's batch
+            xs, ys = share[step]
+            assert torch.equal(xs, x[rank::3]) and torch.equal(ys, y[rank::3])
+
+    class Ranks:
+        global_step, global_rank, world_size, accumulate_grad_batches = 0, 0, 5, 1
+
+    stream.trainer = Ranks()
+    with pytest.raises(ValueError, match="batch_size=12 does not split evenly over 5 ranks"):
+        stream.setup("fit")

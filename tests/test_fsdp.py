@@ -1,14 +1,16 @@
 """FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks over gloo): FIRE, ReDo, DASH (both rules), Shrink &
 Perturb, FullReset, WeightClip, L2Init, HareTortoise, ContinualBackprop and AdaptiveSVDSwitch (projection) on
-sharded weights equal them on one process over the same global batches; a killed run resumes to the uninterrupted
-weights and callback state; every other
-strategy or callback that cannot act on shards refuses at setup with the fix.
+sharded weights equal them on one process over the same global batches, and so do TaskMetrics' per-task metrics
+on a digits stream and GateLogger's gates of the GPT's reciprocal blocks; a killed run resumes to the
+uninterrupted weights and callback state; ``plasticity-train trainer=fsdp2`` runs the GPT end to end; every
+other strategy or callback that cannot act on shards refuses at setup with the fix.
 
 The 2-rank runs share one launch (``fsdp2_runs``): starting a process group and Lightning costs more than
 the few steps each run trains.
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +19,8 @@ import torch
 from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_single
 
 FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
+# The reference recipe (method/fire.yaml): 5 Newton–Schulz steps, a partial orthogonalization.
+FIRE_NS = dict(FIRE, options={"method": "newton_schulz", "normalize": "frobenius", "steps": 5})
 REDO = {"_target_": "plasticity_callbacks.ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
         "schedule": {"every_n_steps": 2}}
 DASH = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 3, "min_factor": 0.3}
@@ -25,6 +29,8 @@ DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"
                  "shrink_rate": 0.5, "min_factor": 0.1}
 SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
+METRICS = {"_target_": "plasticity_callbacks.callbacks.task_metrics.TaskMetrics", "probe_steps": 3, "probe_lr": 1e-2,
+           "stability_tasks": 1, "grad_norm_every_n_steps": 1}
 L2_INIT = {"_target_": "plasticity_callbacks.L2Init", "strength": 0.5}
 # η = 0.5: the tortoise moves visibly in a few steps; reset at step 2 with the optimizer state dropped
 HARE_TORTOISE = {"_target_": "plasticity_callbacks.HareTortoise", "decay": 0.5, "schedule": {"steps": [2]},
@@ -51,6 +57,10 @@ RUNS = [
     {"name": "fire_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
     # nn.MultiheadAttention's in_proj (48×16): rank 0 holds rows 0..23, so the K block (16..31) is split across ranks.
     {"name": "fire_encoder", "model": "torch_encoder", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE]},
+    # A fixed Newton–Schulz count stops short of the polar factor: every block gathered and iterated as on one
+    # process (Linear rows; GPT-2's Conv1D with its fused Q/K/V blocks).
+    {"name": "fire_ns_mlp", "model": "mlp", "steps": 3, "callbacks": [FIRE_NS]},
+    {"name": "fire_ns_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3, "callbacks": [FIRE_NS]},
     # The package's GPT sharded by its own configure_model, its head included, at fit start; AdamW's state of
     # the treated weights is reset at step 2 (lr = 0: Adam would turn the rounding noise of two gradient
     # reduction orders, on entries whose gradient is near zero, into lr-sized steps that differ).
@@ -124,6 +134,23 @@ RUNS = [
      "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]},
     {"name": "resume_resumed", "model": "mlp", "steps": 6, "epoch_steps": 3, "resume": "crashed_2/ckpt/last.ckpt",
      "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]},
+    # TaskMetrics on a digits task stream (each rank trains on half of every batch): online metrics averaged over
+    # ranks, end-of-task metrics on the whole evaluation data on every rank, the probe trained on the shards.
+    {"name": "metrics_digits", "model": "digits", "steps": 6,
+     "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
+     "callbacks": [METRICS]},
+    # The output layer in the root unit, which the evaluations leave gathered: the probe and the next steps must
+    # see the shards (the probe trains, then restores, the head's rows).
+    {"name": "metrics_digits_root_head", "model": "digits_root_head", "steps": 6,
+     "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
+     "callbacks": [METRICS]},
+    # The same stream under DDP: every rank holds the whole model; the probe's backward runs outside DDP's forward.
+    {"name": "metrics_digits_ddp", "model": "digits", "steps": 6, "ddp": True,
+     "stream": {"num_tasks": 2, "steps_per_task": 3, "batch_size": 16, "samples_per_task": 64, "seed": 0},
+     "callbacks": [METRICS]},
+    # GateLogger on the package's GPT with reciprocal attention and MLP: their 1-element gates sharded like any weight.
+    {"name": "gates_gpt", "model": "gpt", "steps": 3, "gpt": {"attention": "reciprocal", "mlp": "reciprocal"},
+     "callbacks": [{"_target_": "plasticity_callbacks.GateLogger", "every_n_steps": 1}]},
 ]
 # Both ranks die right after the distributed checkpoint at step 3 (its own launch: the processes end there).
 CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "crash_at": 3, "ckpt_every": 3,
@@ -145,6 +172,17 @@ def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert float(sharded["metrics"]["fire/layers"]) > 0
     assert float(sharded["metrics"]["fire/dfi_after"]) < 1e-6 * float(sharded["metrics"]["fire/dfi_before"])
     assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/sfe", "fire/layers"))
+
+
+@pytest.mark.parametrize("name", ["fire_ns_mlp", "fire_ns_gpt2"])
+def test_fire_with_a_fixed_iteration_count_under_fsdp2_equals_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    assert float(sharded["metrics"]["fire/layers"]) > 0
+    # 5 steps leave the weights measurably off an isometry: not the exact polar factor in disguise
+    assert float(sharded["metrics"]["fire/dfi_after"]) > 1e-3 * float(sharded["metrics"]["fire/dfi_before"])
+    assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/dfi_after", "fire/sfe", "fire/layers"))
 
 
 @pytest.mark.parametrize("name", ["redo_mlp", "redo_gpt2"])
@@ -234,6 +272,38 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
+@pytest.mark.parametrize("name", ["metrics_digits", "metrics_digits_root_head", "metrics_digits_ddp"])
+def test_task_metrics_on_two_ranks_equal_one_process(fsdp2_runs, name):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == name)
+    single, sharded = run_single(out, spec), results[name]
+    rows, sharded_rows = single["callbacks"][0]["history"], sharded["callbacks"][0]["history"]
+    assert [r["task"] for r in sharded_rows] == [0, 1]
+    for row, sharded_row in zip(rows, sharded_rows):
+        assert set(row) == set(sharded_row)
+        for key, value in row.items():
+            if key == "retained_accuracy" and row["task"] == 0:
+                assert math.isnan(value) and math.isnan(sharded_row[key])
+                continue
+            assert sharded_row[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert 0 < sharded_row["probe_accuracy"] and 0 < sharded_row["grad_norm"]
+    # The probe trained on the shards and put everything back: the weights are those of a run without it.
+    assert_same_as_single(single, sharded)
+    assert_close(run_single(out, dict(spec, name=f"{name}_plain", callbacks=[]))["params"], sharded["params"])
+
+
+def test_gate_logger_under_fsdp2_logs_the_gates_of_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "gates_gpt")
+    single, sharded = run_single(out, spec), results["gates_gpt"]
+    gates = [k for k in single["metrics"] if k.startswith("gates/")]
+    assert len(gates) == 2 * (6 + 7)  # per layer: attention's 4 values and 2 decisions, the MLP's 5 and 2
+    assert sharded["params"]["model.blocks.0.mlp.skip_rec"].shape == (1,)
+    assert float(sharded["metrics"]["gates/model.blocks.0.attn/gate_std"]) != pytest.approx(torch.sigmoid(
+        torch.tensor(2.0)).item())  # trained off its init, then logged
+    assert_same_as_single(single, sharded, metrics=tuple(gates))
+
+
 def _svd_state(result: dict) -> dict[str, dict]:
     """AdaptiveSVDSwitch's state per matrix, with its ``U`` (under FSDP2 kept apart, sharded by rows)."""
     state = result["callbacks"][0]
@@ -308,18 +378,23 @@ def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs, n
 
 @pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
 def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
+    from plasticity_callbacks.callbacks.gate_logger import GateLogger
+    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
     from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type(strategy, (), {})())
     for fsdp2 in (False, True):
         with pytest.raises(MisconfigurationException, match=f"{strategy}.*ModelParallelStrategy.*fully_shard.*ddp"):
             require_full_parameters(trainer, "Owner", fsdp2=fsdp2)
+    for observer in (TaskMetrics(), GateLogger()):  # they read weights too: refused at setup, before any data
+        with pytest.raises(MisconfigurationException,
+                           match=f"{type(observer).__name__} cannot act under strategy {strategy}.*ModelParallel"):
+            observer.setup(trainer, None, "fit")
 
 
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
     from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
                                       FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
-    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
     from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
@@ -332,5 +407,26 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
         require_full_parameters(trainer, "Owner")  # a callback that does not declare fsdp2=True
     with pytest.raises(MisconfigurationException, match="factorize.*ModelParallelStrategy.*neither sharded.*'project'"):
         AdaptiveSVDSwitch(minor_training="factorize").check_strategy(trainer)
-    with pytest.raises(MisconfigurationException, match="TaskMetrics.*ModelParallelStrategy.*strategy='ddp'"):
-        TaskMetrics().setup(trainer, None, "fit")
+
+
+def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
+    """The Hydra app end to end on 2 CPU ranks: the GPT shards itself (1-element gates included), FIRE acts at
+    fit start, GateLogger logs every step, and the checkpoint is a distributed one (a folder of shards)."""
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    args = ["experiment=smoke", "trainer=fsdp2", "trainer.max_steps=2", "model/attention=reciprocal",
+            "model/mlp=reciprocal", "+callbacks=[fire,gates]", "callbacks.gates.every_n_steps=1",
+            f"hydra.run.dir={tmp_path}/run"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "run" / "logs" / "metrics.csv").open()))
+    assert any(float(r.get("fire/layers") or 0) > 0 for r in rows)
+    gates = [float(r["gates/model.blocks.1.mlp/gate_rec"]) for r in rows if r.get("gates/model.blocks.1.mlp/gate_rec")]
+    assert gates and all(0 < g < 0.5 for g in gates)  # sigmoid(-3) trained a little: logged by every rank alike
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_dir()

@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
+from plasticity_callbacks.core.factorization import project_onto
 from plasticity_callbacks.functional.subspace import (
-    SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, mode_rule, next_rank,
-    reconstruction_error, subspace_angle, svd_triplets,
+    GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_triplets, mode_rule,
+    next_rank, reconstruction_error, subspace_angle, svd_triplets,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -184,3 +185,158 @@ def test_overhead_benchmark_drives_the_switch_through_real_hooks():
     result = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16)
     assert result["cycles"] >= 1 and result["matrices"] == 6  # Q, K, V, attention out, MLP in and out
     assert result["cycle"] > 0 and result["projection"] > 0 and 0 < result["share"] < math.inf
+
+
+def known_svd(d_out, d_in, S, seed):
+    """``W = U0 diag(S) V0ᵀ`` in float64 with fresh random singular frames."""
+    g = min(d_out, d_in)
+    U0, V0 = orthonormal(d_out, g, seed), orthonormal(d_in, g, seed + 1)
+    return (U0 * S) @ V0.mT, U0, V0
+
+
+def spectra(g, seed):
+    """Spectra the switch meets: a random-matrix-like square one down to σ_min/σ_max = 1e-3 (where the
+    Gram matrix alone loses the bottom), a flat 4:1-like one, and one with a gap before the minor block."""
+    gen = torch.Generator().manual_seed(seed)
+    bottom_heavy = torch.linspace(1, 1e-3, g, dtype=torch.float64) ** 1.5
+    flat = torch.linspace(3, 1, g, dtype=torch.float64)
+    gapped = torch.cat([torch.linspace(10, 2, g - 8, dtype=torch.float64),
+                        torch.linspace(0.05, 0.01, 8, dtype=torch.float64)])
+    jitter = 1 + 0.01 * torch.rand(g, generator=gen, dtype=torch.float64)
+    return {name: (S * jitter).sort(descending=True).values
+            for name, S in (("bottom_heavy", bottom_heavy), ("flat", flat), ("gapped", gapped))}
+
+
+@pytest.mark.parametrize("shape", [(96, 96), (192, 48), (48, 192)])
+def test_gram_route_matches_a_float64_svd_on_known_spectra(shape):
+    """The default 'gram' route: σ to SVD accuracy at the bottom too, the minor subspace, and the same decisions."""
+    r = 8
+    g = min(shape)
+    for i, (name, S0) in enumerate(spectra(g, seed=20).items()):
+        W64, U0, V0 = known_svd(*shape, S0, seed=30 + i)
+        W = W64.float()
+        # the route under test, not the fallback, except where a tall W's U (= Wv/σ) would lose accuracy
+        separation = GRAM_SEPARATION * torch.finfo(torch.float32).eps
+        falls_back = shape[0] > shape[1] and float(S0[-1] / S0[0]) ** 2 < separation
+        assert (gram_triplets(W, block=2 * r + 8) is None) == falls_back, name
+        U, S, V = svd_triplets(W, "gram", top=g - r)
+        assert U.shape == (shape[0], g) and S.shape == (g,) and V.shape == (shape[1], g)
+        assert torch.allclose(S.double(), S0, rtol=2e-5, atol=2e-6 * float(S0[0])), name
+        assert torch.allclose(S[-r:].double(), S0[-r:], rtol=1e-4), name  # relative, at the bottom
+        assert subspace_angle(U.double(), U0, g - r, torch.float64) < 1e-4, name  # principal / minor split
+        # V's minor columns (a factorized split's A; W_p absorbs their error): about eps·σ_max/σ_i
+        assert subspace_angle(V[:, g - r:].double(), V0[:, g - r:], r, torch.float64) < 1e-5 * float(S0[0] / S0[-1])
+        assert torch.allclose(U.mT @ U, torch.eye(g), atol=1e-5) and torch.allclose((U * S) @ V.mT, W, atol=1e-5)
+        exact = SVD(U0, S0, V0)
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(40 + i), dtype=torch.float64)
+        for clobber in (0.0, 0.99):  # the gradient rule fires, or the reconstruction rule decides
+            want = decide_mode(W64, exact, U0, S0 * 1.05, grad, r, "full", clobber_alignment=clobber,
+                               dtype=torch.float64, exact=True)
+            got = decide_mode(W, SVD(U, S, V), U0.float(), (S0 * 1.05).float(), grad.float(), r, "full",
+                              clobber_alignment=clobber, exact=True)
+            assert got[:2] == want[:2], (name, clobber)
+            for key in ("principal_alignment", "minor_alignment", "reconstruction_error", "subspace_angle"):
+                assert got[2][key] == pytest.approx(want[2][key], rel=1e-3, abs=1e-4), (name, key)
+
+
+@pytest.mark.parametrize("shape", [(96, 96), (64, 160)])
+def test_gram_route_widens_its_block_over_tiny_singular_values(shape):
+    """30 singular values near rounding (below √(1e4·eps)·σ_max) and a minimal block of 24: the block grows
+    to hold them all, so the route is still taken, and every σ stays within the float32 SVD's error."""
+    g = min(shape)
+    S0 = torch.cat([torch.linspace(5, 1, g - 30, dtype=torch.float64), torch.logspace(-3, -4, 30, dtype=torch.float64)])
+    W64, U0, V0 = known_svd(*shape, S0, seed=45)
+    W = W64.float()
+    svd = gram_triplets(W, block=24)
+    assert svd is not None
+    U, S, V = svd
+    float32_svd = torch.linalg.svdvals(W).double()
+    assert (S.double() - S0).abs().max() <= 2 * (float32_svd - S0).abs().max() + 1e-6
+    assert subspace_angle(U.double(), U0, g - 30, torch.float64) < 1e-5  # the tiny subspace as a whole
+    assert torch.allclose(U.mT @ U, torch.eye(g), atol=1e-5) and torch.allclose((U * S) @ V.mT, W, atol=1e-5)
+    if shape[0] < shape[1]:  # its transpose is tall, whose U = Wv/σ would lose the tiny σ: the SVD instead
+        assert gram_triplets(W.mT.contiguous(), block=24) is None
+
+
+def test_gram_route_falls_back_to_the_svd_where_it_would_be_inexact():
+    g = torch.Generator().manual_seed(50)
+    rank_deficient = torch.randn(64, 20, generator=g) @ torch.randn(20, 64, generator=g)  # 44 zero σ: no separation
+    assert gram_triplets(rank_deficient, block=24) is None
+    U, S, V = svd_triplets(rank_deficient, "gram", top=56)
+    reference = torch.linalg.svdvals(rank_deficient.double())
+    assert torch.allclose(S.double(), reference, atol=1e-4)
+    assert torch.allclose((U * S) @ V.mT, rank_deficient, atol=1e-3)
+    assert gram_triplets(torch.randn(32, 32, generator=g), block=24) is None  # most of g: the SVD is cheaper
+    assert gram_triplets(torch.full((40, 40), float("nan")), block=8) is None
+    assert gram_triplets(torch.zeros(40, 40), block=8) is None
+    # the trusted separation scales with the precision: a spectrum down to 1e-4 is refused in float32 only
+    W64, U0, _ = known_svd(64, 96, torch.logspace(0, -4, 64, dtype=torch.float64), seed=51)
+    assert gram_triplets(W64.float(), block=24) is None
+    U, S, V = gram_triplets(W64, block=24)
+    assert torch.allclose(S, torch.logspace(0, -4, 64, dtype=torch.float64), rtol=1e-9)
+    assert subspace_angle(U, U0, 56, torch.float64) < 1e-9
+
+
+@pytest.mark.parametrize("d", [40, 24])
+def test_angle_on_the_minor_complement_of_a_square_basis(d):
+    """Square bases: the top-k angle is measured on the d − k trailing columns; it must equal the float64
+    top-k reference, for large and tiny angles, and the tall (non-square) case keeps the k-column form."""
+    k = d - 5
+    Q = orthonormal(d, d, seed=60)
+    skew = torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(61))
+    skew = skew - skew.mT
+    for scale in (0.02, 2e-6):
+        turned = Q @ torch.linalg.matrix_exp(scale * skew)
+        # float64 sine form: the arccos reference is itself imprecise at tiny angles
+        want = subspace_angle(Q[:, :k].contiguous(), turned[:, :k].contiguous(), k, torch.float64)
+        assert want == pytest.approx(reference_angle(Q[:, :k], turned[:, :k]), rel=1e-6, abs=1e-7)
+        assert subspace_angle(Q.float(), turned.float(), k) == pytest.approx(want, rel=0.02)
+    tall = orthonormal(3 * d, d, seed=62)
+    other = torch.linalg.qr(tall + 0.05 * orthonormal(3 * d, d, seed=63)).Q
+    assert subspace_angle(tall.float(), other.float(), k) == pytest.approx(reference_angle(tall[:, :k], other[:, :k]),
+                                                                         abs=1e-5)
+
+
+def test_alignment_of_a_square_basis_in_both_regimes():
+    U = orthonormal(30, 30, seed=70)
+    gen = torch.Generator().manual_seed(71)
+    for minor_share in (0.1, 0.9, 1.0):  # sqrt(1 − minor²) below, the explicit residual above √½
+        principal_part = U[:, :25] @ torch.randn(25, 40, generator=gen, dtype=torch.float64)
+        minor_part = U[:, 25:] @ torch.randn(5, 40, generator=gen, dtype=torch.float64)
+        G = (math.sqrt(1 - minor_share ** 2) * principal_part / principal_part.norm()
+             + minor_share * minor_part / minor_part.norm())
+        p, m = gradient_alignment(G.float(), U.float(), r=5)
+        assert (p, m) == pytest.approx((math.sqrt(1 - minor_share ** 2), minor_share), abs=2e-6)
+
+
+def test_reconstruction_error_from_the_spectrum_equals_the_measured_one():
+    S0 = torch.logspace(0, -3, 20, dtype=torch.float64)
+    W, U0, V0 = known_svd(20, 35, S0, seed=80)
+    for r in (1, 5, 19):
+        measured = reconstruction_error(W, U0, S0, V0, r, torch.float64)
+        assert reconstruction_error(W, U0, S0, V0, r, exact=True) == pytest.approx(measured, rel=1e-10)
+    assert reconstruction_error(torch.zeros(4, 4), torch.eye(4), torch.zeros(4), torch.eye(4), 2, exact=True) == 0.0
+
+
+def test_wide_full_svd_through_the_transpose():
+    W = torch.randn(20, 70, generator=torch.Generator().manual_seed(90))
+    U, S, V = svd_triplets(W, "full")
+    assert U.shape == (20, 20) and V.shape == (70, 20)
+    assert torch.allclose((U * S) @ V.mT, W, atol=1e-5) and torch.allclose(S, torch.linalg.svdvals(W), atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["linear", "conv1d_transposed", "conv_kernel", "float64_state"])
+def test_in_place_projection_in_every_layout(layout):
+    """project_onto writes U_m U_mᵀ T into the tensor itself, whatever its layout (the per-step path)."""
+    gen = torch.Generator().manual_seed(100)
+    U_minor = orthonormal(12, 12, seed=101)[:, 9:].float().contiguous()  # (d_out, r)
+    stored = {"linear": torch.randn(12, 30, generator=gen), "conv1d_transposed": torch.randn(30, 12, generator=gen),
+              "conv_kernel": torch.randn(12, 3, 2, 5, generator=gen),
+              "float64_state": torch.randn(12, 30, generator=gen, dtype=torch.float64)}[layout]
+    view = stored.mT if layout == "conv1d_transposed" else stored  # (out, in) orientation, as the callback passes it
+    before = view.reshape(12, -1).double()
+    expected = U_minor.double() @ (U_minor.double().mT @ before)
+    storage = stored.data_ptr()
+    project_onto(view, U_minor)
+    assert stored.data_ptr() == storage
+    assert torch.allclose(view.reshape(12, -1).double(), expected, atol=1e-5)

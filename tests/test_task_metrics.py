@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("sklearn")
 
-from plasticity_callbacks.callbacks.task_metrics import TaskMetrics  # noqa: E402
+from plasticity_callbacks.callbacks.task_metrics import TaskMetrics, probe_accuracy  # noqa: E402
 from plasticity_callbacks.data.digits import PermutedDigits  # noqa: E402
 from plasticity_callbacks.models.classifier import DigitsClassifier  # noqa: E402
 
@@ -91,3 +91,26 @@ def test_bad_probe_settings_name_the_field():
         TaskMetrics(probe_steps=-1)
     with pytest.raises(ValueError, match="probe_lr"):
         TaskMetrics(probe_lr=0)
+
+
+def test_probe_trains_the_module_itself_and_puts_back_weights_buffers_and_gradients():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    F.cross_entropy(module(x), y).backward()  # the training step's gradients, still held
+    before = copy.deepcopy(module.state_dict())
+    grads = [p.grad.clone() for p in module.parameters()]
+    reference = copy.deepcopy(module)  # the hand-written loop on a copy: plain Adam, full batch
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for _ in range(5):
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        expected = float((reference(x).argmax(-1) == y).float().mean())
+    assert probe_accuracy(module, x, y, steps=5, lr=0.05) == expected
+    for key, value in module.state_dict().items():  # BatchNorm's running statistics included
+        assert torch.equal(value, before[key]), key
+    for p, grad in zip(module.parameters(), grads):
+        assert torch.equal(p.grad, grad)

@@ -196,6 +196,7 @@ def check_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
         if block and block.get("optimizer"):
             check_optimizer(f"phases.{name}.optimizer", OmegaConf.merge(cfg.optimizer, block.optimizer),
                             only=set(block.optimizer))
+    check_fsdp2(cfg)
     check_data_paths("data", cfg.get("data"))
     for name, block in (cfg.get("phases") or {}).items():
         if block and block.get("data") and block.data.get("paths") is not None:
@@ -207,6 +208,36 @@ def check_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
         raise ConfigError(f"+method={cfg.method.get('name', '?')} has no effect in a single fit (no phase or task "
                           "boundary): run a pipeline (experiment=pretrain_sft, pipeline_smoke, continual_pretrain) or "
                           "a task stream (experiment=continual_digits), or add callbacks to this fit with +callbacks=<name>")
+
+
+def check_fsdp2(cfg: DictConfig) -> None:
+    """FSDP2 (``trainer=fsdp2``, Lightning's ``ModelParallelStrategy``): every rank holds a data-parallel shard,
+    so ``data_parallel_size`` must be the rank count ``trainer.devices × trainer.num_nodes`` and
+    ``tensor_parallel_size`` 1 (Lightning would only find a mismatch after starting every process); a
+    pipeline hands each phase's ``final.ckpt`` to the next as one verified file, so its checkpoints must
+    not be distributed (folders of shards)."""
+    trainer = cfg.get("trainer")
+    strategy = trainer.get("strategy") if trainer is not None else None
+    if not isinstance(strategy, DictConfig) or not str(strategy.get("_target_", "")).endswith("ModelParallelStrategy"):
+        return
+    if cfg.get("phases") and strategy.get("save_distributed_checkpoint", True):
+        raise ConfigError("trainer.strategy.save_distributed_checkpoint=true writes each checkpoint as a folder of "
+                          "shards, but the pipeline's phases hand final.ckpt to the next phase as one verified file; "
+                          "set trainer.strategy.save_distributed_checkpoint=false (rank 0 saves the gathered state)")
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    count = len(devices) if OmegaConf.is_list(devices) else devices
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not isinstance(nodes, int):
+        raise ConfigError(f"trainer.devices={devices!r}: FSDP2 (ModelParallelStrategy) needs a number of devices, "
+                          "from which its data_parallel_size (the rank count) follows; set e.g. trainer.devices=8")
+    ranks = count * nodes
+    tensor_parallel = strategy.get("tensor_parallel_size")
+    if tensor_parallel != 1:
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tensor_parallel!r}: the models shard on the "
+                          "data-parallel mesh only (fully_shard); set trainer.strategy.tensor_parallel_size=1")
+    if strategy.get("data_parallel_size") != ranks:
+        raise ConfigError(f"trainer.strategy.data_parallel_size={strategy.get('data_parallel_size')!r} is not the rank "
+                          f"count trainer.devices × trainer.num_nodes = {count} × {nodes} = {ranks}; set "
+                          f"trainer.strategy.data_parallel_size={ranks}")
 
 
 def optimizer_arguments() -> dict[str, inspect.Parameter]:

@@ -57,7 +57,9 @@ class SVDOptions:
     """How each SVD cycle computes the singular triplets.
 
     Args:
-        method: ``full`` (``torch.linalg.svd``) or ``randomized`` (two ``torch.svd_lowrank`` blocks).
+        method: ``gram`` (``eigh`` of the smaller Gram matrix, the minor triplets recomputed from the
+            weight; ``full`` wherever that is not accurate), ``full`` (``torch.linalg.svd``) or
+            ``randomized`` (two ``torch.svd_lowrank`` blocks); see ``functional.subspace.svd_triplets``.
         niter: power iterations of ``method="randomized"``.
         dtype: ``float32`` or ``float64``.
 
@@ -65,7 +67,7 @@ class SVDOptions:
         >>> AdaptiveSVDSwitch(svd=SVDOptions(method="randomized", niter=4))
     """
 
-    method: str = "full"
+    method: str = "gram"
     niter: int = 2
     dtype: str = "float32"
 
@@ -92,13 +94,18 @@ class _Matrix:
     S_prev: torch.Tensor | None = None
     U_minor_whole: torch.Tensor | None = None  # FSDP2, transposed view: every row of U's minor columns (see place)
 
+    _minor: tuple | None = None  # (U_prev, r, contiguous U_m) last built
+
     @property
     def U_minor(self) -> torch.Tensor:
-        """The minor columns of ``U``; under FSDP2 this rank's rows of them, or all of them for a transposed view."""
+        """The minor columns of ``U``; under FSDP2 this rank's rows of them, or all of them for a transposed view.
+        Contiguous and built once per SVD: every projected step reads them."""
         if self.U_minor_whole is not None:
             return self.U_minor_whole
-        U = self.U_prev.to_local() if is_dtensor(self.U_prev) else self.U_prev
-        return U[:, self.g - self.r:]
+        if self._minor is None or self._minor[0] is not self.U_prev or self._minor[1] != self.r:
+            U = self.U_prev.to_local() if is_dtensor(self.U_prev) else self.U_prev
+            self._minor = (self.U_prev, self.r, U[:, self.g - self.r:].contiguous())
+        return self._minor[2]
 
     def place(self, trainer: L.Trainer) -> None:
         """Under FSDP2 keep ``U`` split by rows like the weight (a ``Shard(0)`` DTensor), and for a transposed view
@@ -329,6 +336,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.minor_training == "project":
+            return  # nothing is factorized, so no gradient to capture
         capture = self._cycle_now
         for m in self.matrices:
             if factorization.is_factorized(m.target.module, m.attr):
@@ -373,7 +382,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=self.svd.torch_dtype,
                                seed=step)
             new_state, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                                  dtype=self.svd.torch_dtype, **asdict(self.thresholds))
+                                                  dtype=self.svd.torch_dtype, exact=self.svd.method != "randomized",
+                                                  **asdict(self.thresholds))
             if m.r is None and self.initial_rank is not None:
                 r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
             m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
@@ -415,7 +425,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 r = m.r if m.r is not None else self._initial_r(W, m.g)
                 svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step)
                 state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                                  dtype=dtype, **asdict(self.thresholds))
+                                                  dtype=dtype, exact=self.svd.method != "randomized",
+                                                  **asdict(self.thresholds))
                 if m.r is None and self.initial_rank is not None:
                     r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
                 numbers.copy_(torch.tensor([state == "minor", r_next, *(diag[k] for k in keys)], dtype=torch.float64))
@@ -448,7 +459,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if self.initial_rank is not None:
             lo, hi = rank_bounds(g, self.r_min)
             return max(lo, min(self.initial_rank, hi))
-        S = torch.linalg.svdvals(W.to(self.svd.torch_dtype))
+        W = W.to(self.svd.torch_dtype)
+        S = torch.linalg.svdvals(W.mT if W.shape[0] < W.shape[1] else W)  # LAPACK is slower on wide input
         return next_rank(S, None, g // 2, self.r_min)[0]  # the initial r from the spectral structure
 
     def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:

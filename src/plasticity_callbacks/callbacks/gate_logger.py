@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..core.arguments import check_int
+from ..core.distributed import gather_full, require_full_parameters
 from ..core.step_logging import log_at_step
 
 
@@ -21,8 +22,10 @@ class GateLogger(L.Callback):
     the decisions exist only here, for reading.
 
     Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps, writing the values once at that
-    global step (:func:`~..core.step_logging.log_at_step`; the latest stay in ``callback_metrics``); changes nothing.
-    Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank.
+    global step (:func:`~..core.step_logging.log_at_step`; the latest stay in ``callback_metrics``); changes
+    nothing. Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank under
+    DDP; under FSDP2 (``ModelParallelStrategy``) each is a 1-element ``DTensor`` held by one rank, and
+    every rank gathers it (``full_tensor``, a collective of one number), so all ranks log the same value.
 
     Args:
         every_n_steps: optimizer steps between two logs (a logging cadence, not a plasticity action).
@@ -43,6 +46,7 @@ class GateLogger(L.Callback):
         self._logged_step = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        require_full_parameters(trainer, "GateLogger", fsdp2=True)  # FSDP2: each gate gathered from its shard
         self._modules = gated_modules(pl_module)
         if not self._modules:
             raise ValueError("GateLogger: the model has no gated blocks (modules with gate_values()); "
@@ -56,6 +60,7 @@ class GateLogger(L.Callback):
         values = {}
         for name, module in self._modules:
             for key, value in module.gate_values().items():
+                value = gather_full(value).reshape(())  # (1,) or a DTensor shard of it -> a scalar
                 values[f"gates/{name}/{key}"] = value
                 if self.log_decisions and key.startswith("gate_"):
                     values[f"gates/{name}/{key[5:]}_on"] = (value > 0.5).to(torch.float32)

@@ -9,11 +9,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
-from torch.func import functional_call
 
 from ..core.arguments import check_int
-from ..core.distributed import MisconfigurationException, is_sharded
+from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
 from ..core.figures import run_output_dir
+from ..core.sharded_state import reshard
 from ..core.step_logging import log_at_step
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
@@ -32,6 +32,8 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
     - ``weight_norm``: the L2 norm of every parameter together (Dohare et al. 2024).
 
     The module must provide ``hidden_activations(x) -> [(name, tensor), ...]`` (last = final hidden layer).
+    Under a distributed strategy every rank passes the same ``(x, y)`` (a forward under FSDP2 is a
+    collective), so each computes one process's values; FSDP2 units are left on their shards.
     """
     was_training = pl_module.training
     pl_module.eval()
@@ -42,6 +44,7 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
             hidden = [h for _, h in pl_module.hidden_activations(x)]
     finally:
         pl_module.train(was_training)
+        reshard(pl_module)  # FSDP2 leaves a root unit gathered after an evaluation: back to its shards
     scores = torch.cat([dormancy_scores(mean_abs_activation(h, unit_dim=1)) for h in hidden])
     features = hidden[-1].flatten(1)  # (M, width)
     return {
@@ -51,7 +54,7 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
         "dead": float((scores == 0).float().mean()),
         "feature_rank": float(effective_rank(features)),
         "stable_rank": float(stable_rank(features)),
-        "weight_norm": float(torch.sqrt(sum(p.detach().float().square().sum() for p in pl_module.parameters()))),
+        "weight_norm": total_norm([p.detach().float() for p in pl_module.parameters()]),
     }
 
 
@@ -64,26 +67,60 @@ def accuracy_on(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor) 
             logits = pl_module(x.to(pl_module.device))
     finally:
         pl_module.train(was_training)
+        reshard(pl_module)
     return float((logits.argmax(-1) == y.to(logits.device)).float().mean())
 
 
+def total_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together; FSDP2's ``DTensor`` shards are combined over the ranks
+    (a collective: call it on every rank)."""
+    norm = torch.nn.utils.get_total_norm(tensors)
+    return float(norm.full_tensor() if is_dtensor(norm) else norm)
+
+
 def probe_accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float) -> float:
-    """Plasticity probe (Lyle et al. 2023): from a copy of the module's current weights, ``steps``
-    full-batch Adam steps (learning rate ``lr``, fresh moments) on ``(x, y)``; the accuracy reached
-    on ``(x, y)``. The module itself is not changed."""
-    params = {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-    optimizer = torch.optim.Adam(params.values(), lr=lr)
-    x, y = x.to(module.device), y.to(module.device)
-    with torch.enable_grad():
-        for _ in range(steps):
-            loss = F.cross_entropy(functional_call(module, (params, buffers), (x,)), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    with torch.no_grad():
-        logits = functional_call(module, (params, buffers), (x,))
-    return float((logits.argmax(-1) == y).float().mean())
+    """Plasticity probe (Lyle et al. 2023): from the module's current weights, ``steps`` full-batch Adam
+    steps (learning rate ``lr``, fresh moments) on ``(x, y)``; the accuracy reached on ``(x, y)``.
+
+    The probe trains the module itself, then puts back exactly what it changed: every trainable
+    parameter, every buffer and every ``.grad``. Under FSDP2 (``DTensor`` parameters) this acts on each
+    rank's shards: every rank feeds the same ``(x, y)``, FSDP averages identical gradients, and Adam is
+    elementwise, so each rank's rows follow one process's probe, with no gathered copy of the model.
+    Extra memory per rank: a copy of its parameter shards and buffers, and Adam's two moments of its
+    shards. Call it on every rank under a distributed strategy (its forward and backward are collectives).
+
+    Example:
+        >>> probe_accuracy(pl_module, *stream.probe_data(), steps=50, lr=1e-3)   # module unchanged after
+    """
+    reshard(module)  # FSDP2: an evaluation left the root unit gathered; its parameters are then not the shards
+    params = [p for p in module.parameters() if p.requires_grad]
+    saved_params = [p.detach().clone() for p in params]
+    saved_grads = [p.grad for p in params]
+    buffers = list(module.buffers())
+    saved_buffers = [b.detach().clone() for b in buffers]
+    device = next(module.parameters()).device
+    x, y = x.to(device), y.to(device)
+    try:
+        for p in params:
+            p.grad = None
+        optimizer = torch.optim.Adam(params, lr=lr)
+        with torch.enable_grad():
+            for _ in range(steps):
+                loss = F.cross_entropy(module(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        with torch.no_grad():
+            logits = module(x)
+        return float((logits.argmax(-1) == y).float().mean())
+    finally:
+        reshard(module)  # the last forward left the root unit gathered with the probe's weights
+        with torch.no_grad():
+            for p, saved, grad in zip(params, saved_params, saved_grads):
+                p.copy_(saved)
+                p.grad = grad
+            for b, saved in zip(buffers, saved_buffers):
+                b.copy_(saved)
 
 
 class TaskMetrics(L.Callback):
@@ -109,6 +146,13 @@ class TaskMetrics(L.Callback):
     kept in ``state_dict`` (a resumed run keeps its earlier tasks) and written at the end of training to
     ``<log dir>/tasks.csv`` (one row per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the
     stream's settings, training seconds).
+
+    On several ranks (DDP, or FSDP2: Lightning's ``ModelParallelStrategy``) every number is one process's
+    on the same stream: each rank trains on an equal share of every batch, so the online values are
+    averaged over ranks each step; the end-of-task metrics run on the whole evaluation data on every rank
+    (identical inputs, identical results: no reduction to get wrong, at the cost of repeating a small
+    evaluation); norms combine FSDP2's shards; the probe trains the sharded module in place and restores it
+    (:func:`probe_accuracy`), so no rank ever holds the whole model. FSDP1 and DeepSpeed are refused at setup.
 
     Args:
         tau: dormancy threshold of ``dormant`` (ReDo's 0.025).
@@ -145,11 +189,7 @@ class TaskMetrics(L.Callback):
         self._started: float | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if is_sharded(trainer):  # the probe trains a functional copy of every parameter; norms read them whole
-            raise MisconfigurationException(
-                f"TaskMetrics does not measure under {type(trainer.strategy).__name__}: its plasticity probe trains a "
-                "copy of the whole model and its feature ranks and norms read whole tensors, not shards; run task "
-                "streams with strategy='ddp' (trainer=ddp)")
+        require_full_parameters(trainer, "TaskMetrics", fsdp2=True)  # FSDP2: norms and the probe on the shards
         stream = trainer.datamodule
         if not all(hasattr(stream, a) for a in ("task_boundary_steps", "eval_data", "steps_per_task")):
             raise ValueError("TaskMetrics needs a task-stream data module (task_boundary_steps, steps_per_task, "
@@ -164,11 +204,11 @@ class TaskMetrics(L.Callback):
         if trainer.global_step % self.grad_every:
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            self._grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+        if grads:  # DDP: already averaged over ranks; FSDP2: each rank's shard of the averaged gradient
+            self._grad_norms.append(total_norm(grads))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self._add_online(outputs)
+        self._add_online(trainer, outputs)
         stream, step = trainer.datamodule, trainer.global_step
         if step not in stream.task_boundary_steps and step != stream.total_steps:
             return
@@ -191,12 +231,17 @@ class TaskMetrics(L.Callback):
         rank_zero_info(f"task {task}: accuracy {metrics['accuracy']:.3f}, dormant {metrics['dormant']:.3f}, "
                        f"feature rank {metrics['feature_rank']:.1f}")
 
-    def _add_online(self, outputs) -> None:
-        """Add this step's training loss and accuracy (a host sync per step: tiny next to the step itself)."""
+    def _add_online(self, trainer, outputs) -> None:
+        """Add this step's training loss and accuracy (a host sync per step: tiny next to the step itself).
+        On several ranks, each holds an equal share of the step's batch: the mean of their values is the
+        whole batch's, and every rank keeps the same sums (a checkpoint saves rank 0's)."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         accuracy = outputs.get("accuracy") if isinstance(outputs, dict) else None
-        self._online[0] += float(loss) if loss is not None else float("nan")
-        self._online[1] += float(accuracy) if accuracy is not None else float("nan")
+        pair = torch.tensor([float(v) if v is not None else float("nan") for v in (loss, accuracy)],
+                            device=trainer.strategy.root_device)
+        loss_value, accuracy_value = all_reduce_mean(trainer, pair).tolist()
+        self._online[0] += loss_value
+        self._online[1] += accuracy_value
         self._online[2] += 1
 
     def on_train_end(self, trainer, pl_module) -> None:

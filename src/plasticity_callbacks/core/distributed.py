@@ -47,12 +47,13 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
     if "ModelParallel" in name:
         raise MisconfigurationException(
             f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit, ReDoMonitor, DASH, "
-            "ShrinkPerturb, FullReset, WeightClip, L2Init, HareTortoise, ContinualBackprop and "
-            "AdaptiveSVDSwitch(minor_training='project') do. "
+            "ShrinkPerturb, FullReset, WeightClip, L2Init, HareTortoise, ContinualBackprop, "
+            "AdaptiveSVDSwitch(minor_training='project'), TaskMetrics and GateLogger do. "
             "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
-        f"{owner} cannot act under strategy {name}: its flat-parameter shards hold no weight matrix. "
-        "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<devices>, "
+        f"{owner} cannot act under strategy {name}: the strategy flattens parameters into shards (FSDP1's flat "
+        "parameters, DeepSpeed's ZeRO partitions) that hold no weight matrix whole. "
+        "Use FSDP2: strategy=lightning.pytorch.strategies.ModelParallelStrategy(data_parallel_size=<number of ranks>, "
         "tensor_parallel_size=1) with fully_shard(..., mesh=self.device_mesh['data_parallel']) in configure_model "
         "(trainer=fsdp2), or strategy='ddp'."
     )

@@ -189,8 +189,21 @@ def order_in_groups(optimizers, params: list[torch.Tensor]) -> None:
 
 
 def project_onto(tensor: torch.Tensor, U_minor: torch.Tensor) -> None:
-    """In place: ``T ← U_m U_mᵀ T`` with ``T`` read as its ``(d_out, ·)`` matrix."""
-    T = as_matrix(tensor).to(U_minor.dtype)
+    """In place: ``T ← U_m U_mᵀ T`` with ``T`` read as its ``(d_out, ·)`` matrix.
+
+    It runs every step for every "minor" matrix, so the common layouts take two matmuls and write
+    the result straight into ``tensor`` (no full-size temporary): ``T`` row-major, or ``T`` the
+    transpose of a row-major matrix (HF ``Conv1D``), projected as ``Tᵀ ← (Tᵀ U_m) U_mᵀ``.
+    """
+    T = as_matrix(tensor)
+    if T.dtype == U_minor.dtype and T.data_ptr() == tensor.data_ptr():
+        if T.is_contiguous():
+            torch.mm(U_minor, U_minor.mT @ T, out=T)
+            return
+        if T.mT.is_contiguous():
+            torch.mm(T.mT @ U_minor, U_minor.mT, out=T.mT)
+            return
+    T = T.to(U_minor.dtype)
     tensor.copy_((U_minor @ (U_minor.mT @ T)).reshape(tensor.shape))
 
 

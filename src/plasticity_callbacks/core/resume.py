@@ -268,8 +268,11 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 def check_shapes(saved: Mapping[str, Any], module, where: str) -> None:
     """One-line ResumeError when ``saved`` (a checkpoint's ``state_dict``) does not fit ``module``."""
     current = module.state_dict()
+    # a 0-d scalar loads into a 1-element parameter (the blocks' gates: models.blocks.gates)
+    fits = {((), (1,))}
     mismatched = [f"{k} {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} here" for k, v in current.items()
-                  if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(v.shape)]
+                  if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(v.shape)
+                  and (tuple(saved[k].shape), tuple(v.shape)) not in fits]
     if mismatched:
         raise ResumeError(f"cannot resume {where}: the model has other shapes than the checkpoint's: "
                           f"{'; '.join(mismatched[:4])}{' ...' if len(mismatched) > 4 else ''} (was the model "

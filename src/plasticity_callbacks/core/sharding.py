@@ -14,7 +14,8 @@ the block it holds, whichever shard boundaries fall inside the block. The route 
 tall or square and has full column rank. A wide ``X`` (``m < n``: ``G`` would be ``n × n``, larger
 than the block itself, to send and to decompose) or a rank-deficient one (no full isometry from ``G``
 alone: the null directions must be completed from the whole matrix) is gathered, that block alone,
-and its polar factor computed by SVD as on one process.
+and its polar factor computed by SVD as on one process. So is every block when the options fix the
+number of iterations (``steps``: a partial orthogonalization, which one process computes from the whole block).
 Extra memory per rank: one float64 copy of the local rows of a block plus ``O(d²)`` for ``G``, its
 eigenvectors and ``G^{-1/2}``, ``d`` the block's smaller dimension; never the whole matrix, except a
 gathered (wide or degenerate) block.
@@ -24,13 +25,14 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ..functional.shrink import apply_shrink_
 from ..functional.spectral import (DegenerateMatrixError, RankDeficientError, deviation_from_isometry,
-                                   polar_from_gram)
+                                   orthogonalize, polar_from_gram)
 from .distributed import is_dtensor
 
 
@@ -84,9 +86,10 @@ def sharded_fire(target, options, record_spectra: bool = False) -> list:
 
     Args:
         target: a :class:`~plasticity_callbacks.core.model_map.WeightView` (not factorized, not a grouped conv).
-        options: :class:`~plasticity_callbacks.functional.isometry.FIREOptions`; ``scale``, ``on_degenerate``
-            apply, and the polar factor is the exact one (``method`` does not apply: an iteration on the
-            Gram matrix would reach the same factor).
+        options: :class:`~plasticity_callbacks.functional.isometry.FIREOptions`; ``scale`` and ``on_degenerate``
+            apply. An iteration run to its tolerance reaches the exact polar factor, which the Gram route
+            computes directly; a fixed ``steps`` count stops short of it, so such a block is gathered and
+            orthogonalized with ``options`` as one process does.
         record_spectra: keep singular values before/after (square roots of the Gram matrix's eigenvalues).
 
     Returns:
@@ -149,17 +152,22 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
         scale = target_scale(torch.empty(view_shape, device="meta"), options.scale)
     record.scale = scale
     new = None
-    if not wide:  # tall: X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows alone)
+    partial = options.steps is not None  # a fixed count of iterations: not the exact factor, gathered below
+    if not wide and not partial:  # X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows)
         try:
             new = polar_from_gram(X64, gram, total_rows=rows).mul_(scale)
         except RankDeficientError:
             pass
     if new is None:
-        # Wide (G of the larger side would cost more than the block) or rank-deficient: this block whole on
-        # every rank, its polar factor by SVD, as on one process.
+        # Wide (G of the larger side would cost more than the block), rank-deficient, or a fixed number of
+        # iterations (the reference's 5 Newton–Schulz steps stop short of the polar factor, so the exact one
+        # would differ): this block whole on every rank, orthogonalized as on one process.
         full = _gather_rows(X64, positions, rows, group)
-        U, _, Vh = torch.linalg.svd(full, full_matrices=False)
-        polar = (U @ Vh).mul_(scale)
+        if partial:
+            polar = orthogonalize(full, replace(options, on_degenerate="skip")).mul_(scale)
+        else:
+            U, _, Vh = torch.linalg.svd(full, full_matrices=False)
+            polar = (U @ Vh).mul_(scale)
         new = polar[..., positions, :]
         record.dfi_before = float(deviation_from_isometry(full, scale, torch.float64).sum())
         record.dfi_after = float(deviation_from_isometry(polar, scale, torch.float64).sum())

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 PIXELS, CLASSES = 64, 10
 
@@ -79,14 +79,15 @@ class Task:
 
 
 class StreamBatches(Dataset):
-    """Item ``k`` is the training batch of global step ``k``: ``(x (B, 64), y (B,))``.
+    """Item ``k`` is the training batch of global step ``k``: ``(x (B, 64), y (B,))``, or this rank's
+    share of it, rows ``rank, rank + world, …`` (``B / world`` of them), when ``world`` ranks train together.
 
     Within a task, batches walk through the task's data in epochs, each a fresh permutation
     drawn from ``(seed, task, epoch)``; the last incomplete batch of an epoch is dropped.
     """
 
-    def __init__(self, stream: "DigitsTaskStream"):
-        self.stream = stream
+    def __init__(self, stream: "DigitsTaskStream", rank: int = 0, world: int = 1):
+        self.stream, self.rank, self.world = stream, rank, world
         self._order: tuple[tuple[int, int], torch.Tensor] | None = None  # the current (task, epoch)'s permutation
 
     def __len__(self) -> int:
@@ -100,18 +101,21 @@ class StreamBatches(Dataset):
         epoch, batch = divmod(within, n // size)
         if self._order is None or self._order[0] != (index, epoch):
             self._order = (index, epoch), torch.randperm(n, generator=generator(stream.seed, _ORDER, index, epoch))
-        rows = self._order[1][batch * size:(batch + 1) * size]
+        rows = self._order[1][batch * size:(batch + 1) * size][self.rank::self.world]
         return task.train_x[rows], task.train_y[rows]
 
 
-class FromCurrentStep(Sampler[int]):
+class FromCurrentStep(DistributedSampler):
     """Global steps ``position() … total − 1``: every new iterator starts where training is now.
 
-    Its length stays the whole stream, because Lightning counts a resumed epoch's batches from
-    its own restored progress and expects only the remaining ones from the iterator.
+    Every rank iterates every step (its :class:`StreamBatches` deals it its share of each batch), so
+    this is a ``DistributedSampler`` of one replica: Lightning then leaves it in place instead of
+    splitting the steps between ranks. Its length stays the whole stream, because Lightning counts a
+    resumed epoch's batches from its own restored progress and expects only the remaining ones.
     """
 
     def __init__(self, total: int, position):
+        super().__init__(range(total), num_replicas=1, rank=0, shuffle=False)
         self.total, self.position = total, position
 
     def __iter__(self):
@@ -142,8 +146,9 @@ class StreamLoader(DataLoader):
 class DigitsTaskStream(L.LightningDataModule):
     """A stream of tasks on the digits, one training loader for all of them (one epoch = the stream).
 
-    Subclasses define :meth:`make_task`. Training must use one device and no gradient
-    accumulation, so that a global step is a batch of the stream.
+    Subclasses define :meth:`make_task`. A global step is one batch of the stream: no gradient
+    accumulation; on several ranks (DDP, FSDP2) each rank trains on its share of the step's batch
+    (``batch_size`` must divide evenly), so the averaged gradient is one process's.
 
     Args:
         num_tasks: tasks in the stream.
@@ -195,10 +200,12 @@ class DigitsTaskStream(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         trainer = self.trainer
-        if trainer is not None and (trainer.world_size > 1 or trainer.accumulate_grad_batches != 1):
-            raise ValueError(f"{type(self).__name__} runs on one device without gradient accumulation (a global "
-                             f"step is one batch of the stream); got world_size={trainer.world_size}, "
-                             f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
+        if trainer is not None and trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"{type(self).__name__} runs without gradient accumulation (a global step is one batch "
+                             f"of the stream); got accumulate_grad_batches={trainer.accumulate_grad_batches}")
+        if trainer is not None and self.batch_size % trainer.world_size:
+            raise ValueError(f"data.batch_size={self.batch_size} does not split evenly over {trainer.world_size} "
+                             "ranks (each trains on its share of every batch); use a multiple of the rank count")
         self.task(0)  # loads the digits and checks the sizes before training starts
 
     def train_dataloader(self) -> DataLoader:
@@ -207,7 +214,8 @@ class DigitsTaskStream(L.LightningDataModule):
         def position() -> int:
             return trainer.global_step if trainer is not None else 0
 
-        return StreamLoader(StreamBatches(self), position)
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return StreamLoader(StreamBatches(self, rank, world), position)
 
     def probe_data(self, samples: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed probe task, the same for every method of a seed: ``samples`` images with random

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 MODES = ("full", "minor")  # train the whole matrix, or only its r minor components
-SVD_METHODS = ("full", "randomized")
+SVD_METHODS = ("gram", "full", "randomized")
 RENAMED = {"lowrank": "minor"}  # old mode name -> new, refused with a hint
 
 
@@ -29,27 +29,48 @@ def as_matrix(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], -1)
 
 
-def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, niter: int = 2,
+def svd_triplets(W: torch.Tensor, method: str = "gram", top: int | None = None, niter: int = 2,
                  dtype: torch.dtype = torch.float32, seed: int = 0) -> SVD:
     """All ``g`` singular triplets of ``W``.
 
-    ``method="full"``: ``torch.linalg.svd`` (LAPACK / cuSOLVER), exact.
-    ``method="randomized"``: two randomized ``torch.svd_lowrank`` blocks built from matmuls and small
-    SVDs: the top ``top`` triplets of ``W``, then the ``g − top`` triplets of the remainder
-    ``W − U_top S_top V_topᵀ``. Its accuracy depends on the spectral gap at ``top`` and on ``niter``
-    power iterations; a low-rank split built from it stays exact because ``W_p = W − BA`` absorbs
-    any error. The random sketch comes from a private RNG stream (``seed``), so the training RNG
-    is untouched and every rank draws the same sketch.
+    Args:
+        W: the ``(d_out, d_in)`` matrix.
+        method: ``"gram"`` (default) — the eigendecomposition of the smaller Gram matrix, with the
+            bottom ``2·(g − top) + 8`` triplets recomputed from ``W`` itself (:func:`gram_triplets`);
+            it falls back to ``"full"`` where that would not be accurate or not cheaper.
+            ``"full"`` — ``torch.linalg.svd`` (LAPACK / cuSOLVER), exact.
+            ``"randomized"`` — two ``torch.svd_lowrank`` blocks built from matmuls and small SVDs: the
+            top ``top`` triplets of ``W``, then the ``g − top`` triplets of the remainder
+            ``W − U_top S_top V_topᵀ``. Its accuracy depends on the spectral gap at ``top`` and on
+            ``niter`` power iterations; a low-rank split built from it stays exact because
+            ``W_p = W − BA`` absorbs any error. The random sketch comes from a private RNG stream
+            (``seed``), so the training RNG is untouched and every rank draws the same sketch.
+        top: how many leading triplets are principal (``g − top`` are minor); None: ``g // 2``.
+        niter: power iterations of ``"randomized"``.
+        dtype: the working precision.
+        seed: the sketch's seed (``"randomized"``).
+
+    Example:
+        >>> U, S, V = svd_triplets(torch.randn(64, 256), top=56)   # U (64, 64), S (64,), V (256, 64)
     """
     if method not in SVD_METHODS:
         hint = " ('lowrank' is now called 'randomized')" if method == "lowrank" else ""
         raise ValueError(f"method={method!r} is not one of {SVD_METHODS}{hint}")
     W = W.to(dtype)
+    g = min(W.shape)
+    q = g // 2 if top is None else max(1, min(g, int(top)))
+    if method == "gram":
+        svd = gram_triplets(W, block=2 * (g - q) + 8)
+        if svd is not None:
+            return svd
+        method = "full"
     if method == "full":
+        if W.shape[0] < W.shape[1]:  # LAPACK's SVD of a wide matrix is up to 2× slower than of its transpose
+            V, S, Uh = torch.linalg.svd(W.mT, full_matrices=False)
+            return SVD(Uh.mT, S, V)
         U, S, Vh = torch.linalg.svd(W, full_matrices=False)
         return SVD(U, S, Vh.mT)
-    g = min(W.shape)
-    q = g if top is None else max(1, min(g, int(top)))
+    q = g if top is None else q
     devices = [W.device] if W.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -61,22 +82,113 @@ def svd_triplets(W: torch.Tensor, method: str = "full", top: int | None = None, 
     return SVD(U, S, V)
 
 
+GRAM_SEPARATION = 1e4  # in units of eps: λ_{block+1} / λ_max below 1e4·eps (1.2e-3 in float32) is not trusted
+
+
+def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) -> SVD | None:
+    """The SVD of ``W`` from ``eigh`` of the Gram matrix of its smaller side, or None where that is inexact.
+
+    Squaring ``W`` squares its condition number: the Gram matrix's eigenvalues carry an absolute
+    error of about ``eps·σ_max²``, so ``σ_i`` taken from them is good only where ``σ_i² ≫ eps·σ_max²``
+    — not for the smallest singular values, which the adaptive switch compares from cycle to cycle.
+    So the bottom ``block`` eigenvectors are a starting basis only: the bottom triplets are recomputed
+    by a Rayleigh–Ritz step on ``W`` itself (the SVD of ``W`` restricted to that basis, a
+    ``block × n`` problem), which gets ``σ`` to the accuracy of an SVD of ``W`` as long as the basis
+    holds the bottom directions, i.e. as long as the eigenvalue just above the block is well separated
+    from rounding (``λ_{block+1} ≥ separation·λ_max``: the block grows to every eigenvalue below that,
+    and None if it would pass ``g / 2``; for a tall ``W``, whose ``U`` is the other side,
+    ``λ_min ≥ separation·λ_max`` or None). Then a bottom vector's error from directions outside the
+    block is at most ``σ_max / (σ_i + σ_j) ≤ 1 / (2√separation)`` (≈ 14 in float32) times the float32
+    SVD's own, and inside the block it is the SVD's. The other side's bottom vectors
+    (``V`` of a square or wide ``W``) are accurate to about ``eps·σ_max/σ_i`` (they only shape a
+    factorized split's ``A``, whose error ``W_p = W − BA`` absorbs). The top triplets come from the
+    eigenpairs (the other side's vectors as ``Wᵀu/σ`` or ``Wv/σ``, accurate to ``eps·σ_max²/σ²``).
+    None as well where the block is more than half of ``g`` (an SVD is cheaper then) or ``W`` is not finite
+    or zero.
+
+    Args:
+        W: the ``(d_out, d_in)`` matrix, float32 or float64.
+        block: at least how many bottom triplets to recompute from ``W`` (the minor ones and a margin).
+        separation: the smallest trusted ``λ_{block+1} / λ_max``; None: ``GRAM_SEPARATION·eps`` of ``W``'s dtype.
+
+    Example:
+        >>> svd = gram_triplets(torch.randn(128, 512), block=24)   # None would mean: use the SVD
+    """
+    g = min(W.shape)
+    block = max(1, min(g, block))
+    if 2 * block > g:
+        return None
+    if separation is None:
+        separation = GRAM_SEPARATION * torch.finfo(W.dtype).eps
+    A = W if W.shape[0] <= W.shape[1] else W.mT  # (g, n), g <= n: A's left vectors are the Gram's eigenvectors
+    lam, Q = torch.linalg.eigh(A @ A.mT)  # ascending
+    top_lam = lam[-1]
+    if not bool(torch.isfinite(top_lam)) or not top_lam > 0:
+        return None
+    # The block grows past the eigenvalues too close to rounding (cheap: a block × n problem), so a
+    # square matrix with a few tiny σ still takes this route. A tall W's U is the other side, Wv/σ,
+    # whose error grows as eps·σ_max/σ: there the whole spectrum must be separated from rounding.
+    unresolved = int((lam < separation * top_lam).sum())
+    if A is not W and unresolved:
+        return None
+    block = max(block, unresolved)
+    if 2 * block > g:
+        return None
+    # W restricted to the bottom basis, as the tall (n, block) Aᵀ Q_b = X S Yᵀ (LAPACK is slower on wide input)
+    X, S_bottom, Yh = torch.linalg.svd(A.mT @ Q[:, :block], full_matrices=False)
+    Y, Xh = Yh.mT, X.mT  # X (n, block): the other side's bottom vectors
+    left = torch.cat([Q[:, block:].flip(1), Q[:, :block] @ Y], 1)  # (g, g), descending σ
+    right_top = A.mT @ left[:, :g - block]  # (n, g − block): the other side's top vectors, times σ
+    if A is not W:
+        # Tall W: these are U, which the switch compares and projects with. An eigenvector just above
+        # the block can lean into the block (a close eigenvalue across the edge) and tilt Wv toward
+        # the block's U (X): remove that, so U stays orthonormal, and read σ as the norm.
+        right_top = right_top - X @ (Xh @ right_top)
+        S_top = torch.linalg.vector_norm(right_top, dim=0)
+    else:
+        S_top = lam[block:].flip(0).sqrt()
+    right = torch.cat([right_top / S_top, X], 1)  # (n, g)
+    S = torch.cat([S_top, S_bottom])
+    if not bool(S_top[-1] >= S_bottom[0]):  # a near-tie at the block's edge swapped places
+        S, order = S.sort(descending=True, stable=True)
+        left, right = left[:, order], right[:, order]
+    return SVD(left, S, right) if A is W else SVD(right, S, left)
+
+
 def subspace_angle(U1: torch.Tensor, U2: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> float:
     """Largest principal angle (radians, in ``[0, π/2]``) between the spans of ``U1[:, :k]`` and ``U2[:, :k]``.
 
     The seed takes ``arccos`` of the smallest singular value of ``U1_kᵀ U2_k``; near 0 that loses
-    everything below ~1e-4 rad in float32 (cos θ = 1 − θ²/2 rounds to 1). Pairing the cosine with
-    the sine of the same angle, ``‖U2_k − U1_k U1_kᵀ U2_k‖₂``, and taking ``atan2`` is accurate
-    at both ends. Both come from ``k × k`` problems (the sine from the Gram matrix of the residual).
+    everything below ~1e-4 rad in float32 (cos θ = 1 − θ²/2 rounds to 1). The sine of the same
+    angle, ``‖U2_k − U1_k U1_kᵀ U2_k‖₂``, is accurate there: ``asin`` of it below 45°, ``atan2``
+    with the cosine above. When ``U1, U2`` are square (orthonormal bases of the whole space, as
+    ``U`` of a square or wide matrix), the angle between the top-``k`` spans equals the one between
+    their orthogonal complements, the last ``d − k`` columns: a ``(d − k)``-column problem instead
+    of a ``k``-column one, which is what makes it cheap for few minor components.
+
+    Args:
+        U1, U2: ``(d, g)`` matrices with orthonormal columns.
+        k: how many leading columns span each subspace.
+        dtype: the working precision.
+
+    Example:
+        >>> Q = torch.linalg.qr(torch.randn(8, 8)).Q
+        >>> subspace_angle(Q, Q, 3)   # 0.0
     """
+    d, g = U1.shape
     if k <= 0:
         return 0.0
-    A, B = U1[:, :k].to(dtype), U2[:, :k].to(dtype)
+    if d == g and U2.shape == U1.shape and 0 < d - k < k:
+        A, B = U1[:, k:].to(dtype), U2[:, k:].to(dtype)
+    else:
+        A, B = U1[:, :k].to(dtype), U2[:, :k].to(dtype)
     cross = A.mT @ B  # (k, k)
-    residual = B - A @ cross  # (d, k): the part of span(U2_k) outside span(U1_k)
-    cos = torch.linalg.svdvals(cross).min().clamp(0, 1)
-    sin = torch.linalg.eigvalsh(residual.mT @ residual).max().clamp(0, 1).sqrt()
-    return float(torch.atan2(sin, cos))
+    residual = B - A @ cross  # (d, k): the part of span(B) outside span(A)
+    sin = float(torch.linalg.eigvalsh(residual.mT @ residual).max().clamp(0, 1).sqrt())
+    if sin <= math.sqrt(0.5):
+        return math.asin(sin)
+    cos = float(torch.linalg.svdvals(cross).min().clamp(0, 1))
+    return math.atan2(sin, cos)
 
 
 def energy_rank(S: torch.Tensor, share: float = 0.95) -> int:
@@ -98,10 +210,28 @@ def concentration_ratio(S: torch.Tensor, share: float = 0.95) -> float:
 
 
 def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: torch.Tensor, r: int,
-                         dtype: torch.dtype = torch.float32) -> float:
-    """``‖W − W_k‖_F / ‖W‖_F`` for ``W_k`` built from the top ``k = g − r`` triplets (0 for ``W = 0``)."""
-    W = as_matrix(W).to(dtype)
+                         dtype: torch.dtype = torch.float32, exact: bool = False) -> float:
+    """``‖W − W_k‖_F / ‖W‖_F`` for ``W_k`` built from the top ``k = g − r`` triplets (0 for ``W = 0``).
+
+    With ``exact`` (the triplets are an SVD of ``W``, not a sketch) it is read from the spectrum,
+    ``√(Σ_{i>k} σ_i²) / √(Σ σ_i²)``, with no ``d_out × d_in`` product; otherwise it is measured on
+    ``W``, so it also counts what an inexact factorization missed.
+
+    Args:
+        W: the matrix; U, S, V: its triplets (``U (d_out, g)``, ``S (g,)``, ``V (d_in, g)``).
+        r: how many trailing triplets are left out.
+        dtype: the working precision.
+        exact: read the error from ``S``.
+
+    Example:
+        >>> reconstruction_error(W, *svd_triplets(W), r=8, exact=True)
+    """
     k = S.numel() - r
+    if exact:
+        energy = S.double() ** 2
+        total = energy.sum()
+        return float((energy[k:].sum() / total).sqrt()) if total > 0 else 0.0
+    W = as_matrix(W).to(dtype)
     U_k, S_k, V_k = U[:, :k].to(dtype), S[:k].to(dtype), V[:, :k].to(dtype)
     norm = torch.linalg.matrix_norm(W)
     if norm == 0:
@@ -111,17 +241,35 @@ def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: t
 
 def gradient_alignment(grad: torch.Tensor, U: torch.Tensor, r: int,
                        dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """``(‖U_p U_pᵀ G‖/‖G‖, ‖U_m U_mᵀ G‖/‖G‖)`` with ``U_p = U[:, :g−r]``, ``U_m = U[:, g−r:g]``.
+    """``(‖U_p U_pᵀ G‖/‖G‖, ‖U_m U_mᵀ G‖/‖G‖)``, ``U_p = U[:, :g−r]``, ``U_m = U[:, g−r:g]``.
 
-    The squares sum to 1 when ``U`` spans the whole output space (``d_out ≤ d_in``); a tall
-    matrix's gradient can also point outside ``W``'s column space, and that share is in neither.
-    A zero gradient gives ``(0, 0)``.
+    The squares sum to 1 when ``U`` spans the whole output space (``d_out ≤ d_in``); then only the
+    ``r`` minor columns are used: the principal share is ``√(1 − minor²)`` while that is at least
+    ``√½`` (no cancellation), else the norm of the residual ``G − U_m U_mᵀ G``. A tall matrix's
+    gradient can also point outside ``W``'s column space, and that share is in neither. A zero
+    gradient gives ``(0, 0)``.
+
+    Args:
+        grad: ``∇W`` in ``(d_out, ·)`` orientation.
+        U: ``(d_out, g)`` left singular vectors, descending σ.
+        r: how many trailing columns of ``U`` are minor.
+        dtype: the working precision.
+
+    Example:
+        >>> principal, minor = gradient_alignment(W.grad, svd_triplets(W).U, r=8)
     """
     G, U = as_matrix(grad).to(dtype), U.to(dtype)
-    k = U.shape[1] - r
+    d, g = U.shape
+    k = g - r
     norm = torch.linalg.matrix_norm(G)
     if norm == 0:
         return 0.0, 0.0
+    if d == g:
+        minor_coeff = U[:, k:].mT @ G  # (r, d_in)
+        minor = float(torch.linalg.matrix_norm(minor_coeff) / norm)
+        if minor ** 2 <= 0.5:
+            return math.sqrt(1.0 - minor ** 2), minor
+        return float(torch.linalg.matrix_norm(G - U[:, k:] @ minor_coeff) / norm), minor
     coeff = U.mT @ G  # (g, d_in): coordinates of G in the U basis; ‖U_p U_pᵀ G‖ = ‖U_pᵀ G‖
     principal = torch.linalg.matrix_norm(coeff[:k]) / norm
     minor = torch.linalg.matrix_norm(coeff[k:]) / norm
@@ -195,6 +343,7 @@ def decide_mode(
     safe_minor_alignment: float = 0.6,
     max_reconstruction_error: float = 0.01,
     dtype: torch.dtype = torch.float32,
+    exact: bool = False,
 ) -> tuple[str, int, dict]:
     """The switching rule: train the full matrix or only its ``r`` minor components next?
 
@@ -205,7 +354,25 @@ def decide_mode(
     3. reconstruction error ≥ ``max_reconstruction_error`` → ``full``;
     4. otherwise keep ``mode``.
     Without a previous SVD the angle is unknown (NaN) and rule 2 cannot fire; without a gradient
-    both alignments are 0. Returns ``(mode, r_next, diagnostics)``; ``r_next`` comes from :func:`next_rank`.
+    both alignments are 0.
+
+    Args:
+        W: the weight as its ``(d_out, ·)`` matrix; svd: its triplets (:func:`svd_triplets`).
+        U_prev, S_prev: the previous cycle's ``U`` and ``S`` (None on the first cycle).
+        grad: the step's ``∇W`` in the same orientation (None: alignments 0).
+        r: minor components of the current phase; mode: the current mode.
+        r_min: fewest minor components for :func:`next_rank`.
+        clobber_alignment, stable_angle, safe_minor_alignment, max_reconstruction_error: the rule's thresholds.
+        dtype: the working precision of the metrics.
+        exact: ``svd`` is an SVD of ``W`` (method ``"gram"`` or ``"full"``, not a sketch), so the
+            reconstruction error is read from its spectrum.
+
+    Returns:
+        ``(mode, r_next, diagnostics)``; ``r_next`` comes from :func:`next_rank`.
+
+    Example:
+        >>> svd = svd_triplets(W, top=W.shape[0] - 8)
+        >>> mode, r_next, diag = decide_mode(W, svd, None, None, W.grad, r=8, mode="full", exact=True)
     """
     if mode not in MODES:
         hint = f" ({mode!r} is now called {RENAMED[mode]!r})" if mode in RENAMED else ""
@@ -214,7 +381,7 @@ def decide_mode(
     k = S.numel() - r
     angle = subspace_angle(U_prev, U, k, dtype) if U_prev is not None else math.nan
     principal, minor = gradient_alignment(grad, U, r, dtype) if grad is not None else (0.0, 0.0)
-    error = reconstruction_error(W, U, S, V, r, dtype)
+    error = reconstruction_error(W, U, S, V, r, dtype, exact=exact)
     r_next, rationale = next_rank(S, S_prev, r, r_min)
     new_mode, reason = mode_rule(angle, principal, minor, error, mode, clobber_alignment, stable_angle,
                                  safe_minor_alignment, max_reconstruction_error)

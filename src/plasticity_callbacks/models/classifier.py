@@ -73,13 +73,30 @@ class DigitsClassifier(L.LightningModule):
         return self.network(x)  # (B, 10) logits
 
     def hidden_activations(self, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """Output of every ReLU, in order, as ``(name, activation)``; the last is the final hidden layer."""
+        """Output of every ReLU, in order, as ``(name, activation)``; the last is the final hidden layer.
+        Read by hooks during one call of the whole network, so an FSDP2 root unit gathers its weights."""
         out = []
-        for name, layer in self.network.named_children():
-            x = layer(x)
-            if isinstance(layer, nn.ReLU):
-                out.append((f"network.{name}", x))
+        hooks = [layer.register_forward_hook(lambda _, __, h, name=f"network.{name}": out.append((name, h)))
+                 for name, layer in self.network.named_children() if isinstance(layer, nn.ReLU)]
+        try:
+            self.network(x)
+        finally:
+            for hook in hooks:
+                hook.remove()
         return out
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): every Linear/conv layer its own unit, then the network,
+        on the data-parallel mesh; each weight becomes a ``DTensor`` sharded on dim 0. Otherwise nothing."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self._device_mesh is None or isinstance(self.network, FSDPModule):  # not FSDP2, or sharded already
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.network:
+            if list(layer.parameters()):  # ReLU, pooling and reshapes have nothing to shard
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.network, mesh=mesh)
 
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch

@@ -90,6 +90,16 @@ class GPTLightningModule(L.LightningModule):
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A checkpoint whose block scalars (gates, pathway weights, ``α``) were stored 0-d resumes: their
+        weights load through the blocks' own hook, and their optimizer moments, the only 0-d per-parameter
+        optimizer state of this model (a ``step`` count is 0-d for every parameter), become ``(1,)`` too."""
+        for optimizer_state in checkpoint.get("optimizer_states", []):
+            for state in optimizer_state.get("state", {}).values():
+                for key, value in state.items():
+                    if key != "step" and torch.is_tensor(value) and value.dim() == 0:
+                        state[key] = value.reshape(1)
+
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is not None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.arguments import ConfigError
+from .gates import accept_scalar_entries, scalar_parameter
 from ..registry import ATTENTIONS
 from .attention import KVCache, causal_attention, rms_norm
 from .position import PositionBlock
@@ -101,10 +102,11 @@ class ReciprocalAttention(nn.Module):
         self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         self.position = position
-        self.w_std = nn.Parameter(torch.empty(()))
-        self.w_rec = nn.Parameter(torch.empty(()))
-        self.skip_std = nn.Parameter(torch.empty(()))
-        self.skip_rec = nn.Parameter(torch.empty(()))
+        self.w_std = scalar_parameter()
+        self.w_rec = scalar_parameter()
+        self.skip_std = scalar_parameter()
+        self.skip_rec = scalar_parameter()
+        self.register_load_state_dict_pre_hook(accept_scalar_entries)  # a 0-d entry in a state dict loads too
         self.init_weights()
 
     @torch.no_grad()
@@ -126,7 +128,7 @@ class ReciprocalAttention(nn.Module):
         return g_std, g_rec
 
     def gate_values(self) -> dict[str, torch.Tensor]:
-        """Detached scalars for logging (GateLogger)."""
+        """Detached ``(1,)`` values for logging (GateLogger); ``DTensor`` shards under FSDP2."""
         return {"gate_std": torch.sigmoid(self.skip_std).detach(), "gate_rec": torch.sigmoid(self.skip_rec).detach(),
                 "w_std": self.w_std.detach(), "w_rec": self.w_rec.detach()}
 

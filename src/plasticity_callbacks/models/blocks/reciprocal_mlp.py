@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.arguments import ConfigError
+from .gates import accept_scalar_entries, scalar_parameter
 from ..registry import MLPS
 from .mlp import MLPBlock, NeuronLayout
 
@@ -62,11 +63,12 @@ class ReciprocalMLP(MLPBlock):
         self.c_fc = nn.Linear(config.n_embd, self.std_width, bias=False)  # standard up projection
         self.c_fc_rec = nn.Linear(config.n_embd, self.rec_width, bias=False)  # reciprocal up projection
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)  # columns: [standard | reciprocal]
-        self.w_std = nn.Parameter(torch.empty(()))
-        self.w_rec = nn.Parameter(torch.empty(()))
-        self.skip_std = nn.Parameter(torch.empty(()))
-        self.skip_rec = nn.Parameter(torch.empty(()))
-        self.alpha = nn.Parameter(torch.empty(()))
+        self.w_std = scalar_parameter()
+        self.w_rec = scalar_parameter()
+        self.skip_std = scalar_parameter()
+        self.skip_rec = scalar_parameter()
+        self.alpha = scalar_parameter()
+        self.register_load_state_dict_pre_hook(accept_scalar_entries)  # a 0-d entry in a state dict loads too
         self.init_weights()
 
     @torch.no_grad()
@@ -83,7 +85,7 @@ class ReciprocalMLP(MLPBlock):
                 NeuronLayout(up=self.c_fc_rec, down=self.c_proj, down_offset=self.std_width)]
 
     def gate_values(self) -> dict[str, torch.Tensor]:
-        """Detached scalars for logging (GateLogger)."""
+        """Detached ``(1,)`` values for logging (GateLogger); ``DTensor`` shards under FSDP2."""
         return {"gate_std": torch.sigmoid(self.skip_std).detach(), "gate_rec": torch.sigmoid(self.skip_rec).detach(),
                 "w_std": self.w_std.detach(), "w_rec": self.w_rec.detach(), "alpha": self.alpha.detach()}
 
