@@ -8,10 +8,12 @@ process with ``devices=1`` for the single-process reference on the same global b
 
 A run: ``{"name", "model": mlp | gpt | digits | digits_root_head | <model_zoo family>, "callbacks": [Hydra dicts], "steps", "lr",
 "hidden" (mlp), "optimizer", "batch", "epoch_steps", "ckpt_every", "crash_at", "resume" (a checkpoint path under
-``out``), "distributed_checkpoint", "val_every" (model-zoo models: one validation batch every that many training
-batches), "ddp" (DDP instead of FSDP2), "gpt" (GPTConfig fields over the tiny ones), "stream" (RandomLabelDigits
-arguments: the digits classifier trains on that task stream, whose batches each rank shares)}``; the result:
-full parameters, full optimizer state by parameter name, logged metrics and the callbacks' state.
+``out``), "distributed_checkpoint", "carry_from" (a distributed checkpoint under ``out`` whose optimizer moments
+``CarryOptimizerState`` loads at fit start), "val_every" (model-zoo models: one validation batch every that many
+training batches; the GPT validates on its training batches), "ddp" (DDP instead of FSDP2), "gpt" (GPTConfig
+fields over the tiny ones), "stream" (RandomLabelDigits arguments: the digits classifier trains on that task
+stream, whose batches each rank shares)}``; the result: full parameters, full optimizer state by parameter name,
+logged metrics and the callbacks' state.
 """
 from __future__ import annotations
 
@@ -190,6 +192,10 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     if spec.get("ckpt_every"):
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "ckpt", every_n_train_steps=spec["ckpt_every"],
                                          save_top_k=-1, save_last=True))
+    if spec.get("carry_from"):  # a pipeline phase starting from another run's distributed checkpoint
+        from plasticity_callbacks.app.pipeline import CarryOptimizerState
+
+        callbacks.insert(0, CarryOptimizerState(folder=out / spec["carry_from"]))
     if spec.get("crash_at"):
         callbacks.append(Crash(spec["crash_at"]))
     steps = spec.get("steps", 4)
@@ -204,7 +210,11 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
         val_check_interval=spec.get("val_every"), limit_val_batches=1 if spec.get("val_every") else 0,
     )
     resume = spec.get("resume")
-    data = {"datamodule": data} if isinstance(data, L.LightningDataModule) else {"train_dataloaders": data}
+    if isinstance(data, L.LightningDataModule):
+        data = {"datamodule": data}
+    else:  # the GPT validates on its training batches when asked to
+        validation = data if spec.get("val_every") and data is not None else None
+        data = {"train_dataloaders": data, "val_dataloaders": validation}
     trainer.fit(module, **data, ckpt_path=str(out / resume) if resume else None)
     reshard(module)  # a validation at the last step leaves the root unit gathered: its parameters not the optimizer's
     params = {n: full(p) for n, p in module.named_parameters()}

@@ -1,11 +1,13 @@
 """One Trainer over a digits task stream: the plasticity metrics are right, and a run resumed in the
 middle of the stream continues at the right task with the batches an uninterrupted run trains on."""
+import csv
 import math
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 pytest.importorskip("sklearn")
 
@@ -76,10 +78,15 @@ def test_task_metrics_measure_every_task_end(tmp_path):
     assert lines[0].startswith("task,step,accuracy") and len(lines) == 5
 
 
-def test_task_metrics_refuse_a_log_interval_that_skips_task_ends(tmp_path):
-    with pytest.raises(ValueError, match="log_every_n_steps"):
-        trainer(tmp_path, [TaskMetrics()], log_every_n_steps=3).fit(DigitsClassifier(widths=[8]),
-                                                                     datamodule=small_stream())
+def test_task_metrics_log_every_task_end_at_its_step_whatever_the_log_interval(tmp_path):
+    metrics = TaskMetrics()
+    logger = CSVLogger(tmp_path, name="log", version=0)
+    trainer(tmp_path, [metrics], log_every_n_steps=3, logger=logger).fit(DigitsClassifier(widths=[8]),
+                                                                          datamodule=small_stream())
+    with open(tmp_path / "log" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["task/accuracy"]]
+    assert [int(row["step"]) for row in rows] == [4, 8, 12, 16]  # task ends, none a multiple of 3
+    assert [float(row["task/accuracy"]) for row in rows] == pytest.approx([r["accuracy"] for r in metrics.history])
 
 
 def test_resume_in_the_middle_of_the_stream_continues_at_the_right_task(tmp_path):
@@ -125,3 +132,4 @@ def test_resumed_stream_with_a_boundary_method_matches_the_uninterrupted_run(tmp
     torch.testing.assert_close(resumed_metrics.history, full_metrics.history, rtol=0, atol=0, equal_nan=True)
     for a, b in zip(full.parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b)
+

@@ -29,6 +29,8 @@ DASH_PERIODIC = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"
                  "shrink_rate": 0.5, "min_factor": 0.1}
 SHRINK_PERTURB = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.3,
                   "schedule": {"steps": [2]}, "reset_optimizer": True, "seed": 3}
+# val/loss never improves by 1e9 (mode max): the second validation is a plateau, and the only one acted on
+AT_SECOND_VALIDATION = {"monitor": "val/loss", "mode": "max", "min_delta": 1e9, "patience": 1, "max_plateau_fires": 1}
 METRICS = {"_target_": "plasticity_callbacks.callbacks.task_metrics.TaskMetrics", "probe_steps": 3, "probe_lr": 1e-2,
            "stability_tasks": 1, "grad_norm_every_n_steps": 1}
 L2_INIT = {"_target_": "plasticity_callbacks.L2Init", "strength": 0.5}
@@ -82,6 +84,14 @@ RUNS = [
     # GPT-2 by Hugging Face's _init_weights, the MLP layer by layer with AdamW's state dropped.
     {"name": "sp_mlp", "model": "mlp", "steps": 3, "callbacks": [SHRINK_PERTURB]},
     {"name": "sp_gpt", "model": "gpt", "lr": 0.0, "steps": 3, "callbacks": [SHRINK_PERTURB]},
+    # Right after a validation (a plateau trigger at the second one, step 2): the evaluation left the root unit
+    # (embeddings, head) gathered, and step 3 must compute with the shrunk weights, not that stale copy.
+    # A pipeline phase after an FSDP2 phase carries the moments from its distributed checkpoint (0 steps: the
+    # carried state is the result), under another learning rate.
+    {"name": "carry_source", "model": "gpt", "steps": 2, "ckpt_every": 2, "distributed_checkpoint": True},
+    {"name": "carry_target", "model": "gpt", "lr": 0.5, "steps": 0, "carry_from": "carry_source_2/ckpt/last.ckpt"},
+    {"name": "sp_gpt_after_validation", "model": "gpt", "lr": 0.0, "steps": 3, "val_every": 1,
+     "callbacks": [dict(SHRINK_PERTURB, schedule=AT_SECOND_VALIDATION)]},
     {"name": "reset_gpt2", "model": "gpt2", "optimizer": "sgd", "steps": 3,
      "callbacks": [{"_target_": "plasticity_callbacks.FullReset", "schedule": {"steps": [2]}, "seed": 5}]},
     # WeightClip: elementwise on each rank's shard, GPT-2's Conv1D bounded by its stored rows (κ small: entries clip).
@@ -203,6 +213,25 @@ def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert float(sharded["metrics"]["dash_periodic/shrunk_fraction"]) == 1.0  # every row, each by its own factor
     assert_same_as_single(single, sharded, metrics=("dash/shrunk", "dash/factor_min", "dash_periodic/shrunk",
                                                     "dash_periodic/factor_min"))
+
+
+def test_a_phase_carries_the_optimizer_moments_of_a_distributed_checkpoint(fsdp2_runs):
+    out, results = fsdp2_runs
+    source, target = results["carry_source"]["optimizer"], results["carry_target"]["optimizer"]
+    assert source and set(source) == set(target)
+    for name, state in source.items():
+        for key, value in state.items():
+            torch.testing.assert_close(target[name][key], value, rtol=0, atol=0, msg=f"{name}.{key}")
+
+
+def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process(fsdp2_runs):
+    out, results = fsdp2_runs
+    spec = next(r for r in RUNS if r["name"] == "sp_gpt_after_validation")
+    single, sharded = run_single(out, spec), results["sp_gpt_after_validation"]
+    assert sharded["callbacks"][0]["applications"] == single["callbacks"][0]["applications"] == 1
+    # Without a reshard before the action, the shrunk shards of the root unit (embeddings, head) do not survive
+    # step 3: its gathered copy from the validation is what the step computes with and leaves behind.
+    assert_same_as_single(single, sharded, metrics=("train/loss",))
 
 
 @pytest.mark.parametrize("name", ["sp_mlp", "sp_gpt", "reset_gpt2"])

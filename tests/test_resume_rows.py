@@ -27,15 +27,15 @@ from plasticity_callbacks.core.checkpoints import RunInterrupted
 
 from fault_injection import Crash
 
-# ReDo recycles every 3 steps (an event row, written at the end of the batch); its dormant fractions are not
-# logged (log_every_n_steps=100): Lightning repeats a callback's on_step value in every later row of the epoch,
-# which a resumed fit, starting with empty results, does not.
-REDO = ["+callbacks=redo", "callbacks.redo.collect_every_n_steps=1", "callbacks.redo.log_every_n_steps=100",
+# ReDo recycles every 3 steps and measures its dormant fractions every 2: each written once, at its step, at the end
+# of the batch (repeated into every later row of the epoch, as Lightning does with pl_module.log, they would differ
+# after a resume, whose results start empty).
+REDO = ["+callbacks=redo", "callbacks.redo.collect_every_n_steps=1", "callbacks.redo.log_every_n_steps=2",
         "callbacks.redo.schedule={every_n_steps: 3}"]
 SINGLE_FIT = ["experiment=smoke", "validate_before_fit=false", *REDO]
 # one phase of the pipeline (pretrain, 6 steps, validated and checkpointed every 3), with its validation before the fit
 PHASE = ["experiment=pipeline_smoke", "+method=warm", "pipeline.stop_phase=pretrain", "phases.pretrain.steps=6",
-         "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=3", "callbacks.redo.log_every_n_steps=100",
+         "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=3", "callbacks.redo.log_every_n_steps=2",
          "callbacks.redo.schedule={every_n_steps: 3}"]
 VOLATILE = ("seconds", "per_sec")  # wall-clock measurements differ run to run
 
@@ -102,10 +102,12 @@ def test_a_single_fit_interrupted_three_times_logs_every_row_of_the_uninterrupte
         # what the first stop puts at its checkpoint: the validation after step 3 (logged at step 2), the action
         assert [row["step"] for row in reference if "val/loss" in row] == ["2", "5"]
         assert [row["step"] for row in reference if "redo/recycled" in row] == ["3", "6"]
+        assert [row["step"] for row in reference if "redo/dormant" in row] == ["2", "4", "6"]
         assert csv_rows(tmp_path / "run" / "logs") == reference
     else:
         reference = scalars(tmp_path / "reference" / "tensorboard")
         assert [step for step, _ in reference["redo/recycled"]] == [3, 6]
+        assert [step for step, _ in reference["redo/dormant"]] == [2, 4, 6]
         resumed = scalars(tmp_path / "run" / "tensorboard")
         assert len(list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))) == 4  # one per fit
         assert resumed == reference

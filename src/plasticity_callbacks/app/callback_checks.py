@@ -4,8 +4,6 @@
   of the objects inside it (``schedule``, ``options``, ``selection`` with a ``_target_``) is an
   argument of its ``_target_``: ``+callbacks.fire.save_spectraa=true`` is one line naming the
   accepted keys, not a ``TypeError`` from deep inside Hydra's ``instantiate``.
-- ``TaskMetrics`` logs at every task end, so ``data.steps_per_task`` must be a multiple of
-  ``trainer.log_every_n_steps``: refused here, not after the first task of a sweep.
 - The digits streams need scikit-learn (the ``[digits]`` extra): its install command, one line.
 
 Example:
@@ -23,11 +21,10 @@ from ..core.arguments import ConfigError
 from ..core.extras import MissingExtraError, require_module
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
-TASK_METRICS = "plasticity_callbacks.callbacks.task_metrics.TaskMetrics"
 
 
 def check_callbacks(cfg: DictConfig) -> None:
-    """Check every callback spec's keys, TaskMetrics' logging interval and the digits extra.
+    """Check every callback spec's keys and the digits extra.
 
     Args:
         cfg: the composed config (``plasticity-train``'s).
@@ -38,8 +35,6 @@ def check_callbacks(cfg: DictConfig) -> None:
     check_stream_extra(cfg)
     for where, spec in callback_specs(cfg):
         check_arguments(where, spec)
-        if spec.get("_target_") == TASK_METRICS:
-            check_task_metrics_interval(where, cfg)
 
 
 def callback_specs(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
@@ -99,17 +94,6 @@ def _parameters(factory) -> list[str] | None:
 
 def _name(factory) -> str:
     return getattr(factory, "__name__", repr(factory))
-
-
-def check_task_metrics_interval(where: str, cfg: DictConfig) -> None:
-    """``data.steps_per_task`` must be a multiple of ``trainer.log_every_n_steps`` (TaskMetrics logs at task ends)."""
-    steps = OmegaConf.select(cfg, "data.steps_per_task")
-    every = OmegaConf.select(cfg, "trainer.log_every_n_steps")
-    if isinstance(steps, int) and isinstance(every, int) and every > 0 and steps % every:
-        divisors = [d for d in range(min(every, steps), 0, -1) if steps % d == 0]
-        raise ConfigError(f"{where} (TaskMetrics) logs at every task end, but data.steps_per_task={steps} is not a "
-                          f"multiple of trainer.log_every_n_steps={every}; set trainer.log_every_n_steps={divisors[0]} "
-                          f"(or another divisor of {steps})")
 
 
 def check_stream_extra(cfg: DictConfig) -> None:

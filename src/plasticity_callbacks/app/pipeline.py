@@ -46,6 +46,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.checkpoint_folders import save_folder, saves_folders
 from ..core.checkpoints import (CheckpointError, VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred,
                                 verify_file)
 from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
@@ -144,17 +145,47 @@ class PhaseModule(GPTLightningModule):
 class CarryOptimizerState(L.Callback):
     """At fit start, loads the previous phase's optimizer moments into this phase's fresh optimizer,
     keeping this phase's learning rates and schedule. Listed first, so that a method acting in
-    ``on_fit_start`` (e.g. FIRE resetting the state of the weights it treated) acts after it."""
+    ``on_fit_start`` (e.g. FIRE resetting the state of the weights it treated) acts after it.
 
-    def __init__(self, optimizer_states: list[dict]):
+    Args:
+        optimizer_states: the previous checkpoint's ``optimizer_states`` (a file checkpoint).
+        folder: the previous phase's distributed checkpoint (FSDP2): each rank reads its shards of the moments.
+    """
+
+    def __init__(self, optimizer_states: list[dict] | None = None, folder: str | Path | None = None):
         self.optimizer_states = optimizer_states
+        self.folder = folder
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        if self.folder is not None:
+            for index, optimizer in enumerate(trainer.optimizers):
+                load_sharded_moments(pl_module, optimizer, Path(self.folder), f"optimizer_{index}")
+            return
         if len(trainer.optimizers) != len(self.optimizer_states):
             raise ConfigError(f"carry_optimizer: the previous phase had {len(self.optimizer_states)} optimizers, "
                               f"this one has {len(trainer.optimizers)}")
         for optimizer, saved in zip(trainer.optimizers, self.optimizer_states):
             optimizer.load_state_dict(with_saved_moments(optimizer.state_dict(), saved))
+
+
+def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: str) -> None:
+    """Load the moments saved under ``key`` in the distributed checkpoint ``folder`` into ``optimizer`` (each rank
+    its shards, by parameter name), keeping ``optimizer``'s own param groups (learning rates, schedule)."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict creates the moments of a fresh optimizer (a zero step at lr 0) for dcp.load to fill
+    groups = copy.deepcopy(get_optimizer_state_dict(module, optimizer)["param_groups"])
+    saved = {key: get_optimizer_state_dict(module, optimizer)}
+    try:
+        dcp.load(saved, checkpoint_id=str(folder))
+    except Exception as err:  # another optimizer, other parameters: DCP names the missing keys
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"carry_optimizer: the optimizer state in {folder} does not fit this phase's optimizer "
+                          f"({first}); set carry_optimizer: false") from err
+    set_optimizer_state_dict(module, optimizer, {"state": saved[key]["state"], "param_groups": groups})
 
 
 def with_saved_moments(current: dict, saved: dict) -> dict:
@@ -287,9 +318,9 @@ class Pipeline:
         checkpoint of another phase or run in the place of the one the run would load."""
         names = [p.name for p in self.phases]
         start = names.index(self.options.get("start_phase") or names[0])
-        if self.options.get("init_from") is not None and Path(self.options.init_from).is_file():
+        if self.options.get("init_from") is not None and Path(self.options.init_from).exists():
             read_checkpoint(self.options.init_from, mmap=True)  # mmap: checked without reading every tensor
-        elif start > 0 and self.final_checkpoint(self.phases[start - 1]).is_file():
+        elif start > 0 and self.final_checkpoint(self.phases[start - 1]).exists():
             previous = self.final_checkpoint(self.phases[start - 1])
             ResumeGuard(phase=names[start - 1]).check_origin(read_checkpoint(previous, mmap=True), str(previous),
                                                              compare_config=False)
@@ -297,11 +328,11 @@ class Pipeline:
             return
         allow = list(self.cfg.get("resume_allow_changes") or [])
         for phase in self.phases[start:]:
-            if phase.name in self.state["phases"] and self.final_checkpoint(phase).is_file():
+            if phase.name in self.state["phases"] and self.final_checkpoint(phase).exists():
                 verify_file(self.final_checkpoint(phase))
                 continue
             last = self.checkpoint_dir(phase) / "last.ckpt"
-            if last.is_file():  # the interrupted phase: also its model's shapes and its callbacks
+            if last.exists():  # the interrupted phase: also its model's shapes and its callbacks
                 guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
                 interrupted = read_checkpoint(last, mmap=True)
                 module = module_on_meta(lambda: self.build_module(phase))
@@ -328,7 +359,7 @@ class Pipeline:
         """Recorded complete in pipeline.json and its final.ckpt present (integrity checked when loaded)."""
         if phase.name not in self.state["phases"]:
             return False
-        if not self.final_checkpoint(phase).is_file():
+        if not self.final_checkpoint(phase).exists():
             rank_zero_warn(f"phase {phase.name}: {STATE_FILE} records it complete but {self.final_checkpoint(phase)} "
                            "is missing; running it again (from its last.ckpt when there is one)")
             return False
@@ -341,7 +372,7 @@ class Pipeline:
         previous, previous_phase = self.options.get("init_from"), None  # init_from: another run's weights
         if previous is None and start > 0:
             previous, previous_phase = self.final_checkpoint(self.phases[start - 1]), names[start - 1]
-        if previous is not None and not Path(previous).is_file():
+        if previous is not None and not Path(previous).exists():
             raise ConfigError(f"cannot start at phase {names[start]!r}: no checkpoint {previous} "
                               "(run the earlier phase first or set pipeline.init_from)")
         offset = sum(self.phases[i].steps for i in range(start))
@@ -382,7 +413,7 @@ class Pipeline:
                   previous_phase: str | None = None) -> dict[str, Any]:
         cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
         resume_from = ckpt_dir / "last.ckpt" if self.options.get("resume") else None
-        resume_from = resume_from if resume_from is not None and resume_from.is_file() else None
+        resume_from = resume_from if resume_from is not None and resume_from.exists() else None
         L.seed_everything(cfg.seed + phase.index, workers=True)
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)
@@ -393,7 +424,8 @@ class Pipeline:
                 ResumeGuard(phase=previous_phase).check_origin(saved, str(previous), compare_config=False)
             module.load_state_dict(saved["state_dict"])
             if phase.carry_optimizer:
-                callbacks.insert(0, CarryOptimizerState(saved["optimizer_states"]))
+                callbacks.insert(0, CarryOptimizerState(folder=previous) if Path(previous).is_dir()
+                                 else CarryOptimizerState(saved["optimizer_states"]))
         # The configuration was compared when the pipeline started; the guard checks shapes and callback states,
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
         guard = ResumeGuard(config=self.fingerprint, allow_changes=list(cfg.get("resume_allow_changes") or []),
@@ -417,7 +449,10 @@ class Pipeline:
         metrics = guard.metrics_with_restored(trainer)  # with what was logged before an interruption
         train_loss = metrics.get("train/loss")
         after = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
-        trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
+        if saves_folders(trainer):  # a distributed checkpoint: written aside, checksummed, renamed (all ranks)
+            save_folder(trainer, self.final_checkpoint(phase))
+        else:
+            trainer.save_checkpoint(self.final_checkpoint(phase), weights_only=False)
         metrics.update({k: float(v) for k, v in after.items()})
         first = self.phases[0].name
         return {

@@ -5,14 +5,14 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..core.callback_state import check_state
 from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection, coverage_report, require_targets, select_targets
 from ..core.schedule import Schedule, ScheduleState
-from ..core.sharded_state import pack_for_checkpoint
+from ..core.sharded_state import pack_for_checkpoint, reshard
+from ..core.step_logging import log_at_step, write_to_loggers
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
@@ -30,8 +30,9 @@ class PlasticityCallback(L.Callback):
     value of each in ``trainer.callback_metrics`` (for ``Schedule(monitor=...)``, ``ModelCheckpoint``).
     An action at a validation end is written at the next training hook, at the same step, so the
     checkpoint written after that validation keeps it (``pending_logs``) and a resume logs it once.
-    A per-step series (a value measured at every logging step) goes through ``pl_module.log`` in
-    the subclass's own hook instead.
+    A series measured at every step goes through ``pl_module.log`` in the subclass's own hook (Lightning
+    writes it at ``log_every_n_steps``); one measured only at some steps goes through
+    :func:`~..core.step_logging.log_at_step`, which writes it at those steps only.
     ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
     ``check_state`` against ``extra_state_types``. A subclass that needs more hooks overrides them
     and calls ``super()``.
@@ -170,15 +171,15 @@ class PlasticityCallback(L.Callback):
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule, defer: bool = False) -> None:
         """Call :meth:`act` when ``reason`` is not None and log its metrics as an event."""
         if reason is not None:
+            # FSDP2 keeps the root unit gathered after an evaluation forward (a validation just ran); the next
+            # forward would use that copy and the write to the shards would be lost. No-op without FSDP2.
+            reshard(pl_module)
             self.log_event(trainer, self.act(trainer, pl_module, reason) or {}, defer)
 
     def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any], defer: bool = False) -> None:
-        """Write ``metrics`` once to every logger at ``trainer.global_step`` and keep each in ``callback_metrics``.
-
-        Written straight to the loggers rather than through ``pl_module.log``: Lightning keeps a logged
-        step value in its results and writes it again in every later row of the epoch, and only at steps
-        that are multiples of ``log_every_n_steps``; an action happens once, at its own step. Lightning's
-        loggers write on rank zero only; every rank keeps the values in ``callback_metrics``.
+        """Write ``metrics`` once to every logger at ``trainer.global_step`` and keep each in ``callback_metrics``
+        (:func:`~..core.step_logging.log_at_step`: an action happens once, at its own step, whatever
+        ``log_every_n_steps``).
 
         Args:
             metrics: ``{name: number or 0-d tensor}``; nothing is written when empty.
@@ -188,20 +189,14 @@ class PlasticityCallback(L.Callback):
         Example:
             >>> self.log_event(trainer, {"fire/dfi_after": 0.01})   # one row, at this step
         """
-        values = {name: float(value) for name, value in metrics.items()}
-        for name, value in values.items():
-            trainer.callback_metrics[name] = torch.tensor(value)
-        self._pending_logs.update(values)
+        self._pending_logs.update(log_at_step(trainer, metrics, write=False))
         if not defer:
             self.write_pending_logs(trainer)
 
     def write_pending_logs(self, trainer: L.Trainer) -> None:
         """Write the kept metrics to every logger at ``trainer.global_step``, once."""
         values, self._pending_logs = self._pending_logs, {}
-        if values:
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.global_step)
-                logger.save()
+        write_to_loggers(trainer, values)
 
     def _step_trigger(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if hook == self.step_hook and self.firing is not None:

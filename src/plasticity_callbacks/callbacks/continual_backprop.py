@@ -207,6 +207,7 @@ class ContinualBackprop(PlasticityCallback):
                 count += units.numel()
         self.replaced += count
         self._batch = [None] * len(self.layers)
+        # the running count, measured at every optimizer step: Lightning writes it at its log_every_n_steps cadence
         pl_module.log("cbp/replaced", float(self.replaced), on_step=True, on_epoch=False)
 
     @torch.no_grad()

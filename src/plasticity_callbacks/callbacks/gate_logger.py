@@ -7,6 +7,7 @@ from torch import nn
 
 from ..core.arguments import check_int
 from ..core.distributed import gather_full, require_full_parameters
+from ..core.step_logging import log_at_step
 
 
 def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -20,8 +21,9 @@ class GateLogger(L.Callback):
     decision ``gates/<module>/<pathway>_on`` (gate > 0.5). The forward pass always gates softly;
     the decisions exist only here, for reading.
 
-    Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps; changes nothing.
-    Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank under
+    Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps, writing the values once at that
+    global step (:func:`~..core.step_logging.log_at_step`; the latest stay in ``callback_metrics``); changes
+    nothing. Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank under
     DDP; under FSDP2 (``ModelParallelStrategy``) each is a 1-element ``DTensor`` held by one rank, and
     every rank gathers it (``full_tensor``, a collective of one number), so all ranks log the same value.
 
@@ -41,6 +43,7 @@ class GateLogger(L.Callback):
             raise ValueError(f"log_decisions must be true or false, got {log_decisions!r}")
         self.every_n_steps, self.log_decisions = every_n_steps, log_decisions
         self._modules: list[tuple[str, nn.Module]] = []
+        self._logged_step = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         require_full_parameters(trainer, "GateLogger", fsdp2=True)  # FSDP2: each gate gathered from its shard
@@ -50,12 +53,16 @@ class GateLogger(L.Callback):
                              "use model/attention=reciprocal or model/mlp=reciprocal, or drop the callback")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step % self.every_n_steps:
+        step = trainer.global_step
+        if step % self.every_n_steps or step == self._logged_step:  # accumulating batches share their step
             return
+        self._logged_step = step
+        values = {}
         for name, module in self._modules:
             for key, value in module.gate_values().items():
                 value = gather_full(value).reshape(())  # (1,) or a DTensor shard of it -> a scalar
-                pl_module.log(f"gates/{name}/{key}", value, on_step=True, on_epoch=False)
+                values[f"gates/{name}/{key}"] = value
                 if self.log_decisions and key.startswith("gate_"):
-                    decision = (value > 0.5).to(torch.float32)
-                    pl_module.log(f"gates/{name}/{key[5:]}_on", decision, on_step=True, on_epoch=False)
+                    values[f"gates/{name}/{key[5:]}_on"] = (value > 0.5).to(torch.float32)
+        # read every every_n_steps only: written at this step, never repeated in later rows
+        log_at_step(trainer, values)

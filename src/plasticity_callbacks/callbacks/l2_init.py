@@ -12,6 +12,7 @@ from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection
 from ..core.parameter_patterns import matching_parameters, name_selection
 from ..core.sharded_state import restore_like, squared_distance, state_copy
+from ..core.step_logging import log_at_step
 from ..functional.anchors import l2_init_grad_
 from .base import PlasticityCallback
 
@@ -31,7 +32,8 @@ class L2Init(PlasticityCallback):
     authors' code (``skumar9876/L2_Init``, ``L2InitAgent``: ``λ·0.5·Σ(θ - θ₀)²``, so the paper's λ sweeps mean
     the same here): every trainable parameter except those of normalization layers (LayerNorm, RMSNorm,
     BatchNorm, GroupNorm; ``include_norms=True`` pulls them too); ``selection``'s name patterns narrow it.
-    Logs ``l2_init/distance`` (``‖θ - θ₀‖``) every ``trainer.log_every_n_steps``.
+    Logs ``l2_init/distance`` (``‖θ - θ₀‖``, before the step's update) at the global steps that are multiples of
+    ``trainer.log_every_n_steps``, once each (:func:`~..core.step_logging.log_at_step`).
 
     Args:
         strength: ``λ`` >= 0 (the paper sweeps 1e-2 to 1e-5).
@@ -104,9 +106,9 @@ class L2Init(PlasticityCallback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         l2_init_grad_(self._params, self.anchors, self.strength)  # FSDP2: shard by shard, gradients already reduced
-        if trainer.global_step % trainer.log_every_n_steps == 0:
-            distance = squared_distance(self._params, self.anchors).sqrt()
-            pl_module.log("l2_init/distance", distance, on_step=True, on_epoch=False)
+        every = trainer.log_every_n_steps  # 0: the trainer logs nothing
+        if every and trainer.global_step % every == 0:  # measured at these steps only: written at them only
+            log_at_step(trainer, {"l2_init/distance": squared_distance(self._params, self.anchors).sqrt()})
 
     def extra_state(self) -> dict:
         return {"names": list(self.names), "anchors": [state_copy(a) for a in self.anchors]}

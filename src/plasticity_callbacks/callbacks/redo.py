@@ -14,6 +14,7 @@ from ..core.distributed import all_reduce_mean, rank_identical_generator, requir
 from ..core.model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
 from ..core.neuron_reset import reinit_incoming, zero_outgoing
 from ..core.schedule import Schedule
+from ..core.step_logging import log_at_step
 from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
 from .base import PlasticityCallback
 
@@ -43,8 +44,9 @@ class ReDoMonitor(PlasticityCallback):
     after recycling, replaces the EMA). No host sync on this path; under ``torch.compile`` it
     adds two graphs, for collecting and for idle steps (the idle one runs no extra operation).
 
-    **Logs** in ``on_train_batch_end`` every ``log_every_n_steps`` optimizer steps:
-    ``redo/dormant[/layer]`` (fraction with score ≤ ``tau``) and ``redo/dead[/layer]`` (τ = 0).
+    **Logs** in ``on_train_batch_end`` every ``log_every_n_steps`` optimizer steps, once, at that
+    global step (:func:`~..core.step_logging.log_at_step`; the trainer's own ``log_every_n_steps`` does
+    not apply): ``redo/dormant[/layer]`` (fraction with score ≤ ``tau``) and ``redo/dead[/layer]`` (τ = 0).
     A neuron that stops firing counts as dead at τ = 0 only once its EMA has decayed below ~1e-8
     of the layer mean (≈ 175 collections at ``ema_decay=0.9``): a lagging indicator by design.
 
@@ -254,9 +256,9 @@ class ReDoMonitor(PlasticityCallback):
             return
         self._step_scores = self.scores(trainer)  # the one all-reduce: every rank decides on the same numbers
         self._warn_unobserved()
-        if log_now:  # the dormant fractions are a per-step series; a recycling's counts are its event
+        if log_now:  # measured every log_every_n_steps only: written at this step, never repeated in later rows
             self.last_logged_step = step
-            pl_module.log_dict(self._fractions(self._step_scores), on_step=True, on_epoch=False)
+            log_at_step(trainer, self._fractions(self._step_scores))
         self.act_if(recycle, trainer, pl_module)
         self._step_scores = None
 

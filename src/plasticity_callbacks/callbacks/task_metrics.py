@@ -14,6 +14,7 @@ from ..core.arguments import check_int
 from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
 from ..core.figures import run_output_dir
 from ..core.sharded_state import reshard
+from ..core.step_logging import log_at_step
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
 
@@ -140,10 +141,11 @@ class TaskMetrics(L.Callback):
     - ``grad_norm``: the mean over the task's steps (every ``grad_norm_every_n_steps``-th) of the
       total gradient norm before clipping (``on_before_optimizer_step``).
 
-    Logged with ``pl_module.log`` as ``task/<metric>`` (every task end must be a logging step:
-    ``steps_per_task`` a multiple of ``trainer.log_every_n_steps``), kept in ``state_dict`` (a resumed
-    run keeps its earlier tasks) and written at the end of training to ``<log dir>/tasks.csv`` (one row
-    per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the stream's settings, training seconds).
+    Logged as ``task/<metric>`` once, at the task end's global step, whatever ``trainer.log_every_n_steps``
+    (:func:`~..core.step_logging.log_at_step`; the latest task's values stay in ``callback_metrics``),
+    kept in ``state_dict`` (a resumed run keeps its earlier tasks) and written at the end of training to
+    ``<log dir>/tasks.csv`` (one row per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the
+    stream's settings, training seconds).
 
     On several ranks (DDP, or FSDP2: Lightning's ``ModelParallelStrategy``) every number is one process's
     on the same stream: each rank trains on an equal share of every batch, so the online values are
@@ -194,10 +196,6 @@ class TaskMetrics(L.Callback):
                              f"eval_data), got {type(stream).__name__}")
         if not callable(getattr(pl_module, "hidden_activations", None)):
             raise ValueError(f"TaskMetrics needs a module with hidden_activations(x), got {type(pl_module).__name__}")
-        every = trainer.log_every_n_steps
-        if every and stream.steps_per_task % every:
-            raise ValueError(f"TaskMetrics: data.steps_per_task={stream.steps_per_task} is not a multiple of "
-                             f"trainer.log_every_n_steps={every}; task ends would not reach the logger")
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = time.perf_counter()
@@ -227,7 +225,8 @@ class TaskMetrics(L.Callback):
                                      if probe_now else float("nan"))
         metrics["grad_norm"] = sum(self._grad_norms) / len(self._grad_norms) if self._grad_norms else float("nan")
         self._grad_norms, self._online = [], [0.0, 0.0, 0]
-        pl_module.log_dict({f"task/{k}": v for k, v in metrics.items()} | {"task/index": float(task)})
+        # measured at task ends only: written at this step, never repeated in the rows of the next task
+        log_at_step(trainer, {f"task/{k}": v for k, v in metrics.items()} | {"task/index": float(task)})
         self.history.append({"task": task, "step": step, **metrics})
         rank_zero_info(f"task {task}: accuracy {metrics['accuracy']:.3f}, dormant {metrics['dormant']:.3f}, "
                        f"feature rank {metrics['feature_rank']:.1f}")

@@ -96,4 +96,5 @@ class WeightClip(PlasticityCallback):
         self._last_step = trainer.global_step
         shards = [local_part(p)[0] for p in self._params]  # FSDP2: each rank clips the rows it holds
         clipped = fraction_over_shards(clip_to_bounds_(shards, self._bounds, self.kappa), shards, self._params)
+        # measured at every optimizer step: Lightning writes the series at its log_every_n_steps cadence
         pl_module.log("weight_clip/clipped", clipped.float(), on_step=True, on_epoch=False)

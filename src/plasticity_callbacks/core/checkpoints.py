@@ -3,6 +3,7 @@
 ``VerifiedCheckpointIO`` (a Lightning ``CheckpointIO`` plugin) writes every checkpoint through a
 temporary file, reads it back, compares its SHA-256 with the bytes it meant to write, and puts the
 checksum beside it (``last.ckpt.sha256``). Loading checks the file against that checksum first.
+A distributed checkpoint (FSDP2: a folder of shards) gets the same: see ``checkpoint_folders.py``.
 Any failure is a :class:`CheckpointError` with a one-line message naming the file: a checkpoint
 that could not be written stops the run instead of leaving it without one.
 
@@ -25,10 +26,12 @@ import io
 import os
 import pickle
 import re
+import shutil
 import signal
 import threading
 from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -156,9 +159,14 @@ def write_verified(data: bytes, path: str | Path) -> None:
 
 
 def verify_file(path: str | Path) -> Path:
-    """Check ``path`` exists, is not empty and matches the checksum beside it (when there is one)."""
+    """Check ``path`` exists, is not empty and matches the checksum beside it (when there is one); a
+    distributed checkpoint (a folder) through :func:`~.checkpoint_folders.verify_folder`."""
     path = Path(path)
     pending = _pending_path(path)
+    if path.is_dir() or pending.is_dir():
+        from .checkpoint_folders import verify_folder  # (it builds on this module)
+
+        return verify_folder(path)
     recorded = recorded_checksum(path) if path.is_file() or pending.is_file() else None
     if recorded is not None and pending.is_file() and sha256_of_file(pending) == recorded[0]:
         os.replace(pending, path)  # finish a write interrupted between its checksum and its rename
@@ -195,7 +203,9 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | N
     an unreadable file is a one-line :class:`CheckpointError` too.
 
     Args:
-        path: the checkpoint file (its ``.sha256`` is checked first when there is one).
+        path: the checkpoint file (its ``.sha256`` is checked first when there is one), or a distributed
+            checkpoint's folder (its ``state_dict`` then holds whole tensors, or with ``mmap=True`` shapes only:
+            tensors on the meta device; see ``checkpoint_folders.py``).
         map_location: as for ``torch.load``.
         trust: load with full unpickling (``weights_only=False``); None: the ``PLASTICITY_TRUST_CHECKPOINTS``
             environment variable decides. Only for checkpoints from a source you trust.
@@ -205,10 +215,19 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | N
         >>> checkpoint = read_checkpoint("outputs/run/checkpoints/last.ckpt")
         >>> module.load_state_dict(checkpoint["state_dict"])
     """
-    path = verify_file(path)
     if "weights_only" in load_kwargs:
         raise TypeError("read_checkpoint loads with weights_only=True; pass trust=True for a checkpoint you trust")
+    path = verify_file(path)
     trust = trusted_by_environment() if trust is None else trust
+    if path.is_dir():  # a distributed checkpoint; mmap: the checks need shapes, not weights
+        from .checkpoint_folders import read_folder
+
+        return read_folder(path, map_location=map_location, trust=trust, tensors=not load_kwargs.get("mmap"))
+    return load_trusted_or_weights_only(path, map_location=map_location, trust=trust, **load_kwargs)
+
+
+def load_trusted_or_weights_only(path: Path, map_location: Any = "cpu", trust: bool = False, **load_kwargs) -> dict:
+    """``torch.load`` with ``weights_only=not trust``; every failure a one-line :class:`CheckpointError`."""
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=not trust, **load_kwargs)
     except pickle.UnpicklingError as err:
@@ -232,6 +251,8 @@ def unreadable(path: Path, err: Exception) -> CheckpointError:
 
 
 def remove_with_checksum(path: str | Path) -> None:
+    if Path(path).is_dir():  # a distributed checkpoint
+        shutil.rmtree(path, ignore_errors=True)
     for file in (Path(path), checksum_path(Path(path))):
         file.unlink(missing_ok=True)
 
@@ -369,6 +390,19 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
         self._received = signum
         rank_zero_info(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping")
 
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        from .checkpoint_folders import save_folder, saves_folders
+
+        if not saves_folders(trainer):
+            return super()._save_checkpoint(trainer, filepath)
+        # The strategy writes a folder without the CheckpointIO plugin: written aside, checksummed, renamed.
+        save_folder(trainer, filepath, self.save_weights_only)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
     def _save_and_stop(self, trainer) -> None:
         path = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
         self._save_checkpoint(trainer, str(path))
@@ -389,7 +423,7 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer) -> set[str]:
         # Lightning asks this only to resolve ckpt_path="last": a resume with nothing to resume from.
         found = super()._find_last_checkpoints(trainer)
-        if not any(Path(path).is_file() for path in found):
+        if not any(Path(path).exists() for path in found):  # a file, or a distributed checkpoint's folder
             raise ResumeError(f'cannot resume: ckpt_path="last" but {self.dirpath} holds no last checkpoint; check '
                               "the directory, or pass ckpt_path=None to start a new run")
         return found

@@ -170,8 +170,9 @@ class ResumeGuard(L.Callback):
     the resumed fit's own) and ``carried``, values the caller computed outside the fit (the
     validation before it) and reads back after a resume.
 
-    With another checkpoint IO plugin the checks run in ``on_load_checkpoint``, after the model's
-    weights were restored (a changed shape is then Lightning's own error). With ``run_dir`` it also
+    With another checkpoint IO plugin, or a strategy that loads its distributed checkpoint itself (FSDP2),
+    the checks run in ``on_load_checkpoint``, after the model's weights were restored (a changed shape is
+    then Lightning's own error; :func:`~.checkpoints.read_checkpoint` before the fit names it). With ``run_dir`` it also
     holds a :class:`RunLock` on that directory from ``setup`` to ``teardown``.
 
     Args:
@@ -238,7 +239,8 @@ class ResumeGuard(L.Callback):
         self._checked = True
         self.check_origin(checkpoint, where)
         saved_callbacks = checkpoint.get("callbacks") or {}
-        check_shapes(checkpoint.get("state_dict") or {}, pl_module, where)
+        if "state_dict" in checkpoint:  # absent as a distributed checkpoint's strategy hands it over: weights loaded
+            check_shapes(checkpoint["state_dict"], pl_module, where)
         present = {callback.state_key for callback in callbacks}
         dropped = [key for key in saved_callbacks if key not in present and not key.split("{")[0].endswith("Checkpoint")]
         if dropped:
@@ -285,12 +287,12 @@ def check_shapes(saved: Mapping[str, Any], module, where: str) -> None:
 
 
 def resume_checkpoint(ckpt_path: str | Path | None, checkpoint_dir: str | Path) -> str | None:
-    """The checkpoint a fit resumes from: None, an existing file, or ``"last"`` = ``checkpoint_dir/last.ckpt``.
-    A missing one is a ResumeError (Lightning would warn and start a fresh run)."""
+    """The checkpoint a fit resumes from: None, an existing file or distributed checkpoint folder, or ``"last"`` =
+    ``checkpoint_dir/last.ckpt``. A missing one is a ResumeError (Lightning would warn and start a fresh run)."""
     if ckpt_path is None:
         return None
     path = Path(checkpoint_dir) / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
-    if not path.is_file():
+    if not (path.is_file() or path.is_dir()):
         raise ResumeError(f"cannot resume: ckpt_path={ckpt_path} but {path} does not exist; check hydra.run.dir "
                           "(or paths.checkpoint_dir), or drop ckpt_path to start a new run")
     return str(path)

@@ -1,0 +1,220 @@
+"""Distributed checkpoints (a folder of shards, ``torch.distributed.checkpoint``) with a file checkpoint's guarantees.
+
+Under FSDP2 (Lightning's ``ModelParallelStrategy``, ``save_distributed_checkpoint=True``) a checkpoint is a
+folder: every rank writes its shards (``__<rank>_0.distcp``), rank 0 the index (``.metadata``) and the rest of
+Lightning's checkpoint dict (``meta.pt``). That strategy bypasses the ``CheckpointIO`` plugin, so here:
+
+* :func:`save_folder` has the strategy write ``<path>.writing/``, records the SHA-256 and size of every file
+  in ``<path>.sha256`` (the same side file a file checkpoint has), then renames the folder over ``path``: a
+  reader sees the old checkpoint or the new one, never a half-written one. An interruption between the
+  record and the rename leaves a pending folder that matches it; :func:`verify_folder` finishes the rename.
+* :func:`verify_folder` refuses a missing, incomplete, truncated or altered folder in one line.
+* :func:`read_folder` returns what ``torch.load`` of a file checkpoint returns, without running code the
+  folder could carry: ``meta.pt`` with ``weights_only=True``, the index through an unpickler that admits
+  only the classes an index is made of, and ``state_dict`` either as shapes (tensors on the meta device,
+  read from the index alone, for the checks before a resume) or as whole tensors (for a phase that
+  starts from another's weights), read without a process group.
+
+Example:
+    >>> save_folder(trainer, "ckpt/final.ckpt")                        # all ranks
+    >>> checkpoint = read_folder(Path("ckpt/final.ckpt"), tensors=False)
+    >>> checkpoint["state_dict"]["model.wte.weight"].shape             # torch.Size([264, 64]), nothing loaded
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from .checkpoints import (TRUST_ENV, CheckpointError, _pending_path, _write_synced, checksum_path,
+                          load_trusted_or_weights_only, sha256_of_file, unreadable)
+
+INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shards
+REST_FILE = "meta.pt"  # Lightning's checkpoint dict less weights and optimizer states (rank 0)
+STATE_DICT_PREFIX = "state_dict."  # the model's entries in the index (Lightning saves {"state_dict": ...})
+
+
+def saves_folders(trainer) -> bool:
+    """Whether ``trainer``'s strategy writes its checkpoints as folders of shards (``ModelParallelStrategy`` with
+    ``save_distributed_checkpoint=True``; FSDP1, whose sharded folders are laid out otherwise, is refused by the
+    callbacks)."""
+    return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
+
+
+def save_folder(trainer, path: str | Path, weights_only: bool = False) -> None:
+    """``trainer.save_checkpoint(path)`` for a strategy that writes folders, so that a reader never sees a
+    partial folder and its files' checksums are recorded (see the module). Call it on every rank."""
+
+    path = Path(path)
+    pending = _pending_path(path)
+    if trainer.is_global_zero and pending.is_dir():  # left by a write that was interrupted
+        shutil.rmtree(pending)
+    trainer.strategy.barrier("checkpoint_folder_start")
+    trainer.save_checkpoint(pending, weights_only=weights_only)
+    trainer.strategy.barrier("checkpoint_folder_written")
+    if trainer.is_global_zero:
+        try:
+            commit_folder(pending, path)
+        except OSError as err:
+            raise CheckpointError(f"could not write checkpoint {path}: {err.strerror or err}; the run stops here so "
+                                  "that it does not go on without checkpoints (free space or fix permissions, then "
+                                  "resume)") from err
+    trainer.strategy.barrier("checkpoint_folder_committed")
+
+
+def commit_folder(pending: Path, path: Path) -> None:
+    """Record ``pending``'s files in ``path``'s checksum file, then put ``pending`` in the place of ``path``."""
+
+    lines = []
+    for file in folder_files(pending):
+        with open(pending / file, "rb") as f:
+            os.fsync(f.fileno())
+        lines.append(f"{sha256_of_file(pending / file)}  {(pending / file).stat().st_size}  {file}\n")
+    side = checksum_path(path)
+    _write_synced(_pending_path(side), "".join(lines).encode())
+    os.replace(_pending_path(side), side)
+    replace_folder(pending, path)
+
+
+def replace_folder(pending: Path, path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    os.replace(pending, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def folder_files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def recorded_files(path: Path) -> dict[str, tuple[str, int]] | None:
+    """``{file: (sha256, size)}`` from the checksum file beside the folder ``path``; None when there is none."""
+
+    side = checksum_path(path)
+    if not side.is_file():
+        return None
+    recorded = {}
+    for line in side.read_text().splitlines():
+        fields = line.split(maxsplit=2)
+        if len(fields) != 3 or len(fields[0]) != 64 or not fields[1].isdigit():
+            raise CheckpointError(f"checkpoint checksum file {side} is malformed; delete it to load {path.name} "
+                                  "unverified")
+        recorded[fields[2]] = (fields[0], int(fields[1]))
+    return recorded
+
+
+def mismatch(folder: Path, recorded: dict[str, tuple[str, int]]) -> str | None:
+    """What in ``folder`` differs from ``recorded`` (one phrase), or None when every file matches."""
+
+    for name, (digest, size) in recorded.items():
+        file = folder / name
+        if not file.is_file():
+            return f"lacks {name}, which its checksum file lists: incomplete"
+        if file.stat().st_size != size:
+            return f"has {file.stat().st_size} bytes in {name}, its checksum file records {size}: truncated or replaced"
+        if sha256_of_file(file) != digest:
+            return f"does not match its recorded SHA-256 in {name}: altered or damaged on disk"
+    return None
+
+
+def verify_folder(path: str | Path) -> Path:
+    """Check the checkpoint folder ``path`` is complete and matches the checksums beside it (when there are some);
+    a one-line :class:`CheckpointError` otherwise."""
+
+    path = Path(path)
+    pending = _pending_path(path)
+    recorded = recorded_files(path)
+    if recorded is not None and pending.is_dir() and mismatch(pending, recorded) is None:
+        replace_folder(pending, path)  # finish a write interrupted between its checksums and its rename
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}")
+    if recorded is None:
+        rank_zero_warn(f"checkpoint folder {path} has no .sha256 file beside it: its integrity is not verified")
+    else:
+        problem = mismatch(path, recorded)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint folder {path} {problem}; use an earlier checkpoint")
+    for name in (INDEX_FILE, REST_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint folder {path} has no {name}: it is not a complete distributed "
+                                  "checkpoint; use an earlier checkpoint")
+    index = read_index(path)
+    for item in index.storage_data.values():  # unverified folders too: every shard the index points into is whole
+        shard = path / item.relative_path
+        if not shard.is_file() or shard.stat().st_size < item.offset + item.length:
+            raise CheckpointError(f"checkpoint folder {path}: {item.relative_path} is missing or shorter than its "
+                                  "index says (truncated); use an earlier checkpoint")
+    return path
+
+
+class IndexUnpickler(pickle.Unpickler):
+    """Unpickles a ``.metadata`` index admitting only what an index is made of (no arbitrary code)."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                  "_MEM_FORMAT_ENCODING", "StorageMeta"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+        "torch": {"Size"},
+    }
+
+    def find_class(self, module: str, name: str):
+        dtype = getattr(torch, name, None) if module == "torch" else None
+        if name in self.ALLOWED.get(module, ()) or isinstance(dtype, torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"weights only: GLOBAL {module}.{name} is not part of a checkpoint index")
+
+
+def read_index(path: Path, trust: bool = False):
+    """The folder's ``torch.distributed.checkpoint`` index (tensor shapes, dtypes, where each shard lies)."""
+
+    index_file = path / INDEX_FILE
+    try:
+        with open(index_file, "rb") as f:
+            return pickle.load(f) if trust else IndexUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        if "weights only" in str(err):
+            raise CheckpointError(f"checkpoint {index_file} needs arbitrary code to load "
+                                  f"({str(err).split('GLOBAL ')[-1].split(' ')[0]}) and was refused; only if you "
+                                  f"trust its source, load it with {TRUST_ENV}=1") from None
+        raise unreadable(index_file, err) from err
+    except Exception as err:  # EOFError, OSError ...: a damaged index
+        raise unreadable(index_file, err) from err
+
+
+def read_folder(path: Path, map_location: Any = "cpu", trust: bool = False, tensors: bool = True) -> dict:
+    """The checkpoint dict of a verified folder, as ``torch.load`` of a file checkpoint gives it; ``state_dict``
+    holds whole tensors (``tensors=True``) or tensors on the meta device with the saved shapes and dtypes.
+    Optimizer states stay in the folder (Lightning's strategy restores them into its sharded optimizer)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+
+    checkpoint = load_trusted_or_weights_only(path / REST_FILE, map_location=map_location, trust=trust)
+    entries = {fqn[len(STATE_DICT_PREFIX):]: entry for fqn, entry in read_index(path, trust).state_dict_metadata.items()
+               if fqn.startswith(STATE_DICT_PREFIX) and isinstance(entry, TensorStorageMetadata)}
+    device = "cpu" if tensors else "meta"
+    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+             for name, entry in entries.items()}
+    if tensors:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # its note that no process group runs: none is meant to
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"state_dict": state}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    checkpoint["state_dict"] = state
+    return checkpoint

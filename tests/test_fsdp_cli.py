@@ -1,0 +1,161 @@
+"""``plasticity-train trainer=fsdp2`` resumes: a distributed checkpoint (a folder of shards) is written aside,
+checksummed and renamed like a file checkpoint, checked before anything starts, and a run stopped by SIGTERM
+and resumed with ``ckpt_path=last`` ends at the uninterrupted run's weights and metric rows.
+
+Three 2-rank launches of the package GPT (``experiment=smoke``: 6 steps, validated and checkpointed every 3)
+with Shrink & Perturb every 2 steps, shared by the tests: uninterrupted, stopped at step 4, resumed. The
+refusals run in this process (they happen before Hydra or any rank starts).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from plasticity_callbacks.core.checkpoint_folders import verify_folder
+from plasticity_callbacks.core.checkpoints import CheckpointError, checksum_path, read_checkpoint
+
+from fault_injection import Payload
+from test_resume_trust import refused, snapshot
+
+TESTS = Path(__file__).parent
+RUN = ["experiment=smoke", "trainer=fsdp2", "validate_before_fit=false", "+callbacks=shrink_perturb",
+       "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]
+STOP = "+callbacks.stop={_target_: fault_injection.SignalAt, step: 4}"
+RESUME = ["ckpt_path=last", "resume_allow_changes=[callbacks.stop]"]
+VOLATILE = ("seconds", "per_sec")  # wall-clock measurements differ run to run
+
+
+def launch(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.environ.get("PYTHONPATH", ""),
+                                                                            str(TESTS)]))
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", *RUN, *overrides,
+                           f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(uninterrupted, resumed, stopped)``: run directories; ``stopped`` is a copy taken at the stop."""
+    root = tmp_path_factory.mktemp("fsdp2_cli")
+    full, resumed = root / "full", root / "resumed"
+    done = launch(full)
+    assert done.returncode == 0, done.stderr[-4000:]
+    stopped = launch(resumed, STOP)
+    assert stopped.returncode == 143, stopped.stderr[-4000:]
+    assert "stopped by SIGTERM at step 4" in stopped.stderr, stopped.stderr[-2000:]
+    copy = root / "stopped"
+    shutil.copytree(resumed, copy)
+    (copy / ".run.lock").unlink(missing_ok=True)
+    again = launch(resumed, *RESUME)
+    assert again.returncode == 0, again.stderr[-4000:]
+    return full, resumed, copy
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if not any(word in k for word in VOLATILE)} for row in csv.DictReader(f)]
+
+
+def test_a_stopped_fsdp2_run_resumed_with_ckpt_path_last_ends_at_the_uninterrupted_run(runs):
+    full, resumed, stopped = runs
+    last = stopped / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and checksum_path(last).is_file()  # a distributed checkpoint, checksummed
+    assert read_checkpoint(last, mmap=True)["global_step"] == 4
+    expected = read_checkpoint(full / "checkpoints" / "last.ckpt")
+    got = read_checkpoint(resumed / "checkpoints" / "last.ckpt")
+    assert expected["global_step"] == got["global_step"] == 6
+    assert set(expected["state_dict"]) == set(got["state_dict"])
+    for name, weight in expected["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][name], weight, rtol=0, atol=0, msg=name)
+    started = read_checkpoint(stopped / "checkpoints" / "last.ckpt")["state_dict"]
+    assert any(not torch.equal(started[k], expected["state_dict"][k]) for k in started)  # steps 5, 6 were trained
+    rows = metric_rows(full)
+    assert [row["step"] for row in rows if row.get("shrink_perturb/norm_ratio")] == ["2", "4"]  # 6 ends the fit
+    assert metric_rows(resumed) == rows  # every row once: none lost or repeated at the stop
+
+
+def corrupt_shard(folder: Path) -> None:
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+
+
+def truncate_shard(folder: Path) -> None:
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def drop_index(folder: Path) -> None:
+    (folder / ".metadata").unlink()
+
+
+def truncate_unverified(folder: Path) -> None:
+    checksum_path(folder).unlink()  # a folder without checksums: the index still tells a shard is short
+    truncate_shard(folder)
+
+
+@pytest.mark.parametrize("damage, words", [(corrupt_shard, "SHA-256"), (truncate_shard, "truncated"),
+                                           (drop_index, "lacks .metadata"), (truncate_unverified, "shorter than"),
+                                           (shutil.rmtree, "does not exist")])
+def test_a_damaged_or_missing_checkpoint_folder_is_refused_in_one_line_and_nothing_is_written(
+        runs, tmp_path, damage, words, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs[2], run)
+    damage(run / "checkpoints" / "last.ckpt")
+    before = snapshot(run)
+    line = refused([*RUN, *RESUME, f"hydra.run.dir={run}"], monkeypatch, capsys)
+    assert words in line and "last.ckpt" in line, line
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("change, words", [("model.n_embd=32", "model.n_embd"),
+                                           ("callbacks.shrink_perturb.shrink=0.5", "callbacks.shrink_perturb.shrink")])
+def test_a_changed_configuration_is_refused_against_the_checkpoint_folder(runs, tmp_path, change, words,
+                                                                          monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs[2], run)
+    before = snapshot(run)
+    line = refused([*RUN, *RESUME, change, f"hydra.run.dir={run}"], monkeypatch, capsys)
+    assert words in line and "configuration differs" in line, line
+    assert snapshot(run) == before
+
+
+def test_a_model_of_other_shapes_is_named_from_the_folder_index_alone(runs, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs[2], run)
+
+    def no_shard_read(*args, **kwargs):
+        raise AssertionError("the checks before a resume read shards")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.load", no_shard_read)
+    line = refused([*RUN, "ckpt_path=last", "model.n_embd=32", "resume_allow_changes=[callbacks.stop,model.n_embd]",
+                    f"hydra.run.dir={run}"], monkeypatch, capsys)
+    assert "other shapes" in line and "model.wte.weight (264, 64) in the checkpoint, (264, 32) here" in line, line
+
+
+def test_an_index_that_needs_code_is_refused_and_its_payload_never_runs(runs, tmp_path):
+    folder = tmp_path / "last.ckpt"
+    shutil.copytree(runs[2] / "checkpoints" / "last.ckpt", folder)
+    marker = tmp_path / "payload_ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match="needs arbitrary code") as err:
+        read_checkpoint(folder, mmap=True)
+    assert "\n" not in str(err.value) and not marker.exists()
+
+
+def test_a_folder_write_interrupted_before_its_rename_is_finished_on_read(runs, tmp_path):
+    folder = tmp_path / "last.ckpt"
+    shutil.copytree(runs[2] / "checkpoints" / "last.ckpt", tmp_path / "last.ckpt.writing")
+    shutil.copy(checksum_path(runs[2] / "checkpoints" / "last.ckpt"), checksum_path(folder))
+    assert verify_folder(folder) == folder and folder.is_dir() and not (tmp_path / "last.ckpt.writing").exists()
+    assert read_checkpoint(folder, mmap=True)["global_step"] == 4
