@@ -159,3 +159,24 @@ def test_a_folder_write_interrupted_before_its_rename_is_finished_on_read(runs, 
     shutil.copy(checksum_path(runs[2] / "checkpoints" / "last.ckpt"), checksum_path(folder))
     assert verify_folder(folder) == folder and folder.is_dir() and not (tmp_path / "last.ckpt.writing").exists()
     assert read_checkpoint(folder, mmap=True)["global_step"] == 4
+
+
+def test_a_pipeline_under_fsdp2_hands_each_phase_its_predecessors_checkpoint_folder(tmp_path):
+    """pretrain → SFT on 2 ranks with distributed checkpoints: the SFT phase starts from the pretrain phase's
+    ``final.ckpt`` folder. With the SFT learning rate 0 only FIRE (exact polar factor) moves its weights: the untreated embedding
+    ends equal to pretrain's, bit for bit, and a treated matrix is a scaled isometry that pretrain's was not."""
+    run = tmp_path / "pipeline"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", "experiment=pipeline_smoke",
+                           "+method=fire_exact", "trainer=fsdp2", "phases.sft.optimizer.lr=0.0", f"hydra.run.dir={run}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    folders = [run / "checkpoints" / phase / "final.ckpt" for phase in ("pretrain", "sft")]
+    assert all(folder.is_dir() for folder in folders)
+    pretrain, sft = (read_checkpoint(folder)["state_dict"] for folder in folders)
+    assert torch.equal(sft["model.wte.weight"], pretrain["model.wte.weight"])
+    name = "model.blocks.0.mlp.c_fc.weight"  # (128, 32): tall, its Gram matrix s²·I after FIRE
+    before, after = pretrain[name].double(), sft[name].double()
+    spread = lambda w: (lambda s: float((s.max() - s.min()) / s.max()))(torch.linalg.svdvals(w))  # noqa: E731
+    assert spread(before) > 0.1 and spread(after) < 1e-5

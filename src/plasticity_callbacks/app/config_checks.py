@@ -213,17 +213,13 @@ def check_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
 def check_fsdp2(cfg: DictConfig) -> None:
     """FSDP2 (``trainer=fsdp2``, Lightning's ``ModelParallelStrategy``): every rank holds a data-parallel shard,
     so ``data_parallel_size`` must be the rank count ``trainer.devices × trainer.num_nodes`` and
-    ``tensor_parallel_size`` 1 (Lightning would only find a mismatch after starting every process); a
-    pipeline hands each phase's ``final.ckpt`` to the next as one verified file, so its checkpoints must
-    not be distributed (folders of shards)."""
+    ``tensor_parallel_size`` 1 (Lightning would only find a mismatch after starting every process). Either
+    kind of checkpoint works in a pipeline: a phase hands its ``final.ckpt`` (file or verified folder of
+    shards) to the next."""
     trainer = cfg.get("trainer")
     strategy = trainer.get("strategy") if trainer is not None else None
     if not isinstance(strategy, DictConfig) or not str(strategy.get("_target_", "")).endswith("ModelParallelStrategy"):
         return
-    if cfg.get("phases") and strategy.get("save_distributed_checkpoint", True):
-        raise ConfigError("trainer.strategy.save_distributed_checkpoint=true writes each checkpoint as a folder of "
-                          "shards, but the pipeline's phases hand final.ckpt to the next phase as one verified file; "
-                          "set trainer.strategy.save_distributed_checkpoint=false (rank 0 saves the gathered state)")
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
     count = len(devices) if OmegaConf.is_list(devices) else devices
     if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not isinstance(nodes, int):
