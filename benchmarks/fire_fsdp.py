@@ -20,35 +20,16 @@ import argparse
 import json
 import math
 import os
-import socket
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from rank_processes import measured, run_ranks
 
 SHAPES = [(1024, 256), (512, 512), (2048, 512), (1024, 1024), (2048, 1024), (512, 2048), (2048, 2048)]
 QUICK = [(256, 64), (256, 128), (128, 256), (512, 256)]
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
-
-
-def measured(fn):
-    """``(seconds, peak extra MiB)`` of ``fn()`` on this rank."""
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-    before = _rss_kib("VmRSS")
-    started = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - started
-    return seconds, max(0, _rss_kib("VmHWM") - before) / 1024
 
 
 def _worker(rank: int, world: int, port: int, shapes, out: str) -> None:
@@ -94,17 +75,7 @@ def _worker(rank: int, world: int, port: int, shapes, out: str) -> None:
 
 
 def measure(shapes, world: int) -> list[dict]:
-    # glibc serves large blocks from its heap once a big block was freed (its mmap threshold grows), and the
-    # heap is not given back: a fixed threshold keeps every matrix-sized block an mmap, returned when freed,
-    # so each call's peak resident set is its own.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(world, port, shapes, out), nprocs=world, start_method="spawn")
-        return json.loads(Path(out).read_text())
+    return run_ranks(_worker, world, shapes)
 
 
 # --------------------------------------------------------------------------------- the projection
