@@ -288,6 +288,15 @@ def test_resume_keeps_statistics_and_counters(tmp_path):
     assert int(cont._recycled.sum()) >= int(saved["recycled"].sum())
 
 
+def test_a_state_written_before_any_fit_loads_into_a_fresh_monitor():
+    """A checkpoint can hold a ReDoMonitor that never saw a batch (saved before fit, or by a trainer that
+    validated only): its state has no statistics, and a fresh monitor takes it, still empty."""
+    state = ReDoMonitor().state_dict()
+    fresh = ReDoMonitor()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state and fresh._pending_state is None
+
+
 def test_layer_map_and_errors():
     module = TinyMLPModule()
     redo = ReDoMonitor(layer_map={"hidden": ("net.0", "net.2")}, collect_every_n_steps=1)

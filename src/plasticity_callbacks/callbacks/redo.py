@@ -374,7 +374,7 @@ class ReDoMonitor(PlasticityCallback):
     # ------------------------------------------------------------------ resume
     def extra_state(self) -> dict:
         if self._ema is None:  # not fitted yet: what a checkpoint brought, if anything
-            return {k: v for k, v in (self._pending_state or {}).items() if k != "schedule"}
+            return dict(self._pending_state or {})
         return {"layers": [l.name for l in self.layers], "widths": [l.width for l in self.layers],
                 "ema": self._ema.detach().cpu().clone(), "observed": self._observed.cpu().clone(),
                 "recycled": self._recycled.cpu().clone(), "init_std": self._init_std.cpu().clone(),
@@ -382,7 +382,7 @@ class ReDoMonitor(PlasticityCallback):
                 "collections": self.collections, "last_logged_step": self.last_logged_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if set(state_dict) <= {"schedule"}:  # written before any fit: no statistics to restore
+        if set(state_dict) <= {"schedule", "pending_logs"}:  # written before any fit: no statistics to restore
             return
         super().load_state_dict(state_dict)
 
