@@ -140,7 +140,6 @@ class HareTortoise(PlasticityCallback):
         self._swap_back_hare(pl_module)
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
-        reshard(pl_module)  # FSDP2: a validation since the last step leaves the root unit gathered
         with torch.no_grad():
             distance = squared_distance(self._hare, self.tortoise).sqrt()
             for hare, tortoise in zip(self._hare, self.tortoise):

@@ -44,6 +44,7 @@ def saves_folders(trainer) -> bool:
     """Whether ``trainer``'s strategy writes its checkpoints as folders of shards (``ModelParallelStrategy`` with
     ``save_distributed_checkpoint=True``; FSDP1, whose sharded folders are laid out otherwise, is refused by the
     callbacks)."""
+    # ModelParallelStrategy(save_distributed_checkpoint=...) keeps the choice only as this private attribute
     return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
 
 

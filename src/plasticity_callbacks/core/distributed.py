@@ -7,9 +7,10 @@ generator seeded the same way on every rank. Sharded strategies hold only shards
 (Lightning's ``ModelParallelStrategy`` with ``fully_shard``) keeps each weight a ``DTensor``
 sharded on dim 0: a callback that acts on such shards (:mod:`plasticity_callbacks.core.sharding`)
 declares so with ``require_full_parameters(..., fsdp2=True)``; the others, and every callback
-under FSDP1 or DeepSpeed, refuse at setup with the fix rather than act on shards. The gather path
-``full_parameters(module)`` makes every weight whole inside a ``with`` block and writes changes
-back to the shards (FSDP1: ``summon_full_params``; FSDP2: ``full_tensor()`` and a local re-slice).
+under FSDP1 or DeepSpeed, refuse at setup with the fix rather than act on shards. For code of a
+user's own that needs whole weights, ``full_parameters(module)`` makes every weight whole inside a
+``with`` block and writes changes back to the shards (FSDP1: ``summon_full_params``; FSDP2:
+``full_tensor()`` and a local re-slice); no callback uses it: each gathers one matrix at a time.
 """
 from __future__ import annotations
 

@@ -32,13 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_folders import saves_folders
 from .distributed import is_dtensor, write_full_
-
-
-def writes_distributed_checkpoint(trainer) -> bool:
-    """Whether the strategy writes a distributed checkpoint (a folder of shards) rather than one file."""
-    # ModelParallelStrategy(save_distributed_checkpoint=...) keeps the choice only as this private attribute
-    return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
 
 
 def state_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,7 +54,7 @@ def pack_for_checkpoint(trainer, checkpoint: dict, state_key: str, keys: Sequenc
     state = checkpoint.get("callbacks", {}).get(state_key)
     if state is None:
         return
-    distributed = writes_distributed_checkpoint(trainer)
+    distributed = saves_folders(trainer)
     for key in keys:
         packed = []
         for index, tensor in enumerate(state[key]):

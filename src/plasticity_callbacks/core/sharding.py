@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ..functional.shrink import apply_shrink_
-from ..functional.spectral import (DegenerateMatrixError, RankDeficientError, deviation_from_isometry,
+from ..functional.spectral import (RankDeficientError, deviation_from_isometry,
                                    orthogonalize, polar_from_gram)
 from .distributed import is_dtensor
 
@@ -73,11 +72,6 @@ def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, slice]:
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(tensor, group=group)
     return tensor
-
-
-def _matrices(tensor: torch.Tensor) -> torch.Tensor:
-    """``(rows, cols, *k)`` as ``(*k, rows, cols)``: one matrix per conv tap, a view."""
-    return tensor if tensor.dim() == 2 else tensor.permute(*range(2, tensor.dim()), 0, 1)
 
 
 @torch.no_grad()
@@ -128,7 +122,7 @@ def sharded_fire(target, options, record_spectra: bool = False) -> list:
 def _fire_rows(name, transposed, X_local, positions, rows, options, record_spectra, group):
     """FIRE on one block given as ``X`` (the block, or its transpose) of ``rows`` rows, this rank
     holding rows ``positions``. Returns the record and the new local rows (None when skipped)."""
-    from ..functional.isometry import FireRecord, target_scale
+    from ..functional.isometry import FireRecord, _skip_degenerate, as_matrices, target_scale
 
     started = time.perf_counter()
     cols = X_local.shape[1]
@@ -137,14 +131,14 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     flags = _all_reduce(torch.tensor([float(not bool(torch.isfinite(X_local).all()))], dtype=torch.float64,
                                      device=X_local.device), group)
     if flags.item():
-        return _skip(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
-    X64 = _matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
+        return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
+    X64 = as_matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
     wide = rows < cols  # gathered: G would be larger than the block itself
     gram = None if wide else _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
     squared_norm = float(_all_reduce(X64.square().sum().reshape(1), group) if wide
                          else gram.diagonal(dim1=-2, dim2=-1).sum())
     if squared_norm == 0.0:
-        return _skip(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
+        return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
     taps = math.prod(X_local.shape[2:])
     if options.scale == "preserve_norm":
         scale = math.sqrt(squared_norm / (min(rows, cols) * taps))
@@ -200,15 +194,6 @@ def _gather_rows(X64: torch.Tensor, positions: list[int], rows: int, group) -> t
     full = X64.new_zeros(*X64.shape[:-2], rows, X64.shape[-1])
     full[..., positions, :] = X64
     return _all_reduce(full, group)
-
-
-def _skip(record, message: str, reason: str, on_degenerate: str):
-    if on_degenerate == "raise":
-        raise DegenerateMatrixError(message)
-    warnings.warn(message + "; left unchanged", stacklevel=4)
-    record.skipped = reason
-    return record
-
 
 
 def all_finite_on_every_rank(tensors: list[torch.Tensor]) -> bool:
