@@ -156,14 +156,14 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
     cpu_trainer(max_steps=steps, callbacks=[clock, switch]).fit(module, loader)
     ran = [s for s in clock.steps if s[3]]
     later = [s for s in clock.steps if s[0] > every and not s[3]]  # after the first cycle: every matrix minor
-    cycle = statistics.median(h for *_, h, cycled in ran) if ran else float("nan")
-    projection = statistics.median(h for *_, h, _ in later) if later else float("nan")
+    cycle = median_or_nan([h for *_, h, _ in ran])
+    projection = median_or_nan([h for *_, h, _ in later])
     step = statistics.median(t - h for _, t, h, _ in clock.steps[1:])
     return {"cycles": len(ran), "matrices": len(switch.matrices), "step": step, "cycle": cycle,
             "minor": sum(m.state == "minor" for m in switch.matrices), "projection": projection,
             "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history),
-            "cycle_step": statistics.median(t for _, t, *_ in ran) if ran else float("nan"),
-            "minor_step": statistics.median(t for _, t, *_ in later) if later else float("nan"),
+            "cycle_step": median_or_nan([t for _, t, *_ in ran]),
+            "minor_step": median_or_nan([t for _, t, *_ in later]),
             "weights": [m.target.read().detach().clone() for m in switch.matrices],
             "odd_step": median_or_nan([t for step, t, *_ in later if step % 2]),
             "even_step": median_or_nan([t for step, t, *_ in later if not step % 2])}

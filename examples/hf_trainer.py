@@ -23,8 +23,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
     parser.add_argument("--output-dir", default=None, help="checkpoints and logs (default: a temporary folder)")
-    steps = parser.parse_args().steps
-    output_dir = parser.parse_args().output_dir or tempfile.mkdtemp(prefix="hf_trainer_")
+    args = parser.parse_args()
+    steps = args.steps
+    output_dir = args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_")
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))

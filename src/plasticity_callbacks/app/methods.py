@@ -20,7 +20,7 @@ reports. A user's method is one more file in a folder of their own on the config
 
 Example:
     >>> method_names()
-    ['dash', 'fire', 'fire_exact', 'redo', 'reset', 'sp', 'warm', 'warm_reset']
+    ['cbp', 'dash', 'fire', 'fire_exact', 'hare_tortoise', 'l2_init', 'redo', 'reset', 'sp', 'sp_soft', 'warm', ...]
     >>> task_stream_callbacks(compose_method("sp"))  # the specs that act at every task boundary
 """
 from __future__ import annotations

@@ -654,7 +654,7 @@ def deviation_from_isometry(W: torch.Tensor, scale: float = 1.0, dtype: torch.dt
     """
     X = W.detach().to(dtype)
     X = X.mT if X.shape[-2] < X.shape[-1] else X
-    peak = X.abs().amax(dim=(-2, -1)).clamp_min(torch.finfo(dtype).tiny)
+    peak = largest_entry(X).clamp_min(torch.finfo(dtype).tiny)
     X = X / peak[..., None, None]
     peak = peak.double()
     error = _isometry_error(X.mT @ X, (scale / peak) ** 2)  # ‖X̂ᵀX̂ − (s/p)²I‖_F / (2√n)
