@@ -177,8 +177,9 @@ def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     # get_optimizer_state_dict creates the moments of a fresh optimizer (a zero step at lr 0) for dcp.load to fill
-    groups = copy.deepcopy(get_optimizer_state_dict(module, optimizer)["param_groups"])
-    saved = {key: get_optimizer_state_dict(module, optimizer)}
+    current = get_optimizer_state_dict(module, optimizer)
+    groups = copy.deepcopy(current["param_groups"])  # before dcp.load overwrites them with the saved ones
+    saved = {key: current}
     try:
         dcp.load(saved, checkpoint_id=str(folder))
     except Exception as err:  # another optimizer, other parameters: DCP names the missing keys

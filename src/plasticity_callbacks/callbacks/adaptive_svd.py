@@ -20,7 +20,7 @@ from ..core.model_map import Selection, WeightView, require_targets, select_targ
 from ..core.model_map.weights import stored_param
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.schedule import Schedule
-from ..core.sharded_state import load_named, pack_for_checkpoint
+from ..core.sharded_state import load_named
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from .base import PlasticityCallback
 
@@ -193,6 +193,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     default_schedule = Schedule(every_n_steps=100, start_step=100)
     extra_state_types = {"matrices": dict, "history": list}
     optional_state_types = {"singular_vectors": list}  # FSDP2: each matrix's U, sharded by rows
+    parameter_state_keys = ("singular_vectors",)
 
     def __init__(
         self,
@@ -310,8 +311,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state. FSDP2:
         each rank writes its rows of every ``U`` into the distributed checkpoint (a one-file checkpoint: each
         ``U`` gathered in turn into rank 0's CPU memory), see :mod:`~plasticity_callbacks.core.sharded_state`."""
-        if "singular_vectors" in checkpoint.get("callbacks", {}).get(self.state_key, {}):
-            pack_for_checkpoint(trainer, checkpoint, self.state_key, ("singular_vectors",))
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)  # parameter_state_keys: the rows of each U
         state = checkpoint.get("state_dict")
         if state is None:
             return

@@ -56,6 +56,8 @@ def pack_for_checkpoint(trainer, checkpoint: dict, state_key: str, keys: Sequenc
         return
     distributed = saves_folders(trainer)
     for key in keys:
+        if key not in state:  # e.g. no singular vectors before AdaptiveSVD's first cycle
+            continue
         packed = []
         for index, tensor in enumerate(state[key]):
             if not is_dtensor(tensor):
