@@ -1,7 +1,7 @@
 """Run callbacks under FSDP2 on 2 CPU ranks and on one process over the same global batches; compare.
 
     results = run_fsdp2(tmp_path, [{"name": "fire", "model": "gpt2", "callbacks": [...]}])
-    assert_same_as_single(tmp_path, runs[0], results["fire"])
+    assert_same_as_single(run_single(tmp_path, runs[0]), results["fire"])
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ def run_fsdp2(tmp_path: Path, runs: list[dict], timeout: float = 600, crash: boo
 
 
 def run_single(tmp_path: Path, run: dict) -> dict:
-    sys.path.insert(0, str(WORKER.parent))
     from fsdp_worker import run as run_worker
 
     return run_worker(run, tmp_path, devices=1)

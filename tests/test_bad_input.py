@@ -406,9 +406,9 @@ def _bad_inputs():
     ]
 
 
-def test_each_bad_input_is_one_clear_line_and_changes_nothing():
-    """The issue's bad inputs and their neighbours: the right error type, one line naming the thing; a refused
-    ``apply_fire`` leaves every weight as it was."""
+def test_each_bad_input_is_one_clear_line():
+    """The issue's bad inputs and their neighbours: the right error type, one line naming the thing (that a
+    refused ``apply_fire`` leaves every weight as it was: the next test)."""
     cases = _bad_inputs()
     for name, call, error, mentions in cases:
         with pytest.raises(error) as raised:

@@ -37,7 +37,7 @@ def test_sweep_and_report(tmp_path):
 
 
 def test_every_method_runs_in_the_stream_without_a_stream_table():
-    """warm_reset, the warm + fresh optimizer control, had no stream row: every method file runs now."""
+    """Every method file runs in the stream, warm_reset (the warm + fresh optimizer control) included."""
     from hydra import compose, initialize_config_dir
 
     from plasticity_callbacks.app.methods import task_stream_callbacks

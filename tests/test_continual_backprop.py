@@ -237,7 +237,7 @@ def test_ranks_stay_identical_under_ddp_with_every_per_step_method(tmp_path):
     ], model="mlp", steps=5, accumulate=2)
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
-    assert metrics["cbp/replaced"] > 0 and metrics["weight_clip/clipped"] >= 0 and metrics["hare_tortoise/distance"] > 0
+    assert metrics["cbp/replaced"] > 0 and "weight_clip/clipped" in metrics and metrics["hare_tortoise/distance"] > 0
 
 
 @pytest.mark.parametrize("bad", [dict(replacement_rate=-0.1), dict(maturity_threshold=1.5), dict(decay_rate=1.0),

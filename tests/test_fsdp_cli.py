@@ -23,7 +23,7 @@ from plasticity_callbacks.core.checkpoint_folders import verify_folder
 from plasticity_callbacks.core.checkpoints import CheckpointError, checksum_path, read_checkpoint
 
 from fault_injection import Payload
-from test_resume_trust import refused, snapshot
+from test_resume_trust import copy_run, refused, snapshot
 
 TESTS = Path(__file__).parent
 RUN = ["experiment=smoke", "trainer=fsdp2", "validate_before_fit=false", "+callbacks=shrink_perturb",
@@ -52,9 +52,7 @@ def runs(tmp_path_factory):
     stopped = launch(resumed, STOP)
     assert stopped.returncode == 143, stopped.stderr[-4000:]
     assert "stopped by SIGTERM at step 4" in stopped.stderr, stopped.stderr[-2000:]
-    copy = root / "stopped"
-    shutil.copytree(resumed, copy)
-    (copy / ".run.lock").unlink(missing_ok=True)
+    copy = copy_run(resumed, root / "stopped")
     again = launch(resumed, *RESUME)
     assert again.returncode == 0, again.stderr[-4000:]
     return full, resumed, copy
