@@ -10,6 +10,7 @@ from torch import nn
 from ..core.arguments import check_int, check_number
 from ..core.distributed import all_reduce_mean, is_dtensor, rank_identical_generator, require_full_parameters
 from ..core.model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
+from ..core.neuron_reset import reset_norm_channels
 from ..core.optimizer_state import zero_optimizer_state_slices
 from ..core.sharding import local_part
 from ..functional import continual_backprop as cbp
@@ -230,11 +231,7 @@ class ContinualBackprop(PlasticityCallback):
         zero_optimizer_state_slices(trainer.optimizers, layer.down.weight, _mask(columns, _rows(layer.down).shape[1]),
                                     dim=int(not is_conv1d(layer.down)))
         if layer.norm is not None:  # a fresh BatchNorm channel: scale 1, shift 0, statistics of a new layer
-            for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
-                tensor = getattr(layer.norm, name, None)
-                if tensor is not None:
-                    local, span = local_part(tensor)
-                    local[_held(units, span, local.shape[0])[0]] = value
+            reset_norm_channels(layer.norm, _mask(units, layer.width), optimizer=None)
 
     def extra_state(self) -> dict:
         if not self.stats:

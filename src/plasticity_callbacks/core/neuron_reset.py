@@ -75,7 +75,7 @@ def reinit_incoming(
             bias.masked_fill_(mask[rows], 0)
             zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
     if norm is not None:
-        _reset_norm_channels(norm, mask, optimizer)
+        reset_norm_channels(norm, mask, optimizer)
     return mask.sum()
 
 
@@ -107,8 +107,10 @@ def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offs
     zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
 
 
-def _reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:
-    """A recycled channel's BatchNorm starts as a fresh layer's: scale 1, shift 0, mean 0, variance 1."""
+def reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:
+    """A recycled channel's BatchNorm starts as a fresh layer's: scale 1, shift 0, mean 0, variance 1; the
+    optimizer state of its scale and shift is zeroed there (``optimizer=None``: left as it is). Under FSDP2
+    each rank writes the channels it holds."""
     for name, fresh in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
         tensor = getattr(norm, name, None)
         if tensor is not None:
