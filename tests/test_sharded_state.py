@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plasticity_callbacks.callbacks.hare_tortoise import HareTortoise
+from plasticity_callbacks.callbacks.l2_init import L2Init
 from plasticity_callbacks.core.sharded_state import pack_for_checkpoint, restore_like, squared_distance
 
 
@@ -41,3 +43,16 @@ def test_squared_distance_is_the_sum_over_pairs():
     xs, ys = [torch.randn(3, 2), torch.randn(4)], [torch.randn(3, 2), torch.randn(4)]
     expected = sum(((x.double() - y.double()) ** 2).sum() for x, y in zip(xs, ys))
     torch.testing.assert_close(squared_distance(xs, ys).double(), expected)
+
+
+@pytest.mark.parametrize("make", [lambda: L2Init(strength=0.1), lambda: HareTortoise(decay=0.5)],
+                         ids=["l2_init", "hare_tortoise"])
+def test_copies_from_a_checkpoint_of_another_model_are_refused_naming_both_selections(make):
+    from tiny import TinyMLPModule, cpu_trainer, regression_loader, tiny_gpt_module, token_loader
+
+    first = make()
+    cpu_trainer(max_steps=1, callbacks=[first]).fit(TinyMLPModule(), regression_loader())
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match=r"the checkpoint holds 6 parameters \['net.0.weight'.*this model selects"):
+        cpu_trainer(max_steps=1, callbacks=[resumed]).fit(tiny_gpt_module(), token_loader())

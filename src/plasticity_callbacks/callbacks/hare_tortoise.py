@@ -12,7 +12,7 @@ from ..core.model_map import Selection
 from ..core.optimizer_state import reset_optimizer_state
 from ..core.parameter_patterns import matching_parameters, name_selection
 from ..core.schedule import Schedule
-from ..core.sharded_state import reshard, restore_like, squared_distance, state_copy
+from ..core.sharded_state import copies_of, reshard, squared_distance, state_copy
 from ..functional.anchors import ema_toward_
 from .base import PlasticityCallback
 
@@ -88,14 +88,9 @@ class HareTortoise(PlasticityCallback):
         """Pair the hare's parameters with the tortoise, placed like them (a no-op when it already is); again at
         the first validation and at train start: FSDP2 restores a checkpoint after ``on_fit_start``."""
         chosen = matching_parameters(pl_module, self.selection, self.owner)
-        if not self.tortoise:  # a restored checkpoint brings its tortoise
-            self.names = [name for name, _ in chosen]
-            self.tortoise = [p.detach().clone() for _, p in chosen]  # FSDP2: each rank clones its own shard
-        if [name for name, _ in chosen] != self.names:
-            raise ValueError(f"HareTortoise: the checkpoint's tortoise tracks {len(self.names)} parameters, this model "
-                             f"selects {len(chosen)}; use the same model and selection")
-        self._hare = [p for _, p in chosen]
-        self.tortoise = restore_like(trainer, self.tortoise, self._hare, "HareTortoise tortoise")
+        # a restored checkpoint brings its tortoise
+        self.names, self.tortoise, self._hare = copies_of(trainer, chosen, self.names, self.tortoise,
+                                                          "HareTortoise tortoise")
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._attach(trainer, pl_module)

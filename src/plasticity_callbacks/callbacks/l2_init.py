@@ -11,7 +11,7 @@ from ..core.arguments import check_number
 from ..core.distributed import require_full_parameters
 from ..core.model_map import Selection
 from ..core.parameter_patterns import matching_parameters, name_selection
-from ..core.sharded_state import restore_like, squared_distance, state_copy
+from ..core.sharded_state import copies_of, squared_distance, state_copy
 from ..core.step_logging import log_at_step
 from ..functional.anchors import l2_init_grad_
 from .base import PlasticityCallback
@@ -92,16 +92,9 @@ class L2Init(PlasticityCallback):
 
     def _attach(self, trainer, pl_module) -> None:
         """Pair the selected parameters with their anchors, placed like them (a no-op when they already are)."""
-        chosen = self.chosen(pl_module)
-        if not self.anchors:  # a restored checkpoint keeps the θ₀ of the first fit
-            self.names = [name for name, _ in chosen]
-            self.anchors = [p.detach().clone() for _, p in chosen]  # FSDP2: each rank clones its own shard
-        if [name for name, _ in chosen] != self.names:
-            raise ValueError(f"L2Init: the checkpoint anchored {len(self.names)} parameters {self.names[:3]}..., this "
-                             f"model selects {len(chosen)} {[n for n, _ in chosen][:3]}...; use the same model and "
-                             "selection")
-        self._params = [p for _, p in chosen]
-        self.anchors = restore_like(trainer, self.anchors, self._params, "L2Init anchors")
+        # a restored checkpoint keeps the θ₀ of the first fit
+        self.names, self.anchors, self._params = copies_of(trainer, self.chosen(pl_module), self.names, self.anchors,
+                                                           "L2Init anchors")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)

@@ -72,6 +72,27 @@ def pack_for_checkpoint(trainer, checkpoint: dict, state_key: str, keys: Sequenc
         state[key] = packed
 
 
+def copies_of(trainer, chosen: Sequence[tuple[str, torch.Tensor]], names: list[str], copies: list, what: str
+              ) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """A method's per-parameter copies (L2Init's θ₀, HareTortoise's tortoise) paired with the ``chosen``
+    ``(name, parameter)`` pairs and placed like them: taken now when there are none (each rank clones its own
+    shard), else restored from a checkpoint's, whose parameter names must be the chosen ones.
+
+    Returns:
+        ``(names, copies, parameters)``.
+
+    Example:
+        >>> self.names, self.anchors, self._params = copies_of(trainer, chosen, self.names, self.anchors, "L2Init")
+    """
+    if not copies:
+        names, copies = [name for name, _ in chosen], [p.detach().clone() for _, p in chosen]
+    if [name for name, _ in chosen] != names:
+        raise ValueError(f"{what}: the checkpoint holds {len(names)} parameters {names[:3]}..., this model selects "
+                         f"{len(chosen)} {[name for name, _ in chosen][:3]}...; use the same model and selection")
+    params = [p for _, p in chosen]
+    return names, restore_like(trainer, copies, params, what), params
+
+
 def restore_like(trainer, saved: Sequence, params: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
     """Tensors placed like ``params`` from what a checkpoint holds: whole tensors (sliced to each rank's rows
     under FSDP2) or names of tensors in the distributed checkpoint being resumed (loaded shard by shard).
