@@ -3,27 +3,30 @@
     python benchmarks/adaptive_svd_overhead.py                          # widths 128,256,512; batches 1, 16
     python benchmarks/adaptive_svd_overhead.py --widths 128 --batches 1 --memory
     python benchmarks/adaptive_svd_overhead.py --compare full --default-thresholds  # decisions vs LAPACK SVD
-    python benchmarks/adaptive_svd_overhead.py --minor-training project,factorize  # both routes, one baseline
+    python benchmarks/adaptive_svd_overhead.py --minor-training project,factorize  # other routes, one baseline
 
-Per GPT width (4 layers, sequence 256, byte vocabulary) and batch size: one fit with the switch in
-its callback list, SVD cycles every ``--every`` steps (so a short fit holds several), every matrix
-forced into the "minor" state (``clobber_alignment=0``: the worst case, a gradient projection on
-every step). A subclass of the switch times its own hooks in process CPU time (robust on a shared
-machine), a clock callback times each whole step. From the medians — one SVD cycle, one projected
-step, one step without the hooks — the share at the default interval (``--interval``, 100):
-``(cycle + (interval − 1)·projection) / (interval · step)``. Targets: ≤ 1 % at every width, ≤ 5 % at 1×256.
+Per GPT width (4 layers, sequence 256, byte vocabulary) and batch size: a switch-free baseline fit, then one
+fit per route (``--minor-training``, default ``project,project-after``), then the baseline again, all in this
+process. Each fit with the switch runs SVD cycles every ``--every`` steps (so a short fit holds several), every
+matrix forced into the "minor" state (``clobber_alignment=0``: the worst case, every step a minor one). A
+subclass of the switch times its own hooks in process CPU time (robust on a shared machine), a clock callback
+times each whole step. Two rows per route:
 
-``--minor-training project,factorize``: one row per route, each also against a baseline fit without the
-switch (same model, data and steps; measured before and after the routes): a factorized matrix
-(frozen ``W_p`` + trainable ``B @ A``) has no hook to time, its cost or saving is in the step itself, so
-the share there is ``(cycle step − base + (interval − 1)·(minor step − base)) / (interval · base)``.
+* ``hooks``: from the hooks' medians (one SVD cycle, the per-step hook time) over the step's,
+  ``(cycle + (interval − 1)·hooks) / (interval · step)`` at the default interval (``--interval``, 100);
+* ``steps``: from whole steps against the baseline's, ``(cycle step − base + (interval − 1)·(minor step −
+  base)) / (interval · base)``: what the route costs or saves in the step itself is counted too.
+
+Routes: ``project`` (the default: a minor Linear's projected gradient computed in the backward, its full
+gradient never formed, see ``core.minor_gradient``), ``project-after`` (``skip_full_gradient=False``: the full
+gradient projected after the backward), ``factorize``. The last line compares each route's decisions and end
+weights with the first's. Targets: ≤ 1 % at every width, ≤ 5 % at 1×256.
 
 ``--memory``: AdamW state bytes with every block matrix factorized at rank r against full.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -36,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import cpu_trainer, token_loader  # noqa: E402
 
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
-from plasticity_callbacks.callbacks.base import PlasticityCallback  # noqa: E402
-from plasticity_callbacks.core.factorization import project_gradient  # noqa: E402
 from plasticity_callbacks.core.optimizer_state import leaf_optimizers  # noqa: E402
 from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
 
@@ -59,42 +60,6 @@ class TimedSwitch(AdaptiveSVDSwitch):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         started = time.process_time()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.hook_seconds += time.process_time() - started
-
-
-class BackwardProjectionSwitch(TimedSwitch):
-    """Route "project-backward" (measured here, not in the product): each minor weight's gradient is projected
-    by a ``register_post_accumulate_grad_hook`` inside the backward, while it is in cache, instead of in
-    ``on_before_optimizer_step``. Off on a cycle step (the decision reads the raw gradient); the hooks are
-    registered again after each cycle with the new ``U_m``. ``alternate``: in the backward on odd steps only,
-    in ``on_before_optimizer_step`` on even ones, so one fit under one load compares the two places."""
-
-    def __init__(self, alternate: bool = False, **options):
-        super().__init__(minor_training="project", **options)
-        self.alternate, self.in_backward, self.handles = alternate, False, []
-
-    def _project(self, param, U_minor, transposed):
-        if self.in_backward:
-            project_gradient(param, U_minor, transposed)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self.in_backward = not self._cycle_now and (not self.alternate or trainer.global_step % 2 == 1)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.cycled = cycle = self._cycle_now
-        started = time.process_time()
-        if cycle:
-            AdaptiveSVDSwitch.on_before_optimizer_step(self, trainer, pl_module, optimizer)
-            for handle in self.handles:
-                handle.remove()
-            self.handles = [m.target.param.register_post_accumulate_grad_hook(
-                functools.partial(self._project, U_minor=m.U_minor, transposed=m.target.transposed))
-                for m in self.matrices if m.state == "minor"]
-        elif self.in_backward:  # projected in the backward already; the schedule's trigger still runs
-            PlasticityCallback.on_before_optimizer_step(self, trainer, pl_module, optimizer)
-        else:
-            AdaptiveSVDSwitch.on_before_optimizer_step(self, trainer, pl_module, optimizer)
         self.hook_seconds += time.process_time() - started
 
 
@@ -146,8 +111,8 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
     thresholds = {"clobber_alignment": 0.0} if worst_case else {}
     options = dict(schedule=Schedule(every_n_steps=every, start_step=every), thresholds=thresholds,
                    save_figure=False, log_per_matrix=False, **switch_options)
-    if minor_training.startswith("project-"):  # project-backward, project-alternate
-        switch = BackwardProjectionSwitch(alternate=minor_training == "project-alternate", **options)
+    if minor_training == "project-after":  # every minor gradient formed whole, then projected
+        switch = TimedSwitch(minor_training="project", skip_full_gradient=False, **options)
     else:
         switch = TimedSwitch(minor_training=minor_training, **options)
     clock = StepClock(switch)
@@ -164,9 +129,7 @@ def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: i
             "share": (cycle + (interval - 1) * projection) / (interval * step), "history": list(switch.history),
             "cycle_step": median_or_nan([t for _, t, *_ in ran]),
             "minor_step": median_or_nan([t for _, t, *_ in later]),
-            "weights": [m.target.read().detach().clone() for m in switch.matrices],
-            "odd_step": median_or_nan([t for step, t, *_ in later if step % 2]),
-            "even_step": median_or_nan([t for step, t, *_ in later if not step % 2])}
+            "weights": [m.target.read().detach().clone() for m in switch.matrices]}
 
 
 def median_or_nan(values: list[float]) -> float:
@@ -247,16 +210,13 @@ def compare_routes(width: int, batch: int, routes: list[str], args, options: dic
     print(f"  width {width:4d} batch {batch:2d}x256 base step {1e3 * base:7.1f} ms (before {1e3 * before:.1f}, "
           f"after {1e3 * after:.1f})", flush=True)
     for route, r in results.items():
-        report(f"    {route:9s} hooks", r, target)
-        report_route(f"    {route:9s} steps", r, base, args.interval, target)
-        if route == "project-alternate":  # the same fit: odd steps project in the backward, even ones after it
-            print(f"    {route}: median step projecting in the backward {1e3 * r['odd_step']:7.2f} ms, in "
-                  f"on_before_optimizer_step {1e3 * r['even_step']:7.2f} ms: ratio "
-                  f"{r['odd_step'] / r['even_step']:.3f}", flush=True)
-    if len(routes) > 1:
-        first, *rest = routes
-        for route in rest:
-            print(f"    {route} vs {first}: {decisions_differ(results[first]['history'], results[route]['history'])}")
+        report(f"    {route:13s} hooks", r, target)
+        report_route(f"    {route:13s} steps", r, base, args.interval, target)
+    first, *rest = routes
+    for route in rest:
+        gap = max(float((a - b).norm() / b.norm()) for a, b in zip(results[route]["weights"], results[first]["weights"]))
+        print(f"    {route} vs {first}: {decisions_differ(results[first]['history'], results[route]['history'])}; "
+              f"largest relative weight difference at the end {gap:.1e}", flush=True)
 
 
 def main() -> None:
@@ -272,10 +232,11 @@ def main() -> None:
                              "every decision (state and r per matrix and cycle) is the same")
     parser.add_argument("--default-thresholds", action="store_true",
                         help="add a row per width and batch with the default thresholds (not every matrix minor)")
-    parser.add_argument("--minor-training", default=None, metavar="ROUTES",
-                        help="comma-separated routes (project, factorize, project-backward, project-alternate: both places of the "
-                             "projection in one fit, alternating steps): a row per route plus a switch-free "
-                             "baseline in the same run; replaces the plain rows")
+    parser.add_argument("--minor-training", default="project,project-after", metavar="ROUTES",
+                        help="comma-separated routes, each a row against a switch-free baseline fit in the same run: "
+                             "project (the default: a minor Linear's projected gradient computed in the backward), "
+                             "project-after (skip_full_gradient=False: the full gradient projected after the backward), "
+                             "factorize")
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time on one thread: comparable on a shared machine
@@ -286,11 +247,9 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             target = 5.0 if batch == 1 else 1.0
             label = f"width {width:4d} batch {batch:2d}x256"
-            if args.minor_training:
-                compare_routes(width, batch, args.minor_training.split(","), args, options)
-                continue
-            r = measure(width, batch, args.interval, args.every, args.cycles, **options)
-            report(label, r, target)
+            compare_routes(width, batch, args.minor_training.split(","), args, options)
+            if args.compare or args.default_thresholds:
+                r = measure(width, batch, args.interval, args.every, args.cycles, **options)
             if args.compare:
                 other = measure(width, batch, args.interval, args.every, args.cycles,
                                 svd={"method": args.compare})

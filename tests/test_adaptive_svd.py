@@ -1,4 +1,5 @@
 """AdaptiveSVDSwitch: factorized and projected low-rank training, checkpoint resume, DDP."""
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import lightning as L
@@ -7,6 +8,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+import torch.nn.functional as F
 from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
@@ -175,7 +177,7 @@ class GradientSpy(L.Callback):
 def test_project_removes_the_principal_component_of_the_gradient_exactly():
     module, loader = build("cnn", optimizer="sgd")  # a non-GPT model with conv kernels
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=3, start_step=3),
-                               **ALWAYS_MINOR)
+                               skip_full_gradient=False, **ALWAYS_MINOR)  # the spy before it sees the raw gradient
     raw, projected = [], []
     trainer = cpu_trainer(max_steps=7, callbacks=[GradientSpy(raw, switch), switch, GradientSpy(projected, switch)])
     trainer.fit(module, loader)
@@ -192,6 +194,91 @@ def test_project_removes_the_principal_component_of_the_gradient_exactly():
             checked += 1
     assert checked == 4 * len(switch.matrices)
     assert all(torch.equal(raw[s][n][0], projected[s][n][0]) for s in range(3) for n in raw[s])  # full mode: untouched
+
+
+class TiedAutoencoder(L.LightningModule):
+    """An autoencoder whose decoder is its encoder's transpose: the encoder's weight gets gradient from its
+    own forward and from the decoder's direct read."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mix, self.encoder, self.out = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, = batch
+        code = torch.relu(self.encoder(torch.relu(self.mix(x))))
+        return F.mse_loss(self.out(F.linear(code, self.encoder.weight.mT)), x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_tied_weight_fails_the_tap_check_and_trains_by_the_plain_projection():
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 8)), batch_size=8)
+    weights = {}
+    for skip in (True, False):
+        module = TiedAutoencoder()
+        switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[0]), skip_full_gradient=skip,
+                                   selection={"include": ["mix.weight", "encoder.weight"]}, **ALWAYS_MINOR)
+        with pytest.warns(UserWarning, match=r"'encoder\.weight' gets gradient from more than its Linear") if skip \
+                else nullcontext():
+            cpu_trainer(max_steps=5, callbacks=[switch]).fit(module, loader)
+        checked = {m.target.name: m.tap_checked for m in switch.matrices}
+        assert checked == ({"mix.weight": True, "encoder.weight": False} if skip else
+                           {"mix.weight": None, "encoder.weight": None})
+        weights[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for name, value in weights[True].items():  # the encoder: the same plain projection; the rest: equal sums
+        torch.testing.assert_close(value, weights[False][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+class Engaged(L.Callback):
+    """Records, per step, the weights training without their own gradient (a tap computes it)."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps[trainer.global_step] = {n for n, p in pl_module.named_parameters() if not p.requires_grad}
+
+
+def test_an_exception_mid_fit_gives_every_weight_its_gradient_back():
+    module, loader = build("gpt")
+
+    class Boom(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 7:
+                raise RuntimeError("boom")
+
+    engaged = Engaged()
+    # the GPT's head and output projections start at zero: by step 3 every block matrix has a gradient
+    switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=True, **ALWAYS_MINOR)
+    with pytest.raises(RuntimeError, match="boom"):
+        cpu_trainer(max_steps=9, callbacks=[switch, engaged, Boom()]).fit(module, loader)
+    tapped = {m.target.name for m in switch.matrices}
+    assert engaged.steps[3] == engaged.steps[4] == set() and engaged.steps[5] == engaged.steps[6] == tapped
+    assert all(p.requires_grad for p in module.parameters())
+    assert not any(m._forward_hooks for m in module.modules())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_taps_train_as_the_plain_projection(precision):
+    """The package GPT, every block matrix minor from step 3: the tapped run (taps engaged from step 5) against
+    projecting the full gradient after the backward, in float32 and under bf16 autocast."""
+    weights, engaged = {}, Engaged()
+    for skip in (True, False):
+        torch.manual_seed(0)
+        module, loader = build("gpt")
+        switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=skip, **ALWAYS_MINOR)
+        cpu_trainer(max_steps=8, precision=precision, callbacks=[switch, engaged] if skip else [switch]).fit(
+            module, loader)
+        weights[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    assert engaged.steps[7] == {m.target.name for m in switch.matrices}
+    for name, value in weights[True].items():
+        if precision == "32-true":
+            torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-5, msg=name)
+        else:  # bf16 rounds the two orders of summation apart: within its unit roundoff 2⁻⁸, in norm
+            assert (value - weights[False][name]).norm() <= 2**-8 * weights[False][name].norm(), name
 
 
 def test_logs_and_figure(tmp_path):

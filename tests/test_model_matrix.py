@@ -214,6 +214,39 @@ def test_adaptive_svd_projects_onto_the_minor_subspace(family):
     assert probe.checked == len(treated(family, module))
 
 
+@pytest.mark.parametrize("family", WIDE)
+def test_adaptive_svd_projects_in_the_backward_exactly_where_the_forward_allows(family):
+    """With ``skip_full_gradient`` a minor Linear/Conv1D weight gets ``U_m U_mᵀ ∇W`` from the backward (its own
+    gradient off); training equals projecting the full gradient after the backward, on every family. The
+    engaged weights are listed by hand: not MultiheadAttention's ``out_proj`` (read without its forward)."""
+    engaged, finals = set(), {}
+    for skip in (True, False):
+        module = Wrapped(family, lr=0.1)
+        switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0]), initial_rank=2, r_min=1,
+                                   thresholds={"clobber_alignment": 0.0}, save_figure=False, log_per_matrix=False,
+                                   skip_full_gradient=skip)
+
+        class Projected(L.Callback):  # after the switch: the gradient the optimizer will use
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                for m in switch.matrices:
+                    if m.state == "minor" and trainer.global_step >= 2 and m.target.param.grad is not None:
+                        G = oriented(m.target.param.grad, m.target.transposed).double().flatten(1)
+                        U = m.U_minor.double()
+                        assert (G - U @ (U.mT @ G)).norm() <= 1e-5 * G.norm() + 1e-12, m.target.name
+                        if skip and not m.target.param.requires_grad:
+                            engaged.add(m.target.name)
+
+        fit(module, [switch, Projected()], steps=4)
+        assert all(p.requires_grad for p in module.parameters()) and all(m.tap is None or not m.tap.installed
+                                                                          for m in switch.matrices)
+        finals[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for name, value in finals[True].items():
+        torch.testing.assert_close(value, finals[False][name], rtol=1e-5, atol=1e-6, msg=name)
+    expected = {name for name, param, *_ in treated(family, module)  # Linear and Conv1D (2-D), not convs
+                if param.dim() == 2 and not name.endswith(("in_proj_weight", "self_attn.out_proj.weight"))}
+    assert engaged == expected
+
+
 # Layout classes: each family's Q/K/V (or gates, groups, taps) recomputed the way its own forward
 # computes them, never read from the model map.
 def _heads(W, groups, slots):  # W (rows, d) viewed as the forward's [groups, slots, head_dim]

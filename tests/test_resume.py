@@ -39,7 +39,7 @@ SCENARIOS = {
                                                               "n_batches": 2}]),
     "adaptive_svd_project": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "project",
                                                         "schedule": {"every_n_steps": 3, "start_step": 2}, "r_min": 2,
-                                                        "save_figure": False}]),
+                                                        "save_figure": False, "skip_full_gradient": True}]),
     "adaptive_svd_factorize": dict(stop_at=5, callbacks=[{"_target_": CB + "AdaptiveSVDSwitch", "minor_training": "factorize",
                                                           "schedule": {"every_n_steps": 3, "start_step": 2}, "r_min": 2,
                                                           "save_figure": False}]),

@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass
 import lightning as L
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core import factorization, sharded_subspace
+from ..core.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
 from ..core.arguments import build_options, check_int, check_number
 from ..core.distributed import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
 from ..core.figures import can_draw, save_figure
@@ -93,6 +94,8 @@ class _Matrix:
     U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,); FSDP2: U split by rows (a DTensor)
     S_prev: torch.Tensor | None = None
     U_minor_whole: torch.Tensor | None = None  # FSDP2, transposed view: every row of U's minor columns (see place)
+    tap: GradientTap | None = None  # single device: the projected gradient computed in the backward
+    tap_checked: bool | None = None  # the tap's check: None not yet, True it matched ∇W, False plain projection
 
     _minor: tuple | None = None  # (U_prev, r, contiguous U_m) last built
 
@@ -148,7 +151,9 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     saves a figure of the state and r per matrix.
 
     Changes: ``minor_training="project"`` replaces the gradients of ``"minor"`` matrices by
-    ``U_m U_mᵀ ∇W`` (and projects their linear momentum at each cycle). ``"factorize"``
+    ``U_m U_mᵀ ∇W`` (and projects their linear momentum at each cycle); on a single device a minor ``nn.Linear``
+    or HF ``Conv1D`` weight gets that gradient straight from the backward, without its full gradient, and its
+    ``requires_grad`` is off meanwhile (``skip_full_gradient``; back on at the end of the fit). ``"factorize"``
     re-parametrizes them as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
     optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
@@ -182,6 +187,12 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         initial_rank: ``r`` of the first cycle (None: from the spectrum's gap / 99.9 % energy / g//2).
         log_per_matrix: also log the diagnostics per matrix.
         save_figure: save the state and r per matrix as a figure at the end of training.
+        skip_full_gradient: on a single device (eager), compute a minor ``nn.Linear``/HF ``Conv1D`` weight's
+            projected gradient ``U_m U_mᵀ ∇W`` in the backward from the layer's input and output gradient,
+            so the full weight gradient is never formed (:mod:`~plasticity_callbacks.core.minor_gradient`;
+            each weight is checked against its full gradient once first): ``"auto"`` for weights of at least
+            ``MIN_ENTRIES`` (2¹⁵) entries, where it saves time, True for all, False never (always project
+            the full gradient after the backward). The trained weights are the same either way.
 
     Example:
         >>> switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=100, start_step=200))
@@ -206,6 +217,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         initial_rank: int | None = None,
         log_per_matrix: bool = True,
         save_figure: bool = True,
+        skip_full_gradient: bool | str = "auto",
     ):
         if minor_training not in factorization.MINOR_TRAINING:
             raise ValueError(f"minor_training={minor_training!r} is not one of {factorization.MINOR_TRAINING}")
@@ -220,6 +232,11 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self._capturing = False  # factorized weights carry their gradient probes (a cycle step)
         self.r_min, self.initial_rank = r_min, initial_rank
         self.log_per_matrix, self.save_figure = log_per_matrix, save_figure
+        if skip_full_gradient not in (True, False, "auto"):
+            raise ValueError(f"skip_full_gradient={skip_full_gradient!r} is not one of True, False, 'auto'")
+        self.skip_full_gradient = skip_full_gradient
+        self._taps_on = False  # this fit taps minor Linear/Conv1D weights (core.minor_gradient)
+        self._taps_stale = True  # the matrices' states changed since the taps were last placed
         self.matrices: list[_Matrix] = []
         self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
         self._pending: dict | None = None  # loaded state, applied once the targets exist
@@ -263,7 +280,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         for m in self.matrices:
             # FSDP2: U (each rank's rows) goes to "singular_vectors", which on_save_checkpoint writes shard by shard
             U = None if is_dtensor(m.U_prev) else m.U_prev
-            entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev}
+            entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev, "tap_checked": m.tap_checked}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
@@ -289,6 +306,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             if entry is not None:
                 U = entry["U_prev"] if sharded.get(m.target.name) is None else sharded[m.target.name]
                 m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], U, entry["S_prev"]
+                m.tap_checked = entry.get("tap_checked")
         self.history = [tuple(h) for h in self._pending["history"]]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -335,8 +353,21 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self._cycle_now = True  # the cycle needs the step's gradient: it runs in on_before_optimizer_step
         return {}
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # The tap changes requires_grad, which DDP's reducer and FSDP2 do not follow, and adds forward hooks,
+        # which a compiled forward ignores: a single eager device only; elsewhere the gradient is projected.
+        self._taps_on = (self.skip_full_gradient is not False and self.minor_training == "project"
+                         and isinstance(trainer.strategy, SingleDeviceStrategy) and not compiled(pl_module))
+        self._taps_stale = True
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._taps_on:
+            if self._cycle_now:
+                self._remove_taps()  # the cycle reads the full gradient
+            elif self._taps_stale:
+                self._place_taps()
         capture = self._cycle_now
         if self.minor_training == "project" or capture == self._capturing:
             return  # nothing factorized, or the probes already as this step needs them (a loop costs every step)
@@ -358,15 +389,57 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                     m.place(trainer)
                     if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
                         sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
-                else:
+                elif m.tap is None or not m.tap.skips_full_gradient:  # else projected in the backward
+                    if m.tap is not None and m.tap.installed:
+                        self._check_tap(m)
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
             if sharded:
                 sharded_subspace.project_sharded_(sharded)  # one all-reduce for all row-sharded matrices
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._remove_taps()  # the user's model back as it was: every weight with its own gradient, no hooks
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._remove_taps()
+        super().on_exception(trainer, pl_module, exception)
+
+    # ---------------------------------------------------------------- projected gradients in the backward
+    def _place_taps(self) -> None:
+        """Tap each "minor" Linear/Conv1D weight whose tap did not fail its check (core.minor_gradient)."""
+        smallest = MIN_ENTRIES if self.skip_full_gradient == "auto" else 0
+        for m in self.matrices:
+            if (m.state == "minor" and m.tap_checked is not False
+                    and tappable(m.target.module, m.target.param, smallest)):
+                m.tap = m.tap or GradientTap(m.target.param, m.target.module, m.target.transposed)
+                m.tap.install(m.U_minor, m.tap_checked)
+            elif m.tap is not None:
+                m.tap.remove()
+        self._taps_stale = False
+
+    def _remove_taps(self) -> None:
+        for m in self.matrices:
+            if m.tap is not None and m.tap.installed:
+                m.tap.remove()
+                self._taps_stale = True
+
+    def _check_tap(self, m: _Matrix) -> None:
+        """A tap's first step with a gradient: its projection against the full gradient's."""
+        verdict = m.tap.verdict()
+        if verdict is None:
+            return  # the weight had no gradient this step: check at the next one
+        m.tap_checked, self._taps_stale = verdict, True
+        if not verdict:
+            rank_zero_warn(f"AdaptiveSVDSwitch: {m.target.name!r} gets gradient from more than its "
+                           f"{type(m.target.module).__name__}'s forward (a tied weight, or code reading it "
+                           "directly), so its minor phases project the full gradient after the backward rather "
+                           "than computing the projection in it: the same training, without the saved time")
+
     @torch.no_grad()
     def _cycle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         step, logged = trainer.global_step, []
+        self._taps_stale = True  # states and U change: the next step places the taps again
         for index, m in enumerate(self.matrices):
             module, weight = m.target.module, m.target.param
             if is_dtensor(weight):

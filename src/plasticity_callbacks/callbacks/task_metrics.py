@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from ..core.arguments import check_int
 from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
 from ..core.figures import run_output_dir
+from ..core.minor_gradient import full_gradients
 from ..core.sharded_state import reshard
 from ..core.step_logging import log_at_step
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
@@ -92,6 +93,11 @@ def probe_accuracy(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, st
     Example:
         >>> probe_accuracy(pl_module, *stream.probe_data(), steps=50, lr=1e-3)   # module unchanged after
     """
+    with full_gradients(module):  # AdaptiveSVD's gradient taps off: the probe trains every weight plainly
+        return _train_probe(module, x, y, steps, lr)
+
+
+def _train_probe(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float) -> float:
     reshard(module)  # FSDP2: an evaluation left the root unit gathered; its parameters are then not the shards
     params = [p for p in module.parameters() if p.requires_grad]
     saved_params = [p.detach().clone() for p in params]
