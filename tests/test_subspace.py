@@ -182,16 +182,16 @@ def test_overhead_benchmark_drives_the_switch_through_real_hooks():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from adaptive_svd_overhead import measure
 
-    result = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16)
+    shape = dict(width=32, batch_size=1, every=3, cycles=1, layers=1, sequence_len=16)  # a tapped step: 5
+    result = measure(**shape, skip_full_gradient=True)  # tapped in the backward, small as the weights are
     assert result["cycles"] >= 1 and result["matrices"] == 6  # Q, K, V, attention out, MLP in and out
     assert result["cycle"] > 0 and result["projection"] > 0 and 0 < result["share"] < math.inf
-    # the backward-hook projection is the same projection: the same decisions and bit-identical weights
-    backward = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16,
-                       minor_training="project-backward")
-    assert backward["cycles"] == result["cycles"] and backward["history"] == result["history"]
-    assert all(torch.equal(a, b) for a, b in zip(backward["weights"], result["weights"]))
-    factorized = measure(width=32, batch_size=1, every=2, cycles=1, layers=1, sequence_len=16,
-                         minor_training="factorize")
+    # projecting the full gradient after the backward: the same decisions, the same weights up to rounding
+    after = measure(**shape, minor_training="project-after")
+    assert after["cycles"] == result["cycles"] and after["history"] == result["history"]
+    for a, b in zip(after["weights"], result["weights"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    factorized = measure(**shape, minor_training="factorize")
     assert factorized["cycles"] >= 1 and factorized["minor"] == 6 and factorized["minor_step"] > 0
 
 
