@@ -5,14 +5,14 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-import torch.nn.functional as F
 from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
-from plasticity_callbacks import AdaptiveSVDSwitch
+from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink
 from plasticity_callbacks.callbacks.adaptive_svd import SwitchThresholds
 from plasticity_callbacks.core.schedule import Schedule
 from plasticity_callbacks.core import factorization
@@ -261,17 +261,21 @@ def test_an_exception_mid_fit_gives_every_weight_its_gradient_back():
     assert not any(m._forward_hooks for m in module.modules())
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_taps_train_as_the_plain_projection(precision):
+@pytest.mark.parametrize("precision,options", [
+    ("32-true", {}), ("bf16-mixed", {}),
+    ("32-true", dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),  # micro-batches add up; clipping sees U_m C
+])
+def test_taps_train_as_the_plain_projection(precision, options):
     """The package GPT, every block matrix minor from step 3: the tapped run (taps engaged from step 5) against
-    projecting the full gradient after the backward, in float32 and under bf16 autocast."""
+    projecting the full gradient after the backward, in float32, under bf16 autocast, and with gradient
+    accumulation and clipping."""
     weights, engaged = {}, Engaged()
     for skip in (True, False):
         torch.manual_seed(0)
         module, loader = build("gpt")
         switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=skip, **ALWAYS_MINOR)
-        cpu_trainer(max_steps=8, precision=precision, callbacks=[switch, engaged] if skip else [switch]).fit(
-            module, loader)
+        cpu_trainer(max_steps=8, precision=precision, callbacks=[switch, engaged] if skip else [switch],
+                    **options).fit(module, loader)
         weights[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
     assert engaged.steps[7] == {m.target.name for m in switch.matrices}
     for name, value in weights[True].items():
@@ -279,6 +283,22 @@ def test_taps_train_as_the_plain_projection(precision):
             torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-5, msg=name)
         else:  # bf16 rounds the two orders of summation apart: within its unit roundoff 2⁻⁸, in norm
             assert (value - weights[False][name]).norm() <= 2**-8 * weights[False][name].norm(), name
+
+
+def test_dash_takes_the_whole_gradient_of_a_tapped_weight():
+    """DASHShrink's own gradient pass at an epoch start, while the taps are engaged, sees each weight's full
+    gradient (the taps lifted), as it does when the switch projects after the backward."""
+    weights = {}
+    for skip in (True, False):
+        torch.manual_seed(0)
+        module, loader = build("gpt")  # 8 batches an epoch: DASH acts at step 8, the taps engaged from step 5
+        switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=skip, **ALWAYS_MINOR)
+        dash = DASHShrink(schedule=Schedule(epochs=[1]), n_batches=2, gradient_mode="train")
+        cpu_trainer(max_steps=9, callbacks=[switch, dash]).fit(module, loader)
+        assert dash.shrinks == 1 and all(p.requires_grad for p in module.parameters())
+        weights[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for name, value in weights[True].items():
+        torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_logs_and_figure(tmp_path):

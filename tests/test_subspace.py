@@ -266,6 +266,21 @@ def test_gram_route_widens_its_block_over_tiny_singular_values(shape):
         assert gram_triplets(W.mT.contiguous(), block=24) is None
 
 
+@pytest.mark.parametrize("shape", [(96, 96), (64, 160), (160, 64)])
+def test_gram_route_without_right_vectors_gives_the_same_u_and_s(shape):
+    """``right_vectors=False`` (project mode) leaves out ``V`` where ``U`` is the Gram's eigenvectors (square and
+    wide ``W``) and changes nothing else; a tall ``W``'s ``U`` is ``Wv/σ``, so its ``V`` comes anyway."""
+    g = min(shape)
+    for i, S0 in enumerate(spectra(g, seed=60).values()):
+        W = known_svd(*shape, S0, seed=70 + i)[0].float()
+        full, lean = gram_triplets(W, block=24), gram_triplets(W, block=24, right_vectors=False)
+        if full is None:
+            assert lean is None
+            continue
+        assert torch.equal(full.U, lean.U) and torch.equal(full.S, lean.S)
+        assert (lean.V is None) == (shape[0] <= shape[1])
+
+
 def test_gram_route_falls_back_to_the_svd_where_it_would_be_inexact():
     g = torch.Generator().manual_seed(50)
     rank_deficient = torch.randn(64, 20, generator=g) @ torch.randn(20, 64, generator=g)  # 44 zero σ: no separation

@@ -447,20 +447,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 continue
             factorized = factorization.is_factorized(module, m.attr)
             W = as_matrix(m.target.read())  # the effective weight in either structure, (out, in) orientation
-            if not bool(torch.isfinite(W).all()):  # one sync per SVD cycle, which syncs anyway
-                raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
-                                         f"{step}; no subspace can be computed from it (lower the learning rate or "
-                                         "clip gradients, then resume from an earlier checkpoint)")
+            require_finite(W, m.target.name, step)  # one sync per SVD cycle, which syncs anyway
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
             grad = m.target.oriented(grad) if grad is not None else None
-            r = m.r if m.r is not None else self._initial_r(W, m.g)
-            svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=self.svd.torch_dtype,
-                               seed=step)
-            new_state, r_next, diag = decide_mode(W, svd, m.U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                                  dtype=self.svd.torch_dtype, exact=self.svd.method != "randomized",
-                                                  **asdict(self.thresholds))
-            if m.r is None and self.initial_rank is not None:
-                r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+            svd, new_state, r_next, diag = self._decide(m, W, grad, m.U_prev, step)
             m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
             if self.minor_training == "project":
                 if new_state == "minor":
@@ -484,10 +474,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         weight = m.target.param
         m.place(trainer)
         W = as_matrix(m.target.oriented(gather_full(weight)))  # (out, in·∏k), the same on every rank
-        if not bool(torch.isfinite(W).all()):  # the same W everywhere: every rank raises alike
-            raise FloatingPointError(f"AdaptiveSVDSwitch: weight {m.target.name!r} has NaN or Inf entries at step "
-                                     f"{step}; no subspace can be computed from it (lower the learning rate or "
-                                     "clip gradients, then resume from an earlier checkpoint)")
+        require_finite(W, m.target.name, step)  # the same W everywhere: every rank raises alike
         owner, dtype = sharded_subspace.owner_of(index, weight), self.svd.torch_dtype
         keys = ("subspace_angle", "principal_alignment", "minor_alignment", "reconstruction_error", "effective_rank")
         numbers = torch.zeros(2 + len(keys), dtype=torch.float64, device=W.device)  # minor?, r_next, diagnostics
@@ -497,13 +484,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if sharded_subspace.is_owner(index, weight):
             try:
                 grad = as_matrix(m.target.oriented(grad)) if grad is not None else None
-                r = m.r if m.r is not None else self._initial_r(W, m.g)
-                svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step)
-                state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min,
-                                                  dtype=dtype, exact=self.svd.method != "randomized",
-                                                  **asdict(self.thresholds))
-                if m.r is None and self.initial_rank is not None:
-                    r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+                svd, state, r_next, diag = self._decide(m, W, grad, U_prev, step)
                 numbers.copy_(torch.tensor([state == "minor", r_next, *(diag[k] for k in keys)], dtype=torch.float64))
             except Exception as error:  # told to the other ranks, which would wait for the result forever
                 failure, numbers[0] = error, -1
@@ -529,6 +510,20 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             sharded_subspace.project_sharded_(grads + moments)
         self.history.append((step, m.target.name, m.state, m.r))
         return dict(zip(keys, numbers[2:].tolist()))
+
+    def _decide(self, m: _Matrix, W: torch.Tensor, grad: torch.Tensor | None, U_prev: torch.Tensor | None,
+                step: int) -> tuple:
+        """One matrix's SVD and decision, ``(svd, state, r_next, diagnostics)``: on one process, and on the rank
+        computing it under FSDP2 (``W``, ``grad`` and ``U_prev`` whole, ``(out, in)``)."""
+        r = m.r if m.r is not None else self._initial_r(W, m.g)
+        dtype = self.svd.torch_dtype
+        svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step,
+                           right_vectors=self.minor_training == "factorize")  # V shapes only a factorized split
+        state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min, dtype=dtype,
+                                          exact=self.svd.method != "randomized", **asdict(self.thresholds))
+        if m.r is None and self.initial_rank is not None:
+            r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
+        return svd, state, r_next, diag
 
     def _initial_r(self, W: torch.Tensor, g: int) -> int:
         if self.initial_rank is not None:
@@ -600,6 +595,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")
         if path is not None:
             rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")
+
+
+def require_finite(W: torch.Tensor, name: str, step: int) -> None:
+    if not bool(torch.isfinite(W).all()):
+        raise FloatingPointError(f"AdaptiveSVDSwitch: weight {name!r} has NaN or Inf entries at step {step}; no "
+                                 "subspace can be computed from it (lower the learning rate or clip gradients, then "
+                                 "resume from an earlier checkpoint)")
 
 
 def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]):

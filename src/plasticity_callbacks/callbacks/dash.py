@@ -16,6 +16,7 @@ from torch import nn
 
 from ..core.arguments import check_int, check_number
 from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
+from ..core.minor_gradient import full_gradients
 from ..core.model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
 from ..core.optimizer_state import owning_optimizer
 from ..core.schedule import Schedule
@@ -263,7 +264,9 @@ class DASHShrink(DirectionalShrink):
         manual = not pl_module.automatic_optimization
         rng_devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module), _frozen_optimizers(trainer):
+            # full_gradients: AdaptiveSVD's taps lifted, so each weight's gradient is its whole gradient
+            with torch.random.fork_rng(devices=rng_devices), _muted_logging(pl_module), _frozen_optimizers(trainer), \
+                    full_gradients(pl_module):
                 pl_module.train(self.gradient_mode == "train")
                 for batch_idx, batch in enumerate(loader):
                     if self.n_batches is not None and batch_idx >= self.n_batches:

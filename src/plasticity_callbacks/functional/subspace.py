@@ -21,7 +21,7 @@ RENAMED = {"lowrank": "minor"}  # old mode name -> new, refused with a hint
 class SVD(NamedTuple):
     U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis that is tracked
     S: torch.Tensor  # (g,) singular values, descending
-    V: torch.Tensor  # (d_in, g) right singular vectors (columns, not Vᵀ)
+    V: torch.Tensor | None  # (d_in, g) right singular vectors (columns, not Vᵀ); None where not asked for
 
 
 def as_matrix(weight: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def as_matrix(weight: torch.Tensor) -> torch.Tensor:
 
 
 def svd_triplets(W: torch.Tensor, method: str = "gram", top: int | None = None, niter: int = 2,
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> SVD:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, right_vectors: bool = True) -> SVD:
     """All ``g`` singular triplets of ``W``.
 
     Args:
@@ -49,6 +49,8 @@ def svd_triplets(W: torch.Tensor, method: str = "gram", top: int | None = None, 
         niter: power iterations of ``"randomized"``.
         dtype: the working precision.
         seed: the sketch's seed (``"randomized"``).
+        right_vectors: False: ``V`` may be None where leaving it out saves work (``"gram"`` on a square or
+            wide ``W``, whose ``U`` are the Gram's eigenvectors: no ``Wᵀ U`` product).
 
     Example:
         >>> U, S, V = svd_triplets(torch.randn(64, 256), top=56)   # U (64, 64), S (64,), V (256, 64)
@@ -60,7 +62,7 @@ def svd_triplets(W: torch.Tensor, method: str = "gram", top: int | None = None, 
     g = min(W.shape)
     q = g // 2 if top is None else max(1, min(g, int(top)))
     if method == "gram":
-        svd = gram_triplets(W, block=2 * (g - q) + 8)
+        svd = gram_triplets(W, block=2 * (g - q) + 8, right_vectors=right_vectors)
         if svd is not None:
             return svd
         method = "full"
@@ -85,7 +87,8 @@ def svd_triplets(W: torch.Tensor, method: str = "gram", top: int | None = None, 
 GRAM_SEPARATION = 1e4  # in units of eps: λ_{block+1} / λ_max below 1e4·eps (1.2e-3 in float32) is not trusted
 
 
-def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) -> SVD | None:
+def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None,
+                  right_vectors: bool = True) -> SVD | None:
     """The SVD of ``W`` from ``eigh`` of the Gram matrix of its smaller side, or None where that is inexact.
 
     Squaring ``W`` squares its condition number: the Gram matrix's eigenvalues carry an absolute
@@ -110,6 +113,8 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) 
         W: the ``(d_out, d_in)`` matrix, float32 or float64.
         block: at least how many bottom triplets to recompute from ``W`` (the minor ones and a margin).
         separation: the smallest trusted ``λ_{block+1} / λ_max``; None: ``GRAM_SEPARATION·eps`` of ``W``'s dtype.
+        right_vectors: False: ``V`` is None for a square or wide ``W`` (its top right vectors, ``Wᵀ u / σ``, are
+            a ``d_in × g × g`` product that only a factorized split needs).
 
     Example:
         >>> svd = gram_triplets(torch.randn(128, 512), block=24)   # None would mean: use the SVD
@@ -138,6 +143,12 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None) 
     X, S_bottom, Yh = torch.linalg.svd(A.mT @ Q[:, :block], full_matrices=False)
     Y, Xh = Yh.mT, X.mT  # X (n, block): the other side's bottom vectors
     left = torch.cat([Q[:, block:].flip(1), Q[:, :block] @ Y], 1)  # (g, g), descending σ
+    if A is W and not right_vectors:
+        S = torch.cat([lam[block:].flip(0).sqrt(), S_bottom])
+        if not bool(S[g - block - 1] >= S_bottom[0]):  # a near-tie at the block's edge swapped places
+            S, order = S.sort(descending=True, stable=True)
+            left = left[:, order]
+        return SVD(left, S, None)
     right_top = A.mT @ left[:, :g - block]  # (n, g − block): the other side's top vectors, times σ
     if A is not W:
         # Tall W: these are U, which the switch compares and projects with. An eigenvector just above
