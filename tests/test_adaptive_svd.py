@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -261,27 +262,34 @@ def test_an_exception_mid_fit_gives_every_weight_its_gradient_back():
     assert not any(m._forward_hooks for m in module.modules())
 
 
-@pytest.mark.parametrize("precision,options", [
-    ("32-true", {}), ("bf16-mixed", {}),
-    ("32-true", dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),  # micro-batches add up; clipping sees U_m C
-])
-def test_taps_train_as_the_plain_projection(precision, options):
-    """The package GPT, every block matrix minor from step 3: the tapped run (taps engaged from step 5) against
-    projecting the full gradient after the backward, in float32, under bf16 autocast, and with gradient
-    accumulation and clipping."""
+def fp16_with_a_loss_scale():
+    """float16 autocast with a GradScaler, on CPU (Lightning maps "16-mixed" to bf16 there): the weights'
+    gradients are unscaled before on_before_optimizer_step, a tap's C is not."""
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))])
+
+
+@pytest.mark.parametrize("case", ["float32", "bf16-mixed", "fp16-scaled", "accumulate-clip"])
+def test_taps_train_as_the_plain_projection(case):
+    """The package GPT, every block matrix minor from step 3: the tapped run (every tap's check passed and the taps
+    engaged from step 5) against projecting the full gradient after the backward, in float32, under bf16
+    autocast, under float16 autocast with a loss scale, and with gradient accumulation and clipping."""
+    def options():  # a fresh scaler for each fit
+        return {"float32": {}, "bf16-mixed": dict(precision="bf16-mixed"), "fp16-scaled": fp16_with_a_loss_scale(),
+                # micro-batches add up; clipping sees U_m C
+                "accumulate-clip": dict(accumulate_grad_batches=2, gradient_clip_val=0.05)}[case]
+
     weights, engaged = {}, Engaged()
     for skip in (True, False):
         torch.manual_seed(0)
         module, loader = build("gpt")
         switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=skip, **ALWAYS_MINOR)
-        cpu_trainer(max_steps=8, precision=precision, callbacks=[switch, engaged] if skip else [switch],
-                    **options).fit(module, loader)
+        cpu_trainer(max_steps=8, callbacks=[switch, engaged] if skip else [switch], **options()).fit(module, loader)
         weights[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
     assert engaged.steps[7] == {m.target.name for m in switch.matrices}
     for name, value in weights[True].items():
-        if precision == "32-true":
+        if case in ("float32", "accumulate-clip"):
             torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-5, msg=name)
-        else:  # bf16 rounds the two orders of summation apart: within its unit roundoff 2⁻⁸, in norm
+        else:  # bf16/fp16 round the two orders of summation apart: within bf16's unit roundoff 2⁻⁸, in norm
             assert (value - weights[False][name]).norm() <= 2**-8 * weights[False][name].norm(), name
 
 
@@ -299,6 +307,38 @@ def test_dash_takes_the_whole_gradient_of_a_tapped_weight():
         weights[skip] = {n: p.detach().clone() for n, p in module.named_parameters()}
     for name, value in weights[True].items():
         torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_frozen_weights_stay_frozen_and_a_second_fit_taps_again():
+    """A weight the user froze is never tapped and stays frozen; the other minor weights are tapped in each of two
+    fits with the same callback, and after each every flag is as the user left it and no hook remains."""
+    torch.manual_seed(0)
+    module, loader = build("gpt")
+    frozen = module.model.blocks[0].mlp.c_fc.weight
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=True, **ALWAYS_MINOR)
+    for fit in range(2):
+        engaged = Engaged()
+        cpu_trainer(max_steps=8, callbacks=[switch, engaged]).fit(module, loader)  # a new trainer: steps 0–7 again
+        assert engaged.steps[7] == {m.target.name for m in switch.matrices}, fit  # the frozen one: the user's flag
+        assert [n for n, p in module.named_parameters() if not p.requires_grad] == ["model.blocks.0.mlp.c_fc.weight"]
+        assert not any(m._forward_hooks for m in module.modules())
+        assert switch.matrices[[m.target.name for m in switch.matrices].index("model.blocks.0.mlp.c_fc.weight")].tap \
+            is None
+    assert torch.equal(frozen, before)
+
+
+def test_a_callback_adding_to_the_gradient_first_does_not_fail_the_check():
+    """L2Init before the switch adds λ(θ − θ₀) to every gradient in on_before_optimizer_step; the taps' check
+    reads the gradients right after the backward, so it still passes."""
+    from plasticity_callbacks import L2Init
+
+    torch.manual_seed(0)
+    module, loader = build("gpt")
+    switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=True, **ALWAYS_MINOR)
+    cpu_trainer(max_steps=6, callbacks=[L2Init(strength=1.0), switch]).fit(module, loader)
+    assert all(m.tap_checked is True for m in switch.matrices)
 
 
 def test_logs_and_figure(tmp_path):

@@ -141,6 +141,24 @@ def test_full_gradients_lifts_every_tap_inside_and_puts_it_back():
     assert all(tap.skips_full_gradient for tap in taps)
 
 
+def test_a_check_under_way_survives_full_gradients():
+    """A side computation between two micro-batches (TaskMetrics' probe) lifts the tap; the check's sums stay."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 5)
+    tap = GradientTap(layer.weight, layer, transposed=False)
+    tap.install(orthonormal(5, 2, 1), checked=None)
+    layer(torch.randn(3, 6)).square().sum().backward()
+    with full_gradients(layer):
+        layer(torch.randn(3, 6)).sum().backward()  # the side computation's own gradient, taken back after
+    layer.weight.grad = None
+    layer(torch.randn(3, 6)).square().sum().backward()  # the check continues
+    assert tap.verdict() is False  # W.grad holds one backward, C.grad both: C kept its sums across the pause
+    tap.restart_check()
+    layer.weight.grad = None
+    layer(torch.randn(3, 6)).square().sum().backward()
+    assert tap.verdict() is True
+
+
 def test_tappable_and_compiled():
     linear, conv = nn.Linear(3, 3), nn.Conv2d(3, 3, 1)
     assert tappable(linear, linear.weight) and not tappable(conv, conv.weight)

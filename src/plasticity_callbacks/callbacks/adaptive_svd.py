@@ -96,6 +96,7 @@ class _Matrix:
     U_minor_whole: torch.Tensor | None = None  # FSDP2, transposed view: every row of U's minor columns (see place)
     tap: GradientTap | None = None  # single device: the projected gradient computed in the backward
     tap_checked: bool | None = None  # the tap's check: None not yet, True it matched ∇W, False plain projection
+    tap_verdict: bool | None = None  # this step's check so far (on_after_backward), applied at its optimizer step
 
     _minor: tuple | None = None  # (U_prev, r, contiguous U_m) last built
 
@@ -153,7 +154,9 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     Changes: ``minor_training="project"`` replaces the gradients of ``"minor"`` matrices by
     ``U_m U_mᵀ ∇W`` (and projects their linear momentum at each cycle); on a single device a minor ``nn.Linear``
     or HF ``Conv1D`` weight gets that gradient straight from the backward, without its full gradient, and its
-    ``requires_grad`` is off meanwhile (``skip_full_gradient``; back on at the end of the fit). ``"factorize"``
+    ``requires_grad`` is off meanwhile (``skip_full_gradient``; as found again at the end of the fit). Its
+    ``.grad`` is then projected before any ``on_before_optimizer_step``: a term another callback adds there
+    (L2Init's pull) is not projected, whatever the callbacks' order. ``"factorize"``
     re-parametrizes them as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
     optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
@@ -390,12 +393,20 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                     if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
                         sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
                 elif m.tap is None or not m.tap.skips_full_gradient:  # else projected in the backward
-                    if m.tap is not None and m.tap.installed:
+                    if m.tap is not None and m.tap.installed and m.tap_checked is None:
                         self._check_tap(m)
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
             if sharded:
                 sharded_subspace.project_sharded_(sharded)  # one all-reduce for all row-sharded matrices
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The taps' check reads the gradients as the backward left them: before an AMP scaler unscales the
+        # weights' (not C's) and before other callbacks add to them in on_before_optimizer_step.
+        if self._taps_on:
+            for m in self.matrices:
+                if m.tap is not None and m.tap.installed and m.tap_checked is None:
+                    m.tap_verdict = m.tap.verdict()  # sums so far: the last backward of the step decides
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._remove_taps()  # the user's model back as it was: every weight with its own gradient, no hooks
@@ -407,15 +418,14 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- projected gradients in the backward
     def _place_taps(self) -> None:
-        """Tap each "minor" Linear/Conv1D weight whose tap did not fail its check (core.minor_gradient)."""
+        """Tap each "minor" trainable Linear/Conv1D weight whose tap did not fail its check (core.minor_gradient)."""
+        self._remove_taps()  # every requires_grad as the user left it
         smallest = MIN_ENTRIES if self.skip_full_gradient == "auto" else 0
         for m in self.matrices:
-            if (m.state == "minor" and m.tap_checked is not False
+            if (m.state == "minor" and m.tap_checked is not False and m.target.param.requires_grad
                     and tappable(m.target.module, m.target.param, smallest)):
                 m.tap = m.tap or GradientTap(m.target.param, m.target.module, m.target.transposed)
                 m.tap.install(m.U_minor, m.tap_checked)
-            elif m.tap is not None:
-                m.tap.remove()
         self._taps_stale = False
 
     def _remove_taps(self) -> None:
@@ -425,10 +435,11 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 self._taps_stale = True
 
     def _check_tap(self, m: _Matrix) -> None:
-        """A tap's first step with a gradient: its projection against the full gradient's."""
-        verdict = m.tap.verdict()
+        """The end of a tap's checking step: its projection against the full gradient's (on_after_backward)."""
+        verdict, m.tap_verdict = m.tap_verdict, None
+        m.tap.restart_check()
         if verdict is None:
-            return  # the weight had no gradient this step: check at the next one
+            return  # no gradient this step, or an overflow: check at the next one
         m.tap_checked, self._taps_stale = verdict, True
         if not verdict:
             rank_zero_warn(f"AdaptiveSVDSwitch: {m.target.name!r} gets gradient from more than its "

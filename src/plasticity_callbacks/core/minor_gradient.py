@@ -18,13 +18,19 @@ The tap relies on the module's forward being the weight's only use. A weight tie
 by other code (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``; a compiled
 forward ignores hooks added after its first trace), would silently lose the other uses' gradient. So a tap
 starts in a checking mode: for one step with a gradient the weight keeps its full gradient and ``C.grad`` is
-compared with ``U_mᵀ ∇W``. Only a match turns the weight's own gradient off; a mismatch keeps the plain
-projection for that weight.
+compared with ``U_mᵀ ∇W`` right after the backward (both still as the backward left them: scaled by an AMP
+loss scale, before any callback adds to ``.grad``). Only a match turns the weight's own gradient off; a mismatch
+keeps the plain projection for that weight.
+
+While a weight is tapped its ``requires_grad`` belongs to the tap: a weight the user froze is never tapped, the
+flag comes back as found when the tap is removed, and a weight whose flag is turned back on meanwhile gets its
+full gradient (the tap stands aside; the projection after the backward then applies).
 
 Example:
     >>> tap = GradientTap(layer.weight, layer, transposed=False)
-    >>> tap.install(U_minor, checked=None)      # checking mode: W keeps its gradient, C.grad is recorded
+    >>> tap.install(U_minor, checked=None)      # checking mode: W keeps its gradient, C.grad is summed
     >>> loss.backward(); tap.verdict()          # True: C.grad == U_mᵀ ∇W
+    >>> tap.install(U_minor, checked=True)      # from now on: W.requires_grad off, W.grad = U_m C.grad
 """
 from __future__ import annotations
 
@@ -36,7 +42,9 @@ from torch import nn
 
 from .model_map.weights import is_conv1d
 
-_TOLERANCE = {torch.float16: 5e-2, torch.bfloat16: 5e-2}  # relative, by the layer's output dtype; else 1e-3
+# The check's relative tolerance: float32 sums in two orders agree to ~1e-6; float16/bfloat16 autocast to ~2.5e-3
+# (measured at widths 128–512, 256–4096 tokens). A weight's other use would show as its share of the gradient.
+TOLERANCE, LOW_PRECISION_TOLERANCE = 1e-3, 1e-2
 # Below this many entries a tap costs more than it saves: its fixed cost per layer and step (a Python hook, an
 # autograd node, three small products: about 0.1 ms on a CPU core) against the weight-gradient product and
 # projection pass it removes (benchmarks/adaptive_svd_overhead.py: a minor step +15 % at width 64, −16 % at 512, both 1×256).
@@ -77,6 +85,7 @@ class GradientTap:
         self._C: torch.Tensor | None = None  # (r, d_in) zero leaf
         self._handles: list = []
         self._low_precision = False  # the layer's output was float16/bfloat16 (autocast) when compared
+        self._requires_grad = param.requires_grad  # as found, restored by remove()
 
     @property
     def installed(self) -> bool:
@@ -84,19 +93,22 @@ class GradientTap:
 
     @property
     def skips_full_gradient(self) -> bool:
-        return self.installed and self.checked is True
+        """The weight's gradient comes from this tap, already projected (not from autograd)."""
+        return self.installed and self.checked is True and not self.param.requires_grad
 
-    def install(self, U_minor: torch.Tensor, checked: bool | None) -> None:
+    def install(self, U_minor: torch.Tensor, checked: bool | None, coefficients: torch.Tensor | None = None) -> None:
         """Tap with ``U_minor`` (``(d_out, r)``, orthonormal columns): skipping the weight's gradient when
-        ``checked`` is True, in checking mode when None. Replaces a previous installation."""
+        ``checked`` is True, in checking mode when None. Replaces a previous installation; ``coefficients``:
+        the leaf ``C`` of one, kept with what its check has summed so far."""
         self.remove()
         self.checked = checked
+        self._requires_grad = self.param.requires_grad
         if checked is False:
             return
         d_in = self.param.shape[0] if self.transposed else self.param.shape[1]
         self._U = U_minor.to(self.param.dtype).contiguous()
-        self._C = torch.zeros(U_minor.shape[1], d_in, dtype=self.param.dtype, device=self.param.device,
-                              requires_grad=True)
+        self._C = coefficients if coefficients is not None else torch.zeros(
+            U_minor.shape[1], d_in, dtype=self.param.dtype, device=self.param.device, requires_grad=True)
         self._handles = [self.module.register_forward_hook(self._forward),
                          self._C.register_post_accumulate_grad_hook(self._accumulated)]
         _TAPS[id(self.param)] = self
@@ -104,12 +116,14 @@ class GradientTap:
             self.param.requires_grad_(False)
 
     def remove(self) -> None:
-        """Back to the plain layer: hooks removed, the weight's own gradient on."""
+        """Back to the plain layer: hooks removed, ``requires_grad`` as it was found."""
+        if not self._handles:
+            return
         for handle in self._handles:
             handle.remove()
         self._handles, self._U, self._C = [], None, None
         _TAPS.pop(id(self.param), None)
-        self.param.requires_grad_(True)
+        self.param.requires_grad_(self._requires_grad)
 
     def _forward(self, module: nn.Module, args: tuple, output):
         if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output):
@@ -117,7 +131,9 @@ class GradientTap:
         x = args[0]
         if x.shape[-1] != self._C.shape[1] or output.shape[-1] != self._U.shape[0]:
             return None
-        self._low_precision = output.dtype in _TOLERANCE
+        if self.checked and self.param.requires_grad:
+            return None  # turned back on by someone else: autograd forms the full gradient, projected after
+        self._low_precision = output.dtype in (torch.float16, torch.bfloat16)
         return _Tap.apply(output, x.detach(), self._C, self._U)
 
     def _accumulated(self, C: torch.Tensor) -> None:
@@ -134,18 +150,25 @@ class GradientTap:
             self.param.grad.add_(update)
         C.grad = None
 
+    def restart_check(self) -> None:
+        """A new step: the check sums its backwards from zero."""
+        if self._C is not None:
+            self._C.grad = None
+
     def verdict(self) -> bool | None:
         """In checking mode, after a backward: does ``C.grad`` equal ``U_mᵀ ∇W`` (the weight's full gradient)?
-        None when neither has a gradient this step (the weight was not used). Clears ``C.grad``."""
+        Both are sums over the same backwards, so any point of an accumulation window works. None when neither
+        has a gradient yet (the weight was not used) or either is not finite (an AMP overflow step)."""
         grad, tapped = self.param.grad, self._C.grad
-        self._C.grad = None
         if grad is None and tapped is None:
             return None
         if grad is None or tapped is None:
             return False
+        if not bool(torch.isfinite(grad).all() and torch.isfinite(tapped).all()):
+            return None
         full = grad.mT if self.transposed else grad
         expected = self._U.mT.to(full.dtype) @ full
-        tolerance = _TOLERANCE.get(torch.bfloat16 if self._low_precision else None, 1e-3)
+        tolerance = LOW_PRECISION_TOLERANCE if self._low_precision else TOLERANCE
         error = torch.linalg.vector_norm(tapped.to(expected.dtype) - expected)
         return bool(error <= tolerance * torch.linalg.vector_norm(expected) + 1e-12)
 
@@ -154,15 +177,15 @@ class GradientTap:
 def full_gradients(module: nn.Module):
     """Inside, every tapped weight of ``module`` has its own full gradient and no tap: for side computations
     that train the weights plainly (``TaskMetrics``' plasticity probe). The taps come back on exit."""
-    paused = [(tap, tap._U, tap.checked) for p in module.parameters()
+    paused = [(tap, tap._U, tap.checked, tap._C) for p in module.parameters()
               if (tap := _TAPS.get(id(p))) is not None and tap.installed]
     for tap, *_ in paused:
         tap.remove()
     try:
         yield
     finally:
-        for tap, U, checked in paused:
-            tap.install(U, checked)
+        for tap, U, checked, coefficients in paused:  # the same C: a check under way keeps its sums
+            tap.install(U, checked, coefficients)
 
 
 def compiled(module: nn.Module) -> bool:

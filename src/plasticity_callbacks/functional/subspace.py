@@ -143,26 +143,22 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None,
     X, S_bottom, Yh = torch.linalg.svd(A.mT @ Q[:, :block], full_matrices=False)
     Y, Xh = Yh.mT, X.mT  # X (n, block): the other side's bottom vectors
     left = torch.cat([Q[:, block:].flip(1), Q[:, :block] @ Y], 1)  # (g, g), descending σ
-    if A is W and not right_vectors:
-        S = torch.cat([lam[block:].flip(0).sqrt(), S_bottom])
-        if not bool(S[g - block - 1] >= S_bottom[0]):  # a near-tie at the block's edge swapped places
-            S, order = S.sort(descending=True, stable=True)
-            left = left[:, order]
-        return SVD(left, S, None)
-    right_top = A.mT @ left[:, :g - block]  # (n, g − block): the other side's top vectors, times σ
-    if A is not W:
-        # Tall W: these are U, which the switch compares and projects with. An eigenvector just above
-        # the block can lean into the block (a close eigenvalue across the edge) and tilt Wv toward
-        # the block's U (X): remove that, so U stays orthonormal, and read σ as the norm.
-        right_top = right_top - X @ (Xh @ right_top)
-        S_top = torch.linalg.vector_norm(right_top, dim=0)
-    else:
+    right = None  # the other side's vectors: V of a square or wide W (wanted or not), U of a tall one
+    if A is W:
         S_top = lam[block:].flip(0).sqrt()
-    right = torch.cat([right_top / S_top, X], 1)  # (n, g)
+    if A is not W or right_vectors:
+        right_top = A.mT @ left[:, :g - block]  # (n, g − block): the other side's top vectors, times σ
+        if A is not W:
+            # Tall W: these are U, which the switch compares and projects with. An eigenvector just above
+            # the block can lean into the block (a close eigenvalue across the edge) and tilt Wv toward
+            # the block's U (X): remove that, so U stays orthonormal, and read σ as the norm.
+            right_top = right_top - X @ (Xh @ right_top)
+            S_top = torch.linalg.vector_norm(right_top, dim=0)
+        right = torch.cat([right_top / S_top, X], 1)  # (n, g)
     S = torch.cat([S_top, S_bottom])
     if not bool(S_top[-1] >= S_bottom[0]):  # a near-tie at the block's edge swapped places
         S, order = S.sort(descending=True, stable=True)
-        left, right = left[:, order], right[:, order]
+        left, right = left[:, order], (right[:, order] if right is not None else None)
     return SVD(left, S, right) if A is W else SVD(right, S, left)
 
 
