@@ -22,8 +22,8 @@ Part 2 — ``apply_fire`` with default options on a GPT-2-small-sized model (12 
 vocabulary 50304: 72 target matrices, Q/K/V separate) against one AdamW training step at batch
 1×256, measured in the same rounds at the same thread count, for each count in ``--threads``
 (target: FIRE ≤ 2 training steps). Then the floor of FIRE's design on CPU: the LAPACK calls and the
-two matrix products alone (an SVD per square weight; per oblong weight its Gram matrix, ``eigh``,
-and ``X·(V Λ^(-1/2) Vᵀ)``), and the step's FLOPs (``torch.utils.flop_counter``) per second.
+matrix products alone (an SVD and its ``U·Vᵀ`` per square weight; per oblong weight its Gram matrix,
+``eigh``, and ``X·(V Λ^(-1/2) Vᵀ)``), and the step's FLOPs (``torch.utils.flop_counter``) per second.
 
 CPU timings are process CPU time (``time.process_time``), so other jobs on a shared machine inflate
 them less; with several threads the wall time is given too (CPU time then sums the threads). CUDA
@@ -178,6 +178,8 @@ def floor(model: GPT, clock: Clock, step: float, train_step) -> None:
     square = [W for W in weights if W.shape[0] == W.shape[1]]
     oblong = [W if W.shape[0] > W.shape[1] else W.T.contiguous() for W in weights if W.shape[0] != W.shape[1]]
     svd = sum(clock(lambda W=W: torch.linalg.svd(W, full_matrices=False))[0] for W in square)
+    factors = [torch.linalg.svd(W, full_matrices=False) for W in square]
+    uv = sum(clock(lambda U=U, Vh=Vh: U @ Vh)[0] for U, _, Vh in factors)
     grams = [W.mT @ W for W in oblong]
     gram = sum(clock(lambda W=W: W.mT @ W)[0] for W in oblong)
     eigh = sum(clock(lambda G=G: torch.linalg.eigh(G))[0] for G in grams)
@@ -186,10 +188,10 @@ def floor(model: GPT, clock: Clock, step: float, train_step) -> None:
     with counter:
         train_step()
     flops = counter.get_total_flops()
-    total = svd + gram + eigh + product
+    total = svd + uv + gram + eigh + product
     products = sum(4 * W.shape[0] * W.shape[1] ** 2 for W in oblong)  # XᵀX and X·M: 2mn² multiply-adds each
-    print(f"  calls alone: sgesdd on {len(square)} square {svd:.2f} s; on {len(oblong)} oblong: XᵀX {gram:.2f} s, "
-          f"ssyevd {eigh:.2f} s, X·M {product:.2f} s; total {total:.2f} s = {total / step:.2f} steps")
+    print(f"  calls alone: sgesdd on {len(square)} square {svd:.2f} s, their U·Vᵀ {uv:.2f} s; on {len(oblong)} oblong: "
+          f"XᵀX {gram:.2f} s, ssyevd {eigh:.2f} s, X·M {product:.2f} s; total {total:.2f} s = {total / step:.2f} steps")
     print(f"  step: {flops / 1e9:.0f} GFLOP in {step:.2f} s = {flops / 1e9 / step:.0f} GFLOP/s; XᵀX and X·M: "
           f"{products / 1e9:.0f} GFLOP in {gram + product:.2f} s = {products / 1e9 / (gram + product):.0f} GFLOP/s",
           flush=True)
