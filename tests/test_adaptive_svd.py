@@ -309,24 +309,27 @@ def test_dash_takes_the_whole_gradient_of_a_tapped_weight():
         torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_frozen_weights_stay_frozen_and_a_second_fit_taps_again():
-    """A weight the user froze is never tapped and stays frozen; the other minor weights are tapped in each of two
-    fits with the same callback, and after each every flag is as the user left it and no hook remains."""
+def test_a_weight_frozen_between_fits_stays_frozen_and_the_others_are_tapped_again():
+    """Fit once (every block matrix minor and tapped), freeze one tapped weight, fit again with the same callback:
+    the frozen weight is not tapped, does not move and is still frozen after the fit; the others are tapped in
+    the second fit too, and no hook remains after either."""
     torch.manual_seed(0)
     module, loader = build("gpt")
-    frozen = module.model.blocks[0].mlp.c_fc.weight
-    frozen.requires_grad_(False)
-    before = frozen.detach().clone()
     switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=True, **ALWAYS_MINOR)
     for fit in range(2):
         engaged = Engaged()
+        if fit == 1:
+            frozen = module.model.blocks[0].mlp.c_fc.weight
+            frozen.requires_grad_(False)
+            before = frozen.detach().clone()
         cpu_trainer(max_steps=8, callbacks=[switch, engaged]).fit(module, loader)  # a new trainer: steps 0–7 again
-        assert engaged.steps[7] == {m.target.name for m in switch.matrices}, fit  # the frozen one: the user's flag
-        assert [n for n, p in module.named_parameters() if not p.requires_grad] == ["model.blocks.0.mlp.c_fc.weight"]
+        names = {m.target.name for m in switch.matrices}
+        assert engaged.steps[7] == names, fit  # tapped, or (the frozen one) frozen by the user
         assert not any(m._forward_hooks for m in module.modules())
-        assert switch.matrices[[m.target.name for m in switch.matrices].index("model.blocks.0.mlp.c_fc.weight")].tap \
-            is None
-    assert torch.equal(frozen, before)
+    assert [n for n, p in module.named_parameters() if not p.requires_grad] == ["model.blocks.0.mlp.c_fc.weight"]
+    assert torch.equal(frozen, before)  # a tap would have written its gradient, and the optimizer moved it
+    matrix = next(m for m in switch.matrices if m.target.name == "model.blocks.0.mlp.c_fc.weight")
+    assert matrix.tap_checked is True  # tapped in the first fit (a frozen weight has no gradient to go minor on)
 
 
 def test_a_callback_adding_to_the_gradient_first_does_not_fail_the_check():
@@ -339,6 +342,42 @@ def test_a_callback_adding_to_the_gradient_first_does_not_fail_the_check():
     switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[3]), skip_full_gradient=True, **ALWAYS_MINOR)
     cpu_trainer(max_steps=6, callbacks=[L2Init(strength=1.0), switch]).fit(module, loader)
     assert all(m.tap_checked is True for m in switch.matrices)
+
+
+class ManualOptimization(L.LightningModule):
+    """Manual optimization; ``direct``: ``loss.backward()`` instead of ``manual_backward`` (no on_after_backward)."""
+
+    def __init__(self, direct: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization, self.direct = False, direct
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.mse_loss(self.net(x), y)
+        loss.backward() if self.direct else self.manual_backward(loss)
+        optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_taps_under_manual_optimization(direct):
+    """Both backward calls complete the taps' check (without on_after_backward it runs at the optimizer step)
+    and train as the projection after the backward."""
+    weights = {}
+    for skip in (True, False):
+        module = ManualOptimization(direct)
+        switch = AdaptiveSVDSwitch(schedule=Schedule(steps=[2]), skip_full_gradient=skip, **ALWAYS_MINOR)
+        cpu_trainer(max_steps=8, callbacks=[switch]).fit(module, regression_loader())
+        assert [m.tap_checked for m in switch.matrices] == [True, True] if skip else [None, None]
+        weights[skip] = [p.detach().clone() for p in module.parameters()]
+    for a, b in zip(*weights.values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_logs_and_figure(tmp_path):

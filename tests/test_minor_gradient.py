@@ -129,6 +129,28 @@ def test_the_check_passes_for_a_plain_layer_and_waits_while_it_has_no_gradient()
     assert tap.verdict() is True
 
 
+@pytest.mark.parametrize("other_use", [0.0, 0.05])
+def test_the_check_under_bf16_with_a_gradient_almost_all_principal(other_use):
+    """bf16 rounds the whole gradient, and the share of that rounding in the r minor directions exceeds 1e-2 of a
+    small minor part (99 % of the gradient principal). No other use: passes; another use adding 5 % of the
+    gradient's norm: fails."""
+    torch.manual_seed(0)
+    d, tokens, r = 512, 2048, 448
+    layer = nn.Linear(d, d, bias=False)
+    U = orthonormal(d, r, 3)
+    principal = torch.linalg.qr(torch.cat([U, torch.randn(d, d - r)], 1))[0][:, r:]  # the other d − r directions
+    tap = GradientTap(layer.weight, layer, transposed=False)
+    tap.install(U, checked=None)
+    x, x2 = torch.randn(tokens, d), torch.randn(tokens, d)
+    g = torch.randn(tokens, d - r) @ principal.mT * 26 + torch.randn(tokens, r) @ U.mT  # 99 % principal
+    g2 = torch.randn(tokens, d)
+    g2 *= other_use * (g.mT @ x).norm() / (g2.mT @ x2).norm()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = (layer(x).float() * g).sum() + (F.linear(x2, layer.weight).float() * g2).sum()  # a read without the layer
+    loss.backward()
+    assert tap.verdict() is (other_use == 0.0)
+
+
 def test_full_gradients_lifts_every_tap_inside_and_puts_it_back():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))

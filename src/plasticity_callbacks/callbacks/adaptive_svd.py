@@ -240,6 +240,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self.skip_full_gradient = skip_full_gradient
         self._taps_on = False  # this fit taps minor Linear/Conv1D weights (core.minor_gradient)
         self._taps_stale = True  # the matrices' states changed since the taps were last placed
+        self._backward_seen = False  # on_after_backward ran since the last optimizer step (Lightning's backward)
         self.matrices: list[_Matrix] = []
         self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
         self._pending: dict | None = None  # loaded state, applied once the targets exist
@@ -394,16 +395,18 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                         sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
                 elif m.tap is None or not m.tap.skips_full_gradient:  # else projected in the backward
                     if m.tap is not None and m.tap.installed and m.tap_checked is None:
-                        self._check_tap(m)
+                        self._check_tap(m, trainer)
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
             if sharded:
                 sharded_subspace.project_sharded_(sharded)  # one all-reduce for all row-sharded matrices
+        self._backward_seen = False
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The taps' check reads the gradients as the backward left them: before an AMP scaler unscales the
         # weights' (not C's) and before other callbacks add to them in on_before_optimizer_step.
         if self._taps_on:
+            self._backward_seen = True
             for m in self.matrices:
                 if m.tap is not None and m.tap.installed and m.tap_checked is None:
                     m.tap_verdict = m.tap.verdict()  # sums so far: the last backward of the step decides
@@ -434,9 +437,12 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 m.tap.remove()
                 self._taps_stale = True
 
-    def _check_tap(self, m: _Matrix) -> None:
+    def _check_tap(self, m: _Matrix, trainer: L.Trainer) -> None:
         """The end of a tap's checking step: its projection against the full gradient's (on_after_backward)."""
         verdict, m.tap_verdict = m.tap_verdict, None
+        if not self._backward_seen:  # a manual-optimization loss.backward(): no on_after_backward, check here
+            scaler = getattr(trainer.precision_plugin, "scaler", None)  # it unscaled W.grad, not C.grad
+            verdict = m.tap.verdict(scale=float(scaler.get_scale()) if scaler is not None else 1.0)
         m.tap.restart_check()
         if verdict is None:
             return  # no gradient this step, or an overflow: check at the next one

@@ -34,6 +34,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 import weakref
 from contextlib import contextmanager
 
@@ -155,12 +156,19 @@ class GradientTap:
         if self._C is not None:
             self._C.grad = None
 
-    def verdict(self) -> bool | None:
-        """In checking mode, after a backward: does ``C.grad`` equal ``U_mᵀ ∇W`` (the weight's full gradient)?
+    def verdict(self, scale: float = 1.0) -> bool | None:
+        """In checking mode, after a backward: does ``C.grad / scale`` equal ``U_mᵀ ∇W`` (the weight's full
+        gradient)? ``scale``: a loss scale already taken out of the weight's gradient but not out of ``C``'s.
         Both are sums over the same backwards, so any point of an accumulation window works. None when neither
-        has a gradient yet (the weight was not used) or either is not finite (an AMP overflow step)."""
+        has a gradient yet (the weight was not used), either is not finite (an AMP overflow step), or the weight
+        was frozen meanwhile.
+
+        The bound is relative to the gradient's minor part plus the share of the whole gradient's rounding that
+        falls into the ``r`` minor directions, ``√(r/d_out)·‖∇W‖``: in low precision the latter dominates when
+        the gradient lies almost wholly in the principal directions. Another use of the weight adding more than
+        about ``tolerance`` of ``‖∇W‖`` shows."""
         grad, tapped = self.param.grad, self._C.grad
-        if grad is None and tapped is None:
+        if (grad is None and tapped is None) or not self.param.requires_grad:
             return None
         if grad is None or tapped is None:
             return False
@@ -169,8 +177,9 @@ class GradientTap:
         full = grad.mT if self.transposed else grad
         expected = self._U.mT.to(full.dtype) @ full
         tolerance = LOW_PRECISION_TOLERANCE if self._low_precision else TOLERANCE
-        error = torch.linalg.vector_norm(tapped.to(expected.dtype) - expected)
-        return bool(error <= tolerance * torch.linalg.vector_norm(expected) + 1e-12)
+        error = torch.linalg.vector_norm(tapped.to(expected.dtype) / scale - expected)
+        rounding = math.sqrt(self._U.shape[1] / self._U.shape[0]) * torch.linalg.vector_norm(full)
+        return bool(error <= tolerance * (torch.linalg.vector_norm(expected) + rounding) + 1e-12)
 
 
 @contextmanager
