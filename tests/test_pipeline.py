@@ -2,6 +2,7 @@
 completed phase, resume mid-phase, optimizer carry-over, and config errors."""
 import csv
 import json
+import os
 import subprocess
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from plasticity_callbacks.core import checkpoints
 from plasticity_callbacks.core.arguments import ConfigError
 from plasticity_callbacks.app.pipeline import Pipeline, with_saved_moments
 from plasticity_callbacks.app.train import config_dir
@@ -56,7 +58,7 @@ def test_cli_writes_checkpoints_metrics_and_summary(cli_run):
     assert saved["global_step"] == 4 and "optimizer_states" in saved
 
 
-def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path):
+def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path, monkeypatch):
     run, _ = cli_run
     first = json.loads((run / "pipeline.json").read_text())["phases"]
     # re-run phase 2 with another method, in a new run dir, from phase 1's checkpoint
@@ -74,7 +76,19 @@ def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path):
     cfg = compose_pipeline(other, "+method=warm", "pipeline.start_phase=sft", "pipeline.resume=true",
                            f"pipeline.init_from={run}/checkpoints/pretrain/final.ckpt", "phases.sft.steps=6")
     before_boundary = state["phases"]["sft"]["val_loss_before"]
+    last = (other / "checkpoints" / "sft" / "last.ckpt").stat()
+    hashed = []
+    real = checkpoints.sha256_of_file
+
+    def counting(path, *args, **kwargs):
+        stat = os.stat(path)
+        hashed.append((stat.st_ino, stat.st_size, stat.st_mtime_ns))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "sha256_of_file", counting)
     state = Pipeline(cfg).run()
+    # verified at start-up, by the phase's resume guard and by Lightning's load: read from disk once
+    assert hashed.count((last.st_ino, last.st_size, last.st_mtime_ns)) == 1
     sft = state["phases"]["sft"]
     assert sft["steps"] == 6 and sft["val_loss_before"] == before_boundary  # kept across the resume
     assert torch.load(other / "checkpoints" / "sft" / "final.ckpt", weights_only=False)["global_step"] == 6

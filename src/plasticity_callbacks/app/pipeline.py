@@ -47,8 +47,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.checkpoint_folders import save_folder, saves_folders
-from ..core.checkpoints import (CheckpointError, VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred,
-                                verify_file)
+from ..core.checkpoints import (CheckpointError, VerifiedCheckpointIO, hashes_remembered, read_checkpoint,
+                                stop_signals_deferred, verify_file)
 from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
@@ -352,9 +352,10 @@ class Pipeline:
         return self.checkpoint_dir(phase) / "final.ckpt"
 
     def run(self) -> dict[str, Any]:
-        self.check_before_start()  # a refusal writes nothing, not even the lock or pipeline.json
-        with RunLock(self.run_dir):
-            return self._run()
+        with hashes_remembered():  # each checkpoint hashed once, though checked at start-up and again at its load
+            self.check_before_start()  # a refusal writes nothing, not even the lock or pipeline.json
+            with RunLock(self.run_dir):
+                return self._run()
 
     def is_complete(self, phase: Phase) -> bool:
         """Recorded complete in pipeline.json and its final.ckpt present (integrity checked when loaded)."""

@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from .checkpoints import (TRUST_ENV, CheckpointError, _pending_path, _write_synced, checksum_path,
-                          load_trusted_or_weights_only, sha256_of_file, unreadable)
+                          load_trusted_or_weights_only, sha256_of_file, unreadable, verified_hash)
 
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shards
 REST_FILE = "meta.pt"  # Lightning's checkpoint dict less weights and optimizer states (rank 0)
@@ -125,7 +125,7 @@ def mismatch(folder: Path, recorded: dict[str, tuple[str, int]]) -> str | None:
             return f"lacks {name}, which its checksum file lists: incomplete"
         if file.stat().st_size != size:
             return f"has {file.stat().st_size} bytes in {name}, its checksum file records {size}: truncated or replaced"
-        if sha256_of_file(file) != digest:
+        if verified_hash(file) != digest:
             return f"does not match its recorded SHA-256 in {name}: altered or damaged on disk"
     return None
 

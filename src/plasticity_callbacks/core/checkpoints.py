@@ -78,6 +78,35 @@ def sha256_of_file(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
+_REMEMBERED: dict | None = None  # inside hashes_remembered(): a file's identity and times -> its SHA-256
+
+
+@contextlib.contextmanager
+def hashes_remembered():
+    """Inside, verifying a file that is unchanged since it was last verified (same path, inode, size and
+    modification and change times) reuses its hash: a pipeline verifies a completed phase's checkpoint when it
+    starts and again when it loads it, and a large checkpoint is then read once. A rewrite (new bytes, or a
+    rename into place) changes the times or the inode. The read-back after a write always hashes."""
+    global _REMEMBERED
+    outer = _REMEMBERED
+    _REMEMBERED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _REMEMBERED = outer
+
+
+def verified_hash(path: Path) -> str:
+    """The SHA-256 of ``path`` for a verification (see :func:`hashes_remembered`)."""
+    if _REMEMBERED is None:
+        return sha256_of_file(path)
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = sha256_of_file(path)
+    return _REMEMBERED[key]
+
+
 def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + CHECKSUM_SUFFIX)
 
@@ -168,7 +197,7 @@ def verify_file(path: str | Path) -> Path:
 
         return verify_folder(path)
     recorded = recorded_checksum(path) if path.is_file() or pending.is_file() else None
-    if recorded is not None and pending.is_file() and sha256_of_file(pending) == recorded[0]:
+    if recorded is not None and pending.is_file() and verified_hash(pending) == recorded[0]:
         os.replace(pending, path)  # finish a write interrupted between its checksum and its rename
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
@@ -182,7 +211,7 @@ def verify_file(path: str | Path) -> Path:
     if size != expected:
         raise CheckpointError(f"checkpoint {path} has {size} bytes, its checksum file records {expected}: "
                               "truncated or replaced; use an earlier checkpoint")
-    if sha256_of_file(path) != digest:
+    if verified_hash(path) != digest:
         raise CheckpointError(f"checkpoint {path} does not match its recorded SHA-256: the file was altered or "
                               "damaged on disk; use an earlier checkpoint")
     return path
