@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..core.checkpoints import CheckpointError, RunInterrupted, VerifiedCheckpointIO, read_checkpoint
+from ..core.checkpoints import CheckpointError, RunInterrupted, VerifiedCheckpointIO, hashes_remembered, read_checkpoint
 from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..core.arguments import ConfigError
@@ -223,15 +223,16 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
 
 
 def main() -> None:
-    try:
-        check_command_line(sys.argv[1:], config_dir())
-        refuse_before_start(sys.argv[1:], config_dir())
-    except ConfigError as err:
-        exit_with_config_error(err)
-    except (ResumeError, CheckpointError) as err:  # refused before Hydra writes anything into the run directory
-        print(f"plasticity-train: {err}", file=sys.stderr)
-        sys.exit(1)
-    hydra_main()
+    with hashes_remembered():  # a checkpoint checked before Hydra starts is not read again to be loaded
+        try:
+            check_command_line(sys.argv[1:], config_dir())
+            refuse_before_start(sys.argv[1:], config_dir())
+        except ConfigError as err:
+            exit_with_config_error(err)
+        except (ResumeError, CheckpointError) as err:  # refused before Hydra writes anything into the run directory
+            print(f"plasticity-train: {err}", file=sys.stderr)
+            sys.exit(1)
+        hydra_main()
 
 
 if __name__ == "__main__":
