@@ -146,7 +146,8 @@ def test_the_check_under_bf16_with_a_gradient_almost_all_principal(other_use):
     g2 = torch.randn(tokens, d)
     g2 *= other_use * (g.mT @ x).norm() / (g2.mT @ x2).norm()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = (layer(x).float() * g).sum() + (F.linear(x2, layer.weight).float() * g2).sum()  # a read without the layer
+        # the layer's forward, and a read of its weight without it
+        loss = (layer(x).float() * g).sum() + (F.linear(x2, layer.weight).float() * g2).sum()
     loss.backward()
     assert tap.verdict() is (other_use == 0.0)
 

@@ -48,7 +48,8 @@ from .model_map.weights import is_conv1d
 TOLERANCE, LOW_PRECISION_TOLERANCE = 1e-3, 1e-2
 # Below this many entries a tap costs more than it saves: its fixed cost per layer and step (a Python hook, an
 # autograd node, three small products: about 0.1 ms on a CPU core) against the weight-gradient product and
-# projection pass it removes (benchmarks/adaptive_svd_overhead.py: a minor step +15 % at width 64, −16 % at 512, both 1×256).
+# projection pass it removes (benchmarks/adaptive_svd_overhead.py, 1×256: a minor step +15 % at width 64, −16 % at
+# width 512).
 MIN_ENTRIES = 2**15
 _TAPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(weight) -> its installed tap
 
@@ -208,4 +209,5 @@ def compiled(module: nn.Module) -> bool:
 def tappable(module: nn.Module, param: nn.Parameter, min_entries: int = 0) -> bool:
     """``module``'s forward is ``y = x Wᵀ (+ b)`` with ``param`` as ``W`` (``nn.Linear``, HF ``Conv1D``), and
     ``param`` has at least ``min_entries`` entries."""
-    return param.numel() >= min_entries and (isinstance(module, nn.Linear) or is_conv1d(module)) and getattr(module, "weight", None) is param
+    linear = isinstance(module, nn.Linear) or is_conv1d(module)
+    return linear and getattr(module, "weight", None) is param and param.numel() >= min_entries
