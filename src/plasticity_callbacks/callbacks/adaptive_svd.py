@@ -13,10 +13,10 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..core import factorization, sharded_subspace
-from ..core.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
 from ..core.arguments import build_options, check_int, check_number
 from ..core.distributed import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
 from ..core.figures import can_draw, save_figure
+from ..core.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
 from ..core.model_map import Selection, WeightView, require_targets, select_targets
 from ..core.model_map.weights import stored_param
 from ..core.optimizer_state import reset_optimizer_state
