@@ -167,6 +167,12 @@ CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "cra
            "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]}
 
 
+def single_and_sharded(fsdp2_runs, name: str) -> tuple[dict, dict]:
+    """The run ``name`` in one process, beside its result on two ranks."""
+    out, results = fsdp2_runs
+    return run_single(out, next(r for r in RUNS if r["name"] == name)), results[name]
+
+
 @pytest.fixture(scope="module")
 def fsdp2_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
@@ -176,9 +182,7 @@ def fsdp2_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["fire_mlp", "fire_gpt2", "fire_encoder", "fire_gpt"])
 def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == name)
-    single, sharded = run_single(out, spec), results[name]
+    single, sharded = single_and_sharded(fsdp2_runs, name)
     assert float(sharded["metrics"]["fire/layers"]) > 0
     assert float(sharded["metrics"]["fire/dfi_after"]) < 1e-6 * float(sharded["metrics"]["fire/dfi_before"])
     assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/sfe", "fire/layers"))
@@ -186,9 +190,7 @@ def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
 
 @pytest.mark.parametrize("name", ["fire_ns_mlp", "fire_ns_gpt2"])
 def test_fire_with_a_fixed_iteration_count_under_fsdp2_equals_one_process(fsdp2_runs, name):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == name)
-    single, sharded = run_single(out, spec), results[name]
+    single, sharded = single_and_sharded(fsdp2_runs, name)
     assert float(sharded["metrics"]["fire/layers"]) > 0
     # 5 steps leave the weights measurably off an isometry: not the exact polar factor in disguise
     assert float(sharded["metrics"]["fire/dfi_after"]) > 1e-3 * float(sharded["metrics"]["fire/dfi_before"])
@@ -197,18 +199,14 @@ def test_fire_with_a_fixed_iteration_count_under_fsdp2_equals_one_process(fsdp2_
 
 @pytest.mark.parametrize("name", ["redo_mlp", "redo_gpt2"])
 def test_redo_under_fsdp2_equals_one_process(fsdp2_runs, name):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == name)
-    single, sharded = run_single(out, spec), results[name]
+    single, sharded = single_and_sharded(fsdp2_runs, name)
     assert float(sharded["metrics"]["redo/recycled"]) > 0
     assert_same_as_single(single, sharded, metrics=("redo/recycled", "redo/dormant"))
 
 
 @pytest.mark.parametrize("name", ["dash_mlp", "dash_gpt2", "dash_encoder"])
 def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == name)
-    single, sharded = run_single(out, spec), results[name]
+    single, sharded = single_and_sharded(fsdp2_runs, name)
     assert float(sharded["metrics"]["dash/shrunk"]) > 0  # the paper's rule shrank rows
     assert float(sharded["metrics"]["dash_periodic/shrunk_fraction"]) == 1.0  # every row, each by its own factor
     assert_same_as_single(single, sharded, metrics=("dash/shrunk", "dash/factor_min", "dash_periodic/shrunk",
@@ -225,9 +223,7 @@ def test_a_phase_carries_the_optimizer_moments_of_a_distributed_checkpoint(fsdp2
 
 
 def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process(fsdp2_runs):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == "sp_gpt_after_validation")
-    single, sharded = run_single(out, spec), results["sp_gpt_after_validation"]
+    single, sharded = single_and_sharded(fsdp2_runs, "sp_gpt_after_validation")
     assert sharded["callbacks"][0]["applications"] == single["callbacks"][0]["applications"] == 1
     # Without a reshard before the action, the shrunk shards of the root unit (embeddings, head) do not survive
     # step 3: its gathered copy from the validation is what the step computes with and leaves behind.
@@ -236,17 +232,13 @@ def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process
 
 @pytest.mark.parametrize("name", ["sp_mlp", "sp_gpt", "reset_gpt2"])
 def test_fresh_draws_under_fsdp2_equal_one_process(fsdp2_runs, name):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == name)
-    single, sharded = run_single(out, spec), results[name]
+    single, sharded = single_and_sharded(fsdp2_runs, name)
     assert sharded["callbacks"][0]["applications"] == single["callbacks"][0]["applications"] == 1
     assert_same_as_single(single, sharded)  # the whole fresh draw one process makes, each rank's rows of it
 
 
 def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == "clip_gpt2")
-    single, sharded = run_single(out, spec), results["clip_gpt2"]
+    single, sharded = single_and_sharded(fsdp2_runs, "clip_gpt2")
     c_fc = sharded["params"]["model.transformer.h.0.mlp.c_fc.weight"]  # stored (16, 64): bound 0.1/√16
     limit = torch.tensor(0.1 / 16**0.5, dtype=c_fc.dtype)
     assert c_fc.abs().max() <= limit and (c_fc.abs() == limit).sum() > 0  # entries were clipped to the box
@@ -322,9 +314,7 @@ def test_task_metrics_on_two_ranks_equal_one_process(fsdp2_runs, name):
 
 
 def test_gate_logger_under_fsdp2_logs_the_gates_of_one_process(fsdp2_runs):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == "gates_gpt")
-    single, sharded = run_single(out, spec), results["gates_gpt"]
+    single, sharded = single_and_sharded(fsdp2_runs, "gates_gpt")
     gates = [k for k in single["metrics"] if k.startswith("gates/")]
     assert len(gates) == 2 * (6 + 7)  # per layer: attention's 4 values and 2 decisions, the MLP's 5 and 2
     assert sharded["params"]["model.blocks.0.mlp.skip_rec"].shape == (1,)
@@ -385,9 +375,7 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
 
 
 def test_adaptive_svd_under_fsdp2_projects_adam_moments_as_one_process(fsdp2_runs):
-    out, results = fsdp2_runs
-    spec = next(r for r in RUNS if r["name"] == "svd_mlp_adamw")
-    single, sharded = run_single(out, spec), results["svd_mlp_adamw"]
+    single, sharded = single_and_sharded(fsdp2_runs, "svd_mlp_adamw")
     assert sharded["callbacks"][0]["history"] == single["callbacks"][0]["history"]
     assert all(state["exp_avg"].abs().sum() > 0 for state in sharded["optimizer"].values())
     assert_same_as_single(single, sharded, metrics=("adaptive_svd/n_minor", "adaptive_svd/mean_angle"))
