@@ -198,8 +198,9 @@ def report_route(label: str, r: dict, base: float, interval: int, target: float)
           f"{1e3 * r['projection']:5.2f}) -> {100 * share:+5.2f} % vs base (target <= {target:g} %)", flush=True)
 
 
-def compare_routes(width: int, batch: int, routes: list[str], args, options: dict) -> None:
-    """Every route and the switch-free baseline in one process, the baseline before and after."""
+def compare_routes(width: int, batch: int, routes: list[str], args, options: dict) -> dict[str, dict]:
+    """Every route and the switch-free baseline in one process, the baseline before and after; returns each
+    route's ``measure``."""
     target = 5.0 if batch == 1 else 1.0
     shape = dict(every=args.every, cycles=args.cycles)
     before = baseline_step(width, batch, **shape)
@@ -217,6 +218,7 @@ def compare_routes(width: int, batch: int, routes: list[str], args, options: dic
         gap = max(float((a - b).norm() / b.norm()) for a, b in zip(results[route]["weights"], results[first]["weights"]))
         print(f"    {route} vs {first}: {decisions_differ(results[first]['history'], results[route]['history'])}; "
               f"largest relative weight difference at the end {gap:.1e}", flush=True)
+    return results
 
 
 def main() -> None:
@@ -247,10 +249,9 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             target = 5.0 if batch == 1 else 1.0
             label = f"width {width:4d} batch {batch:2d}x256"
-            compare_routes(width, batch, args.minor_training.split(","), args, options)
-            if args.compare or args.default_thresholds:
-                r = measure(width, batch, args.interval, args.every, args.cycles, **options)
-            if args.compare:
+            results = compare_routes(width, batch, args.minor_training.split(","), args, options)
+            if args.compare:  # against the default route's worst case, measured above unless left out
+                r = results.get("project") or measure(width, batch, args.interval, args.every, args.cycles, **options)
                 other = measure(width, batch, args.interval, args.every, args.cycles,
                                 svd={"method": args.compare})
                 same = "same decisions" if other["history"] == r["history"] else "DIFFERENT decisions"
