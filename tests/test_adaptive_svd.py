@@ -380,6 +380,14 @@ def test_taps_under_manual_optimization(direct):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_an_explicit_skip_full_gradient_that_cannot_act_says_so():
+    module, loader = build("mlp")
+    switch = AdaptiveSVDSwitch(minor_training="factorize", skip_full_gradient=True, schedule=Schedule(steps=[1]),
+                               **ALWAYS_MINOR)
+    with pytest.warns(UserWarning, match=r"skip_full_gradient=True\) has no effect here: minor_training='factorize'"):
+        cpu_trainer(max_steps=2, callbacks=[switch]).fit(module, loader)
+
+
 def test_logs_and_figure(tmp_path):
     module, loader = build("mlp")
     switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=2, start_step=2),

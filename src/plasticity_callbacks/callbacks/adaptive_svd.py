@@ -364,6 +364,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self._taps_on = (self.skip_full_gradient is not False and self.minor_training == "project"
                          and isinstance(trainer.strategy, SingleDeviceStrategy) and not compiled(pl_module))
         self._taps_stale = True
+        if self.skip_full_gradient is True and not self._taps_on:  # asked for explicitly: say why it is not done
+            why = ("minor_training='factorize' trains B, A instead" if self.minor_training != "project" else
+                   f"{type(trainer.strategy).__name__} does not follow a change of requires_grad"
+                   if not isinstance(trainer.strategy, SingleDeviceStrategy) else
+                   "the model runs through torch.compile, which does not see hooks added later")
+            rank_zero_warn(f"AdaptiveSVDSwitch(skip_full_gradient=True) has no effect here: {why}; minor gradients "
+                           "are formed whole and projected after the backward (the same training, without the saving)")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
