@@ -44,9 +44,9 @@ def _worker(rank: int, world: int, port: int, shapes, matrices: int, out: str) -
 
     from plasticity_callbacks import AdaptiveSVDSwitch
     from plasticity_callbacks.callbacks.adaptive_svd import _Matrix
-    from plasticity_callbacks.core.factorization import project_onto
-    from plasticity_callbacks.core.model_map import WeightView
-    from plasticity_callbacks.core.sharded_subspace import project_sharded_
+    from plasticity_callbacks.ops.factorization import project_onto
+    from plasticity_callbacks.model_map import WeightView
+    from plasticity_callbacks.distributed.sharded_subspace import project_sharded_
     from plasticity_callbacks.functional.subspace import decide_mode, svd_triplets
 
     mesh = init_device_mesh("cpu", (world,))

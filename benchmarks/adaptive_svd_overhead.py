@@ -18,7 +18,7 @@ times each whole step. Two rows per route:
   base)) / (interval · base)``: what the route costs or saves in the step itself is counted too.
 
 Routes: ``project`` (the default: a minor Linear's projected gradient computed in the backward, its full
-gradient never formed, see ``core.minor_gradient``), ``project-after`` (``skip_full_gradient=False``: the full
+gradient never formed, see ``ops.minor_gradient``), ``project-after`` (``skip_full_gradient=False``: the full
 gradient projected after the backward), ``factorize``. The last line compares each route's decisions and end
 weights with the first's. Targets: ≤ 1 % at every width, ≤ 5 % at 1×256.
 
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import cpu_trainer, token_loader  # noqa: E402
 
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
-from plasticity_callbacks.core.optimizer_state import leaf_optimizers  # noqa: E402
-from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
+from plasticity_callbacks.ops.optimizer_state import leaf_optimizers  # noqa: E402
+from plasticity_callbacks.callbacks.schedule import Schedule  # noqa: E402
 
 
 class TimedSwitch(AdaptiveSVDSwitch):

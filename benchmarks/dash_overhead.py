@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks import DASHPeriodic, GPTConfig, GPTLightningModule
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.callbacks.schedule import Schedule
 
 
 class StepTimer(L.Callback):

@@ -24,9 +24,10 @@ from torch import nn
 
 from plasticity_callbacks.app.pipeline import Pipeline, read_state, write_state
 from plasticity_callbacks.app.train import config_dir, refuse_before_start
-from plasticity_callbacks.core.checkpoints import (CheckpointError, RunInterrupted, read_checkpoint, verify_file,
-                                                   write_verified)
-from plasticity_callbacks.core.resume import ResumeError
+from plasticity_callbacks.errors import CheckpointError
+from plasticity_callbacks.app.runs.checkpoints import RunInterrupted, read_checkpoint, verify_file
+from plasticity_callbacks.app.runs.verified_files import write_verified
+from plasticity_callbacks.app.runs.resume import ResumeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fault_injection import hostile_checkpoint, signal_spec  # noqa: E402  (the faults the trust tests inject)
@@ -177,8 +178,8 @@ def main() -> None:
 
 def bad_inputs(root: Path):
     from plasticity_callbacks import ReDoMonitor
-    from plasticity_callbacks.core.apply_fire import apply_fire
-    from plasticity_callbacks.core.model_map import Selection
+    from plasticity_callbacks.ops.fire import apply_fire
+    from plasticity_callbacks.model_map import Selection
     from plasticity_callbacks.functional.spectral import orthogonalize
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

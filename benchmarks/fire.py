@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from plasticity_callbacks.core.apply_fire import apply_fire
+from plasticity_callbacks.ops.fire import apply_fire
 from plasticity_callbacks.functional.spectral import PolarOptions, orthogonalize
 from plasticity_callbacks.models import GPT, GPTConfig
 

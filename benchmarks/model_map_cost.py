@@ -13,7 +13,7 @@ import time
 import torch
 import transformers
 
-from plasticity_callbacks.core.model_map import coverage_report, find_neuron_layers, select_targets
+from plasticity_callbacks.model_map import coverage_report, find_neuron_layers, select_targets
 
 
 def timed(fn, repeat: int = 3) -> tuple[float, float]:

@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from plasticity_callbacks.app.console import configure_run_output
 from plasticity_callbacks.app.methods import method_names
 from plasticity_callbacks.app.pipeline import Pipeline
-from plasticity_callbacks.app.report import build_report
+from plasticity_callbacks.app.report.runs import build_report
 from plasticity_callbacks.app.train import config_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.console import configure_run_output
 from plasticity_callbacks.app.methods import method_names, sensitivity
-from plasticity_callbacks.app.stream_report import build_stream_report
+from plasticity_callbacks.app.report.streams import build_stream_report
 from plasticity_callbacks.app.train import config_dir, fit
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from plasticity_callbacks.core.checkpoints import write_verified
+from plasticity_callbacks.app.runs.verified_files import write_verified
 
 
 class Payload:

@@ -183,7 +183,7 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from plasticity_callbacks.core.sharded_state import reshard
+    from plasticity_callbacks.distributed.sharded_state import reshard
 
     L.seed_everything(spec.get("seed", 0), workers=True)
     module, data = build(spec, devices)

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import build  # noqa: E402
 
-from plasticity_callbacks.app.resumed_logs import LogPosition, restore_logs  # noqa: E402
+from plasticity_callbacks.app.runs.resumed_logs import LogPosition, restore_logs  # noqa: E402
 from plasticity_callbacks.data.sampler import ResumableDataLoader  # noqa: E402
 
 

@@ -15,8 +15,8 @@ from torch import nn
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink
 from plasticity_callbacks.callbacks.adaptive_svd import SwitchThresholds
-from plasticity_callbacks.core.schedule import Schedule
-from plasticity_callbacks.core import factorization
+from plasticity_callbacks.callbacks.schedule import Schedule
+from plasticity_callbacks.ops import factorization
 from plasticity_callbacks.functional.subspace import as_matrix, svd_triplets
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader
 

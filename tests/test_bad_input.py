@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from plasticity_callbacks.core import factorization
+from plasticity_callbacks.ops import factorization
 from plasticity_callbacks.functional import dormancy, shrink, spectral, subspace
 
 from tiny import TinyMLPModule, recycle
@@ -384,9 +384,9 @@ def _shrunk(key: str, state: dict) -> dict:
 
 
 def _bad_inputs():
-    from plasticity_callbacks.core.apply_fire import apply_fire
-    from plasticity_callbacks.core.checkpoints import CheckpointError
-    from plasticity_callbacks.core.model_map import Selection
+    from plasticity_callbacks.ops.fire import apply_fire
+    from plasticity_callbacks.errors import CheckpointError
+    from plasticity_callbacks.model_map import Selection
 
     model = TinyMLPModule()
     state = _fitted_redo_state()
@@ -418,7 +418,7 @@ def test_each_bad_input_is_one_clear_line():
 
 
 def test_a_refused_apply_fire_changes_no_weight():
-    from plasticity_callbacks.core.apply_fire import apply_fire
+    from plasticity_callbacks.ops.fire import apply_fire
 
     model = TinyMLPModule()
     before = [p.detach().clone() for p in model.parameters()]

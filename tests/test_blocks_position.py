@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from plasticity_callbacks.core.arguments import ConfigError
-from plasticity_callbacks.core.model_map import select_targets
+from plasticity_callbacks.errors import ConfigError
+from plasticity_callbacks.model_map import select_targets
 from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.position_bias import (

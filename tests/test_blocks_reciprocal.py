@@ -11,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from tiny import build, cpu_trainer, tiny_gpt_module, token_loader
 
 from plasticity_callbacks.callbacks.gate_logger import GateLogger
-from plasticity_callbacks.core.arguments import ConfigError
-from plasticity_callbacks.core.resume import check_shapes
+from plasticity_callbacks.errors import ConfigError
+from plasticity_callbacks.app.runs.resume import check_shapes
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.reciprocal_attention import fold_reciprocal, reciprocal_dim_mask

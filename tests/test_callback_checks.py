@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.callback_checks import check_callbacks
 from plasticity_callbacks.app.train import config_dir
-from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.errors import ConfigError
 
 
 def composed(*overrides):

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks import AdaptiveSVDSwitch, DASHPeriodic, FIREReinit, GPTLightningModule, ReDoMonitor, ShrinkPerturb
-from plasticity_callbacks.core import factorization
+from plasticity_callbacks.ops import factorization
 from tiny import cpu_trainer
 
 TINY = dict(n_layer=2, n_embd=32, n_head=2, n_kv_head=2, sequence_len=16, compile=True)

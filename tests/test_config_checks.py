@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.config_checks import check_command_line, check_config
 from plasticity_callbacks.app.train import config_dir
-from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.errors import ConfigError
 
 EXPERIMENTS = ["pretrain_sft", "continual_pretrain", "pipeline_smoke", "smoke", "study_sft"]
 

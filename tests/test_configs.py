@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from plasticity_callbacks.app.train import config_dir
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.functional.isometry import FIREOptions
 
 CONFIGS = Path(config_dir())

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from plasticity_callbacks.app.stream_report import build_stream_report, find_stream_runs  # noqa: E402
+from plasticity_callbacks.app.report.streams import build_stream_report, find_stream_runs  # noqa: E402
 
 TINY = ["data.num_tasks=3", "data.steps_per_task=6", "data.samples_per_task=128", "data.batch_size=32",
         "model.widths=[16,16]", "trainer.log_every_n_steps=3"]
@@ -19,7 +19,7 @@ def train(args, cwd):
 
 
 def test_sweep_and_report(tmp_path):
-    pytest.importorskip("plasticity_callbacks.core.schedule")  # the boundary methods take schedule=
+    pytest.importorskip("plasticity_callbacks.callbacks.schedule")  # the boundary methods take schedule=
     sweep = tmp_path / "sweep"
     proc = train(["-m", "experiment=continual_digits", "+method=warm,fire_exact", "seed=0,1", *TINY,
                   f"hydra.sweep.dir={sweep}"], cwd=tmp_path)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks.callbacks.continual_backprop import ContinualBackprop
-from plasticity_callbacks.core.distributed import rank_identical_generator
+from plasticity_callbacks.distributed.strategy import rank_identical_generator
 from plasticity_callbacks.functional import continual_backprop as cbp
 from tiny import cpu_trainer
 

@@ -10,7 +10,7 @@ pytest.importorskip("sklearn")
 from plasticity_callbacks.app.methods import method_names, task_stream_callbacks  # noqa: E402
 from plasticity_callbacks.app.pipeline import instantiate_callbacks, resolve_method  # noqa: E402
 from plasticity_callbacks.app.train import config_dir  # noqa: E402
-from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
+from plasticity_callbacks.callbacks.schedule import Schedule  # noqa: E402
 from plasticity_callbacks.data.digits import RandomLabelDigits  # noqa: E402
 from plasticity_callbacks.models.classifier import DigitsClassifier  # noqa: E402
 

@@ -115,7 +115,7 @@ def test_resume_in_the_middle_of_the_stream_continues_at_the_right_task(tmp_path
 
 @pytest.mark.parametrize("cut", [6, 8])  # inside task 1; exactly at the boundary into task 2
 def test_resumed_stream_with_a_boundary_method_matches_the_uninterrupted_run(tmp_path, cut):
-    pytest.importorskip("plasticity_callbacks.core.schedule")
+    pytest.importorskip("plasticity_callbacks.callbacks.schedule")
     from plasticity_callbacks.callbacks.full_reset import FullReset
 
     def run(root, ckpt_path=None, extra=()):

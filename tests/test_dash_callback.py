@@ -10,7 +10,7 @@ from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import DASHPeriodic, DASHShrink
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.callbacks.schedule import Schedule
 from tiny import TinyMLPModule, build, cpu_trainer, image_loader, regression_loader, tiny_gpt_module, token_loader
 
 VISIBLE = dict(cosine_threshold=-1.0, shrink_rate=0.5)  # every non-zero row shrinks by a visible amount (factor in [0.5, 1))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from plasticity_callbacks.data import ByteTokenizer, CodeCorpusDataModule, split_files, stdlib_files
-from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.errors import ConfigError
 from plasticity_callbacks.models import GPTConfig
 from plasticity_callbacks.models.lightning_module import check_data_fits_model
 

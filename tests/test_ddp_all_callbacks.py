@@ -72,7 +72,7 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from plasticity_callbacks.core.distributed import full_parameters, gather_full, is_dtensor
+    from plasticity_callbacks.distributed.strategy import full_parameters, gather_full, is_dtensor
     from plasticity_callbacks.functional.spectral import PolarOptions, orthogonalize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -13,7 +13,7 @@ from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.fire import FIREReinit
 from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.callbacks.schedule import Schedule
 
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 

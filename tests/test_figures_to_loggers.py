@@ -1,4 +1,4 @@
-"""Figures leave the package through ``core.figures.save_figure``: a PNG in the run's folder and the logger's
+"""Figures leave the package through ``callbacks.figures.save_figure``: a PNG in the run's folder and the logger's
 dashboard (TensorBoard here; MLflow and W&B where installed), never into the current directory unasked."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 
-from plasticity_callbacks.core.figures import new_figure, save_figure
+from plasticity_callbacks.callbacks.figures import new_figure, save_figure
 
 from tiny import TinyMLPModule, regression_loader
 
@@ -51,8 +51,8 @@ def test_the_report_reads_a_run_logged_with_tensorboard(tmp_path):
     pytest.importorskip("tensorboard")
     from torch.utils.tensorboard import SummaryWriter
 
-    from plasticity_callbacks.app.metric_logs import read_rows
-    from plasticity_callbacks.app.report import build_report
+    from plasticity_callbacks.app.report.metric_logs import read_rows
+    from plasticity_callbacks.app.report.runs import build_report
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import FIREReinit
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.functional.spectral import deviation_from_isometry
 from tiny import TinyMLPModule, build, cpu_trainer, regression_loader

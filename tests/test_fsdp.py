@@ -397,7 +397,7 @@ def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs, n
 def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
     from plasticity_callbacks.callbacks.gate_logger import GateLogger
     from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
-    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
+    from plasticity_callbacks.distributed.strategy import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type(strategy, (), {})())
     for fsdp2 in (False, True):
@@ -412,7 +412,7 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
     from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
                                       FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
-    from plasticity_callbacks.core.distributed import MisconfigurationException, require_full_parameters
+    from plasticity_callbacks.distributed.strategy import MisconfigurationException, require_full_parameters
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
     for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from plasticity_callbacks.core.checkpoint_folders import verify_folder
-from plasticity_callbacks.core.checkpoints import CheckpointError, checksum_path, read_checkpoint
+from plasticity_callbacks.app.runs.checkpoint_folders import verify_folder
+from plasticity_callbacks.errors import CheckpointError
+from plasticity_callbacks.app.runs.checkpoints import read_checkpoint
+from plasticity_callbacks.app.runs.verified_files import checksum_path
 
 from fault_injection import Payload
 from test_resume_trust import copy_run, refused, snapshot

@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from plasticity_callbacks.callbacks.dash_periodic import DASHPeriodic  # noqa: E402
 from plasticity_callbacks.callbacks.fire import FIREReinit  # noqa: E402
 from plasticity_callbacks.callbacks.redo import ReDoMonitor  # noqa: E402
-from plasticity_callbacks.core.schedule import Schedule  # noqa: E402
+from plasticity_callbacks.callbacks.schedule import Schedule  # noqa: E402
 from plasticity_callbacks.integrations.hf import STATE_FILE, HFTrainerCallback  # noqa: E402
 
 D = 32  # n_embd

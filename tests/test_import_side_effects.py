@@ -5,7 +5,7 @@ import sys
 CHECK = """
 import matplotlib
 matplotlib.use("svg")
-import plasticity_callbacks.core.figures
+import plasticity_callbacks.callbacks.figures
 from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink, FIREReinit, ReDoMonitor, ShrinkPerturb
 import plasticity_callbacks.app.report
 assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
@@ -18,6 +18,6 @@ def test_importing_callbacks_and_report_keeps_the_matplotlib_backend():
 
 
 def test_figures_module_imports_no_matplotlib():
-    code = "import sys, plasticity_callbacks.core.figures; assert 'matplotlib' not in sys.modules"
+    code = "import sys, plasticity_callbacks.callbacks.figures; assert 'matplotlib' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]

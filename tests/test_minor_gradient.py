@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plasticity_callbacks.core.minor_gradient import MIN_ENTRIES, GradientTap, compiled, full_gradients, tappable
+from plasticity_callbacks.ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, full_gradients, tappable
 
 
 def orthonormal(rows: int, cols: int, seed: int) -> torch.Tensor:

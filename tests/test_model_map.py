@@ -11,11 +11,11 @@ from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.dash_periodic import DASHPeriodic
 from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
-from plasticity_callbacks.core.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
+from plasticity_callbacks.model_map import (Selection, declare_plasticity, find_neuron_layers, output_heads,
                                                  refuse_factorized, select_targets)
-from plasticity_callbacks.core import factorization
-from plasticity_callbacks.core.schedule import Schedule
-from plasticity_callbacks.core.apply_fire import apply_fire
+from plasticity_callbacks.ops import factorization
+from plasticity_callbacks.callbacks.schedule import Schedule
+from plasticity_callbacks.ops.fire import apply_fire
 from plasticity_callbacks.functional.isometry import FIREOptions
 
 pytest.importorskip("transformers")
@@ -239,8 +239,8 @@ def _factorize_first_layer(module):
 
 
 def test_shrink_perturb_treats_a_factorized_weight_as_its_effective_weight():
-    from plasticity_callbacks.core.distributed import rank_identical_generator
-    from plasticity_callbacks.core.model_map import fresh_parameters
+    from plasticity_callbacks.distributed.strategy import rank_identical_generator
+    from plasticity_callbacks.model_map import fresh_parameters
 
     module = Wrapped("mlp")
     layer = _factorize_first_layer(module)
@@ -279,7 +279,7 @@ def test_adaptive_svd_factorizes_conv1d_in_out_in_orientation():
 
 def test_fresh_parameters_of_a_bare_hugging_face_model_draws_it_whole():
     from model_zoo import gpt2
-    from plasticity_callbacks.core.model_map import fresh_parameters
+    from plasticity_callbacks.model_map import fresh_parameters
 
     model = gpt2()
     flags = {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}
@@ -347,13 +347,20 @@ class RawMatrix(nn.Module):
 def test_coverage_lists_every_matrix_with_its_reason_and_warns_about_unknown_ones(caplog):
     import logging
 
-    from plasticity_callbacks.core.model_map import coverage_report, describe
+    import warnings
+
+    from plasticity_callbacks.model_map import coverage_report, describe
+    from plasticity_callbacks.model_map.coverage import log_coverage
 
     model = RawMatrix()
+    with caplog.at_level(logging.INFO, logger="plasticity_callbacks"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert names(select_targets(model)) == ["fc.weight"]  # a query: no table, no warning
+    assert caplog.text == ""
     with caplog.at_level(logging.INFO, logger="plasticity_callbacks"), \
             pytest.warns(UserWarning, match=r"no plasticity callback treats \['mix'\]"):
-        assert names(select_targets(model)) == ["fc.weight"]
-    assert "fc.weight" in caplog.text and "mix" in caplog.text  # the table was logged
+        log_coverage(model, None, "mine")
+    assert "mine coverage:" in caplog.text and "fc.weight" in caplog.text and "mix" in caplog.text
     report = coverage_report(model, {"scope": "attention"})
     lines = {line.split()[0]: line for line in report.splitlines() if line.startswith("  ")}
     assert "outside the selection (scope='attention'" in lines["fc.weight"]

@@ -19,9 +19,9 @@ from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.fire import FIREReinit
 from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
-from plasticity_callbacks.core.distributed import rank_identical_generator
-from plasticity_callbacks.core.model_map import fresh_parameters
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.distributed.strategy import rank_identical_generator
+from plasticity_callbacks.model_map import fresh_parameters
+from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.functional.isometry import FIREOptions
 
 pytest.importorskip("transformers")
@@ -274,8 +274,8 @@ def _scaled_isometry(M, msg):
 @pytest.mark.parametrize("family", sorted(QKV_OF_FORWARD))
 def test_fire_makes_the_forwards_own_q_k_v_isometries(family):
     from model_zoo import LAYOUT_MODELS
-    from plasticity_callbacks.core.model_map import select_targets
-    from plasticity_callbacks.core.apply_fire import apply_fire
+    from plasticity_callbacks.model_map import select_targets
+    from plasticity_callbacks.ops.fire import apply_fire
 
     torch.manual_seed(0)
     model = LAYOUT_MODELS[family]()
@@ -320,7 +320,7 @@ def _operator_taps(layer, channels_in):
 
 def test_fire_treats_grouped_depthwise_and_transposed_convs_per_group_per_tap():
     from model_zoo import ConvZoo
-    from plasticity_callbacks.core.apply_fire import apply_fire
+    from plasticity_callbacks.ops.fire import apply_fire
 
     torch.manual_seed(0)
     model = ConvZoo()
@@ -343,7 +343,7 @@ def test_fire_treats_grouped_depthwise_and_transposed_convs_per_group_per_tap():
 
 def test_fire_treats_each_recurrent_gate_on_its_own():
     from model_zoo import Recurrent
-    from plasticity_callbacks.core.apply_fire import apply_fire
+    from plasticity_callbacks.ops.fire import apply_fire
 
     torch.manual_seed(0)
     model = Recurrent()
@@ -394,7 +394,7 @@ class MaskedModel(L.LightningModule):
 
 
 def test_an_unknown_split_is_refused_by_fire_with_the_declaration_and_treated_whole_by_the_rest():
-    from plasticity_callbacks.core.model_map import declare_plasticity, interleaved_heads
+    from plasticity_callbacks.model_map import declare_plasticity, interleaved_heads
 
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"interleaved_heads\(heads=4\)"):
@@ -495,7 +495,7 @@ MLP_OF = {  # (up, down) of each layout family's MLP, by module name
 @pytest.mark.parametrize("family", sorted(MLP_OF))
 def test_layout_families_give_redo_their_mlp_and_every_method_the_fused_weight(family):
     from model_zoo import LAYOUT_MODELS
-    from plasticity_callbacks.core.model_map import Selection, find_neuron_layers, select_targets
+    from plasticity_callbacks.model_map import Selection, find_neuron_layers, select_targets
 
     model = LAYOUT_MODELS[family]()
     names = {id(m): n for n, m in model.named_modules()}

@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from plasticity_callbacks.core.arguments import ConfigError
-from plasticity_callbacks.core.model_map import select_targets
+from plasticity_callbacks.errors import ConfigError
+from plasticity_callbacks.model_map import select_targets
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks.mlp import gated_hidden_width
 

@@ -55,7 +55,7 @@ def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder
     from plasticity_callbacks.app.methods import method_names, task_stream_callbacks
     from plasticity_callbacks.app.pipeline import instantiate_callbacks, resolve_method
     from plasticity_callbacks.app.train import config_dir
-    from plasticity_callbacks.core.schedule import Schedule
+    from plasticity_callbacks.callbacks.schedule import Schedule
     from plasticity_callbacks.models.classifier import DigitsClassifier
 
     configs = user_folder / "my_configs"
@@ -77,7 +77,7 @@ def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder
 def test_the_pre_check_finds_the_users_config_group(user_folder):
     from plasticity_callbacks.app.config_checks import check_command_line
     from plasticity_callbacks.app.train import config_dir
-    from plasticity_callbacks.core.arguments import ConfigError
+    from plasticity_callbacks.errors import ConfigError
 
     configs = str(user_folder / "my_configs")
     check_command_line(["--config-dir", configs, "experiment=continual_digits", "+method=scale"], config_dir())

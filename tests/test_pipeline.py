@@ -10,8 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from plasticity_callbacks.core import checkpoints
-from plasticity_callbacks.core.arguments import ConfigError
+from plasticity_callbacks.app.runs import verified_files
+from plasticity_callbacks.errors import ConfigError
 from plasticity_callbacks.app.pipeline import Pipeline, with_saved_moments
 from plasticity_callbacks.app.train import config_dir
 
@@ -78,14 +78,14 @@ def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path, 
     before_boundary = state["phases"]["sft"]["val_loss_before"]
     last = (other / "checkpoints" / "sft" / "last.ckpt").stat()
     hashed = []
-    real = checkpoints.sha256_of_file
+    real = verified_files.sha256_of_file
 
     def counting(path, *args, **kwargs):
         stat = os.stat(path)
         hashed.append((stat.st_ino, stat.st_size, stat.st_mtime_ns))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints, "sha256_of_file", counting)
+    monkeypatch.setattr(verified_files, "sha256_of_file", counting)
     state = Pipeline(cfg).run()
     # verified at start-up, by the phase's resume guard and by Lightning's load: read from disk once
     assert hashed.count((last.st_ino, last.st_size, last.st_mtime_ns)) == 1

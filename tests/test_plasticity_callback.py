@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from plasticity_callbacks import PlasticityCallback, Schedule, Selection
-from plasticity_callbacks.core.checkpoints import CheckpointError
-from plasticity_callbacks.core.model_map import select_targets
+from plasticity_callbacks.errors import CheckpointError
+from plasticity_callbacks.model_map import select_targets
 
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 

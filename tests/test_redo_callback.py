@@ -13,7 +13,7 @@ from torch import nn
 
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import ReDoMonitor
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.functional.dormancy import dormant_mask
 from tiny import OPTIMIZERS, TinyCNNModule, TinyMLPModule, cpu_trainer, image_loader, regression_loader, \
     tiny_gpt_module, token_loader

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from plasticity_callbacks.core.distributed import rank_identical_generator
+from plasticity_callbacks.distributed.strategy import rank_identical_generator
 from tiny import TinyMLPModule, cpu_trainer, regression_loader, tiny_gpt_module, token_loader
 
 METHODS = Path(__file__).resolve().parents[1] / "configs" / "method"

@@ -110,7 +110,7 @@ def test_sweep_of_single_fits_is_reported_and_labelled_by_what_varies(tmp_path):
 
 
 def test_identical_groups_are_drawn_once_under_both_names(tmp_path):
-    from plasticity_callbacks.app.report import Run, merge_identical
+    from plasticity_callbacks.app.report.runs import Run, merge_identical
 
     def run(label, final):
         return Run(tmp_path, label, 0, {}, label=label, curves={"val": {0: 2.0, 5: final}, "train": {0: 3.0}})

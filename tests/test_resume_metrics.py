@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from plasticity_callbacks.callbacks.base import PlasticityCallback
-from plasticity_callbacks.core.checkpoints import ModelCheckpointAfterValidation, VerifiedCheckpointIO
-from plasticity_callbacks.core.schedule import Schedule
+from plasticity_callbacks.app.runs.checkpoints import ModelCheckpointAfterValidation, VerifiedCheckpointIO
+from plasticity_callbacks.callbacks.schedule import Schedule
 
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 

@@ -21,9 +21,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.pipeline import Pipeline
-from plasticity_callbacks.app.resumed_logs import kept, restore_logs, rewrite_events
+from plasticity_callbacks.app.runs.resumed_logs import kept, restore_logs, rewrite_events
 from plasticity_callbacks.app.train import config_dir, fit
-from plasticity_callbacks.core.checkpoints import RunInterrupted
+from plasticity_callbacks.app.runs.checkpoints import RunInterrupted
 
 from fault_injection import Crash
 

@@ -26,8 +26,10 @@ from torch import nn
 import plasticity_callbacks as pc
 from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.train import config_dir
-from plasticity_callbacks.core.checkpoints import CheckpointError, VerifiedCheckpointIO, verify_file, write_verified
-from plasticity_callbacks.core.resume import ResumeError, ResumeGuard, RunLock
+from plasticity_callbacks.errors import CheckpointError
+from plasticity_callbacks.app.runs.checkpoints import VerifiedCheckpointIO, verify_file
+from plasticity_callbacks.app.runs.verified_files import write_verified
+from plasticity_callbacks.app.runs.resume import ResumeError, ResumeGuard, RunLock
 
 from tiny import TinyMLPModule, cpu_trainer, recycle, regression_loader
 
@@ -73,7 +75,7 @@ def finished_pipeline(tmp_path_factory):
 def plateau_fit(tmp_path, interrupt_at=None, resume=False):
     """MLP, validation and checkpoint every 2 steps, FIRE on a plateau at every second validation."""
     from lightning.pytorch import seed_everything
-    from plasticity_callbacks.core.checkpoints import ModelCheckpointAfterValidation
+    from plasticity_callbacks.app.runs.checkpoints import ModelCheckpointAfterValidation
     from plasticity_callbacks.data.sampler import ResumableDataLoader
     from resume_worker import Interrupt, Interrupted
 

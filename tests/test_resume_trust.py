@@ -23,9 +23,10 @@ from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.pipeline import Pipeline, read_state, write_state
 from plasticity_callbacks.app.train import config_dir, fit, main
-from plasticity_callbacks.core.checkpoints import (TRUST_ENV, CheckpointError, RunInterrupted, VerifiedCheckpointIO,
-                                                   read_checkpoint, verify_file)
-from plasticity_callbacks.core.resume import ResumeError
+from plasticity_callbacks.app.runs.checkpoints import RunInterrupted, VerifiedCheckpointIO, read_checkpoint, verify_file
+from plasticity_callbacks.app.runs.verified_files import TRUST_ENV
+from plasticity_callbacks.errors import CheckpointError
+from plasticity_callbacks.app.runs.resume import ResumeError
 
 from fault_injection import hostile_checkpoint, signal_spec
 from tiny import TinyMLPModule, cpu_trainer, regression_loader

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
-from plasticity_callbacks.core.schedule import Schedule, ScheduleState
+from plasticity_callbacks.callbacks.schedule import Schedule, ScheduleState
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
 BATCHES_PER_EPOCH = 8  # regression_loader(): 64 samples, batch 8
@@ -237,7 +237,7 @@ def test_plateau_in_a_real_fit():
 
 # ------------------------------------------------------------------ construction and bad input
 def test_hydra_nested_target_and_plain_dict_build_the_same_schedule():
-    config = OmegaConf.create({"_target_": "plasticity_callbacks.core.schedule.Schedule", "steps": [300, 100],
+    config = OmegaConf.create({"_target_": "plasticity_callbacks.callbacks.schedule.Schedule", "steps": [300, 100],
                                "at_fit_start": True})
     built = instantiate(config)
     assert built == Schedule(at_fit_start=True, steps=(100, 300)) and built.steps == (100, 300)

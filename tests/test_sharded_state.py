@@ -9,7 +9,7 @@ import torch
 
 from plasticity_callbacks.callbacks.hare_tortoise import HareTortoise
 from plasticity_callbacks.callbacks.l2_init import L2Init
-from plasticity_callbacks.core.sharded_state import pack_for_checkpoint, restore_like, squared_distance
+from plasticity_callbacks.distributed.sharded_state import pack_for_checkpoint, restore_like, squared_distance
 
 
 def test_plain_tensors_come_back_on_the_parameters_device_and_dtype():

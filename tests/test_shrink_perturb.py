@@ -8,8 +8,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import TinyCNNModule, TinyMLPModule, build, cpu_trainer
 
 from plasticity_callbacks import Selection, ShrinkPerturb
-from plasticity_callbacks.core.schedule import Schedule
-from plasticity_callbacks.core.distributed import rank_identical_generator
+from plasticity_callbacks.callbacks.schedule import Schedule
+from plasticity_callbacks.distributed.strategy import rank_identical_generator
 
 
 class Snapshot(L.Callback):

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from plasticity_callbacks.core.apply_fire import apply_fire
-from plasticity_callbacks.core.model_map import Selection
+from plasticity_callbacks.ops.fire import apply_fire
+from plasticity_callbacks.model_map import Selection
 from plasticity_callbacks.functional.isometry import FIREOptions
-from plasticity_callbacks.core.optimizer_state import leaf_optimizers
+from plasticity_callbacks.ops.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
     POLAR_EXPRESS_COEFFICIENTS, DegenerateMatrixError, PolarOptions, RankDeficientError, choose_method,
     deviation_from_isometry, effective_rank, orthogonalize, polar_express_coefficients, polar_from_gram,
@@ -260,7 +260,7 @@ def test_apply_fire_scales_skips_and_touches_only_weights():
     for name in ("0.bias", "2.bias", "4.weight", "4.bias"):  # biases and the head untouched
         assert torch.equal(dict(model.named_parameters())[name], before[name])
     one_d = nn.Parameter(torch.randn(5))
-    from plasticity_callbacks.core.model_map import WeightView
+    from plasticity_callbacks.model_map import WeightView
     assert apply_fire(model, targets=[WeightView("v", model, one_d, "other", "matrix")])[0].skipped == "1-D parameter"
 
 

@@ -13,11 +13,11 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 pytest.importorskip("sklearn")
 
-from plasticity_callbacks.app.report import Run, read_curves, single_fit_state  # noqa: E402
+from plasticity_callbacks.app.report.runs import Run, read_curves, single_fit_state  # noqa: E402
 from plasticity_callbacks.callbacks.l2_init import L2Init  # noqa: E402
 from plasticity_callbacks.callbacks.redo import ReDoMonitor  # noqa: E402
 from plasticity_callbacks.callbacks.task_metrics import TaskMetrics  # noqa: E402
-from plasticity_callbacks.core.step_logging import log_at_step  # noqa: E402
+from plasticity_callbacks.callbacks.step_logging import log_at_step  # noqa: E402
 from plasticity_callbacks.data.digits import PermutedDigits  # noqa: E402
 from plasticity_callbacks.models.classifier import DigitsClassifier  # noqa: E402
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plasticity_callbacks.app.stream_report import (StreamRun, accuracy_slope, cell, ranking_table, run_summary,
+from plasticity_callbacks.app.report.streams import (StreamRun, accuracy_slope, cell, ranking_table, run_summary,
                                                     sensitivity_table)
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from plasticity_callbacks.core.factorization import project_onto
+from plasticity_callbacks.ops.factorization import project_onto
 from plasticity_callbacks.functional.subspace import (
     GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_triplets, mode_rule,
     next_rank, reconstruction_error, subspace_angle, svd_triplets,

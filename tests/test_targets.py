@@ -4,8 +4,8 @@ from torch import nn
 
 from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.models.optimizers import CombinedOptimizer
-from plasticity_callbacks.core.optimizer_state import reset_optimizer_state, zero_optimizer_state_slices
-from plasticity_callbacks.core.model_map import Selection, require_targets, select_targets
+from plasticity_callbacks.ops.optimizer_state import reset_optimizer_state, zero_optimizer_state_slices
+from plasticity_callbacks.model_map import Selection, require_targets, select_targets
 from tiny import TinyCNNModule, TinyMLPModule, make_optimizer
 
 

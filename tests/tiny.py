@@ -18,7 +18,7 @@ OPTIMIZERS = ("adamw", "sgd", "muon")
 def recycle(up: nn.Module, down: nn.Module, mask: torch.Tensor, gate: nn.Module | None = None, init="weight_std",
             optimizer=None, generator=None, down_offset: int = 0, group: int = 1, norm=None) -> torch.Tensor:
     """Recycle one layer's masked neurons: fresh incoming rows, zero outgoing columns; return the count."""
-    from plasticity_callbacks.core.neuron_reset import reinit_incoming, zero_outgoing
+    from plasticity_callbacks.ops.neuron_reset import reinit_incoming, zero_outgoing
 
     count = reinit_incoming(up, mask, gate, init, optimizer, generator, norm)
     zero_outgoing(down, mask, optimizer, down_offset, group)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .core.extras import MissingExtraError
+from .extras import MissingExtraError
 
 
 def _run(program: str, module: str) -> None:

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..core.arguments import ConfigError
-from ..core.extras import MissingExtraError, require_module
+from ..errors import ConfigError
+from ..extras import MissingExtraError, require_module
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 

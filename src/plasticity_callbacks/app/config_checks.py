@@ -30,7 +30,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from ..models.lightning_module import GPTLightningModule
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,15 @@ PRINT_ONLY_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i
 
 
 # ------------------------------------------------------------------------------ the command line
+
+def config_dir() -> str:
+    """The ``configs/`` folder: inside the installed wheel, or at the top of a source checkout."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "configs", package.parents[1] / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"no Hydra configs found next to {package}; reinstall the package")
+
 
 def check_command_line(argv: list[str], config_dir: str) -> None:
     """Check the group options and the run directory named on the command line (``sys.argv[1:]``).

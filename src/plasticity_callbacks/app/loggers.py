@@ -10,7 +10,7 @@ Example:
 """
 from __future__ import annotations
 
-from ..core.extras import require_module
+from ..extras import require_module
 
 
 def wandb_logger(version: str | None = None, **kwargs):

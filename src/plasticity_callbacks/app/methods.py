@@ -30,12 +30,13 @@ from typing import Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
+from .config_checks import config_dir
 
 METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity"}
 # The schedule of a callback that acts "at the boundary" of a pipeline phase; in a task stream that
 # boundary is every task boundary.
-AT_TASK_BOUNDARIES = {"_target_": "plasticity_callbacks.core.schedule.Schedule", "at_task_boundaries": True}
+AT_TASK_BOUNDARIES = {"_target_": "plasticity_callbacks.callbacks.schedule.Schedule", "at_task_boundaries": True}
 # Keeps the weights and drops the optimizer's state: a fresh optimizer, inside one Trainer.
 FRESH_OPTIMIZER_STATE = {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 1.0, "perturb": 0.0,
                          "reset_optimizer": True, "schedule": AT_TASK_BOUNDARIES}
@@ -47,8 +48,6 @@ def method_names(config_dirs: Iterable[str | Path] = ()) -> list[str]:
     Args:
         config_dirs: further config folders (a user's ``--config-dir``), searched after the package's.
     """
-    from .train import config_dir
-
     names = set()
     for folder in (config_dir(), *config_dirs):
         names.update(p.stem for p in (Path(folder) / "method").glob("*.yaml"))
@@ -93,7 +92,7 @@ def task_stream_callbacks(method: DictConfig) -> DictConfig:
         method: the composed method block (``cfg.method``).
 
     Returns:
-        ``{name: spec}``: callback specs for :func:`~plasticity_callbacks.app.pipeline.instantiate_callbacks`.
+        ``{name: spec}``: callback specs for :func:`~app.pipeline.instantiate_callbacks`.
     """
     check_method(method)
     declared = method.get("callbacks")

@@ -46,16 +46,18 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ..core.checkpoint_folders import save_folder, saves_folders
-from ..core.checkpoints import (CheckpointError, VerifiedCheckpointIO, hashes_remembered, read_checkpoint,
-                                stop_signals_deferred, verify_file)
-from ..core.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
+from .runs.checkpoint_folders import save_folder
+from ..distributed.strategy import saves_folders
+from ..errors import CheckpointError
+from .runs.checkpoints import VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred, verify_file
+from .runs.verified_files import hashes_remembered
+from .runs.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
 from .methods import check_method
-from .resumed_logs import LogPosition, restore_logs
+from .runs.resumed_logs import LogPosition, restore_logs
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
 STATE_FILE = "pipeline.json"

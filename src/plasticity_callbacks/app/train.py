@@ -22,27 +22,20 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..core.checkpoints import CheckpointError, RunInterrupted, VerifiedCheckpointIO, hashes_remembered, read_checkpoint
-from ..core.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
+from ..errors import CheckpointError
+from .runs.checkpoints import RunInterrupted, VerifiedCheckpointIO, read_checkpoint
+from .runs.verified_files import hashes_remembered
+from .runs.resume import ResumeError, ResumeGuard, RunLock, resume_checkpoint, run_fingerprint
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
 from .callback_checks import check_callbacks
-from .config_checks import check_command_line, check_config
+from .config_checks import check_command_line, check_config, config_dir
 from .console import configure_run_output
 from .methods import task_stream_callbacks
 from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
-from .resumed_logs import LogPosition, restore_logs
+from .runs.resumed_logs import LogPosition, restore_logs
 
 log = logging.getLogger(__name__)
-
-
-def config_dir() -> str:
-    """The ``configs/`` folder: inside the installed wheel, or at the top of a source checkout."""
-    package = Path(__file__).resolve().parents[1]
-    for candidate in (package / "configs", package.parents[1] / "configs"):
-        if (candidate / "config.yaml").is_file():
-            return str(candidate)
-    raise FileNotFoundError(f"no Hydra configs found next to {package}; reinstall the package")
 
 
 def build_module(cfg: DictConfig) -> L.LightningModule:
@@ -118,8 +111,8 @@ def task_overrides() -> list[str]:
 
 def report_outputs(run_dir: Path) -> None:
     """Write the run's figures (``report/``) and say where everything is."""
-    from .report import build_report
-    from .stream_report import build_stream_report, has_stream_runs
+    from .report.runs import build_report
+    from .report.streams import build_stream_report, has_stream_runs
 
     lines = [f"outputs in {run_dir}:", f"  log          {run_dir / 'train.log'}"]
     lines += [f"  metrics      {p}" for p in sorted(run_dir.glob("logs/**/metrics.csv"))]

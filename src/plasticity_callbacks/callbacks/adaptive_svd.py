@@ -12,16 +12,17 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..core import factorization, sharded_subspace
-from ..core.arguments import build_options, check_int, check_number
-from ..core.distributed import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
-from ..core.figures import can_draw, save_figure
-from ..core.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
-from ..core.model_map import Selection, WeightView, require_targets, select_targets
-from ..core.model_map.weights import stored_param
-from ..core.optimizer_state import reset_optimizer_state
-from ..core.schedule import Schedule
-from ..core.sharded_state import load_named
+from ..ops import factorization
+from ..distributed import sharded_subspace
+from ..arguments import build_options, check_int, check_number
+from ..distributed.strategy import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
+from .figures import can_draw, save_figure
+from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
+from ..model_map import Selection, WeightView, require_targets, select_targets
+from ..model_map.weights import stored_param
+from ..ops.optimizer_state import reset_optimizer_state
+from .schedule import Schedule
+from ..distributed.sharded_state import load_named
 from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
 from .base import PlasticityCallback
 
@@ -137,7 +138,7 @@ class _Matrix:
 class AdaptiveSVDSwitch(PlasticityCallback):
     """Switch each weight between full-matrix and minor-component training (MiLoRA-style), decided by SVDs.
 
-    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; step triggers only, the
+    When: ``schedule`` (:class:`~callbacks.schedule.Schedule`; step triggers only, the
     decision needs the step's gradient; default ``Schedule(every_n_steps=100, start_step=100)``). At
     each SVD cycle, for each target matrix: SVD, compare with the previous SVD, measure the
     gradient's alignment, decide whether the next phase trains the full matrix (state ``"full"``)
@@ -158,7 +159,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     ``.grad`` is then projected before any ``on_before_optimizer_step``: a term another callback adds there
     (L2Init's pull) is not projected, whatever the callbacks' order. ``"factorize"``
     re-parametrizes them as frozen ``W_p`` + trainable ``B @ A`` and adds ``B, A`` to the weight's
-    optimizer param group (see :mod:`plasticity_callbacks.core.factorization`); every cycle
+    optimizer param group (see :mod:`plasticity_callbacks.ops.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``; ``minor_training="project"``) the result is
@@ -171,7 +172,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     when every rank holds the matrix, as under DDP). Between cycles each rank keeps its own rows of ``U``
     (a transposed view such as HF ``Conv1D``: also all rows of its ``r`` minor columns), and a step's
     projections cost one all-reduce of an ``r × d_in`` matrix per row-sharded minor matrix, coalesced into one
-    (:mod:`~plasticity_callbacks.core.sharded_subspace`). In a distributed checkpoint each rank writes its
+    (:mod:`~distributed.sharded_subspace`). In a distributed checkpoint each rank writes its
     rows of every ``U`` (a one-file checkpoint: each ``U`` gathered in turn into rank 0's CPU memory); at
     resume each rank reads its rows back.
 
@@ -182,7 +183,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection; DDP and FSDP2)
             or ``factorize`` (``W_p + B @ A``, single device).
         schedule: when to run an SVD cycle (a Schedule or a mapping of its fields; step triggers only).
-        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping;
+        selection: which weights (:class:`~model_map.Selection` or a mapping;
             conv kernels as ``(out, in·∏k)`` matrices); None: every weight but the head.
         thresholds: when a matrix switches (:class:`SwitchThresholds` or a mapping of its fields).
         svd: how the SVDs are computed (:class:`SVDOptions` or a mapping of its fields).
@@ -192,7 +193,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         save_figure: save the state and r per matrix as a figure at the end of training.
         skip_full_gradient: on a single device (eager), compute a minor ``nn.Linear``/HF ``Conv1D`` weight's
             projected gradient ``U_m U_mᵀ ∇W`` in the backward from the layer's input and output gradient,
-            so the full weight gradient is never formed (:mod:`~plasticity_callbacks.core.minor_gradient`;
+            so the full weight gradient is never formed (:mod:`~ops.minor_gradient`;
             each weight is checked against its full gradient once first): ``"auto"`` for weights of at least
             ``MIN_ENTRIES`` (2¹⁵) entries, where it saves time, True for all, False never (always project
             the full gradient after the backward). The trained weights are the same either way.
@@ -238,7 +239,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if skip_full_gradient not in (True, False, "auto"):
             raise ValueError(f"skip_full_gradient={skip_full_gradient!r} is not one of True, False, 'auto'")
         self.skip_full_gradient = skip_full_gradient
-        self._taps_on = False  # this fit taps minor Linear/Conv1D weights (core.minor_gradient)
+        self._taps_on = False  # this fit taps minor Linear/Conv1D weights (ops.minor_gradient)
         self._taps_stale = True  # the matrices' states changed since the taps were last placed
         self._backward_seen = False  # on_after_backward ran since the last optimizer step (Lightning's backward)
         self.matrices: list[_Matrix] = []
@@ -252,7 +253,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- setup and resume
     def check_strategy(self, trainer: L.Trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: core.sharded_subspace
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: distributed.sharded_subspace
         if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(
                 f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
@@ -332,7 +333,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         """The model state gets the plain effective weight; ``W_p, B, A`` live in this callback's state. FSDP2:
         each rank writes its rows of every ``U`` into the distributed checkpoint (a one-file checkpoint: each
-        ``U`` gathered in turn into rank 0's CPU memory), see :mod:`~plasticity_callbacks.core.sharded_state`."""
+        ``U`` gathered in turn into rank 0's CPU memory), see :mod:`~distributed.sharded_state`."""
         super().on_save_checkpoint(trainer, pl_module, checkpoint)  # parameter_state_keys: the rows of each U
         state = checkpoint.get("state_dict")
         if state is None:
@@ -428,7 +429,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- projected gradients in the backward
     def _place_taps(self) -> None:
-        """Tap each "minor" trainable Linear/Conv1D weight whose tap did not fail its check (core.minor_gradient)."""
+        """Tap each "minor" trainable Linear/Conv1D weight whose tap did not fail its check (ops.minor_gradient)."""
         self._remove_taps()  # every requires_grad as the user left it
         smallest = MIN_ENTRIES if self.skip_full_gradient == "auto" else 0
         for m in self.matrices:
@@ -493,7 +494,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def _sharded_cycle(self, trainer: L.Trainer, m: _Matrix, index: int, step: int) -> dict:
         """One matrix's cycle under FSDP2 (``minor_training="project"``), on every rank: the weight, its gradient and
         the previous ``U`` gathered (this matrix alone), the SVD and decision computed by one rank
-        (:func:`~plasticity_callbacks.core.sharded_subspace.owner_of`, round robin) and shared, so every rank
+        (:func:`~distributed.sharded_subspace.owner_of`, round robin) and shared, so every rank
         holds the same decision and the same vectors; then the gradient and linear moments projected."""
         weight = m.target.param
         m.place(trainer)

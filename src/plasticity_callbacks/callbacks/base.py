@@ -1,18 +1,18 @@
-"""``PlasticityCallback``: the base of every method that acts on a :class:`~..core.schedule.Schedule`."""
+"""``PlasticityCallback``: the base of every method that acts on a :class:`~callbacks.schedule.Schedule`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
 
-from ..core.callback_state import check_state
-from ..core.distributed import require_full_parameters
-from ..core.model_map import Selection, coverage_report, require_targets, select_targets
-from ..core.schedule import Schedule, ScheduleState
-from ..core.sharded_state import pack_for_checkpoint, reshard
-from ..core.step_logging import log_at_step, write_to_loggers
+from .state import check_state
+from ..distributed.strategy import require_full_parameters
+from ..model_map import Selection, require_targets, select_targets
+from ..model_map.coverage import log_coverage
+from .schedule import Schedule, ScheduleState
+from ..distributed.sharded_state import pack_for_checkpoint, reshard
+from .step_logging import log_at_step, write_to_loggers
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
@@ -32,7 +32,7 @@ class PlasticityCallback(L.Callback):
     checkpoint written after that validation keeps it (``pending_logs``) and a resume logs it once.
     A series measured at every step goes through ``pl_module.log`` in the subclass's own hook (Lightning
     writes it at ``log_every_n_steps``); one measured only at some steps goes through
-    :func:`~..core.step_logging.log_at_step`, which writes it at those steps only.
+    :func:`~callbacks.step_logging.log_at_step`, which writes it at those steps only.
     ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
     ``check_state`` against ``extra_state_types``. A subclass that needs more hooks overrides them
     and calls ``super()``.
@@ -44,7 +44,7 @@ class PlasticityCallback(L.Callback):
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
         optional_state_types: keys :meth:`extra_state` may leave out, with their types.
         parameter_state_keys: keys of :meth:`extra_state` holding lists of tensors shaped like parameters
-            (sharded like them under FSDP2, written by :func:`~..core.sharded_state.pack_for_checkpoint`).
+            (sharded like them under FSDP2, written by :func:`~distributed.sharded_state.pack_for_checkpoint`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -119,7 +119,8 @@ class PlasticityCallback(L.Callback):
         why every other weight is left alone (the model map's coverage table)."""
         if self.selection is not None:
             require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
-            rank_zero_info(f"{self.owner} coverage:\n{coverage_report(pl_module, self.selection)}")
+            if trainer.is_global_zero:
+                log_coverage(pl_module, self.selection, self.owner)
 
     # ------------------------------------------------------------------ hooks the base owns
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -178,7 +179,7 @@ class PlasticityCallback(L.Callback):
 
     def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any], defer: bool = False) -> None:
         """Write ``metrics`` once to every logger at ``trainer.global_step`` and keep each in ``callback_metrics``
-        (:func:`~..core.step_logging.log_at_step`: an action happens once, at its own step, whatever
+        (:func:`~callbacks.step_logging.log_at_step`: an action happens once, at its own step, whatever
         ``log_every_n_steps``).
 
         Args:

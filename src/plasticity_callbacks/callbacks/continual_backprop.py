@@ -7,12 +7,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..core.arguments import check_int, check_number
-from ..core.distributed import all_reduce_mean, is_dtensor, rank_identical_generator, require_full_parameters
-from ..core.model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
-from ..core.neuron_reset import reset_norm_channels
-from ..core.optimizer_state import zero_optimizer_state_slices
-from ..core.sharding import local_part
+from ..arguments import check_int, check_number
+from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator, require_full_parameters
+from ..model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
+from ..ops.neuron_reset import reset_norm_channels
+from ..ops.optimizer_state import zero_optimizer_state_slices
+from ..distributed.sharding import local_part
 from ..functional import continual_backprop as cbp
 from .base import PlasticityCallback
 
@@ -21,7 +21,7 @@ class ContinualBackprop(PlasticityCallback):
     """Continual Backprop (Dohare et al., Nature 2024): every step, replace the ``ρ`` share of mature
     hidden units with the lowest utility by fresh ones.
 
-    **Units** are the model map's neuron layers (:func:`~plasticity_callbacks.core.model_map.find_neuron_layers`,
+    **Units** are the model map's neuron layers (:func:`~model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
     BERT), or an explicit ``layer_map``. **Collects** in a forward pre-hook on each ``down`` layer (training
     forwards only; with gradient accumulation, the optimizer step's last micro-batch) the batch mean ``E[h_i]`` and
@@ -326,7 +326,7 @@ def _redraw_incoming_(layer: nn.Module, units: torch.Tensor, new_rows: torch.Ten
 @torch.no_grad()
 def _retire_outgoing_(layer: HiddenUnits, units: torch.Tensor, unit_mean: torch.Tensor | None) -> None:
     """Zero ``units``' outgoing weights in ``down``, first moving their mean contribution into its bias
-    (:func:`~plasticity_callbacks.functional.continual_backprop.retire_outgoing_`). Under FSDP2 a
+    (:func:`~functional.continual_backprop.retire_outgoing_`). Under FSDP2 a
     Linear/conv ``down`` holds whole output rows on each rank, and their bias entries: the same computation on
     the shards. HF ``Conv1D`` (stored ``(reads, out)``) holds some reads of every output: each rank's part of
     the bias change is summed over the ranks (one all-reduce), then each zeroes the reads it holds."""

@@ -14,13 +14,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from ..core.arguments import check_int, check_number
-from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
-from ..core.minor_gradient import full_gradients
-from ..core.model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
-from ..core.optimizer_state import owning_optimizer
-from ..core.schedule import Schedule
-from ..core.sharding import all_finite_on_every_rank, sharded_shrink_, sharded_vector_shrink_
+from ..arguments import check_int, check_number
+from ..distributed.strategy import all_reduce_mean, is_dtensor, require_full_parameters
+from ..ops.minor_gradient import full_gradients
+from ..model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
+from ..ops.optimizer_state import owning_optimizer
+from .schedule import Schedule
+from ..distributed.sharding import all_finite_on_every_rank, sharded_shrink_, sharded_vector_shrink_
 from ..functional.shrink import apply_shrink_, dash_shrink_factors
 from .base import PlasticityCallback
 
@@ -46,7 +46,7 @@ class DirectionalShrink(PlasticityCallback):
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: the rule's default.
-        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping).
+        selection: which weights (:class:`~model_map.Selection` or a mapping).
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
         skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.
         log_per_layer: also log the factors per layer.
@@ -80,7 +80,7 @@ class DirectionalShrink(PlasticityCallback):
                                         include=self.selection.include, exclude=self.selection.exclude)
 
     def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: each rank's rows (core.sharding)
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: each rank's rows (distributed.sharding)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._layers = self._select_layers(trainer, pl_module)  # optimizers exist only from here on
@@ -164,7 +164,7 @@ class DASHShrink(DirectionalShrink):
     """DASH (Shin et al., NeurIPS 2024): shrink neurons whose weights point against the data's descent direction.
 
     When: ``schedule``, any trigger (default ``Schedule(at_fit_start=True)``: a phase boundary); the
-    hooks are :class:`~plasticity_callbacks.callbacks.base.PlasticityCallback`'s. Every trigger acts
+    hooks are :class:`~callbacks.base.PlasticityCallback`'s. Every trigger acts
     once, also across a resume.
 
     What changes: it accumulates ``G ← (1−gradient_ema_weight)·G + gradient_ema_weight·(−grad)`` over
@@ -189,7 +189,7 @@ class DASHShrink(DirectionalShrink):
     kernel slices with factor < 1), ``factor_min``, and per layer ``<layer>/factor_mean``,
     ``<layer>/factor_min``, ``<layer>/shrunk``. Under FSDP2 (``ModelParallelStrategy``) the pass's
     gradients are FSDP2's reduce-scattered means, each rank keeps the EMA of the rows it holds and
-    shrinks them (:func:`~plasticity_callbacks.core.sharding.sharded_shrink_`); FSDP1 and DeepSpeed are
+    shrinks them (:func:`~distributed.sharding.sharded_shrink_`); FSDP1 and DeepSpeed are
     refused at setup. The per-step rule is :class:`~.dash_periodic.DASHPeriodic`.
 
     Args:
@@ -197,7 +197,7 @@ class DASHShrink(DirectionalShrink):
         min_factor: the smallest factor λ in [0, 1] (paper: 0.3).
         gradient_ema_weight: weight of each new negative gradient in the EMA ``G``, in (0, 1] (paper: 0.3).
         n_batches: training batches averaged (None: one full pass).
-        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping);
+        selection: which weights (:class:`~model_map.Selection` or a mapping);
             None: every weight but the head.
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
         skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.

@@ -5,11 +5,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ..core.arguments import check_number
-from ..core.model_map import Selection
-from ..core.schedule import Schedule
+from ..arguments import check_number
+from ..model_map import Selection
+from .schedule import Schedule
 from ..functional.shrink import penalty_shrink_factors
-from ..core.sharding import all_finite_on_every_rank
+from ..distributed.sharding import all_finite_on_every_rank
 from .dash import DirectionalShrink
 
 
@@ -43,7 +43,7 @@ class DASHPeriodic(DirectionalShrink):
         cosine_threshold: a row whose cosine with the gradient exceeds this, in [-1, 1], is shrunk.
         shrink_rate: shrink per unit of cosine above ``cosine_threshold``.
         min_factor: the smallest factor in one event, in [0, 1].
-        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping);
+        selection: which weights (:class:`~model_map.Selection` or a mapping);
             None: every weight but the head.
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
         skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.

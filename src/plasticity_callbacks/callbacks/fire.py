@@ -9,13 +9,13 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..core.apply_fire import apply_fire
-from ..core.arguments import build_options, check_int
-from ..core.callback_state import OPTIONAL_INT
-from ..core.distributed import all_reduce_mean, require_full_parameters
-from ..core.model_map import Selection, refuse_unknown_splits, select_targets
-from ..core.optimizer_state import leaf_optimizers
-from ..core.schedule import Schedule
+from ..ops.fire import apply_fire
+from ..arguments import build_options, check_int
+from .state import OPTIONAL_INT
+from ..distributed.strategy import all_reduce_mean, require_full_parameters
+from ..model_map import Selection, refuse_unknown_splits, select_targets
+from ..ops.optimizer_state import leaf_optimizers
+from .schedule import Schedule
 from ..functional.isometry import FIREOptions, FireRecord
 from .base import PlasticityCallback
 
@@ -24,11 +24,11 @@ class FIREReinit(PlasticityCallback):
     """Replace the selected weights by ``scale · polar(W)``, the nearest isometry, and reset their optimizer state.
 
     When: ``schedule`` (default: once at fit start, in ``on_train_start``); the hooks are
-    :class:`~plasticity_callbacks.callbacks.base.PlasticityCallback`'s, so step triggers act in
+    :class:`~callbacks.base.PlasticityCallback`'s, so step triggers act in
     ``on_train_batch_start`` (the new step already trains the new weights). Each trigger acts once,
     also across a resume.
 
-    What changes: the target weights (see :func:`plasticity_callbacks.core.apply_fire.apply_fire`) and the
+    What changes: the target weights (see :func:`plasticity_callbacks.ops.fire.apply_fire`) and the
     optimizer state of exactly those weights (``options.reset_optimizer``). With ``rewarmup_steps = K`` the
     learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
     each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
@@ -39,13 +39,13 @@ class FIREReinit(PlasticityCallback):
     spectra before/after as a figure in the logger's directory.
     Every rank computes the same deterministic result; under FSDP2 (``ModelParallelStrategy``) each rank
     writes its own rows of the polar factor from an all-reduced Gram matrix
-    (:mod:`~plasticity_callbacks.core.sharding`).
+    (:mod:`~distributed.sharding`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
-        options: how to orthogonalize and rescale (:class:`~plasticity_callbacks.functional.isometry.FIREOptions`
+        options: how to orthogonalize and rescale (:class:`~functional.isometry.FIREOptions`
             or a mapping of its fields); None: its defaults (the exact polar factor by the fastest method, ``√(d_out/d_in)``).
-        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection` or a mapping of
+        selection: which weights (:class:`~model_map.Selection` or a mapping of
             its fields); None: every weight but the output head, conv kernels included (one polar
             factor per spatial tap).
         rewarmup_steps: re-warm the learning rate linearly over this many steps after each application.
@@ -109,7 +109,7 @@ class FIREReinit(PlasticityCallback):
         self.warmup_start = state["warmup_start"]
 
     def check_strategy(self, trainer: L.Trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2 shards: core.sharding
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2 shards: distributed.sharding
 
     def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
         with warnings.catch_warnings(record=True) as caught:
@@ -151,7 +151,7 @@ class FIREReinit(PlasticityCallback):
         return summary
 
     def _save_spectra(self, trainer: L.Trainer, name: str, records: list[FireRecord], reason: str) -> None:
-        from ..core.figures import can_draw, save_figure
+        from .figures import can_draw, save_figure
 
         if not can_draw("FIREReinit", "save_spectra"):
             return

@@ -12,7 +12,7 @@ class FullReset(ShrinkPerturb):
     so it acts exactly when and where :class:`ShrinkPerturb` would (see its docstring).
 
     Args:
-        schedule: when to reset (a :class:`~plasticity_callbacks.core.schedule.Schedule` or a mapping).
+        schedule: when to reset (a :class:`~callbacks.schedule.Schedule` or a mapping).
         seed: mixed with the global step into the fresh draw.
 
     Example:

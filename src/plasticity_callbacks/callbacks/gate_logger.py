@@ -5,9 +5,9 @@ import lightning as L
 import torch
 from torch import nn
 
-from ..core.arguments import check_int
-from ..core.distributed import gather_full, require_full_parameters
-from ..core.step_logging import log_at_step
+from ..arguments import check_int
+from ..distributed.strategy import gather_full, require_full_parameters
+from .step_logging import log_at_step
 
 
 def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -22,7 +22,7 @@ class GateLogger(L.Callback):
     the decisions exist only here, for reading.
 
     Acts in ``on_train_batch_end`` every ``every_n_steps`` optimizer steps, writing the values once at that
-    global step (:func:`~..core.step_logging.log_at_step`; the latest stay in ``callback_metrics``); changes
+    global step (:func:`~callbacks.step_logging.log_at_step`; the latest stay in ``callback_metrics``); changes
     nothing. Stateless, so resuming needs no saved state. Gates are parameters, identical on every rank under
     DDP; under FSDP2 (``ModelParallelStrategy``) each is a 1-element ``DTensor`` held by one rank, and
     every rank gathers it (``full_tensor``, a collective of one number), so all ranks log the same value.

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..core.arguments import check_number
-from ..core.distributed import require_full_parameters
-from ..core.model_map import Selection
-from ..core.optimizer_state import reset_optimizer_state
-from ..core.parameter_patterns import matching_parameters, name_selection
-from ..core.schedule import Schedule
-from ..core.sharded_state import copies_of, reshard, squared_distance, state_copy
+from ..arguments import check_number
+from ..distributed.strategy import require_full_parameters
+from ..model_map import Selection
+from ..ops.optimizer_state import reset_optimizer_state
+from ..model_map.patterns import matching_parameters, name_selection
+from .schedule import Schedule
+from ..distributed.sharded_state import copies_of, reshard, squared_distance, state_copy
 from ..functional.anchors import ema_toward_
 from .base import PlasticityCallback
 
@@ -30,7 +30,7 @@ class HareTortoise(PlasticityCallback):
     that runs inside training hooks (a task stream's TaskMetrics) sees the hare. Buffers (BatchNorm
     statistics) are the hare's. Deterministic, so identical on every DDP rank; the tortoise is in ``state_dict``.
     Under FSDP2 the tortoise is sharded like the hare: each rank averages, resets and swaps its own shards
-    (:mod:`~plasticity_callbacks.core.sharded_state`: how it is saved).
+    (:mod:`~distributed.sharded_state`: how it is saved).
     Logs ``hare_tortoise/distance`` (``‖θ_H - θ_T‖`` just before a reset).
 
     Args:

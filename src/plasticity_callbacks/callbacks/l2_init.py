@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..core.arguments import check_number
-from ..core.distributed import require_full_parameters
-from ..core.model_map import Selection
-from ..core.parameter_patterns import matching_parameters, name_selection
-from ..core.sharded_state import copies_of, squared_distance, state_copy
-from ..core.step_logging import log_at_step
+from ..arguments import check_number
+from ..distributed.strategy import require_full_parameters
+from ..model_map import Selection
+from ..model_map.patterns import matching_parameters, name_selection
+from ..distributed.sharded_state import copies_of, squared_distance, state_copy
+from .step_logging import log_at_step
 from ..functional.anchors import l2_init_grad_
 from .base import PlasticityCallback
 
@@ -28,12 +28,12 @@ class L2Init(PlasticityCallback):
     selected parameter's gradient gets ``λ(θ - θ₀)``. ``θ₀`` is the parameters at the start of the
     first fit (identical on every rank: DDP broadcasts rank 0's weights before any callback runs), kept
     in ``state_dict``, so a resumed run pulls toward the same point. Under FSDP2 each rank keeps ``θ₀`` of its
-    own shard and pulls its gradient shard (:mod:`~plasticity_callbacks.core.sharded_state`: how it is saved). The ``½`` and the parameters follow the
-    authors' code (``skumar9876/L2_Init``, ``L2InitAgent``: ``λ·0.5·Σ(θ - θ₀)²``, so the paper's λ sweeps mean
-    the same here): every trainable parameter except those of normalization layers (LayerNorm, RMSNorm,
+    own shard and pulls its gradient shard (:mod:`~distributed.sharded_state`: how it is saved). The ``½`` and the
+    parameters follow the authors' code (``skumar9876/L2_Init``, ``L2InitAgent``: ``λ·0.5·Σ(θ - θ₀)²``, so the
+    paper's λ sweeps mean the same here): every trainable parameter except those of normalization layers (LayerNorm, RMSNorm,
     BatchNorm, GroupNorm; ``include_norms=True`` pulls them too); ``selection``'s name patterns narrow it.
     Logs ``l2_init/distance`` (``‖θ - θ₀‖``, before the step's update) at the global steps that are multiples of
-    ``trainer.log_every_n_steps``, once each (:func:`~..core.step_logging.log_at_step`).
+    ``trainer.log_every_n_steps``, once each (:func:`~callbacks.step_logging.log_at_step`).
 
     Args:
         strength: ``λ`` >= 0 (the paper sweeps 1e-2 to 1e-5).

@@ -8,13 +8,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..core.arguments import check_int, check_number
-from ..core.checkpoints import CheckpointError
-from ..core.distributed import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..core.model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
-from ..core.neuron_reset import reinit_incoming, zero_outgoing
-from ..core.schedule import Schedule
-from ..core.step_logging import log_at_step
+from ..arguments import check_int, check_number
+from ..errors import CheckpointError
+from ..distributed.strategy import all_reduce_mean, rank_identical_generator, require_full_parameters
+from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
+from ..ops.neuron_reset import reinit_incoming, zero_outgoing
+from .schedule import Schedule
+from .step_logging import log_at_step
 from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
 from .base import PlasticityCallback
 
@@ -25,7 +25,7 @@ class ReDoMonitor(PlasticityCallback):
     """Dormant-neuron statistics, logging and (optionally) recycling, after Sokar et al. (ICML 2023).
 
     **Finds** the neuron layers through the model map
-    (:func:`plasticity_callbacks.core.model_map.find_neuron_layers`): our GPT's MLPs, Hugging Face
+    (:func:`plasticity_callbacks.model_map.find_neuron_layers`): our GPT's MLPs, Hugging Face
     MLPs (Llama gate/up/down, GPT-2 ``c_fc``/``c_proj``, BERT intermediate/output), torch
     ``TransformerEncoderLayer``, ``Linear/conv → [BatchNorm] → activation → [pool/flatten] →
     Linear/conv`` chains (ResNet blocks, conv→flatten→linear), declared layouts, or an explicit
@@ -45,7 +45,7 @@ class ReDoMonitor(PlasticityCallback):
     adds two graphs, for collecting and for idle steps (the idle one runs no extra operation).
 
     **Logs** in ``on_train_batch_end`` every ``log_every_n_steps`` optimizer steps, once, at that
-    global step (:func:`~..core.step_logging.log_at_step`; the trainer's own ``log_every_n_steps`` does
+    global step (:func:`~callbacks.step_logging.log_at_step`; the trainer's own ``log_every_n_steps`` does
     not apply): ``redo/dormant[/layer]`` (fraction with score ≤ ``tau``) and ``redo/dead[/layer]`` (τ = 0).
     A neuron that stops firing counts as dead at τ = 0 only once its EMA has decayed below ~1e-8
     of the layer mean (≈ 175 collections at ``ema_decay=0.9``): a lagging indicator by design.
@@ -263,7 +263,7 @@ class ReDoMonitor(PlasticityCallback):
         self._step_scores = None
 
     def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows and columns of shards (core.sharding)
+        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows, columns of shards (distributed.sharding)
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor]:
         if self.collections == 0:
@@ -352,13 +352,13 @@ class ReDoMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
-        from ..core.figures import can_draw
+        from .figures import can_draw
 
         if not self.plot_scores or self.collections == 0 or not can_draw("ReDoMonitor", "plot_scores"):
             return
         scores = self.scores(trainer)  # collective: on every rank
         if trainer.global_rank == 0:
-            from ..core.figures import new_figure, save_figure
+            from .figures import new_figure, save_figure
 
             fig = new_figure(figsize=(6, 1.8 * len(scores)))
             axes = fig.subplots(len(scores), 1, squeeze=False)

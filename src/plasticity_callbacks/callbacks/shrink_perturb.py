@@ -8,13 +8,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..core import factorization
-from ..core.arguments import check_number
-from ..core.distributed import is_dtensor, rank_identical_generator, require_full_parameters
-from ..core.model_map import Selection, fresh_parameters
-from ..core.optimizer_state import reset_optimizer_state
-from ..core.schedule import Schedule
-from ..core.sharding import local_part
+from ..ops import factorization
+from ..arguments import check_number
+from ..distributed.strategy import is_dtensor, rank_identical_generator, require_full_parameters
+from ..model_map import Selection, fresh_parameters
+from ..ops.optimizer_state import reset_optimizer_state
+from .schedule import Schedule
+from ..distributed.sharding import local_part
 from ..functional.shrink import shrink_perturb_
 from .base import PlasticityCallback
 
@@ -22,12 +22,12 @@ from .base import PlasticityCallback
 class ShrinkPerturb(PlasticityCallback):
     """Shrink & Perturb (Ash & Adams, NeurIPS 2020): ``θ ← shrink·θ + perturb·θ_fresh``.
 
-    When: ``schedule`` (:class:`~plasticity_callbacks.core.schedule.Schedule`; default: once at fit
+    When: ``schedule`` (:class:`~callbacks.schedule.Schedule`; default: once at fit
     start, in ``on_train_start``, after a checkpoint is restored and before the first step). Epoch
     triggers act in ``on_train_epoch_start``, step triggers and task boundaries in
     ``on_train_batch_start``, plateaus in ``on_validation_end``; each trigger acts once, also across
     a resume. What changes: every selected parameter; ``θ_fresh`` is a fresh initialization of the
-    same model by its own init code (:func:`plasticity_callbacks.core.model_map.fresh_parameters`:
+    same model by its own init code (:func:`plasticity_callbacks.model_map.fresh_parameters`:
     Hugging Face ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
     ``reset_parameters``), drawn from a generator seeded from ``seed`` and the global step,
     identically on every rank. A selected parameter that no init reaches (a bare ``nn.Parameter``
@@ -43,7 +43,7 @@ class ShrinkPerturb(PlasticityCallback):
         shrink: λ in [0, 1] (paper default 0.4; the FIRE paper's language runs used 0.5 or 0.8).
         perturb: p >= 0, scale of the fresh initialization (paper default 0.1).
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
-        selection: which parameters, by name: a :class:`~plasticity_callbacks.core.model_map.Selection`
+        selection: which parameters, by name: a :class:`~model_map.Selection`
             (or a mapping of its fields) whose ``include``/``exclude`` patterns are matched against
             parameter names (``model.blocks.*``); None: every parameter, biases, norms and the head too.
         reset_optimizer: also drop the optimizer state of the changed parameters.

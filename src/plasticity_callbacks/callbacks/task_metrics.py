@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from ..core.arguments import check_int
-from ..core.distributed import all_reduce_mean, is_dtensor, require_full_parameters
-from ..core.figures import run_output_dir
-from ..core.minor_gradient import full_gradients
-from ..core.sharded_state import reshard
-from ..core.step_logging import log_at_step
+from ..arguments import check_int
+from ..distributed.strategy import all_reduce_mean, is_dtensor, require_full_parameters
+from .figures import run_output_dir
+from ..ops.minor_gradient import full_gradients
+from ..distributed.sharded_state import reshard
+from .step_logging import log_at_step
 from ..functional.dormancy import dormancy_scores, mean_abs_activation
 from ..functional.spectral import effective_rank, stable_rank
 
@@ -148,7 +148,7 @@ class TaskMetrics(L.Callback):
       total gradient norm before clipping (``on_before_optimizer_step``).
 
     Logged as ``task/<metric>`` once, at the task end's global step, whatever ``trainer.log_every_n_steps``
-    (:func:`~..core.step_logging.log_at_step`; the latest task's values stay in ``callback_metrics``),
+    (:func:`~callbacks.step_logging.log_at_step`; the latest task's values stay in ``callback_metrics``),
     kept in ``state_dict`` (a resumed run keeps its earlier tasks) and written at the end of training to
     ``<log dir>/tasks.csv`` (one row per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the
     stream's settings, training seconds).

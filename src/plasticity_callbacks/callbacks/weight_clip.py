@@ -6,12 +6,12 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..core.arguments import check_number
-from ..core.distributed import require_full_parameters
-from ..core.model_map import Selection, is_conv1d
-from ..core.model_map.weights import is_layer
-from ..core.parameter_patterns import name_selection
-from ..core.sharding import fraction_over_shards, local_part
+from ..arguments import check_number
+from ..distributed.strategy import require_full_parameters
+from ..model_map import Selection, is_conv1d
+from ..model_map.weights import is_layer
+from ..model_map.patterns import name_selection
+from ..distributed.sharding import fraction_over_shards, local_part
 from ..functional.anchors import clip_to_bounds_, fan_in_bound
 from .base import PlasticityCallback
 

@@ -52,7 +52,7 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     Standardized inputs matter here: on raw [0, 1] pixels the MLP memorizes 1024 random labels to about
     50 % in 300 steps, on standardized ones to about 97 %, so the first tasks start from a fitted network.
     """
-    from ..core.extras import require_module
+    from ..extras import require_module
 
     datasets = require_module("sklearn.datasets", "digits", "the digits task streams")
     digits = datasets.load_digits()

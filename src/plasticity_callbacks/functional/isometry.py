@@ -1,6 +1,6 @@
 """FIRE (Han et al., arXiv 2602.08040) on one weight: ``scale · polar(W)``, its options and its record.
 
-:func:`plasticity_callbacks.core.apply_fire.apply_fire` walks a model with it. Each selected weight is
+:func:`plasticity_callbacks.ops.fire.apply_fire` walks a model with it. Each selected weight is
 replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF ``Conv1D`` is transposed first;
 conv kernels: one polar factor per spatial tap, as the reference code does, and per group for a grouped
 or depthwise conv, whose operator is block-diagonal over groups; a fused matrix such as Q/K/V, gate/up
@@ -88,7 +88,7 @@ def target_scale(param: torch.Tensor, rule: str | float, groups: int = 1) -> flo
 @dataclass(frozen=True)
 class FIREOptions(PolarOptions):
     """How FIRE orthogonalizes and rescales each weight; checked once, when built. The polar-factor
-    fields are :class:`~plasticity_callbacks.functional.spectral.PolarOptions`' (``method``, ``normalize``,
+    fields are :class:`~functional.spectral.PolarOptions`' (``method``, ``normalize``,
     ``steps`` or ``max_steps``/``tol``, ``check_every``, ``dtype``, ``on_degenerate``), and the object goes
     to ``orthogonalize`` as it is.
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..core.extras import require_module
+from ..extras import require_module
 
 transformers = require_module("transformers", "hf", "plasticity_callbacks.integrations.hf")
 TrainerCallback = transformers.TrainerCallback

@@ -1,7 +1,7 @@
 """``DigitsClassifier``: a small MLP or CNN on 8×8 digits, for the task-stream benchmarks.
 
 Both networks are one ``nn.Sequential`` ending in the output layer, so the callbacks find
-their weights without help: the last Linear is the output head (``core.model_map.output_heads``), and every
+their weights without help: the last Linear is the output head (``model_map.output_heads``), and every
 ``Linear/conv → ReLU → Linear/conv`` run is a layer of neurons for ReDo.
 """
 from __future__ import annotations

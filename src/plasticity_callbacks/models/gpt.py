@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import KVCache, rms_norm
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
 from .registry import ATTENTIONS, MLPS, POSITIONS
 
 

@@ -13,7 +13,7 @@ from torchmetrics.text import Perplexity
 from ..data.tokenizer import IGNORE_INDEX
 from .optimizers import build_optimizer, lr_lambda
 from .gpt import GPT, GPTConfig
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
 
 
 class GPTLightningModule(L.LightningModule):

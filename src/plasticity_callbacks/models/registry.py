@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
 
-from ..core.arguments import ConfigError
+from ..errors import ConfigError
 
 T = TypeVar("T")
 

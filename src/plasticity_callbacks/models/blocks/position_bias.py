@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 
-from ...core.arguments import ConfigError
+from ...errors import ConfigError
 from ..registry import POSITIONS
 from .position import PositionBlock
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...core.arguments import ConfigError
+from ...errors import ConfigError
 from .gates import accept_scalar_entries, scalar_parameter
 from ..registry import ATTENTIONS
 from .attention import KVCache, causal_attention, rms_norm

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .arguments import build_options, check_int, check_number, sorted_int_list
-from .callback_state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
-from .distributed import all_reduce_mean
+from ..arguments import build_options, check_int, check_number, sorted_int_list
+from .state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
+from ..distributed.strategy import all_reduce_mean
 
 MODES = ("min", "max")
 _STATE_TYPES = {"fit_start_fired": bool, "last_epoch": OPTIONAL_INT, "last_step": OPTIONAL_INT,

@@ -1,7 +1,7 @@
 """The task-stream part of ``plasticity-report``: a sweep of ``experiment=continual_digits`` runs as a
 ranking table, a sensitivity table and one figure.
 
-Every run's :class:`~plasticity_callbacks.callbacks.task_metrics.TaskMetrics` wrote
+Every run's :class:`~callbacks.task_metrics.TaskMetrics` wrote
 ``logs/tasks.csv`` (one row per task) and ``logs/stream.json`` (method, seed, settings). Runs are
 grouped by method (plus any other override but the seed), and the report gives:
 
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from matplotlib.ticker import MaxNLocator
 
-from ..core.figures import plt
-from ..data.digits import CLASSES
-from .report import LINE_STYLES, MARKERS, mean_std, read_overrides
+from ...callbacks.figures import plt
+from ...data.digits import CLASSES
+from .runs import LINE_STYLES, MARKERS, mean_std, read_overrides
 
 CHANCE = 1 / CLASSES
 # (column, title, y label): the figure's panels, in reading order

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_folders import saves_folders
-from .distributed import is_dtensor, write_full_
+from .strategy import saves_folders
+from .strategy import is_dtensor, write_full_
 
 
 def state_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,16 +16,16 @@ import weakref
 
 from torch import nn
 
+from .select import Selection, find_neuron_layers, select_targets, weight_views
+from .weights import output_heads
+
 log = logging.getLogger("plasticity_callbacks")
-_LOGGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> selections already logged
-_BUSY: list[bool] = []  # non-empty while a coverage table is being built
+_LOGGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, selection)s logged
 UNKNOWN = "no callback knows this layer"
 
 
 def _selection(selection):
     """``selection`` as a :class:`~.select.Selection` (a mapping of its fields, or None: the defaults)."""
-    from .select import Selection
-
     return Selection.build(selection, "coverage_report")
 
 
@@ -36,9 +36,6 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
         model: any ``nn.Module``.
         selection: the callback's :class:`~.select.Selection` (or a mapping of its fields); None: the defaults.
     """
-    from .select import select_targets, weight_views
-    from .weights import output_heads
-
     selection = _selection(selection)
     views = {id(v.param): (module_name, v) for module_name, v in weight_views(model, include_conv=True)}
     treated = {id(v.param) for v in select_targets(model, selection)}
@@ -106,11 +103,7 @@ def coverage_report(model: nn.Module, selection=None) -> str:
     Example:
         >>> print(coverage_report(model, Selection(scope="attention")))
     """
-    _BUSY.append(True)
-    try:
-        return _table(coverage(model, selection))
-    finally:
-        _BUSY.pop()
+    return _table(coverage(model, selection))
 
 
 def _table(rows) -> str:
@@ -134,21 +127,20 @@ def _line(key, names: list[str]) -> str:
 
 
 def log_coverage(model: nn.Module, selection=None, owner: str = "plasticity") -> None:
-    """Log the coverage table once per model and selection; warn about weights no callback can treat.
+    """Log the coverage table once per model, owner and selection; warn about weights no callback can treat.
+
+    Queries (:func:`~.select.select_targets`) never log; a callback logs its table at setup, a one-call
+    operation when it acts.
 
     Example:
         >>> log_coverage(pl_module, Selection(scope="attention"), "FIREReinit")
     """
-    key = _selection(selection)
+    key = (owner, _selection(selection))
     done = _LOGGED.setdefault(model, set())
-    if key in done or _BUSY:
+    if key in done:
         return
     done.add(key)
-    _BUSY.append(True)  # coverage() selects too; that selection must not log again
-    try:
-        rows = coverage(model, selection)
-    finally:
-        _BUSY.pop()
+    rows = coverage(model, selection)
     log.info("%s coverage:\n%s", owner, _table(rows))
     unknown = [name for name, _, status, detail in rows if detail.startswith(UNKNOWN)]
     if unknown:
@@ -162,9 +154,6 @@ def describe(model: nn.Module) -> str:
     Example:
         >>> print(describe(model))   # check the map before a long run
     """
-    from .select import find_neuron_layers
-    from .weights import output_heads
-
     names = {id(m): n for n, m in model.named_modules()}
     lines = [f"output heads (never treated by default): {sorted(output_heads(model))}",
              "weights, (out, in, *k) orientation:", coverage_report(model), "neuron layers (ReDo):"]

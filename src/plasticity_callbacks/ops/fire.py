@@ -1,11 +1,11 @@
 """``apply_fire``: FIRE on the selected weights of a model, once, as a plain function (no Lightning).
 
 The model-level half of FIRE: select weights through the model map, orthogonalize each (one row
-block at a time, :func:`~plasticity_callbacks.functional.isometry.fire_matrix`; a block is any set
+block at a time, :func:`~functional.isometry.fire_matrix`; a block is any set
 of rows, a grouped conv is treated per group and tap), write them back (a factorized weight
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
 split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
-rows of every polar factor (:func:`~plasticity_callbacks.core.sharding.sharded_fire`).
+rows of every polar factor (:func:`~distributed.sharding.sharded_fire`).
 
 On CPU with ``torch.get_num_threads() = T > 1`` the weights are solved ``T`` at a time, one thread each:
 LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin against other work on a
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
-from .model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
-from .distributed import is_dtensor
+from ..model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
+from ..distributed.strategy import is_dtensor
 from .optimizer_state import leaf_optimizers, reset_optimizer_state
-from .sharding import sharded_fire
+from ..distributed.sharding import sharded_fire
 
 
 def apply_fire(
@@ -40,7 +40,7 @@ def apply_fire(
         module: the model whose weights change.
         optimizers: an optimizer or a list of them (None: no optimizer state to reset).
         options: how to orthogonalize and rescale (:class:`FIREOptions`; None: its defaults).
-        selection: which weights (:class:`~plasticity_callbacks.core.model_map.Selection`; None: every
+        selection: which weights (:class:`~model_map.Selection`; None: every
             weight but the head); ignored when ``targets`` is given.
         record_spectra: keep singular values before/after in each record.
         targets: the exact weights to change.

@@ -21,7 +21,7 @@ class MissingExtraError(ImportError):
 
 def checkout_root() -> Path | None:
     """The source checkout this package is imported from (its ``pyproject.toml`` folder), or None for a wheel."""
-    root = Path(__file__).resolve().parents[3]  # <root>/src/plasticity_callbacks/core/extras.py
+    root = Path(__file__).resolve().parents[3]  # <root>/src/plasticity_callbacks/extras.py
     return root if (root / "pyproject.toml").is_file() and (root / "src" / "plasticity_callbacks").is_dir() else None
 
 

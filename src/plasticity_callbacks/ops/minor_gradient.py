@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .model_map.weights import is_conv1d
+from ..model_map.weights import is_conv1d
 
 # The check's relative tolerance: float32 sums in two orders agree to ~1e-6; float16/bfloat16 autocast to ~2.5e-3
 # (measured at widths 128–512, 256–4096 tokens). A weight's other use would show as its share of the gradient.

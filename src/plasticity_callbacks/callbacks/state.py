@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .checkpoints import CheckpointError
+from ..errors import CheckpointError
 
 OPTIONAL_INT = (int, type(None))
 OPTIONAL_NUMBER = (int, float, type(None))

@@ -22,7 +22,6 @@ Other reports reuse :func:`summarize`/:func:`markdown_table` (the mean ± std ta
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -455,24 +454,3 @@ def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     ])
     (out / "report.md").write_text(text)
     return text, figures
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="plasticity-report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="a sweep directory (multirun/...) or a single run directory")
-    parser.add_argument("--out", type=Path, default=None, help="where to write report.md and the PNGs "
-                                                                "(default RUN_DIR/report)")
-    args = parser.parse_args(argv)
-    from .stream_report import build_stream_report, has_stream_runs
-
-    try:
-        report = build_stream_report if has_stream_runs(args.run_dir) else build_report  # task streams: their own
-        text, figures = report(args.run_dir, args.out)
-    except FileNotFoundError as err:
-        parser.exit(2, f"plasticity-report: {err}\n")
-    print(text)
-    print("\n".join(f"wrote {p}" for p in [(args.out or args.run_dir / "report") / "report.md", *figures]))
-
-
-if __name__ == "__main__":
-    main()

@@ -32,20 +32,13 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from .checkpoints import (TRUST_ENV, CheckpointError, _pending_path, _write_synced, checksum_path,
-                          load_trusted_or_weights_only, sha256_of_file, unreadable, verified_hash)
+from ...errors import CheckpointError
+from .verified_files import (TRUST_ENV, pending_path, write_synced, checksum_path, load_trusted_or_weights_only,
+                          sha256_of_file, unreadable, verified_hash)
 
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shards
 REST_FILE = "meta.pt"  # Lightning's checkpoint dict less weights and optimizer states (rank 0)
 STATE_DICT_PREFIX = "state_dict."  # the model's entries in the index (Lightning saves {"state_dict": ...})
-
-
-def saves_folders(trainer) -> bool:
-    """Whether ``trainer``'s strategy writes its checkpoints as folders of shards (``ModelParallelStrategy`` with
-    ``save_distributed_checkpoint=True``; FSDP1, whose sharded folders are laid out otherwise, is refused by the
-    callbacks)."""
-    # ModelParallelStrategy(save_distributed_checkpoint=...) keeps the choice only as this private attribute
-    return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
 
 
 def save_folder(trainer, path: str | Path, weights_only: bool = False) -> None:
@@ -53,7 +46,7 @@ def save_folder(trainer, path: str | Path, weights_only: bool = False) -> None:
     partial folder and its files' checksums are recorded (see the module). Call it on every rank."""
 
     path = Path(path)
-    pending = _pending_path(path)
+    pending = pending_path(path)
     if trainer.is_global_zero and pending.is_dir():  # left by a write that was interrupted
         shutil.rmtree(pending)
     trainer.strategy.barrier("checkpoint_folder_start")
@@ -78,8 +71,8 @@ def commit_folder(pending: Path, path: Path) -> None:
             os.fsync(f.fileno())
         lines.append(f"{sha256_of_file(pending / file)}  {(pending / file).stat().st_size}  {file}\n")
     side = checksum_path(path)
-    _write_synced(_pending_path(side), "".join(lines).encode())
-    os.replace(_pending_path(side), side)
+    write_synced(pending_path(side), "".join(lines).encode())
+    os.replace(pending_path(side), side)
     replace_folder(pending, path)
 
 
@@ -135,7 +128,7 @@ def verify_folder(path: str | Path) -> Path:
     a one-line :class:`CheckpointError` otherwise."""
 
     path = Path(path)
-    pending = _pending_path(path)
+    pending = pending_path(path)
     recorded = recorded_files(path)
     if recorded is not None and pending.is_dir() and mismatch(pending, recorded) is None:
         replace_folder(pending, path)  # finish a write interrupted between its checksums and its rename

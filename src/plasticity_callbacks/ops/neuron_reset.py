@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ..functional.dormancy import Init, fresh_weights
-from .model_map import is_conv1d
+from ..model_map import is_conv1d
 from .optimizer_state import zero_optimizer_state_slices
-from .sharding import local_part
+from ..distributed.sharding import local_part
 
 
 @torch.no_grad()
@@ -33,7 +33,7 @@ def reinit_incoming(
         up: the layer whose output units are the neurons (``nn.Linear``, conv, HF ``Conv1D``).
         mask: ``(hidden,)`` bool, the neurons to recycle.
         gate: the gate projection of a gated MLP (its rows are re-sampled too).
-        init: how to draw a fresh row (see :func:`~plasticity_callbacks.functional.dormancy.fresh_weights`);
+        init: how to draw a fresh row (see :func:`~functional.dormancy.fresh_weights`);
             a pair ``(up_init, gate_init)`` gives each layer its own.
         optimizer: an optimizer, a list of them or None: the moments of exactly those rows are zeroed
             (``step`` is kept: PyTorch keeps one counter per tensor, so resetting it would restart

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from .model_map import Selection
+from . import Selection
 
 
 def name_selection(selection: Selection | Mapping | None, owner: str) -> Selection:

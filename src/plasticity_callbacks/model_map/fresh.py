@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..distributed import is_dtensor
+from ..distributed.strategy import is_dtensor
 
 
 def _is_hf_model(module: nn.Module) -> bool:
@@ -122,7 +122,7 @@ def fresh_parameters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     whether that is an error. Neither ``model`` nor the global RNG is touched. FSDP2: every value is
     the whole tensor one process draws (every rank draws it: peak extra memory one full copy of the
     unit drawn, the whole model when its own ``init_weights`` draws it whole); keep a rank's rows with
-    :func:`~plasticity_callbacks.core.sharding.local_part`.
+    :func:`~distributed.sharding.local_part`.
 
     Example:
         >>> fresh = fresh_parameters(model, seed=0)

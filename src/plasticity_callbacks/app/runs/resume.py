@@ -28,7 +28,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from .checkpoints import ResumeError, VerifiedCheckpointIO
+from ...errors import ResumeError
+from .checkpoints import VerifiedCheckpointIO
 
 # Keys a resume may always change: where files go, how the resume itself is asked for, and how long
 # training runs (extending a run is what resuming is for). Everything else must match.

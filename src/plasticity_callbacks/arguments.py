@@ -10,10 +10,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 
-class ConfigError(ValueError):
-    """A configuration value is not allowed; the message names the field and the choices."""
-
-
 def check_int(name: str, value, minimum: int = 1, optional: bool = False, hint: str = "") -> None:
     """``value`` must be an int (not a bool) ``>= minimum``, or None when ``optional``."""
     if value is None and optional:

@@ -16,7 +16,7 @@ A :class:`WeightView` hides how a layer stores its weight:
   weight and :meth:`WeightView.write` sets it (by writing ``W_p``).
 
 Roles come from the model's structure: a module's ``plasticity_role`` class attribute, a
-declaration (:func:`~plasticity_callbacks.core.model_map.declare_plasticity`), attention modules
+declaration (:func:`~model_map.declare_plasticity`), attention modules
 (``nn.MultiheadAttention`` and classes named ``*Attention``), MLP blocks (classes named ``*MLP``,
 ``*FeedForward``, ``*FFN``) and the MLP layers the neuron
 adapters recognise; every weight inherits the role of its nearest declaring ancestor, else

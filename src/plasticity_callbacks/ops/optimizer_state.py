@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import torch
 from torch.optim import Optimizer
 
-from .sharding import local_part
+from ..distributed.sharding import local_part
 
 
 def leaf_optimizers(optimizers) -> Iterator[Optimizer]:

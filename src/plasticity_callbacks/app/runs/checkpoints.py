@@ -21,11 +21,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
-import pickle
-import re
 import shutil
 import signal
 import threading
@@ -38,16 +35,11 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-CHECKSUM_SUFFIX = ".sha256"
-PENDING_SUFFIX = ".writing"  # the new bytes, renamed over the checkpoint once its checksum is recorded
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or run-state file) that cannot be written or trusted; the message is one line."""
-
-
-class ResumeError(RuntimeError):
-    """A resume (or a second run) that would not continue the interrupted run faithfully; one-line message."""
+from ...distributed.strategy import saves_folders
+from ...errors import CheckpointError, ResumeError
+from .checkpoint_folders import read_folder, save_folder, verify_folder
+from .verified_files import (CHECKSUM_SUFFIX, checksum_path, load_trusted_or_weights_only, pending_path, recorded_checksum,
+                             trusted_by_environment, verified_hash, write_verified)
 
 
 class RunInterrupted(SystemExit):
@@ -64,73 +56,6 @@ class RunInterrupted(SystemExit):
     def __str__(self) -> str:
         return (f"stopped by {signal.Signals(self.signum).name} at step {self.step}; checkpoint {self.path} saved and "
                 "verified: resume with the same command and ckpt_path=last (a pipeline: pipeline.resume=true)")
-
-
-def sha256_of(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_of_file(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):  # 16 MiB at a time: a large checkpoint is never held twice in memory
-            digest.update(block)
-    return digest.hexdigest()
-
-
-_REMEMBERED: dict | None = None  # inside hashes_remembered(): a file's identity and times -> its SHA-256
-
-
-@contextlib.contextmanager
-def hashes_remembered():
-    """Inside, verifying a file that is unchanged since it was last verified (same path, inode, size and
-    modification and change times) reuses its hash: a pipeline verifies a completed phase's checkpoint when it
-    starts and again when it loads it, and a large checkpoint is then read once. A rewrite (new bytes, or a
-    rename into place) changes the times or the inode. The read-back after a write always hashes."""
-    global _REMEMBERED
-    outer = _REMEMBERED
-    _REMEMBERED = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _REMEMBERED = outer
-
-
-def verified_hash(path: Path) -> str:
-    """The SHA-256 of ``path`` for a verification (see :func:`hashes_remembered`)."""
-    if _REMEMBERED is None:
-        return sha256_of_file(path)
-    stat = os.stat(path)
-    key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-    if key not in _REMEMBERED:
-        _REMEMBERED[key] = sha256_of_file(path)
-    return _REMEMBERED[key]
-
-
-def checksum_path(path: Path) -> Path:
-    return path.with_name(path.name + CHECKSUM_SUFFIX)
-
-
-def _pending_path(path: Path) -> Path:
-    return path.with_name(path.name + PENDING_SUFFIX)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def recorded_checksum(path: Path) -> tuple[str, int] | None:
-    """``(sha256, size)`` from the file beside ``path``, or None when there is none."""
-    side = checksum_path(path)
-    if not side.is_file():
-        return None
-    fields = side.read_text().split()
-    if len(fields) < 2 or len(fields[0]) != 64 or not fields[1].isdigit():
-        raise CheckpointError(f"checkpoint checksum file {side} is malformed; delete it to load {path.name} unverified")
-    return fields[0], int(fields[1])
 
 
 @contextlib.contextmanager
@@ -156,45 +81,12 @@ def stop_signals_deferred():
             signal.raise_signal(signum)
 
 
-def write_verified(data: bytes, path: str | Path) -> None:
-    """Write ``data`` to ``path`` so that a reader never sees a partial file, verify it, record its checksum.
-
-    Order: the bytes go to ``<path>.writing`` (synced), the checksum file is replaced, then the
-    pending file is renamed over ``path``. An interruption between the last two leaves a pending
-    file that matches the checksum; :func:`verify_file` finishes that rename.
-    """
-    path = Path(path)
-    digest = sha256_of(data)
-    pending, side = _pending_path(path), checksum_path(path)
-    side_pending = _pending_path(side)
-    recorded = False
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_synced(pending, data)
-        if sha256_of_file(pending) != digest:
-            raise OSError("the bytes read back differ from the bytes written")
-        _write_synced(side_pending, f"{digest}  {len(data)}  {path.name}\n".encode())
-        os.replace(side_pending, side)
-        recorded = True
-        os.replace(pending, path)
-        if path.stat().st_size != len(data):
-            raise OSError(f"{path.stat().st_size} bytes on disk, {len(data)} written")
-    except OSError as err:
-        for leftover in ([side_pending] if recorded else [side_pending, pending]):  # keep what recovery needs
-            with contextlib.suppress(OSError):
-                leftover.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {path}: {err.strerror or err}; the run stops here so that "
-                              "it does not go on without checkpoints (free space or fix permissions, then resume)") from err
-
-
 def verify_file(path: str | Path) -> Path:
     """Check ``path`` exists, is not empty and matches the checksum beside it (when there is one); a
     distributed checkpoint (a folder) through :func:`~.checkpoint_folders.verify_folder`."""
     path = Path(path)
-    pending = _pending_path(path)
+    pending = pending_path(path)
     if path.is_dir() or pending.is_dir():
-        from .checkpoint_folders import verify_folder  # (it builds on this module)
-
         return verify_folder(path)
     recorded = recorded_checksum(path) if path.is_file() or pending.is_file() else None
     if recorded is not None and pending.is_file() and verified_hash(pending) == recorded[0]:
@@ -215,13 +107,6 @@ def verify_file(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not match its recorded SHA-256: the file was altered or "
                               "damaged on disk; use an earlier checkpoint")
     return path
-
-
-TRUST_ENV = "PLASTICITY_TRUST_CHECKPOINTS"  # =1: load checkpoints with full unpickling (runs code they carry)
-
-
-def trusted_by_environment() -> bool:
-    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | None = None, **load_kwargs) -> dict:
@@ -249,34 +134,8 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | N
     path = verify_file(path)
     trust = trusted_by_environment() if trust is None else trust
     if path.is_dir():  # a distributed checkpoint; mmap: the checks need shapes, not weights
-        from .checkpoint_folders import read_folder
-
         return read_folder(path, map_location=map_location, trust=trust, tensors=not load_kwargs.get("mmap"))
     return load_trusted_or_weights_only(path, map_location=map_location, trust=trust, **load_kwargs)
-
-
-def load_trusted_or_weights_only(path: Path, map_location: Any = "cpu", trust: bool = False, **load_kwargs) -> dict:
-    """``torch.load`` with ``weights_only=not trust``; every failure a one-line :class:`CheckpointError`."""
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=not trust, **load_kwargs)
-    except pickle.UnpicklingError as err:
-        if "weights only" not in str(err).lower() and "weights_only" not in str(err).lower():
-            raise unreadable(path, err) from err
-        found = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(err))
-        what = found.group(1) if found else "an object that is not a tensor or plain data"
-        raise CheckpointError(f"checkpoint {path} needs arbitrary code to load ({what}) and was refused; only if you "
-                              f"trust its source, load it with {TRUST_ENV}=1") from None
-    except Exception as err:  # EOFError, OSError, RuntimeError ...: whatever a damaged file raises
-        raise unreadable(path, err) from err
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
-    return checkpoint
-
-
-def unreadable(path: Path, err: Exception) -> CheckpointError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
-                           f"{first[:200]}")
 
 
 def remove_with_checksum(path: str | Path) -> None:
@@ -420,8 +279,6 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
         rank_zero_info(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping")
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
-        from .checkpoint_folders import save_folder, saves_folders
-
         if not saves_folders(trainer):
             return super()._save_checkpoint(trainer, filepath)
         # The strategy writes a folder without the CheckpointIO plugin: written aside, checksummed, renamed.

@@ -14,7 +14,6 @@ from torch import nn
 
 from ..arguments import build_options
 from .neurons import HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
-from .coverage import log_coverage
 from .probe import probe_fused_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
                       stored_param, unknown_split)
@@ -147,7 +146,6 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
         if exclude is not None and _matches(view.name, exclude):
             continue
         targets.append(view)
-    log_coverage(model, selection, "select_targets")
     return targets
 
 

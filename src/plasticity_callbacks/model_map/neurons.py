@@ -7,7 +7,7 @@ A BatchNorm between ``up`` and the activation (``norm``) belongs to the unit too
 
 Found, first match wins per ``up`` layer:
 
-1. a declaration (:func:`~plasticity_callbacks.core.model_map.declare_plasticity` ``neurons=``);
+1. a declaration (:func:`~model_map.declare_plasticity` ``neurons=``);
 2. modules with ``neuron_layouts()`` (this package's GPT MLPs);
 3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; Phi-3's fused
    ``gate_up_proj, down_proj`` (unit ``i`` is row ``i`` of each half); ``w1, w3, w2``;

@@ -8,7 +8,7 @@ dimension (``W`` for ``nn.Linear``; ``Wᵀ`` for Hugging Face's ``Conv1D``, stor
 ``XᵀX = Σ_r X_rᵀX_r``, so one all-reduce of a small Gram matrix gives every rank ``G = XᵀX``, and
 each rank writes its own rows of ``polar(X) = X G^{-1/2}`` (float64 eigendecomposition of ``G``).
 ``polar(Wᵀ) = polar(W)ᵀ``, so the transposed layout is the same computation
-(:func:`~plasticity_callbacks.functional.spectral.polar_from_gram` does each rank's product). A row
+(:func:`~functional.spectral.polar_from_gram` does each rank's product). A row
 block of a fused matrix (Q/K/V) is a set of rows: each rank contributes the Gram matrix of the rows of
 the block it holds, whichever shard boundaries fall inside the block. The route is exact when ``X`` is
 tall or square and has full column rank. A wide ``X`` (``m < n``: ``G`` would be ``n × n``, larger
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..functional.shrink import apply_shrink_
 from ..functional.spectral import (RankDeficientError, deviation_from_isometry,
                                    orthogonalize, polar_from_gram)
-from .distributed import is_dtensor
+from .strategy import is_dtensor
 
 
 def local_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -79,15 +79,15 @@ def sharded_fire(target, options, record_spectra: bool = False) -> list:
     """FIRE on one weight whose parameter is a ``Shard(0)`` DTensor: every row block, rows written in place.
 
     Args:
-        target: a :class:`~plasticity_callbacks.core.model_map.WeightView` (not factorized, not a grouped conv).
-        options: :class:`~plasticity_callbacks.functional.isometry.FIREOptions`; ``scale`` and ``on_degenerate``
+        target: a :class:`~model_map.WeightView` (not factorized, not a grouped conv).
+        options: :class:`~functional.isometry.FIREOptions`; ``scale`` and ``on_degenerate``
             apply. An iteration run to its tolerance reaches the exact polar factor, which the Gram route
             computes directly; a fixed ``steps`` count stops short of it, so such a block is gathered and
             orthogonalized with ``options`` as one process does.
         record_spectra: keep singular values before/after (square roots of the Gram matrix's eigenvalues).
 
     Returns:
-        One :class:`~plasticity_callbacks.functional.isometry.FireRecord` per block, identical on every rank.
+        One :class:`~functional.isometry.FireRecord` per block, identical on every rank.
 
     Example:
         >>> records = sharded_fire(view, FIREOptions())   # on every rank: it is a collective
@@ -221,7 +221,7 @@ def sharded_shrink_(target, direction: torch.Tensor, factor_fn) -> torch.Tensor:
     rank scales its own slice.
 
     Args:
-        target: a :class:`~plasticity_callbacks.core.model_map.WeightView` whose parameter is a DTensor.
+        target: a :class:`~model_map.WeightView` whose parameter is a DTensor.
         direction: stored like the parameter, a DTensor with the same placements (``.grad`` under FSDP2).
         factor_fn: ``(weight, direction) -> factors`` in ``(out, in)`` orientation, one per row or kernel slice.
 

@@ -23,7 +23,7 @@ def can_draw(owner: str, option: str) -> bool:
         owner: the callback's name, e.g. ``"FIREReinit"``.
         option: the argument that asked for the figure, e.g. ``"save_spectra"``.
     """
-    from .extras import MissingExtraError, require_module
+    from ..extras import MissingExtraError, require_module
 
     try:
         require_module("matplotlib", "plots", f"{owner}({option}=True)")

@@ -5,7 +5,7 @@ all-reduced when ``on_before_optimizer_step`` runs, so a deterministic computati
 identical weights everywhere. Randomness (re-sampled neurons, fresh inits) must come from a
 generator seeded the same way on every rank. Sharded strategies hold only shards. FSDP2
 (Lightning's ``ModelParallelStrategy`` with ``fully_shard``) keeps each weight a ``DTensor``
-sharded on dim 0: a callback that acts on such shards (:mod:`plasticity_callbacks.core.sharding`)
+sharded on dim 0: a callback that acts on such shards (:mod:`plasticity_callbacks.distributed.sharding`)
 declares so with ``require_full_parameters(..., fsdp2=True)``; the others, and every callback
 under FSDP1 or DeepSpeed, refuse at setup with the fix rather than act on shards. For code of a
 user's own that needs whole weights, ``full_parameters(module)`` makes every weight whole inside a
@@ -36,7 +36,7 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
     """Raise a clear error under a strategy whose sharded parameters the caller cannot act on.
 
     ``fsdp2=True``: the caller acts on each rank's shard of ``DTensor`` parameters
-    (:mod:`plasticity_callbacks.core.sharding`), so ``ModelParallelStrategy`` (FSDP2) is accepted.
+    (:mod:`plasticity_callbacks.distributed.sharding`), so ``ModelParallelStrategy`` (FSDP2) is accepted.
     FSDP1 (``FSDPStrategy``, flat parameters) and DeepSpeed (ZeRO partitions) are always refused with the fix.
 
     Example:
@@ -136,3 +136,11 @@ def all_reduce_mean(trainer, tensor: torch.Tensor) -> torch.Tensor:
     if trainer is None or trainer.world_size == 1:
         return tensor
     return trainer.strategy.reduce(tensor, reduce_op="mean")
+
+
+def saves_folders(trainer) -> bool:
+    """Whether ``trainer``'s strategy writes its checkpoints as folders of shards (``ModelParallelStrategy`` with
+    ``save_distributed_checkpoint=True``; FSDP1, whose sharded folders are laid out otherwise, is refused by the
+    callbacks)."""
+    # ModelParallelStrategy(save_distributed_checkpoint=...) keeps the choice only as this private attribute
+    return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))

@@ -1,0 +1,98 @@
+"""The package's layers import downwards only: no import cycle, function-local imports counted."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import plasticity_callbacks
+
+PACKAGE = Path(plasticity_callbacks.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent / Path(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every package module ``path`` imports, at any depth (a function-local import is an import too)."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("plasticity_callbacks"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("plasticity_callbacks"):
+                target = node.module
+            else:
+                continue
+            subs = [f"{target}.{a.name}" for a in node.names if is_module(f"{target}.{a.name}")]
+            found.update(subs)
+            if len(subs) < len(node.names):
+                found.add(target)
+    found.discard(here)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py") if p.name != "__main__.py"}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_checker_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph()
+    assert "plasticity_callbacks.app.runs.checkpoints" in graph  # the walk reached the nested layers
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+@pytest.mark.parametrize("layer", ["functional", "model_map", "ops"])
+def test_lower_layers_do_not_import_higher_ones(layer):
+    graph = import_graph()
+    higher = ("plasticity_callbacks.callbacks", "plasticity_callbacks.app", "plasticity_callbacks.integrations")
+    for module, targets in graph.items():
+        if module.startswith(f"plasticity_callbacks.{layer}"):
+            assert not [t for t in targets if t.startswith(higher)], module
+
+
+def test_old_core_imports_name_their_new_module():
+    with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.ops\.fire instead"):
+        import plasticity_callbacks.core.apply_fire  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.model_map instead"):
+        from plasticity_callbacks.core.model_map import select_targets  # noqa: F401
