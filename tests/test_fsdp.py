@@ -397,7 +397,9 @@ def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs, n
 def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
     from plasticity_callbacks.callbacks.gate_logger import GateLogger
     from plasticity_callbacks.callbacks.task_metrics import TaskMetrics
-    from plasticity_callbacks.distributed.strategy import MisconfigurationException, require_full_parameters
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from plasticity_callbacks.distributed.strategy import require_full_parameters
 
     trainer = SimpleNamespace(strategy=type(strategy, (), {})())
     for fsdp2 in (False, True):
@@ -410,18 +412,31 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
 
 
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
-    from plasticity_callbacks import (AdaptiveSVDSwitch, ContinualBackprop, DASHPeriodic, DASHShrink, FIREReinit,
-                                      FullReset, HareTortoise, L2Init, ReDoMonitor, ShrinkPerturb, WeightClip)
-    from plasticity_callbacks.distributed.strategy import MisconfigurationException, require_full_parameters
+    """Every exported callback that declares ``supports_fsdp2`` passes the check; one that does not is refused
+    with a message listing exactly the declared ones (generated, so a new method is listed without an edit)."""
+    import plasticity_callbacks
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from plasticity_callbacks import AdaptiveSVDSwitch, PlasticityCallback, ReDoMonitor
+    from plasticity_callbacks.callbacks.base import fsdp2_callbacks
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    for accepted in (FIREReinit(), ReDoMonitor(), DASHShrink(), DASHPeriodic(), ShrinkPerturb(), FullReset(),
-                     WeightClip(), ContinualBackprop(), L2Init(), HareTortoise(),
-                     AdaptiveSVDSwitch(minor_training="project")):
-        accepted.check_strategy(trainer)
-    with pytest.raises(MisconfigurationException,
-                       match="Owner.*FSDP2.*FIREReinit, ReDoMonitor, DASH.*AdaptiveSVDSwitch.*do.*ddp"):
-        require_full_parameters(trainer, "Owner")  # a callback that does not declare fsdp2=True
+    exported = [getattr(plasticity_callbacks, name) for name in plasticity_callbacks.__all__]
+    methods = [cls for cls in exported if isinstance(cls, type) and issubclass(cls, PlasticityCallback)
+               and cls is not PlasticityCallback]
+    assert len(methods) >= 11 and all(cls.supports_fsdp2 for cls in methods)
+    for cls in methods:
+        (cls(minor_training="project") if cls is AdaptiveSVDSwitch else cls()).check_strategy(trainer)
+    listed = fsdp2_callbacks()
+    assert {cls.__name__ for cls in methods} | {"TaskMetrics", "GateLogger"} == set(listed)
+
+    class ActsOnWholeWeights(ReDoMonitor):
+        supports_fsdp2 = False
+
+    with pytest.raises(MisconfigurationException, match="ActsOnWholeWeights does not act on FSDP2's sharded weights"
+                       ) as refused:
+        ActsOnWholeWeights().check_strategy(trainer)
+    assert f"; {', '.join(listed)} do. Use strategy='ddp'" in str(refused.value)
     with pytest.raises(MisconfigurationException, match="factorize.*ModelParallelStrategy.*neither sharded.*'project'"):
         AdaptiveSVDSwitch(minor_training="factorize").check_strategy(trainer)
 

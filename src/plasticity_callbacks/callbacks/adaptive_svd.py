@@ -11,11 +11,12 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..ops import factorization
 from ..distributed import sharded_subspace
 from ..arguments import build_options, check_int, check_number
-from ..distributed.strategy import MisconfigurationException, gather_full, is_dtensor, require_full_parameters
+from ..distributed.strategy import gather_full, is_dtensor
 from .figures import can_draw, save_figure
 from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
 from ..model_map import Selection, WeightView, require_targets, select_targets
@@ -204,6 +205,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         >>> trainer.fit(module, datamodule=data)
     """
 
+    supports_fsdp2 = True  # minor_training="project": distributed.sharded_subspace
     summary_metrics = ("adaptive_svd/n_minor",)
     default_schedule = Schedule(every_n_steps=100, start_step=100)
     extra_state_types = {"matrices": dict, "history": list}
@@ -253,7 +255,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- setup and resume
     def check_strategy(self, trainer: L.Trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: distributed.sharded_subspace
+        super().check_strategy(trainer)
         if self.minor_training == "factorize" and not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise MisconfigurationException(
                 f"AdaptiveSVDSwitch(minor_training='factorize') changes the parameter set during training, which "
@@ -314,7 +316,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 m.tap_checked = entry.get("tap_checked")
         self.history = [tuple(h) for h in self._pending["history"]]
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def attach(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._follow_sharded_parameters()
         # Runs after configure_optimizers and before Lightning loads the optimizer state, so the
         # factors re-join their groups in the saved order and their moments load into them.

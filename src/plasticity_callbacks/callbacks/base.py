@@ -1,15 +1,23 @@
 """``PlasticityCallback``: the base of every method that acts on a :class:`~callbacks.schedule.Schedule`."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
+import torch
+from torch import nn
 
 from .state import check_state
 from ..distributed.strategy import require_full_parameters
 from ..model_map import Selection, require_targets, select_targets
 from ..model_map.coverage import log_coverage
+from ..ops.fresh import fresh_values
+from ..ops.optimizer_state import reset_optimizer_state
 from .schedule import Schedule, ScheduleState
 from ..distributed.sharded_state import pack_for_checkpoint, reshard
 from .step_logging import log_at_step, write_to_loggers
@@ -20,12 +28,15 @@ STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batc
 class PlasticityCallback(L.Callback):
     """A plasticity method: the base owns *when* (hooks, schedule, resume), the subclass writes *what* in ``act``.
 
+    Set-up: ``setup`` starts a new fit's schedule state, checks the strategy (sharded parameters are refused
+    unless ``supports_fsdp2``) and that the selection finds weights (:meth:`check_targets`); :meth:`attach`
+    (hooks, per-fit tensors placed like the parameters) runs at ``on_fit_start`` and again at
+    ``on_train_start``, after a checkpoint restore and the strategy's set-up.
+
     When: ``on_train_start`` (fit start), ``on_train_epoch_start`` (epochs), ``step_hook``
     (steps, task boundaries; ``on_train_batch_start`` unless a subclass names another) and
     ``on_validation_end`` (plateaus) ask the :class:`ScheduleState` whether the schedule is due and,
-    if so, call ``act(trainer, pl_module, reason)``. ``setup`` starts a new fit's schedule state,
-    checks the strategy (:meth:`check_strategy`) and that the selection finds weights
-    (:meth:`check_targets`). The metrics ``act`` returns are an event (:meth:`log_event`): one row
+    if so, call ``act(trainer, pl_module, reason)``. The metrics ``act`` returns are an event (:meth:`log_event`): one row
     in every logger, at the step of the action, whatever ``log_every_n_steps``, and the latest
     value of each in ``trainer.callback_metrics`` (for ``Schedule(monitor=...)``, ``ModelCheckpoint``).
     An action at a validation end is written at the next training hook, at the same step, so the
@@ -35,9 +46,12 @@ class PlasticityCallback(L.Callback):
     :func:`~callbacks.step_logging.log_at_step`, which writes it at those steps only.
     ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
     ``check_state`` against ``extra_state_types``. A subclass that needs more hooks overrides them
-    and calls ``super()``.
+    and calls ``super()``. :meth:`fresh_values` (a fresh draw by the model's own init code) and
+    :meth:`reset_optimizer_state` are shared helpers for ``act``.
 
     Class attributes a subclass sets:
+        supports_fsdp2: ``act`` works on FSDP2's sharded ``DTensor`` parameters (each rank its own rows);
+            False: ``ModelParallelStrategy`` is refused at setup with the fix.
         summary_metrics: logged names a pipeline or report summarizes for this method.
         default_schedule: the schedule when none is given (None: the method needs no schedule).
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
@@ -76,6 +90,7 @@ class PlasticityCallback(L.Callback):
         >>> trainer = L.Trainer(callbacks=[HalveWeights(Schedule(every_n_steps=100))], max_steps=1000)
     """
 
+    supports_fsdp2: ClassVar[bool] = False
     summary_metrics: ClassVar[tuple[str, ...]] = ()
     default_schedule: ClassVar[Schedule | None] = Schedule(at_fit_start=True)
     step_hook: ClassVar[str] = "on_train_batch_start"
@@ -110,9 +125,16 @@ class PlasticityCallback(L.Callback):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`extra_state` (already checked against ``extra_state_types``)."""
 
+    def attach(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Set up what ``act`` needs for this fit (forward hooks, tensors paired with parameters); called at
+        ``on_fit_start`` (optimizers exist, their checkpointed state is not loaded yet) and again at
+        ``on_train_start`` (after FSDP2's late checkpoint restore and parameter set-up), so it must be
+        idempotent: remove what a previous call attached, or keep it when it is still current."""
+
     def check_strategy(self, trainer: L.Trainer) -> None:
-        """Refuse strategies the method cannot act under; by default sharded parameters (FSDP, DeepSpeed 3)."""
-        require_full_parameters(trainer, self.owner)
+        """Refuse strategies the method cannot act under: FSDP1 and DeepSpeed always, FSDP2 unless
+        ``supports_fsdp2``. A subclass with further rules overrides this and calls ``super()``."""
+        require_full_parameters(trainer, self.owner, fsdp2=self.supports_fsdp2, fsdp2_capable=fsdp2_callbacks)
 
     def check_targets(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Fail at setup, before any training, when the selection finds no weight; show what it treats and
@@ -129,7 +151,11 @@ class PlasticityCallback(L.Callback):
         self.check_strategy(trainer)
         self.check_targets(trainer, pl_module)
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.attach(trainer, pl_module)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.attach(trainer, pl_module)
         self.write_pending_logs(trainer)  # a resume at a checkpoint written after a validation end's action
         if self.firing is not None:
             self.act_if(self.firing.due_at_train_start(trainer), trainer, pl_module)
@@ -168,6 +194,19 @@ class PlasticityCallback(L.Callback):
         self._pending_logs = {str(k): float(v) for k, v in (state_dict.get("pending_logs") or {}).items()}
         self.load_extra_state({k: v for k, v in state_dict.items() if k not in ("schedule", "pending_logs")})
 
+    # ------------------------------------------------------------------ helpers for act
+    def fresh_values(self, pl_module: nn.Module, names: Iterable[str], seed: int) -> dict[str, torch.Tensor]:
+        """``{name: fresh value}`` of the named parameters, drawn by the model's own init code (Hugging Face
+        ``_init_weights``, ``init_weights``, each layer's ``reset_parameters``) from ``seed``; the same values on
+        every rank. A parameter that no init reaches is an error naming it and the fix, never a silent copy
+        (:func:`~ops.fresh.fresh_values`)."""
+        return fresh_values(pl_module, names, seed, self.owner)
+
+    def reset_optimizer_state(self, trainer: L.Trainer, params: Iterable[torch.Tensor]) -> int:
+        """Drop the optimizer state of exactly ``params`` (the optimizer then treats them as new: zero moments,
+        ``step`` 0); return how many entries were dropped."""
+        return reset_optimizer_state(trainer.optimizers, params)
+
     # ------------------------------------------------------------------ plumbing
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule, defer: bool = False) -> None:
         """Call :meth:`act` when ``reason`` is not None and log its metrics as an event."""
@@ -203,3 +242,17 @@ class PlasticityCallback(L.Callback):
         if hook == self.step_hook and self.firing is not None:
             self.act_if(self.firing.due_at_step(trainer), trainer, pl_module)
         self.write_pending_logs(trainer)  # those of a validation end: no optimizer step since, the same global step
+
+
+def fsdp2_callbacks() -> list[str]:
+    """The names of this package's callbacks that act under FSDP2 (``supports_fsdp2 = True``), found in the
+    modules of :mod:`plasticity_callbacks.callbacks` (each imported by name, so a new one is listed without an
+    edit)."""
+    names = set()
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        module = importlib.import_module(f"{__package__}.{info.name}")
+        names.update(name for name, cls in inspect.getmembers(module, inspect.isclass)
+                     if cls.__module__ == module.__name__ and issubclass(cls, L.Callback)
+                     and getattr(cls, "supports_fsdp2", False))
+    return sorted(names)
+

@@ -8,7 +8,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..arguments import check_int, check_number
-from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator, require_full_parameters
+from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
 from ..ops.neuron_reset import reset_norm_channels
 from ..ops.optimizer_state import zero_optimizer_state_slices
@@ -72,6 +72,7 @@ class ContinualBackprop(PlasticityCallback):
         >>> trainer.fit(module, datamodule)   # logs cbp/replaced
     """
 
+    supports_fsdp2 = True  # FSDP2: rows and columns of shards
     summary_metrics = ("cbp/replaced",)
     default_schedule = None  # generate-and-test runs every step
     extra_state_types = {"layers": list, "stats": list, "carry": list, "replaced": int}
@@ -110,9 +111,6 @@ class ContinualBackprop(PlasticityCallback):
     def state_key(self) -> str:
         return self._generate_state_key(rate=self.rate, maturity=self.maturity, layers=sorted(self.layer_map or {}))
 
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows and columns of shards
-
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
@@ -124,8 +122,9 @@ class ContinualBackprop(PlasticityCallback):
         if self.bias_correction and unbiased:
             rank_zero_warn(f"ContinualBackprop: the down layers of {unbiased} have no bias, so replaced units' mean "
                            "contribution is dropped there; pass bias_correction=False to say that is intended")
+        rank_zero_info(f"ContinualBackprop watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def attach(self, trainer, pl_module) -> None:
         self._trainer = trainer  # the strategy's collectives, for the forward hooks
         if not self.stats:
             device = self.layers[0].up.weight.device
@@ -138,10 +137,6 @@ class ContinualBackprop(PlasticityCallback):
         self._remove_hooks()
         for index, layer in enumerate(self.layers):
             self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
-        rank_zero_info(f"ContinualBackprop watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
         self._last_step = trainer.global_step
 
     def on_fit_end(self, trainer, pl_module) -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from ..arguments import check_int, check_number
-from ..distributed.strategy import all_reduce_mean, is_dtensor, require_full_parameters
+from ..distributed.strategy import all_reduce_mean, is_dtensor
 from ..ops.minor_gradient import full_gradients
 from ..model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
 from ..ops.optimizer_state import owning_optimizer
@@ -79,10 +79,7 @@ class DirectionalShrink(PlasticityCallback):
         return self._generate_state_key(schedule=self.schedule.describe(), scope=self.selection.scope,
                                         include=self.selection.include, exclude=self.selection.exclude)
 
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: each rank's rows (distributed.sharding)
-
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def attach(self, trainer, pl_module) -> None:
         self._layers = self._select_layers(trainer, pl_module)  # optimizers exist only from here on
 
     def extra_state(self) -> dict:
@@ -210,6 +207,7 @@ class DASHShrink(DirectionalShrink):
         >>> trainer.fit(module, datamodule=next_phase_data)   # shrinks once, before the first step
     """
 
+    supports_fsdp2 = True  # FSDP2: each rank's rows (distributed.sharding.sharded_shrink_)
     prefix = "dash"
     summary_metrics = ("dash/shrunk_fraction",)
 

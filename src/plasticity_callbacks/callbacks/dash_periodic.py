@@ -55,6 +55,7 @@ class DASHPeriodic(DirectionalShrink):
         >>> trainer.fit(module, datamodule=data)
     """
 
+    supports_fsdp2 = True  # FSDP2: each rank's rows from its shard of .grad
     prefix = "dash_periodic"
     summary_metrics = ("dash_periodic/shrunk_fraction",)
     default_schedule = Schedule(every_n_steps=2000)

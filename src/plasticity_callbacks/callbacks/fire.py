@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ..ops.fire import apply_fire
 from ..arguments import build_options, check_int
 from .state import OPTIONAL_INT
-from ..distributed.strategy import all_reduce_mean, require_full_parameters
+from ..distributed.strategy import all_reduce_mean
 from ..model_map import Selection, refuse_unknown_splits, select_targets
 from ..ops.optimizer_state import leaf_optimizers
 from .schedule import Schedule
@@ -58,6 +58,7 @@ class FIREReinit(PlasticityCallback):
         >>> trainer.fit(model, datamodule=next_phase_data)
     """
 
+    supports_fsdp2 = True  # FSDP2 shards: distributed.sharding
     summary_metrics = ("fire/dfi_before", "fire/dfi_after")
     extra_state_types = {"history": list, "warmup_start": OPTIONAL_INT}
 
@@ -90,10 +91,9 @@ class FIREReinit(PlasticityCallback):
         super().check_targets(trainer, pl_module)
         refuse_unknown_splits(select_targets(pl_module, self.selection), self.owner)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def attach(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.rewarmup_steps:
             self._install_rewarmup_hooks(trainer)
-        super().on_train_start(trainer, pl_module)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_rewarmup_hooks()
@@ -107,9 +107,6 @@ class FIREReinit(PlasticityCallback):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.history = list(state["history"])
         self.warmup_start = state["warmup_start"]
-
-    def check_strategy(self, trainer: L.Trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2 shards: distributed.sharding
 
     def act(self, trainer: L.Trainer, pl_module: L.LightningModule, reason: str) -> dict[str, float]:
         with warnings.catch_warnings(record=True) as caught:

@@ -1,6 +1,8 @@
 """``GateLogger``: log the learned skip gates of reciprocal blocks during training."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import lightning as L
 import torch
 from torch import nn
@@ -37,6 +39,8 @@ class GateLogger(L.Callback):
         >>> trainer.fit(module, datamodule=CodeCorpusDataModule())
     """
 
+    supports_fsdp2: ClassVar[bool] = True  # each gate gathered from its shard
+
     def __init__(self, every_n_steps: int = 50, log_decisions: bool = True):
         check_int("every_n_steps", every_n_steps)
         if not isinstance(log_decisions, bool):
@@ -46,7 +50,7 @@ class GateLogger(L.Callback):
         self._logged_step = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        require_full_parameters(trainer, "GateLogger", fsdp2=True)  # FSDP2: each gate gathered from its shard
+        require_full_parameters(trainer, "GateLogger", fsdp2=self.supports_fsdp2)
         self._modules = gated_modules(pl_module)
         if not self._modules:
             raise ValueError("GateLogger: the model has no gated blocks (modules with gate_values()); "

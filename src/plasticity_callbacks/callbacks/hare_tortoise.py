@@ -7,7 +7,6 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..arguments import check_number
-from ..distributed.strategy import require_full_parameters
 from ..model_map import Selection
 from ..ops.optimizer_state import reset_optimizer_state
 from ..model_map.patterns import matching_parameters, name_selection
@@ -48,6 +47,7 @@ class HareTortoise(PlasticityCallback):
         >>> trainer.fit(module, datamodule)   # hare reset to the tortoise at every task boundary
     """
 
+    supports_fsdp2 = True  # FSDP2: the tortoise is sharded like the hare
     summary_metrics = ("hare_tortoise/distance",)
     default_schedule = Schedule(every_n_steps=1000)
     extra_state_types = {"names": list, "tortoise": list, "resets": int}
@@ -73,29 +73,19 @@ class HareTortoise(PlasticityCallback):
         return self._generate_state_key(decay=self.decay, schedule=self.schedule.describe(),
                                         include=self.selection.include, exclude=self.selection.exclude)
 
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: the tortoise is sharded like the hare
-
     def check_targets(self, trainer, pl_module) -> None:
-        matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self._attach(trainer, pl_module)
-        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(self._hare)} parameters; the hare is reset "
+        chosen = matching_parameters(pl_module, self.selection, self.owner)  # fails before any training
+        rank_zero_info(f"HareTortoise: tortoise EMA (η={self.decay}) of {len(chosen)} parameters; the hare is reset "
                        f"to it on {self.schedule.describe()}")
 
-    def _attach(self, trainer, pl_module) -> None:
-        """Pair the hare's parameters with the tortoise, placed like them (a no-op when it already is); again at
-        the first validation and at train start: FSDP2 restores a checkpoint after ``on_fit_start``."""
+    def attach(self, trainer, pl_module) -> None:
+        """Pair the hare's parameters with the tortoise, placed like them (a no-op when it already is); also at
+        the first validation, which can come before ``on_train_start``."""
         chosen = matching_parameters(pl_module, self.selection, self.owner)
         # a restored checkpoint brings its tortoise
         self.names, self.tortoise, self._hare = copies_of(trainer, chosen, self.names, self.tortoise,
                                                           "HareTortoise tortoise")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._attach(trainer, pl_module)
         self._last_step = trainer.global_step
-        super().on_train_start(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step != self._last_step:  # the optimizer stepped in this batch
@@ -121,7 +111,7 @@ class HareTortoise(PlasticityCallback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if self._hare:  # in a fit
-            self._attach(trainer, pl_module)
+            self.attach(trainer, pl_module)
         self._swap_in_tortoise(pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:

@@ -8,7 +8,6 @@ from torch import nn
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..arguments import check_number
-from ..distributed.strategy import require_full_parameters
 from ..model_map import Selection
 from ..model_map.patterns import matching_parameters, name_selection
 from ..distributed.sharded_state import copies_of, squared_distance, state_copy
@@ -46,6 +45,7 @@ class L2Init(PlasticityCallback):
         >>> trainer.fit(module, datamodule)   # as if the loss had + 0.5e-3·‖θ - θ₀‖²
     """
 
+    supports_fsdp2 = True  # FSDP2: θ₀ is sharded like its parameter
     summary_metrics = ("l2_init/distance",)
     default_schedule = None  # the pull acts at every optimizer step
     extra_state_types = {"names": list, "anchors": list}
@@ -77,20 +77,10 @@ class L2Init(PlasticityCallback):
         return chosen
 
     def check_targets(self, trainer, pl_module) -> None:
-        self.chosen(pl_module)  # fails before any training
+        chosen = self.chosen(pl_module)  # fails before any training
+        rank_zero_info(f"L2Init pulls {len(chosen)} parameters toward their initial values with λ={self.strength}")
 
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: θ₀ is sharded like its parameter
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self._attach(trainer, pl_module)
-        rank_zero_info(f"L2Init pulls {len(self._params)} parameters toward their initial values with λ={self.strength}")
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._attach(trainer, pl_module)  # FSDP2 restores a checkpoint after on_fit_start
-        super().on_train_start(trainer, pl_module)
-
-    def _attach(self, trainer, pl_module) -> None:
+    def attach(self, trainer, pl_module) -> None:
         """Pair the selected parameters with their anchors, placed like them (a no-op when they already are)."""
         # a restored checkpoint keeps the θ₀ of the first fit
         self.names, self.anchors, self._params = copies_of(trainer, self.chosen(pl_module), self.names, self.anchors,

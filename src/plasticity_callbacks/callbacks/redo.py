@@ -10,7 +10,7 @@ from torch.nn.utils import parametrize
 
 from ..arguments import check_int, check_number
 from ..errors import CheckpointError
-from ..distributed.strategy import all_reduce_mean, rank_identical_generator, require_full_parameters
+from ..distributed.strategy import all_reduce_mean, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
 from ..ops.neuron_reset import reinit_incoming, zero_outgoing
 from .schedule import Schedule
@@ -88,6 +88,7 @@ class ReDoMonitor(PlasticityCallback):
         >>> trainer.fit(module, datamodule)   # logs redo/dormant, redo/dead, redo/recycled
     """
 
+    supports_fsdp2 = True  # FSDP2: rows, columns of shards (distributed.sharding)
     summary_metrics = ("redo/dormant",)
     default_schedule = None  # monitor only
     step_hook = "on_train_batch_end"  # after the step whose statistics it uses
@@ -160,8 +161,9 @@ class ReDoMonitor(PlasticityCallback):
                 "Linear/conv → [BatchNorm] → activation → [pool/flatten] → Linear/conv chains outside the output head. "
                 "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
                 "for other architectures.")
+        rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def attach(self, trainer, pl_module) -> None:
         if self._ema is None:
             device = self.layers[0].up.weight.device
             total = sum(layer.width for layer in self.layers)
@@ -175,7 +177,6 @@ class ReDoMonitor(PlasticityCallback):
             self._apply_state(self._pending_state)
         self._remove_hooks()
         self._attach_collectors(pl_module)
-        rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._remove_hooks()
@@ -261,9 +262,6 @@ class ReDoMonitor(PlasticityCallback):
             log_at_step(trainer, self._fractions(self._step_scores))
         self.act_if(recycle, trainer, pl_module)
         self._step_scores = None
-
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: rows, columns of shards (distributed.sharding)
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor]:
         if self.collections == 0:

@@ -3,19 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_info
 
-from ..ops import factorization
 from ..arguments import check_number
-from ..distributed.strategy import is_dtensor, rank_identical_generator, require_full_parameters
-from ..model_map import Selection, fresh_parameters
-from ..ops.optimizer_state import reset_optimizer_state
+from ..distributed.strategy import rank_identical_generator
+from ..model_map import Selection
+from ..ops.shrink_perturb import selected_parameters, shrink_perturb_
 from .schedule import Schedule
-from ..distributed.sharding import local_part
-from ..functional.shrink import shrink_perturb_
 from .base import PlasticityCallback
 
 
@@ -55,6 +49,7 @@ class ShrinkPerturb(PlasticityCallback):
         >>> trainer.fit(module, datamodule=data)  # shrinks and perturbs at epochs 10, 20, ...
     """
 
+    supports_fsdp2 = True  # each rank's rows of the fresh draw
     summary_metrics = ("shrink_perturb/norm_ratio",)
     extra_state_types = {"applications": int}
 
@@ -76,56 +71,18 @@ class ShrinkPerturb(PlasticityCallback):
         return self._generate_state_key(shrink=self.shrink, perturb=self.perturb, include=self.selection.include,
                                         exclude=self.selection.exclude, schedule=self.schedule.describe())
 
-    def selected(self, pl_module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` pairs to treat. A factorized weight (``W_p + BA``) appears once, under its
-        plain name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it."""
-        chosen = []
-        for name, param in pl_module.named_parameters():
-            if ".parametrizations." in name:
-                if not name.endswith(".original"):
-                    continue  # B, A: inside the effective weight
-                name = name.replace(".parametrizations.", ".").removesuffix(".original")
-            if self.selection.matches(name):
-                chosen.append((name, param))
-        if not chosen:
-            raise ValueError(f"{self.owner}: no parameters match include={self.selection.include}, "
-                             f"exclude={self.selection.exclude}")
-        return chosen
-
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: each rank's rows of the fresh draw
-
     def check_targets(self, trainer, pl_module) -> None:
-        self.selected(pl_module)  # an empty selection fails before any training
+        selected_parameters(pl_module, self.selection, self.owner)  # an empty selection fails before any training
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
-        chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
-        fresh = _checked_fresh(pl_module, chosen, seed)
-        factorized = {n: p for n, p in chosen if _factorized(pl_module, n)}
-        plain = [(n, p) for n, p in chosen if n not in factorized]
-        norm_before = _norm(pl_module, chosen)
-        # FSDP2: each rank treats its rows of every parameter with its rows of the whole fresh draw
-        shards = [local_part(p) for _, p in plain]
-        shrink_perturb_([local for local, _ in shards], [fresh[n][rows] for (n, _), (_, rows) in zip(plain, shards)],
-                        self.shrink, self.perturb)
-        for name, frozen in factorized.items():  # on the effective weight: W_p ← λ(W_p + BA) + p·fresh − BA
-            module, attr = _owner(pl_module, name)
-            with torch.no_grad():
-                parts = factorization.components(module, attr)
-                effective = getattr(module, attr).detach()
-                new = self.shrink * effective + self.perturb * fresh[name].to(effective)
-                frozen.copy_(new - parts.delta(frozen))
-        norm_after = _norm(pl_module, chosen)
-        if self.reset_optimizer:
-            trainable = [p for n, p in plain] + [q for n in factorized
-                                                 for q in factorization.components(*_owner(pl_module, n)).parameters()]
-            reset_optimizer_state(trainer.optimizers, trainable)
+        done = shrink_perturb_(pl_module, trainer.optimizers, self.shrink, self.perturb, self.selection, seed,
+                               self.reset_optimizer, self.owner)
         self.applications += 1
         rank_zero_info(f"{self.owner} ({reason}): θ ← {self.shrink}·θ + {self.perturb}·θ_fresh on "
-                       f"{len(chosen)} parameters at step {trainer.global_step}; norm {float(norm_before):.4g} → "
-                       f"{float(norm_after):.4g}")
-        return {"shrink_perturb/norm_ratio": float(norm_after / norm_before.clamp_min(1e-12))}
+                       f"{done['parameters']} parameters at step {trainer.global_step}; norm "
+                       f"{done['norm_before']:.4g} → {done['norm_after']:.4g}")
+        return {"shrink_perturb/norm_ratio": done["norm_after"] / max(done["norm_before"], 1e-12)}
 
     def extra_state(self) -> dict:
         return {"applications": self.applications}
@@ -141,50 +98,3 @@ def _name_patterns(selection: Selection, owner: str) -> Selection:
                          "include/exclude patterns (scope, include_conv and include_head do not apply)")
     return selection
 
-
-def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:
-    """The fresh draw of every chosen parameter, or a clear error: never a silent copy of the current value."""
-    fresh = fresh_parameters(pl_module, seed)
-    missing = [name for name, _ in chosen if name not in fresh]
-    if missing:
-        raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
-                           "reset_parameters() (or init_weights()), or exclude them, e.g. selection="
-                           f"{ {'exclude': [missing[0]]} }")
-    unchanged = [name for name, p in chosen  # FSDP2: this rank's rows
-                 if p.dim() >= 2 and torch.equal(fresh[name][local_part(p)[1]].to(p.device),
-                                                 local_part(_value(pl_module, name, p))[0])]
-    if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale
-        rank_zero_warn(f"ShrinkPerturb: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
-                       "only rescales them; pass another seed=, or fix their init code if it copies instead of drawing")
-    return fresh
-
-
-def _owner(pl_module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, attr = name.rsplit(".", 1) if "." in name else ("", name)
-    return pl_module.get_submodule(path), attr
-
-
-def _factorized(pl_module: nn.Module, name: str) -> bool:
-    module, attr = _owner(pl_module, name)
-    return factorization.is_factorized(module, attr)
-
-
-def _value(pl_module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
-    """The parameter's value as the model uses it: the effective ``W_p + BA`` for a factorized weight."""
-    if _factorized(pl_module, name):
-        module, attr = _owner(pl_module, name)
-        return getattr(module, attr).detach()
-    return param.detach()
-
-
-def _norm(pl_module: nn.Module, chosen) -> torch.Tensor:
-    """‖θ‖ over the chosen parameters; FSDP2: each DTensor's rows summed over the ranks (one all-reduce)."""
-    with torch.no_grad():
-        values = [_value(pl_module, n, p) for n, p in chosen]
-        sharded = [v for v in values if is_dtensor(v)]
-        whole = sum((v.float().pow(2).sum() for v in values if not is_dtensor(v)), torch.zeros(()))
-        if not sharded:
-            return torch.sqrt(whole)
-        rows = sum(v.to_local().float().pow(2).sum() for v in sharded)
-        dist.all_reduce(rows, group=sharded[0].device_mesh.get_group())
-        return torch.sqrt(whole.to(rows.device) + rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -174,6 +175,8 @@ class TaskMetrics(L.Callback):
         >>> trainer.fit(DigitsClassifier(), datamodule=RandomLabelDigits(num_tasks=5))
     """
 
+    supports_fsdp2: ClassVar[bool] = True  # norms and the probe on the shards
+
     def __init__(self, tau: float = 0.025, method: str | None = None, grad_norm_every_n_steps: int = 10,
                  stability_tasks: int = 3, probe_steps: int = 0, probe_every_n_tasks: int = 1,
                  probe_lr: float = 1e-3):
@@ -195,7 +198,7 @@ class TaskMetrics(L.Callback):
         self._started: float | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        require_full_parameters(trainer, "TaskMetrics", fsdp2=True)  # FSDP2: norms and the probe on the shards
+        require_full_parameters(trainer, "TaskMetrics", fsdp2=self.supports_fsdp2)
         stream = trainer.datamodule
         if not all(hasattr(stream, a) for a in ("task_boundary_steps", "eval_data", "steps_per_task")):
             raise ValueError("TaskMetrics needs a task-stream data module (task_boundary_steps, steps_per_task, "

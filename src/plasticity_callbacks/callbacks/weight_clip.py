@@ -7,7 +7,6 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from ..arguments import check_number
-from ..distributed.strategy import require_full_parameters
 from ..model_map import Selection, is_conv1d
 from ..model_map.weights import is_layer
 from ..model_map.patterns import name_selection
@@ -40,6 +39,7 @@ class WeightClip(PlasticityCallback):
         >>> trainer.fit(module, datamodule)   # |w| <= 2/√fan_in in every layer after every step
     """
 
+    supports_fsdp2 = True  # FSDP2: elementwise on each rank's shard
     summary_metrics = ("weight_clip/clipped",)
     default_schedule = None  # clips after every optimizer step
 
@@ -55,9 +55,6 @@ class WeightClip(PlasticityCallback):
     def state_key(self) -> str:
         return self._generate_state_key(kappa=self.kappa, include=self.selection.include,
                                         exclude=self.selection.exclude)
-
-    def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: elementwise on each rank's shard
 
     def check_targets(self, trainer, pl_module) -> None:
         self._resolve(pl_module)
@@ -84,8 +81,7 @@ class WeightClip(PlasticityCallback):
             raise ValueError(f"WeightClip found no Linear/conv/Conv1D weight matching include={self.selection.include}, "
                              f"exclude={self.selection.exclude}")
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
+    def attach(self, trainer, pl_module) -> None:
         self._resolve(pl_module)
         self._last_step = trainer.global_step
 

@@ -6,24 +6,20 @@ identical weights everywhere. Randomness (re-sampled neurons, fresh inits) must 
 generator seeded the same way on every rank. Sharded strategies hold only shards. FSDP2
 (Lightning's ``ModelParallelStrategy`` with ``fully_shard``) keeps each weight a ``DTensor``
 sharded on dim 0: a callback that acts on such shards (:mod:`plasticity_callbacks.distributed.sharding`)
-declares so with ``require_full_parameters(..., fsdp2=True)``; the others, and every callback
-under FSDP1 or DeepSpeed, refuse at setup with the fix rather than act on shards. For code of a
+declares so with ``supports_fsdp2 = True``; the others, and every callback under FSDP1 or DeepSpeed,
+refuse at setup with the fix rather than act on shards. For code of a
 user's own that needs whole weights, ``full_parameters(module)`` makes every weight whole inside a
 ``with`` block and writes changes back to the shards (FSDP1: ``summon_full_params``; FSDP2:
 ``full_tensor()`` and a local re-slice); no callback uses it: each gathers one matrix at a time.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-
-try:
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-except ImportError:  # pragma: no cover - Lightning is a dependency, but keep the math importable
-    MisconfigurationException = RuntimeError  # type: ignore[misc,assignment]
 
 _SHARDED = ("FSDP", "DeepSpeed", "ModelParallel")
 
@@ -32,12 +28,21 @@ def is_sharded(trainer) -> bool:
     return any(name in type(trainer.strategy).__name__ for name in _SHARDED)
 
 
-def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
-    """Raise a clear error under a strategy whose sharded parameters the caller cannot act on.
+def require_full_parameters(trainer, owner: str, fsdp2: bool = False,
+                            fsdp2_capable: Callable[[], Iterable[str]] | None = None) -> None:
+    """Raise Lightning's ``MisconfigurationException`` under a strategy whose sharded parameters the caller
+    cannot act on.
 
     ``fsdp2=True``: the caller acts on each rank's shard of ``DTensor`` parameters
     (:mod:`plasticity_callbacks.distributed.sharding`), so ``ModelParallelStrategy`` (FSDP2) is accepted.
     FSDP1 (``FSDPStrategy``, flat parameters) and DeepSpeed (ZeRO partitions) are always refused with the fix.
+
+    Args:
+        trainer: a Lightning ``Trainer`` (its ``strategy`` is read).
+        owner: the caller's name, for the message.
+        fsdp2: the caller acts on FSDP2's shards.
+        fsdp2_capable: lists the callbacks that do act under FSDP2, for the refusal's message (called only
+            when refusing: :func:`plasticity_callbacks.callbacks.base.fsdp2_callbacks` imports every callback).
 
     Example:
         >>> require_full_parameters(trainer, "FIREReinit", fsdp2=True)   # in setup, on every rank
@@ -45,11 +50,14 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False) -> None:
     name = type(trainer.strategy).__name__
     if not is_sharded(trainer) or (fsdp2 and "ModelParallel" in name):
         return
+    # Only a Lightning trainer reaches here: importing Lightning at module level would make the ops pay for it.
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
     if "ModelParallel" in name:
+        capable = sorted(fsdp2_capable()) if fsdp2_capable is not None else []
+        which = f"{', '.join(capable)} do" if capable else "callbacks with supports_fsdp2 = True do"
         raise MisconfigurationException(
-            f"{owner} does not act on FSDP2's sharded weights (strategy {name}); FIREReinit, ReDoMonitor, DASH, "
-            "ShrinkPerturb, FullReset, WeightClip, L2Init, HareTortoise, ContinualBackprop, "
-            "AdaptiveSVDSwitch(minor_training='project'), TaskMetrics and GateLogger do. "
+            f"{owner} does not act on FSDP2's sharded weights (strategy {name}); {which}. "
             "Use strategy='ddp' (trainer=ddp) for this callback.")
     raise MisconfigurationException(
         f"{owner} cannot act under strategy {name}: the strategy flattens parameters into shards (FSDP1's flat "
@@ -144,3 +152,12 @@ def saves_folders(trainer) -> bool:
     callbacks)."""
     # ModelParallelStrategy(save_distributed_checkpoint=...) keeps the choice only as this private attribute
     return bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
+
+
+def warn_on_rank_zero(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` on global rank 0 only (every process when no process group is up): the ops' warnings,
+    without Lightning's ``rank_zero_warn``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        warnings.warn(message, category, stacklevel=3)
