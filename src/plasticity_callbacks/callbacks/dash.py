@@ -7,35 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
 
 from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor
 from ..ops.minor_gradient import full_gradients
-from ..model_map import Selection, WeightView, refuse_factorized, require_targets, select_targets
-from ..ops.optimizer_state import owning_optimizer
+from ..model_map import Selection
+from ..ops.dash import ShrinkLayer, shrink_layers, shrink_layers_
 from .schedule import Schedule
-from ..distributed.sharding import all_finite_on_every_rank, sharded_shrink_, sharded_vector_shrink_
-from ..functional.shrink import apply_shrink_, dash_shrink_factors
+from ..distributed.sharding import all_finite_on_every_rank
+from ..functional.shrink import dash_shrink_factors
 from .base import PlasticityCallback
 
 GRADIENT_MODES = ("eval", "train")  # the mode of the paper rule's gradient pass
-
-
-@dataclass(frozen=True)
-class _Layer:
-    name: str  # module name, e.g. "net.0" (metric names use it)
-    view: WeightView  # the weight in (out, in) orientation: one factor per output neuron (row)
-    bias: nn.Parameter | None  # shrunk with one scalar factor when shrink_bias=True
-
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.view.param
 
 
 class DirectionalShrink(PlasticityCallback):
@@ -69,7 +56,7 @@ class DirectionalShrink(PlasticityCallback):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be true or false")
         self.shrink_bias, self.skip_muon_params, self.log_per_layer = shrink_bias, skip_muon_params, log_per_layer
-        self._layers: list[_Layer] = []
+        self._layers: list[ShrinkLayer] = []
         self.shrinks = 0
         self.skipped_nonfinite = 0
         self.last_shrink_step = -1
@@ -91,50 +78,18 @@ class DirectionalShrink(PlasticityCallback):
         self.skipped_nonfinite = state["skipped_nonfinite"]
         self.last_shrink_step = state["last_shrink_step"]
 
-    def _select_layers(self, trainer, pl_module) -> list[_Layer]:
-        targets = require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
-        if self.skip_muon_params:
-            targets = [t for t in targets
-                       if not isinstance(owning_optimizer(trainer.optimizers, t.param), torch.optim.Muon)]
-            if not targets:
-                raise ValueError(f"{self.owner}: every selected weight is optimized by torch.optim.Muon and "
-                                 "skip_muon_params=True; set skip_muon_params=False, or select AdamW-managed "
-                                 "weights (e.g. selection={include_head: true})")
-        module_names = {id(m): n for n, m in pl_module.named_modules()}
-        layers = []
-        for t in targets:
-            bias = getattr(t.module, "bias", None) if t.kind in ("linear", "conv") and self.shrink_bias else None
-            bias = bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
-            layers.append(_Layer(module_names[id(t.module)] if t.kind != "matrix" else t.name, t, bias))
-        return layers
+    def _select_layers(self, trainer, pl_module) -> list[ShrinkLayer]:
+        return shrink_layers(pl_module, self.selection, trainer.optimizers, self.shrink_bias, self.skip_muon_params,
+                             self.owner)
 
     def shrink(self, trainer, direction_of, factor_fn) -> dict[str, torch.Tensor]:
-        """Shrink every selected layer in place by ``factor_fn(weight, direction)``; return the metrics.
+        """Shrink every selected layer in place by ``factor_fn(weight, direction)``
+        (:func:`~ops.dash.shrink_layers_`); return the metrics.
 
         ``direction_of(param)`` gives the gradient-like tensor stored like ``param`` (or None to skip);
         weights and directions are compared in ``(out, in)`` orientation, one factor per output neuron.
         """
-        refuse_factorized([layer.view for layer in self._layers], self.owner,
-                          "DASH needs the gradient of the effective weight")
-        stats = []
-        with torch.no_grad():
-            for layer in self._layers:
-                direction = direction_of(layer.weight)
-                if direction is None:
-                    continue
-                if is_dtensor(layer.weight):  # FSDP2: each rank scales the rows it holds
-                    weight_factors = sharded_shrink_(layer.view, direction, factor_fn)
-                else:
-                    weight = layer.view.read()  # a view: shrinking it shrinks the parameter
-                    weight_factors = factor_fn(weight, layer.view.oriented(direction))
-                    apply_shrink_(weight, weight_factors)
-                    layer.view.write(weight)  # a grouped transposed conv's (out, in) view is a copy
-                if layer.bias is not None and (bias_direction := direction_of(layer.bias)) is not None:
-                    if is_dtensor(layer.bias):
-                        sharded_vector_shrink_(layer.bias, bias_direction, factor_fn)
-                    else:
-                        apply_shrink_(layer.bias, factor_fn(layer.bias, bias_direction))
-                stats.append((layer.name, weight_factors.detach().flatten()))
+        stats = shrink_layers_(self._layers, direction_of, factor_fn, self.owner)
         if not stats:  # never a silent no-op: no selected weight had a gradient
             rank_zero_warn(f"{self.owner}: no selected weight had a gradient at step {trainer.global_step}, nothing "
                            "was shrunk; are they frozen (requires_grad=False) or unused in training_step?")

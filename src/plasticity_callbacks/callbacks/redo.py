@@ -6,13 +6,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.nn.utils import parametrize
 
 from ..arguments import check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
-from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
-from ..ops.neuron_reset import reinit_incoming, zero_outgoing
+from ..model_map import HiddenUnits, find_neuron_layers, validate_patterns
+from ..ops.redo import recycle_
 from .schedule import Schedule
 from .step_logging import log_at_step
 from ..functional.dormancy import INITS, dormancy_scores, dormant_mask, finite_std, mean_abs_activation
@@ -313,40 +312,23 @@ class ReDoMonitor(PlasticityCallback):
         return metrics
 
     def _recycle(self, trainer, pl_module, masks: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-        factorized = [layer.name for layer in self.layers
-                      if any(m is not None and parametrize.is_parametrized(m, "weight")
-                             for m in (layer.up, layer.gate, layer.down))]
-        if factorized:
-            raise RuntimeError(f"ReDoMonitor: layers {factorized} are factorized by "
-                               "AdaptiveSVDSwitch(minor_training='factorize'), so recycled rows and columns would not "
-                               "reach the effective weight; use AdaptiveSVDSwitch(minor_training='project') or exclude "
-                               "them from one of the two callbacks")
-        offset, counts, metrics = 0, [], {}
-        for index, layer in enumerate(self.layers):
-            generator = rank_identical_generator(self.seed, step, index, device=layer.up.weight.device)
-            if self.init == "init_std":
-                init = (self._init_std[index, 0], self._init_std[index, 1])
-            elif self.init == "model":  # the layers' own init code (HF _init_weights, else reset_parameters)
-                init = [_model_draw(pl_module, m, generator.initial_seed() + i)
-                        for i, m in enumerate((layer.up, layer.gate or layer.up))]
-            else:
-                init = self.init
-            reinit_incoming(layer.up, layer.incoming_mask(masks[layer.name]), layer.gate, init, trainer.optimizers,
-                            generator, norm=layer.norm)
-            counts.append(masks[layer.name].sum())
-        # Outgoing weights only after every re-initialization (the reference's order): where one layer's
-        # down is the next one's up, a weight joining two recycled neurons ends at 0, not re-sampled.
-        for layer, count in zip(self.layers, counts):
-            mask = masks[layer.name]
-            zero_outgoing(layer.down, mask, trainer.optimizers, layer.down_offset, group=layer.group)
+        init = self._recorded_init if self.init == "init_std" else self.init
+        seed = rank_identical_generator(self.seed, step).initial_seed()  # with the layer's index: every rank alike
+        counts = recycle_(pl_module, self.layers, masks, trainer.optimizers, init, seed, self.owner)
+        offset, metrics = 0, {}
+        for layer in self.layers:
             # A recycled neuron is a new neuron: its next observation replaces its EMA.
-            self._observed[offset:offset + layer.width].masked_fill_(mask, False)
+            self._observed[offset:offset + layer.width].masked_fill_(masks[layer.name], False)
             offset += layer.width
-            metrics[f"redo/recycled/{layer.name}"] = count.float()
-        counts = torch.stack(counts)
+            metrics[f"redo/recycled/{layer.name}"] = counts[layer.name].float()
+        counts = torch.stack(list(counts.values()))
         self._recycled += counts
         metrics["redo/recycled"] = counts.sum().float()
         return metrics
+
+    def _recorded_init(self, index: int, layer: HiddenUnits) -> tuple[torch.Tensor, torch.Tensor]:
+        """``N(0, σ)`` with the std of ``up`` and ``gate`` recorded at the start of the first fit."""
+        return self._init_std[index, 0], self._init_std[index, 1]
 
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
@@ -465,8 +447,3 @@ def _validate_layer_map(layer_map) -> dict | None:
         clean[str(name)] = (incoming[0] if len(incoming) == 1 else incoming, down)
     return clean
 
-
-def _model_draw(pl_module: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
-    """A fresh weight of ``layer`` by its model's init, in ``(out, in)`` orientation (recycling's rows)."""
-    weight = fresh_layer_weight(pl_module, layer, seed)
-    return weight.mT if is_conv1d(layer) else weight
