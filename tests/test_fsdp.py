@@ -167,6 +167,18 @@ CRASHED = {"name": "crashed", "model": "mlp", "steps": 6, "epoch_steps": 3, "cra
            "distributed_checkpoint": True, "callbacks": [dict(FIRE, schedule={"steps": [1, 4]}), *STATEFUL]}
 
 
+def test_every_callback_that_declares_fsdp2_is_run_under_fsdp2():
+    """A callback with ``supports_fsdp2 = True`` must be in a two-rank run here (found from the declarations:
+    a new method that declares it fails this until it has one)."""
+    from plasticity_callbacks.callbacks.base import fsdp2_callbacks
+
+    def targets(runs):
+        return {spec["_target_"].rsplit(".", 1)[-1] for run in runs for spec in run.get("callbacks", [])}
+
+    missing = set(fsdp2_callbacks()) - targets([*RUNS, CRASHED])
+    assert not missing, f"{sorted(missing)} declare supports_fsdp2 but no run of RUNS uses them under FSDP2"
+
+
 def single_and_sharded(fsdp2_runs, name: str) -> tuple[dict, dict]:
     """The run ``name`` in one process, beside its result on two ranks."""
     out, results = fsdp2_runs

@@ -201,3 +201,26 @@ def test_activation_stats_read_the_gated_mlp_of_a_hugging_face_llama():
     mean_abs = seen[0].abs().mean(dim=(0, 1))
     expected = mean_abs / (mean_abs.mean() + 1e-9)
     assert torch.allclose(stats.scores()[layer_names[0]], expected, atol=1e-5)
+
+
+class _Uncopyable:
+    """Stands for what a training hook may hold: a trainer and its DDP wrapper, which cannot be deep-copied."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("this object cannot be copied")
+
+    def __call__(self, module, args):
+        return None
+
+
+def test_fresh_values_ignore_the_hooks_a_training_callback_left_on_the_model():
+    """A callback's forward hook (ContinualBackprop's collector holds the trainer) must not be copied along with
+    the model whose init draws the fresh values (it made Shrink & Perturb fail under DDP)."""
+    model = _mlp(seed=8)
+    model[2].register_forward_pre_hook(_Uncopyable())
+    model.register_forward_hook(lambda *args: None)
+    fresh = fresh_values(model, ["0.weight", "2.weight"], seed=3)
+    torch.manual_seed(3)  # each Linear's own reset_parameters, in order, from the seed
+    reference = _mlp(seed=3)
+    assert torch.equal(fresh["0.weight"], reference[0].weight) and torch.equal(fresh["2.weight"], reference[2].weight)
+    assert len(model[2]._forward_pre_hooks) == 1  # the model keeps its hooks

@@ -31,6 +31,7 @@ from plasticity_callbacks.app.runs.checkpoints import VerifiedCheckpointIO, veri
 from plasticity_callbacks.app.runs.verified_files import write_verified
 from plasticity_callbacks.app.runs.resume import ResumeError, ResumeGuard, RunLock
 
+from callback_table import methods
 from tiny import TinyMLPModule, cpu_trainer, recycle, regression_loader
 
 
@@ -328,20 +329,10 @@ def test_adaptive_svd_on_non_finite_weights_names_itself_and_the_layer():
 
 
 # ------------------------------------------------------------------ 8. garbage callback state
-CALLBACKS = {
-    "FIREReinit": lambda: pc.FIREReinit(),
-    "DASHShrink": lambda: pc.DASHShrink(),
-    "DASHPeriodic": lambda: pc.DASHPeriodic(),
-    "ShrinkPerturb": lambda: pc.ShrinkPerturb(),
-    "ReDoMonitor": lambda: pc.ReDoMonitor(),
-    "AdaptiveSVDSwitch": lambda: pc.AdaptiveSVDSwitch(),
-}
-
-
-@pytest.mark.parametrize("name", list(CALLBACKS))
+@pytest.mark.parametrize("name", sorted(methods()))  # every exported method, found: a new one is here too
 @pytest.mark.parametrize("state", [{"unrelated": 1}, ["applied"], "garbage"], ids=["wrong_keys", "list", "string"])
 def test_garbage_callback_state_is_refused_naming_callback_and_keys(name, state):
-    callback = CALLBACKS[name]()
+    callback = methods()[name]()
     with pytest.raises(CheckpointError, match=rf"{name}\.load_state_dict") as err:
         callback.load_state_dict(state)
     if isinstance(state, dict):

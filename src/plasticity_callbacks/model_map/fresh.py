@@ -75,7 +75,16 @@ def _unsharded_class(cls: type) -> type:
 
 def _plain_copy(module: nn.Module) -> nn.Module:
     """A deep copy without parametrizations: inits write the real weight (``W_p`` stands in for it)."""
-    clone = copy.deepcopy(module)
+    # Hooks and observer slots hold training machinery (a callback that holds the trainer and its DDP wrapper,
+    # which cannot be copied): the copy only runs init code, so it gets none of them.
+    memo: dict[int, object] = {}
+    for sub in module.modules():
+        for key, value in vars(sub).items():
+            if key.endswith("hooks") and isinstance(value, dict):  # _forward_pre_hooks, _backward_hooks, ...
+                memo[id(value)] = type(value)()
+        if getattr(sub, "hidden_observer", None) is not None:
+            memo[id(sub.hidden_observer)] = None
+    clone = copy.deepcopy(module, memo)
     for sub in clone.modules():
         if parametrize.is_parametrized(sub):
             # deepcopy shares the injected class, and removing a parametrization deletes its property from
