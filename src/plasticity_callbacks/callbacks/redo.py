@@ -11,7 +11,9 @@ from torch.nn.utils import parametrize
 from ..arguments import check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator, require_full_parameters
-from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d, validate_patterns
+from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, validate_patterns
+from ..model_map.experts import ExpertMatrix, expert_hidden
+from ..model_map.neurons import stores_in_out
 from ..ops.neuron_reset import reinit_incoming, zero_outgoing
 from .schedule import Schedule
 from .step_logging import log_at_step
@@ -191,10 +193,18 @@ class ReDoMonitor(PlasticityCallback):
             if hasattr(module, "hidden_observer") and callable(getattr(module, "neuron_layouts", None)):
                 observers.update({id(layout.down): module for layout in module.neuron_layouts()})
         groups: dict[int, tuple[nn.Module, list]] = {}
+        experts: dict[int, tuple[nn.Module, dict]] = {}  # id(experts module) -> (module, {expert: entry})
         offset = 0
         for index, layer in enumerate(self.layers):
-            groups.setdefault(id(layer.down), (layer.down, []))[1].append((index, slice(offset, offset + layer.width)))
+            entry = (index, slice(offset, offset + layer.width))
+            if layer.experts is not None:
+                experts.setdefault(id(layer.experts), (layer.experts, {}))[1][layer.up.expert] = entry
+            else:
+                groups.setdefault(id(layer.down), (layer.down, []))[1].append(entry)
             offset += layer.width
+        for module, entries in experts.values():
+            collector = _ExpertCollector(self, entries, self.layers[next(iter(entries.values()))[0]].up)
+            self._hooks.append(module.register_forward_pre_hook(collector, with_kwargs=True))
         for key, (down, entries) in groups.items():
             collector = _HiddenCollector(self, entries)
             block = observers.get(key)
@@ -427,6 +437,22 @@ class _HiddenCollector:
         self.monitor._collect(module, args[0], self.entries)
 
 
+class _ExpertCollector:
+    """Hands the monitor each routed expert's units, computed by :func:`~model_map.experts.expert_hidden` from
+    the experts module's inputs (only on collecting steps: it reads the routed experts on the host)."""
+
+    def __init__(self, monitor: ReDoMonitor, entries: dict[int, tuple[int, slice]], up: ExpertMatrix):
+        self.monitor, self.entries, self.up = monitor, entries, up
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (self.monitor._collecting and module.training):
+            return
+        for expert, h in expert_hidden(module, args, kwargs, self.up.attr, self.up.transposed):
+            if expert in self.entries:
+                self.monitor._collect(module, h, [self.entries[expert]])
+
+
 def check_state_shapes(state: dict) -> None:
     """Refuse, at load, a ReDoMonitor state whose tensors do not fit its own ``layers`` and ``widths``
     (a damaged or edited checkpoint would otherwise load and fail mid-fit)."""
@@ -470,5 +496,8 @@ def _validate_layer_map(layer_map) -> dict | None:
 
 def _model_draw(pl_module: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
     """A fresh weight of ``layer`` by its model's init, in ``(out, in)`` orientation (recycling's rows)."""
-    weight = fresh_layer_weight(pl_module, layer, seed)
-    return weight.mT if is_conv1d(layer) else weight
+    if isinstance(layer, ExpertMatrix):  # the experts module's own init draws the whole stack
+        weight = fresh_layer_weight(pl_module, layer.owner, seed, attr=layer.attr)[layer.expert]
+    else:
+        weight = fresh_layer_weight(pl_module, layer, seed)
+    return weight.transpose(0, 1) if stores_in_out(layer) else weight
