@@ -24,7 +24,9 @@ class ContinualBackprop(PlasticityCallback):
 
     **Units** are the model map's neuron layers (:func:`~model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
-    BERT), or an explicit ``layer_map``. **Collects** in a forward pre-hook on each ``down`` layer (training
+    BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, or an explicit ``layer_map``. An
+    expert's statistics come from the tokens routed to it; a step that routes none to it leaves its
+    statistics and age as they were (under DDP its ``f̂`` is each rank's own, averaged after the step). **Collects** in a forward pre-hook on each ``down`` layer (training
     forwards only; with gradient accumulation, the optimizer step's last micro-batch) the batch mean ``E[h_i]`` and
     ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end`` of each batch whose optimizer stepped, as the reference runs
     generate-and-test after ``opt.step()``: the statistics of

@@ -28,10 +28,15 @@ class ReDoMonitor(PlasticityCallback):
 
     **Finds** the neuron layers through the model map
     (:func:`plasticity_callbacks.model_map.find_neuron_layers`): our GPT's MLPs, Hugging Face
-    MLPs (Llama gate/up/down, GPT-2 ``c_fc``/``c_proj``, BERT intermediate/output), torch
-    ``TransformerEncoderLayer``, ``Linear/conv → [BatchNorm] → activation → [pool/flatten] →
-    Linear/conv`` chains (ResNet blocks, conv→flatten→linear), declared layouts, or an explicit
-    ``layer_map``. Raises a ValueError in ``setup`` when it finds none.
+    MLPs (Llama gate/up/down, GPT-2 ``c_fc``/``c_proj``, BERT intermediate/output, GPT-J ``fc_in``/``fc_out``),
+    litgpt's ``fc_1``/``fc_2``/``proj``, fused inputs whose pairing the forward shows (Phi-3 ``gate_up_proj``,
+    ModernBERT ``Wi``), torch ``TransformerEncoderLayer``, ``Linear/conv/transposed conv → [BatchNorm] →
+    activation → [pool/flatten] → Linear/conv`` chains (ResNet blocks, conv→flatten→linear, decoders),
+    declared layouts, or an explicit ``layer_map``; and each expert of a mixture-of-experts stack
+    (transformers 5.x ``experts.gate_up_proj``/``down_proj``, ``(out, in)`` or ``(in, out)``): one layer per
+    expert, named ``<experts>.<e>``, measured on the tokens routed to it and recycled in that expert's slices
+    of the stacks. State-space mixers (Mamba) and recurrent layers are named in a warning as not unit layers.
+    Raises a ValueError in ``setup`` when it finds none.
 
     **Collects** in ``on_train_batch_start``/``on_train_batch_end`` of every
     ``collect_every_n_steps``-th training step (never in validation) the neuron values as they
@@ -39,7 +44,9 @@ class ReDoMonitor(PlasticityCallback):
     SwiGLU/GeGLU, the activation's output in a plain MLP/CNN — so no activation is
     re-implemented here. Blocks with a ``hidden_observer`` slot (our GPT's MLPs) hand them over
     through it, which works whether the model was compiled before or after this callback
-    attached; other layers get a forward pre-hook on ``down``, which a graph compiled before the
+    attached; experts are computed from their module's inputs and its own gating code (one host sync per
+    MoE layer and collecting step, to list the routed experts); other layers get a forward pre-hook on
+    ``down``, which a graph compiled before the
     hook existed never calls: that case raises a RuntimeError at the first collecting step
     instead of logging nothing. The mean ``|h|`` over batch and time/space updates an EMA per
     neuron (``lerp_``, weight ``1 - ema_decay``; a neuron's first observation, and its first
