@@ -8,7 +8,7 @@ recycling (outgoing weights zeroed) and the unit alive again in the family's for
 """
 from __future__ import annotations
 
-import warnings
+import re
 
 import lightning as L
 import pytest
@@ -214,22 +214,33 @@ def test_redo_measures_each_expert_on_the_tokens_routed_to_it_only():
         torch.testing.assert_close(scores[e], recorded[e], rtol=1e-5, atol=1e-7)
 
 
-def test_continual_backprop_replaces_a_dead_expert_unit_in_its_expert():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continual_backprop_replaces_a_dead_expert_unit_in_its_expert(family):
+    build, unit_of = FAMILIES[family]
     torch.manual_seed(0)
-    module = CausalLM(mixtral())
+    module = CausalLM(build())
     experts = module.model.model.layers[0].mlp.experts
-    _kill(mixtral_unit(experts, 2, 7)[0])
+    incoming, outgoing = unit_of(experts, 2, 7)
+    _kill(incoming)
     snapshot = Snapshot()
     # one unit per routed expert and step once mature: in expert 2 the dead one (utility 0)
-    cbp = ContinualBackprop(replacement_rate=1 / INTER, maturity_threshold=1, bias_correction=False)
+    cbp = ContinualBackprop(replacement_rate=1 / INTER, maturity_threshold=1, bias_correction=hasattr(
+        experts, "down_proj_bias"))
     cpu_trainer(max_steps=2, callbacks=[snapshot, cbp]).fit(module, tokens())
-    before = snapshot.params["model.model.layers.0.mlp.experts.gate_up_proj"][2]
-    after = experts.gate_up_proj.detach()[2]
-    changed_rows = torch.nonzero((before != after).any(1)).flatten().tolist()
-    assert changed_rows == [7, INTER + 7]  # the dead unit's gate and up rows, nothing else of expert 2
+    prefix = "model.model.layers.0.mlp.experts."
+    expected = torch.zeros_like(experts.gate_up_proj, dtype=torch.bool)
+    for tensor, index in incoming:
+        if tensor is experts.gate_up_proj:
+            expected[index] = True
+    changed = snapshot.params[prefix + "gate_up_proj"] != experts.gate_up_proj.detach()
+    assert torch.equal(changed[2], expected[2])  # the dead unit's gate and up weights, nothing else of expert 2
+    assert bool(changed[2][expected[2]].all())
     bound = (2 ** 0.5) * (3 / HIDDEN) ** 0.5  # kaiming uniform of the re-draw
-    assert bool((after[[7, INTER + 7]].abs() <= bound).all()) and bool((after[[7, INTER + 7]] != 0).all())
-    assert bool((experts.down_proj.detach()[2][:, 7] == 0).all())
+    fresh = experts.gate_up_proj.detach()[expected]
+    assert bool((fresh.abs() <= bound).all()) and fresh.std() > bound / 4
+    assert all(bool((w == 0).all()) for w in _get(outgoing))
+    if hasattr(experts, "down_proj_bias"):  # a dead unit's mean is 0: nothing moved into the bias
+        assert torch.equal(snapshot.params[prefix + "down_proj_bias"][2], experts.down_proj_bias.detach()[2])
     assert cbp.replaced >= 1
 
 
@@ -490,3 +501,43 @@ def test_grouped_transposed_conv_units_are_named_as_skipped():
     with pytest.warns(UserWarning, match=r"units of 2 are not recycled: it is a grouped transposed conv \(groups=2\)"):
         layers = find_neuron_layers(model)
     assert [layer.name for layer in layers] == []  # 0 feeds the grouped one: named as well
+
+
+# ---------------------------------------------------------------- state-space mixers and a hybrid
+def mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3)
+    return _quiet(lambda: MambaForCausalLM(config))
+
+
+def mamba2():
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+                          conv_kernel=3, num_heads=4, head_dim=8, n_groups=1)
+    return _quiet(lambda: Mamba2ForCausalLM(config))
+
+
+def jamba():
+    """A hybrid: a Mamba layer with a dense MLP, then an attention layer with experts."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=INTER, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=2,
+                         expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                         mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, use_mamba_kernels=False)
+    return _quiet(lambda: JambaForCausalLM(config))
+
+
+@pytest.mark.parametrize("family,mixer,units", [
+    ("mamba", "backbone.layers.0.mixer (MambaMixer)", []),
+    ("mamba2", "backbone.layers.0.mixer (Mamba2Mixer)", []),
+    ("jamba", "model.layers.0.mamba (JambaMambaMixer)",
+     ["model.layers.0.feed_forward", *(f"model.layers.1.feed_forward.experts.{e}" for e in range(EXPERTS))]),
+])
+def test_state_space_mixers_are_named_as_not_unit_layers_and_a_hybrids_experts_are_found(family, mixer, units):
+    model = {"mamba": mamba, "mamba2": mamba2, "jamba": jamba}[family]()
+    with pytest.warns(UserWarning, match=rf"does not recycle the in_proj -> out_proj channels of \['{re.escape(mixer)}'\]"):
+        layers = find_neuron_layers(model)
+    assert [layer.name for layer in layers] == units

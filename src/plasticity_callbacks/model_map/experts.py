@@ -10,6 +10,7 @@ on the tokens routed to it by :func:`expert_hidden`, through the module's own ga
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 import weakref
@@ -126,6 +127,13 @@ def read_unit_pairing(block: nn.Module, up: nn.Module, down: nn.Module) -> str |
 
 
 def _read_unit_pairing(block: nn.Module, up: nn.Module, down: nn.Module) -> str | None:
+    if up.weight.dtype in (torch.float16, torch.bfloat16):  # unit numbers past 256 do not survive half precision
+        names = {id(m): n for n, m in block.named_modules()}
+        try:
+            block = copy.deepcopy(block).float()
+        except Exception:  # noqa: BLE001 - a block that cannot be copied (sharded): the pairing is unknown
+            return None
+        up, down = block.get_submodule(names[id(up)]), block.get_submodule(names[id(down)])
     captured = {}
 
     def replace(module, args, output):
@@ -219,7 +227,7 @@ def _expert_layout(name: str, module: nn.Module, up_attr: str, down_attr: str) -
     pairing = None
     if skip is None and gated:
         width = d if not transposed else c
-        z = _test_values((1, 2 * width), up.dtype, up.device)
+        z = _test_values((1, 2 * width), torch.float32, up.device)  # exact unit numbers, whatever the stack's dtype
         with torch.enable_grad():
             pairing = _pairing(z, module._apply_gate(z), width)
         if pairing is None:
