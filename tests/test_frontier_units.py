@@ -541,3 +541,33 @@ def test_state_space_mixers_are_named_as_not_unit_layers_and_a_hybrids_experts_a
     with pytest.warns(UserWarning, match=rf"does not recycle the in_proj -> out_proj channels of \['{re.escape(mixer)}'\]"):
         layers = find_neuron_layers(model)
     assert [layer.name for layer in layers] == units
+
+
+class PlainExperts(nn.Module):
+    """Experts ``down(act(up x))`` without a gate; square matrices, so the shapes cannot tell the orientation."""
+
+    def __init__(self, experts=3, width=8, is_transposed=None):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.randn(experts, width, width))
+        self.down_proj = nn.Parameter(torch.randn(experts, width, width))
+        self.act_fn = nn.GELU()
+        if is_transposed is not None:
+            self.is_transposed = is_transposed
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.up_proj.shape[0]):
+            routed = (top_k_index == e).any(-1)
+            h = self.act_fn(F.linear(hidden_states[routed], self.up_proj[e]))
+            out[routed] += F.linear(h, self.down_proj[e])
+        return out
+
+
+def test_an_expert_stack_whose_orientation_cannot_be_told_is_named_and_left_alone():
+    with pytest.warns(UserWarning, match=r"do not recycle the experts of 0: its stacks \(3, 8, 8\) and \(3, 8, 8\) do "
+                                         r"not tell \(out, in\) from \(in, out\)"):
+        assert find_neuron_layers(nn.Sequential(PlainExperts())) == []
+    # the module's own is_transposed settles it: one plain (ungated) unit layer per expert
+    layers = find_neuron_layers(nn.Sequential(PlainExperts(is_transposed=False)))
+    assert [(layer.name, layer.width, layer.fused_gate) for layer in layers] == [("0.0", 8, False), ("0.1", 8, False),
+                                                                                ("0.2", 8, False)]

@@ -166,9 +166,7 @@ def _read_unit_pairing(block: nn.Module, up: nn.Module, down: nn.Module) -> str 
 class ExpertLayout:
     """How one experts module stores and uses its stacks (read once, at discovery)."""
 
-    up: str  # incoming stack's attribute
-    down: str
-    transposed: bool
+    transposed: bool  # (in, out) matrices: the forward computes x @ W[e]
     pairing: str | None  # halves | interleaved for a gated stack, None for a plain activation
 
 
@@ -178,7 +176,7 @@ def expert_layers(model: nn.Module) -> list[dict]:
     The orientation comes from the module's own ``is_transposed`` (transformers 5.x sets it for its grouped
     kernels), else from the shapes when only one orientation fits; the gate/up pairing from the module's own
     ``_apply_gate`` (:func:`_pairing` on one token). A stack whose layout cannot be told is named in a warning
-    with the fix (``declare_plasticity(neurons=...)`` cannot describe experts, ``exclude=`` silences it).
+    with the reason, and left alone.
 
     Example:
         >>> [layer["name"] for layer in expert_layers(mixtral)][:2]   # ['model.layers.0.mlp.experts.0', ...]
@@ -233,10 +231,11 @@ def _expert_layout(name: str, module: nn.Module, up_attr: str, down_attr: str) -
         if pairing is None:
             skip = "its _apply_gate does not read each unit from two values (halves or interleaved)"
     if skip is not None:
-        warnings.warn(f"ReDo/ContinualBackprop do not recycle the experts of {name or type(module).__name__}: {skip}; "
-                      "exclude them (exclude=['...experts.*']) to say that is intended", stacklevel=4)
+        warnings.warn(f"ReDo/ContinualBackprop do not recycle the experts of {name or type(module).__name__}: {skip}, "
+                      "so their units keep their weights (the other MLPs are recycled); layer_map= and "
+                      "declare_plasticity(neurons=...) describe nn.Linear layers, not stacks", stacklevel=4)
         return None
-    return ExpertLayout(up_attr, down_attr, transposed, pairing)
+    return ExpertLayout(transposed, pairing)
 
 
 def _forward_parameters(module: nn.Module) -> list[str]:
