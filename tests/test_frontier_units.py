@@ -571,3 +571,29 @@ def test_an_expert_stack_whose_orientation_cannot_be_told_is_named_and_left_alon
     layers = find_neuron_layers(nn.Sequential(PlainExperts(is_transposed=False)))
     assert [(layer.name, layer.width, layer.fused_gate) for layer in layers] == [("0.0", 8, False), ("0.1", 8, False),
                                                                                 ("0.2", 8, False)]
+
+
+def test_redo_recycles_a_dead_unit_of_the_package_gpts_own_moe_in_its_expert():
+    from plasticity_callbacks.models.lightning_module import GPTLightningModule
+
+    torch.manual_seed(0)
+    module = GPTLightningModule(dict(n_layer=1, n_head=2, n_kv_head=2, n_embd=32, sequence_len=12, vocab_size=VOCAB,
+                                     mlp="moe", mlp_options={"n_experts": 4, "top_k": 2}), lr=0.0, schedule="constant")
+    experts = module.model.blocks[0].mlp.experts
+    width = experts.down_proj.shape[2]
+    with torch.no_grad():
+        experts.down_proj.normal_(0, 0.1)  # zero at init: give the experts an output
+        experts.gate_up_proj[1, [6, width + 6]] = 0  # unit 6 of expert 1: silu(0) · 0
+    ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(1))
+    reference = module(ids).detach()
+    snapshot = Snapshot()
+    redo = ReDoMonitor(tau=0.0, collect_every_n_steps=1, schedule=Schedule(every_n_steps=2))
+    loader = DataLoader(TensorDataset(*(lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(1, VOCAB, (8, 13)))),
+                        batch_size=8)
+    cpu_trainer(max_steps=2, callbacks=[snapshot, redo]).fit(module, loader)
+    assert [layer.name for layer in redo.layers] == [f"model.blocks.0.mlp.experts.{e}" for e in range(4)]
+    before = snapshot.params["model.blocks.0.mlp.experts.gate_up_proj"]
+    changed = (before != experts.gate_up_proj.detach()).any(-1)  # (E, 2I): rows that changed
+    assert torch.nonzero(changed).tolist() == [[1, 6], [1, width + 6]]
+    assert bool((experts.down_proj[1, :, 6] == 0).all())
+    torch.testing.assert_close(module(ids).detach(), reference)  # its outgoing column is 0: same output

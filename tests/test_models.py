@@ -20,9 +20,9 @@ def test_every_block_combination_runs_forward_and_backward(mlp, attention, posit
     assert logits.shape == (3, 16, 264) and logits.dtype == torch.float32
     # The zero-initialized head gives zero logits and no gradient below it; train one step's worth first.
     torch.nn.init.normal_(model.lm_head.weight, std=0.02)
-    for block in model.blocks:  # the output projections: c_proj, a state-space mixer's out_proj
+    for block in model.blocks:  # the output projections: c_proj, an SSM's out_proj, the experts' down_proj
         for p in block.parameters():
-            if p.dim() == 2 and p.abs().sum() == 0:
+            if p.dim() >= 2 and p.abs().sum() == 0:
                 torch.nn.init.normal_(p, std=0.02)
     torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
     for name, p in model.named_parameters():

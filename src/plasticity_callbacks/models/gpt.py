@@ -135,10 +135,10 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
         nn.init.normal_(self.wte.weight, 0.0, 1.0)
         nn.init.zeros_(self.lm_head.weight)
-        for block in self.blocks:
-            nn.init.zeros_(block.mlp.c_proj.weight)
-            if hasattr(block.attn, "c_proj"):  # a state-space mixer zeroes its out_proj in its own init_weights
-                nn.init.zeros_(block.attn.c_proj.weight)
+        for block in self.blocks:  # a state-space mixer and an MoE zero their output in their own init_weights
+            for part in (block.attn, block.mlp):
+                if hasattr(part, "c_proj"):
+                    nn.init.zeros_(part.c_proj.weight)
         for module in self.modules():  # blocks with their own parameters (gates, bias MLPs) finish here
             if module is not self and hasattr(module, "init_weights"):
                 module.init_weights()
