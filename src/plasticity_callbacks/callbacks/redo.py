@@ -164,9 +164,11 @@ class ReDoMonitor(PlasticityCallback):
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
             raise ValueError(
-                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch "
-                "MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, linear1/linear2) and "
-                "Linear/conv → [BatchNorm] → activation → [pool/flatten] → Linear/conv chains outside the output head. "
+                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch / "
+                "litgpt MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, fc_in/fc_out, "
+                "fc_1/fc_2/proj, linear1/linear2), fused inputs its forward pairs (gate_up_proj, Wi), stacks of experts "
+                "(experts.gate_up_proj/down_proj) and Linear/conv → [BatchNorm] → activation → [pool/flatten] → "
+                "Linear/conv chains outside the output head. "
                 "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
                 "for other architectures.")
 
