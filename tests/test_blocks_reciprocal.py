@@ -308,7 +308,10 @@ def test_every_block_combination_composes_from_hydra_and_trains():
             assert all(torch.isfinite(p).all() for p in params.values()), where
             moved = {name for name, p in params.items() if not torch.equal(before[name], p)}
             # (a tiny first gradient, e.g. α's at step 3, may not move a float32 scalar under warmup)
-            must_move = {"model.lm_head.weight", "model.blocks.0.attn.c_q.weight", "model.blocks.0.mlp.c_proj.weight"}
+            mixer_input = "in_proj" if attention == "mamba2" else "c_q"
+            mlp_output = "experts.down_proj" if mlp == "moe" else "c_proj.weight"
+            must_move = {"model.lm_head.weight", f"model.blocks.0.attn.{mixer_input}.weight",
+                         f"model.blocks.0.mlp.{mlp_output}"}
             assert must_move <= moved, where
 
 

@@ -378,9 +378,14 @@ def names(targets):
 def test_redo_says_which_units_it_cannot_recycle():
     from model_zoo import ConvZoo, Recurrent
 
-    with pytest.warns(UserWarning, match=r"units of grouped are not recycled: they feed depthwise, a grouped conv "
-                                         r"\(groups=8\)"):
-        assert find_neuron_layers(ConvZoo()) == []
+    with pytest.warns(UserWarning) as record:
+        # depthwise feeds a transposed conv, which reads its channel i at weight[i]: recycled
+        assert [layer.name for layer in find_neuron_layers(ConvZoo())] == ["depthwise"]
+    messages = [str(w.message) for w in record]
+    assert any("units of grouped are not recycled: they feed depthwise, a grouped conv (groups=8)" in m
+               for m in messages)
+    assert any("units of up are not recycled: they feed up_grouped, a grouped transposed conv (groups=2)" in m
+               for m in messages)
     with pytest.warns(UserWarning, match=r"ReDo does not recycle the hidden units of \['lstm \(LSTM\)', 'gru \(GRU\)'"):
         find_neuron_layers(Recurrent())
 

@@ -10,8 +10,9 @@ from torch import nn
 from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
-from ..ops.neuron_reset import reset_norm_channels
-from ..ops.optimizer_state import zero_optimizer_state_slices
+from ..model_map.experts import expert_hidden
+from ..model_map.neurons import stores_in_out
+from ..ops.neuron_reset import reset_norm_channels, zero_unit_state
 from ..distributed.sharding import local_part
 from ..functional import continual_backprop as cbp
 from .base import PlasticityCallback
@@ -23,7 +24,9 @@ class ContinualBackprop(PlasticityCallback):
 
     **Units** are the model map's neuron layers (:func:`~model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
-    BERT), or an explicit ``layer_map``. **Collects** in a forward pre-hook on each ``down`` layer (training
+    BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, or an explicit ``layer_map``. An
+    expert's statistics come from the tokens routed to it; a step that routes none to it leaves its
+    statistics and age as they were (under DDP its ``f̂`` is each rank's own, averaged after the step). **Collects** in a forward pre-hook on each ``down`` layer (training
     forwards only; with gradient accumulation, the optimizer step's last micro-batch) the batch mean ``E[h_i]`` and
     ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end`` of each batch whose optimizer stepped, as the reference runs
     generate-and-test after ``opt.step()``: the statistics of
@@ -135,8 +138,15 @@ class ContinualBackprop(PlasticityCallback):
             self._restore(self._pending)
         self._batch = [None] * len(self.layers)
         self._remove_hooks()
+        experts: dict[int, tuple[nn.Module, dict[int, int]]] = {}  # id(experts module) -> (module, {expert: index})
         for index, layer in enumerate(self.layers):
-            self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
+            if layer.experts is not None:
+                experts.setdefault(id(layer.experts), (layer.experts, {}))[1][layer.up.expert] = index
+            else:
+                self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
+        for module, indices in experts.values():
+            collector = _ExpertCollector(self, indices)
+            self._hooks.append(module.register_forward_pre_hook(collector, with_kwargs=True))
         self._last_step = trainer.global_step
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -162,8 +172,10 @@ class ContinualBackprop(PlasticityCallback):
         stats = self.stats[index]
         # The adaptation term measures h against f̂, which holds this step's mean over the whole global batch:
         # with several ranks the mean is reduced here, in the forward (a (units,) vector per layer; every rank runs
-        # the same training forwards), so that each rank's E|h - f̂| averages to one process's.
-        batch_mean = units.mean(0) if self.utility == "contribution" else all_reduce_mean(self._trainer, units.mean(0))
+        # the same training forwards), so that each rank's E|h - f̂| averages to one process's. An expert sees only
+        # the tokens routed to it, which differ between ranks: its f̂ is this rank's (no collective per expert).
+        reduce = self.utility != "contribution" and self.layers[index].experts is None
+        batch_mean = all_reduce_mean(self._trainer, units.mean(0)) if reduce else units.mean(0)
         if self.utility == "contribution":
             activity = units.abs().mean(0)
         else:
@@ -175,17 +187,26 @@ class ContinualBackprop(PlasticityCallback):
         if not pl_module.training or trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step = trainer.global_step
-        missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None]
+        # An expert that no token was routed to in this step has no statistics: it waits (its age too).
+        missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None and layer.experts is None]
         if missing:
             raise RuntimeError(f"ContinualBackprop saw no activations of {missing} in this training step: their forward "
                                "hooks did not run (a model compiled before the callback attached, or a forward that "
                                "bypasses these modules); attach it before compiling or pass layer_map= / exclude=")
-        flat = torch.cat([torch.cat(pair) for pair in self._batch])
+        device = self.layers[0].up.weight.device
+        seen = [(pair, 1.0) if pair is not None else ((torch.zeros(l.width, device=device),) * 2, 0.0)
+                for l, pair in zip(self.layers, self._batch)]
+        flat = torch.cat([torch.cat([*pair, torch.tensor([ran], device=device)]) for pair, ran in seen])
         flat = all_reduce_mean(trainer, flat)  # every rank decides on the same numbers
-        generator = rank_identical_generator(self.seed, trainer.global_step, device=self.layers[0].up.weight.device)
+        generator = rank_identical_generator(self.seed, trainer.global_step, device=device)
         chosen = []
-        for layer, stats, part in zip(self.layers, self.stats, flat.split([2 * l.width for l in self.layers])):
-            batch_mean, activity = part.split(layer.width)
+        for layer, stats, part in zip(self.layers, self.stats, flat.split([2 * l.width + 1 for l in self.layers])):
+            batch_mean, activity, ran = part.split([layer.width, layer.width, 1])
+            if layer.experts is not None:  # the mean over the ranks that routed tokens to this expert
+                if not bool(ran > 0):
+                    chosen.append(None)
+                    continue
+                batch_mean, activity = batch_mean / ran, activity / ran
             stats["age"] += 1
             unit_mean = cbp.corrected_mean(stats["mean"], batch_mean, stats["age"], self.decay)
             stats["util"], stats["mean"], corrected = cbp.update_statistics(
@@ -193,7 +214,10 @@ class ContinualBackprop(PlasticityCallback):
                 _outgoing_magnitude(layer), _incoming_magnitude(layer), self.utility)
             chosen.append((corrected, unit_mean))
         count = 0
-        for index, (layer, stats, (corrected, unit_mean)) in enumerate(zip(self.layers, self.stats, chosen)):
+        for index, (layer, stats, statistics) in enumerate(zip(self.layers, self.stats, chosen)):
+            if statistics is None:
+                continue
+            corrected, unit_mean = statistics
             units, self.carry[index] = cbp.units_to_replace(corrected, stats["age"], self.maturity, self.rate,
                                                             self.carry[index])
             if units.numel():
@@ -212,19 +236,18 @@ class ContinualBackprop(PlasticityCallback):
             if incoming is None:
                 continue
             rows = _rows(incoming)
-            # a fused [gate | up] layer: the unit is its row in each half
-            picked = torch.cat([units, units + layer.width]) if layer.fused_gate else units
+            picked = layer.incoming_rows(units)  # a fused layer: the unit's two rows
             # every rank draws all the new rows (one generator, the same on every rank) and writes those it holds
             new = cbp.draw_rows(len(picked), rows, cbp.BOUNDS[self.init](rows[0].numel()), generator)
             _redraw_incoming_(incoming, picked, new)
             mask = _mask(picked, rows.shape[0])
-            zero_optimizer_state_slices(trainer.optimizers, incoming.weight, mask, dim=int(is_conv1d(incoming)))
+            zero_unit_state(trainer.optimizers, incoming, "weight", mask, int(stores_in_out(incoming)))
             if getattr(incoming, "bias", None) is not None:
-                zero_optimizer_state_slices(trainer.optimizers, incoming.bias, mask, dim=0)
+                zero_unit_state(trainer.optimizers, incoming, "bias", mask, 0)
         _retire_outgoing_(layer, units, unit_mean if self.bias_correction else None)
         columns = cbp.unit_columns(units, layer.down_offset, layer.group)
-        zero_optimizer_state_slices(trainer.optimizers, layer.down.weight, _mask(columns, _rows(layer.down).shape[1]),
-                                    dim=int(not is_conv1d(layer.down)))
+        zero_unit_state(trainer.optimizers, layer.down, "weight", _mask(columns, _rows(layer.down).shape[1]),
+                        int(not stores_in_out(layer.down)))
         if layer.norm is not None:  # a fresh BatchNorm channel: scale 1, shift 0, statistics of a new layer
             reset_norm_channels(layer.norm, _mask(units, layer.width), optimizer=None)
 
@@ -252,6 +275,22 @@ class ContinualBackprop(PlasticityCallback):
         self.carry, self.replaced, self._pending = [float(c) for c in state["carry"]], state["replaced"], None
 
 
+class _ExpertCollector:
+    """Hands the owner each routed expert's units (:func:`~model_map.experts.expert_hidden`)."""
+
+    def __init__(self, owner: ContinualBackprop, indices: dict[int, int]):
+        self.owner, self.indices = owner, indices
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not module.training:
+            return
+        layer = self.owner.layers[next(iter(self.indices.values()))]
+        with torch.no_grad():
+            for expert, h in expert_hidden(module, args, kwargs, layer.up.attr, layer.up.transposed):
+                if expert in self.indices:
+                    self.owner.collect(self.indices[expert], module, h)
+
+
 class _Collector:
     def __init__(self, owner: ContinualBackprop, index: int):
         self.owner, self.index = owner, index
@@ -261,8 +300,9 @@ class _Collector:
 
 
 def _rows(layer: nn.Module) -> torch.Tensor:
-    """``layer.weight`` as ``(out, in, *kernel)`` (a view: HF ``Conv1D`` stores ``(in, out)``)."""
-    return layer.weight.mT if is_conv1d(layer) else layer.weight
+    """``layer.weight`` as ``(out, in, *kernel)`` (a view: HF ``Conv1D``, transposed convs and some experts store
+    ``(in, out)``)."""
+    return layer.weight.transpose(0, 1) if stores_in_out(layer) else layer.weight
 
 
 def _mask(indices: torch.Tensor, size: int) -> torch.Tensor:
@@ -272,7 +312,9 @@ def _mask(indices: torch.Tensor, size: int) -> torch.Tensor:
 def _incoming_magnitude(layer: HiddenUnits) -> torch.Tensor:
     """``mean |w_in[i, :]|`` per unit ``i`` (a fused [gate | up] layer: over the unit's row in both halves)."""
     rows = _mean_abs(_rows(layer.up), keep=0)
-    return rows.view(2, layer.width).mean(0) if layer.fused_gate else rows
+    if not layer.fused_gate:
+        return rows
+    return rows.view(layer.width, 2).mean(1) if layer.interleaved else rows.view(2, layer.width).mean(0)
 
 
 def _outgoing_magnitude(layer: HiddenUnits) -> torch.Tensor:

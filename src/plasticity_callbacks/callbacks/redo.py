@@ -11,6 +11,7 @@ from ..arguments import check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, validate_patterns
+from ..model_map.experts import ExpertMatrix, expert_hidden
 from ..ops.redo import recycle_
 from .schedule import Schedule
 from .step_logging import log_at_step
@@ -25,10 +26,15 @@ class ReDoMonitor(PlasticityCallback):
 
     **Finds** the neuron layers through the model map
     (:func:`plasticity_callbacks.model_map.find_neuron_layers`): our GPT's MLPs, Hugging Face
-    MLPs (Llama gate/up/down, GPT-2 ``c_fc``/``c_proj``, BERT intermediate/output), torch
-    ``TransformerEncoderLayer``, ``Linear/conv → [BatchNorm] → activation → [pool/flatten] →
-    Linear/conv`` chains (ResNet blocks, conv→flatten→linear), declared layouts, or an explicit
-    ``layer_map``. Raises a ValueError in ``setup`` when it finds none.
+    MLPs (Llama gate/up/down, GPT-2 ``c_fc``/``c_proj``, BERT intermediate/output, GPT-J ``fc_in``/``fc_out``),
+    litgpt's ``fc_1``/``fc_2``/``proj``, fused inputs whose pairing the forward shows (Phi-3 ``gate_up_proj``,
+    ModernBERT ``Wi``), torch ``TransformerEncoderLayer``, ``Linear/conv/transposed conv → [BatchNorm] →
+    activation → [pool/flatten] → Linear/conv`` chains (ResNet blocks, conv→flatten→linear, decoders),
+    declared layouts, or an explicit ``layer_map``; and each expert of a mixture-of-experts stack
+    (transformers 5.x ``experts.gate_up_proj``/``down_proj``, ``(out, in)`` or ``(in, out)``): one layer per
+    expert, named ``<experts>.<e>``, measured on the tokens routed to it and recycled in that expert's slices
+    of the stacks. State-space mixers (Mamba) and recurrent layers are named in a warning as not unit layers.
+    Raises a ValueError in ``setup`` when it finds none.
 
     **Collects** in ``on_train_batch_start``/``on_train_batch_end`` of every
     ``collect_every_n_steps``-th training step (never in validation) the neuron values as they
@@ -36,7 +42,9 @@ class ReDoMonitor(PlasticityCallback):
     SwiGLU/GeGLU, the activation's output in a plain MLP/CNN — so no activation is
     re-implemented here. Blocks with a ``hidden_observer`` slot (our GPT's MLPs) hand them over
     through it, which works whether the model was compiled before or after this callback
-    attached; other layers get a forward pre-hook on ``down``, which a graph compiled before the
+    attached; experts are computed from their module's inputs and its own gating code (one host sync per
+    MoE layer and collecting step, to list the routed experts); other layers get a forward pre-hook on
+    ``down``, which a graph compiled before the
     hook existed never calls: that case raises a RuntimeError at the first collecting step
     instead of logging nothing. The mean ``|h|`` over batch and time/space updates an EMA per
     neuron (``lerp_``, weight ``1 - ema_decay``; a neuron's first observation, and its first
@@ -155,9 +163,11 @@ class ReDoMonitor(PlasticityCallback):
         self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
         if not self.layers:
             raise ValueError(
-                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch "
-                "MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, linear1/linear2) and "
-                "Linear/conv → [BatchNorm] → activation → [pool/flatten] → Linear/conv chains outside the output head. "
+                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch / "
+                "litgpt MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, fc_in/fc_out, "
+                "fc_1/fc_2/proj, linear1/linear2), fused inputs its forward pairs (gate_up_proj, Wi), stacks of experts "
+                "(experts.gate_up_proj/down_proj) and Linear/conv → [BatchNorm] → activation → [pool/flatten] → "
+                "Linear/conv chains outside the output head. "
                 "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
                 "for other architectures.")
         rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
@@ -191,10 +201,18 @@ class ReDoMonitor(PlasticityCallback):
             if hasattr(module, "hidden_observer") and callable(getattr(module, "neuron_layouts", None)):
                 observers.update({id(layout.down): module for layout in module.neuron_layouts()})
         groups: dict[int, tuple[nn.Module, list]] = {}
+        experts: dict[int, tuple[nn.Module, dict]] = {}  # id(experts module) -> (module, {expert: entry})
         offset = 0
         for index, layer in enumerate(self.layers):
-            groups.setdefault(id(layer.down), (layer.down, []))[1].append((index, slice(offset, offset + layer.width)))
+            entry = (index, slice(offset, offset + layer.width))
+            if layer.experts is not None:
+                experts.setdefault(id(layer.experts), (layer.experts, {}))[1][layer.up.expert] = entry
+            else:
+                groups.setdefault(id(layer.down), (layer.down, []))[1].append(entry)
             offset += layer.width
+        for module, entries in experts.values():
+            collector = _ExpertCollector(self, entries, self.layers[next(iter(entries.values()))[0]].up)
+            self._hooks.append(module.register_forward_pre_hook(collector, with_kwargs=True))
         for key, (down, entries) in groups.items():
             collector = _HiddenCollector(self, entries)
             block = observers.get(key)
@@ -405,6 +423,22 @@ class _HiddenCollector:
 
     def pre_hook(self, module: nn.Module, args: tuple) -> None:
         self.monitor._collect(module, args[0], self.entries)
+
+
+class _ExpertCollector:
+    """Hands the monitor each routed expert's units, computed by :func:`~model_map.experts.expert_hidden` from
+    the experts module's inputs (only on collecting steps: it reads the routed experts on the host)."""
+
+    def __init__(self, monitor: ReDoMonitor, entries: dict[int, tuple[int, slice]], up: ExpertMatrix):
+        self.monitor, self.entries, self.up = monitor, entries, up
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (self.monitor._collecting and module.training):
+            return
+        for expert, h in expert_hidden(module, args, kwargs, self.up.attr, self.up.transposed):
+            if expert in self.entries:
+                self.monitor._collect(module, h, [self.entries[expert]])
 
 
 def check_state_shapes(state: dict) -> None:

@@ -160,8 +160,9 @@ def describe(model: nn.Module) -> str:
     for layer in find_neuron_layers(model):
         gate = f"gate={names[id(layer.gate)]} " if layer.gate is not None else ""
         extra = (f" group={layer.group}" if layer.group > 1 else "") + (
-            " (fused [gate | up] rows)" if layer.fused_gate else "") + (
+            f" (fused rows, {'interleaved' if layer.interleaved else '[gate | up]'})" if layer.fused_gate else "") + (
             f" norm={names[id(layer.norm)]}" if layer.norm is not None else "")
-        lines.append(f"  {layer.name}: {gate}up={names[id(layer.up)]} -> down={names[id(layer.down)]} "
+        lines.append(f"  {layer.name}: {gate}up={names.get(id(layer.up), layer.up)} -> "
+                     f"down={names.get(id(layer.down), layer.down)} "
                      f"width={layer.width}{extra}")
     return "\n".join(lines)

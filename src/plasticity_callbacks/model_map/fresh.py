@@ -166,8 +166,9 @@ def _nan_copy(module: nn.Module) -> Iterator[nn.Module]:
     yield clone
 
 
-def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
-    """A fresh ``layer.weight`` (stored orientation) drawn by the init code that initializes it in ``model``.
+def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int, attr: str = "weight") -> torch.Tensor:
+    """A fresh ``layer.<attr>`` (stored orientation; ``attr``: another parameter of the layer, e.g. a stack of
+    experts) drawn by the init code that initializes it in ``model``.
 
     Inside a Hugging Face model: that model's ``_init_weights`` applied to a copy of the layer (flags
     cleared). Elsewhere: the layer's own ``reset_parameters()``. Raises when neither draws the weight.
@@ -176,11 +177,12 @@ def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int) -> torch.T
         >>> new_rows = fresh_layer_weight(model, model.mlp.up_proj, seed=0)[mask]
     """
     owners = [m for m in model.modules() if _is_hf_model(m) and any(sub is layer for sub in m.modules())]
-    devices = [layer.weight.device.index] if layer.weight.is_cuda else []
+    param = getattr(layer, attr)
+    devices = [param.device.index] if param.is_cuda else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
         clone = _plain_copy(layer)
-        clone.weight.fill_(float("nan"))
+        getattr(clone, attr).fill_(float("nan"))
         if owners:  # the innermost Hugging Face model owning the layer
             for tensor in (clone, *clone.parameters()):
                 if getattr(tensor, "_is_hf_initialized", False):
@@ -188,7 +190,7 @@ def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int) -> torch.T
             owners[-1]._init_weights(clone)
         elif callable(getattr(clone, "reset_parameters", None)):
             clone.reset_parameters()
-    if bool(torch.isnan(clone.weight).any()):
-        raise RuntimeError(f"no init code draws a fresh weight for a {type(layer).__name__}; give it "
+    if bool(torch.isnan(getattr(clone, attr)).any()):
+        raise RuntimeError(f"no init code draws a fresh {attr} for a {type(layer).__name__}; give it "
                            "reset_parameters() or use another init")
-    return clone.weight.detach()
+    return getattr(clone, attr).detach()

@@ -9,10 +9,16 @@ Found, first match wins per ``up`` layer:
 
 1. a declaration (:func:`~model_map.declare_plasticity` ``neurons=``);
 2. modules with ``neuron_layouts()`` (this package's GPT MLPs);
-3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; Phi-3's fused
-   ``gate_up_proj, down_proj`` (unit ``i`` is row ``i`` of each half); ``w1, w3, w2``;
-   GPT-2 ``c_fc, c_proj`` (HF ``Conv1D``); BERT-style ``intermediate.dense, output.dense``;
-   ``fc1, fc2``; ``dense_h_to_4h, dense_4h_to_h``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
+3. adapters by structure: Llama/Mistral-style ``gate_proj, up_proj, down_proj``; ``w1, w3, w2``;
+   litgpt ``fc_1, fc_2, proj`` and ``fc, proj``; GPT-2 ``c_fc, c_proj`` (HF ``Conv1D``); BERT-style
+   ``intermediate.dense, output.dense``; ``fc1, fc2``; GPT-J/CodeGen ``fc_in, fc_out``;
+   ``dense_h_to_4h, dense_4h_to_h``; ``nn.TransformerEncoderLayer``/``DecoderLayer`` ``linear1, linear2``;
+   a fused input layer that writes two values per unit (Phi-3 ``gate_up_proj``, ModernBERT ``Wi``, or any
+   child whose output is twice the next child's input), its pairing of rows read from the block's forward
+   (:func:`read_unit_pairing`; Phi-3's ``[gate | up]`` halves are the fast path when the block needs more
+   than ``x``);
+   stacks of experts stored as 3-D parameters (transformers 5.x ``experts.gate_up_proj``/``down_proj``,
+   ``(out, in)`` or ``(in, out)``, halves or interleaved): one layer per expert (:func:`expert_layers`);
 4. a ``torch.fx`` trace of each traceable submodule: Linear/conv -> [BatchNorm] -> activation ->
    [dropout, pooling, flatten] -> Linear/conv where each value has exactly one user (so zeroing the
    outgoing weights removes the unit from the output: a residual ``add`` breaks the chain);
@@ -30,6 +36,7 @@ from torch import nn
 
 from .declaration import declarations
 from .weights import CONV, CONV_TRANSPOSE, is_conv1d, is_layer
+from .experts import ExpertMatrix, expert_layers, read_unit_pairing
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 # Activations that act on each unit alone; softmax-like and GLU modules mix units.
@@ -64,19 +71,31 @@ class HiddenUnits:
     down_offset: int = 0  # this layer's units start at down's input offset (several ups may share a down)
     group: int = 1  # down inputs per unit (a conv channel flattened over its positions)
     norm: nn.Module | None = None  # a BatchNorm between up and the activation
-    fused_gate: bool = False  # up's rows are [gate | up] (Phi-3 gate_up_proj): unit i is rows i and width + i
+    fused_gate: bool = False  # up writes two values per unit: rows i and width + i (Phi-3 [gate | up])
+    interleaved: bool = False  # with fused_gate: rows 2i and 2i + 1 instead (GPT-OSS experts)
+    experts: nn.Module | None = None  # the module holding a stack of experts (up and down are ExpertMatrix)
 
     @property
     def width(self) -> int:
         return out_features(self.up) // (2 if self.fused_gate else 1)
 
+    def incoming_rows(self, units: torch.Tensor) -> torch.Tensor:
+        """Indices of ``up``'s output rows (``(out, in)`` orientation) that belong to ``units`` (indices)."""
+        if not self.fused_gate:
+            return units
+        if self.interleaved:
+            return torch.stack([2 * units, 2 * units + 1], 1).flatten()
+        return torch.cat([units, units + self.width])
+
     def incoming_mask(self, units: torch.Tensor) -> torch.Tensor:
-        """A mask over units as a mask over ``up``'s rows (a fused gate/up: the unit's row in each half)."""
-        return units.repeat(2) if self.fused_gate else units
+        """A mask over units as a mask over ``up``'s rows (a fused layer: the unit's two rows)."""
+        if not self.fused_gate:
+            return units
+        return units.repeat_interleave(2) if self.interleaved else units.repeat(2)
 
     def unit_activity(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``down``'s input ``x`` as ``(tensor, unit_dim)`` holding exactly this layer's units."""
-        if isinstance(self.down, CONV):
+        if isinstance(self.down, (*CONV, *CONV_TRANSPOSE)):
             unit = x.dim() - (self.down.weight.dim() - 1)  # the channel axis
         else:
             unit = x.dim() - 1
@@ -87,20 +106,31 @@ class HiddenUnits:
         return x, unit
 
 
-def out_features(layer: nn.Module) -> int:
-    return layer.nf if is_conv1d(layer) else layer.weight.shape[0]
+def stores_in_out(layer) -> bool:
+    """The layer's weight is stored ``(in, out, ...)``: HF ``Conv1D``, a transposed conv, an expert stored
+    transposed. Its units' rows are then along dim 1 and its inputs along dim 0."""
+    return is_conv1d(layer) or getattr(layer, "transposed", False) is True
 
 
-def in_features(layer: nn.Module) -> int:
-    return layer.nx if is_conv1d(layer) else layer.weight.shape[1]
+def out_features(layer) -> int:
+    return layer.weight.shape[1] if stores_in_out(layer) else layer.weight.shape[0]
+
+
+def in_features(layer) -> int:
+    return layer.weight.shape[0] if stores_in_out(layer) else layer.weight.shape[1]
+
+
+def is_unit_layer(module) -> bool:
+    """A layer whose units ReDo can recycle: Linear, conv, transposed conv, HF Conv1D, one expert's matrix."""
+    return is_layer(module) or isinstance(module, (*CONV_TRANSPOSE, ExpertMatrix))
 
 
 def check_layer(layer: HiddenUnits) -> HiddenUnits:
     """Raise a clear ValueError when ``up``/``gate``/``down`` do not fit together."""
     for role, module in (("up", layer.up), ("down", layer.down), ("gate", layer.gate)):
-        if module is not None and not is_layer(module):
+        if module is not None and not is_unit_layer(module):
             raise ValueError(f"ReDo layer {layer.name!r}: {role} is a {type(module).__name__}, "
-                             "not an nn.Linear, conv or Conv1D")
+                             "not an nn.Linear, conv, transposed conv or Conv1D")
     reads, writes = in_features(layer.down), layer.width
     fits = layer.down_offset + writes * layer.group <= reads
     if getattr(layer.down, "groups", 1) != 1 or not fits:
@@ -149,22 +179,28 @@ def _child(module: nn.Module, path: str) -> nn.Module | None:
 _ADAPTERS = (
     ("gate_proj", "up_proj", "down_proj"),  # Llama, Mistral, Qwen, Gemma
     ("w1", "w3", "w2"),  # Meta's Llama reference, Mixtral experts
+    ("fc_1", "fc_2", "proj"),  # litgpt LLaMAMLP / GemmaMLP: proj(act(fc_1 x) * fc_2 x)
     (None, "c_fc", "c_proj"),  # GPT-2 (HF Conv1D), nanoGPT
     (None, "intermediate.dense", "output.dense"),  # BERT, RoBERTa (on the layer module)
     (None, "fc1", "fc2"),  # OPT, ViT, CLIP, Phi
+    (None, "fc_in", "fc_out"),  # GPT-J, CodeGen
+    (None, "fc", "proj"),  # litgpt GptNeoxMLP
     (None, "dense_h_to_4h", "dense_4h_to_h"),  # GPT-NeoX, Falcon, Bloom
     (None, "linear1", "linear2"),  # nn.TransformerEncoderLayer / DecoderLayer
 )
+# Fused input layers whose forward is known to split the output in contiguous halves, one value of each unit
+# in each (the fast path when the block cannot be run on ``x`` alone); any other pairing is read from the forward.
+_FUSED_HALVES = {("gate_up_proj", "down_proj")}  # Phi-3
 
 
 def adapter_layers(model: nn.Module) -> list[HiddenUnits]:
-    """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``), and fused
-    ``gate_up_proj -> down_proj`` (Phi-3: the forward chunks the output into gate, up)."""
+    """MLP blocks recognised by the attribute names of common model code (see ``_ADAPTERS``), fused input
+    layers (:func:`fused_layers`) and stacks of experts (:func:`~.experts.expert_layers`)."""
     layers = []
     for name, module in model.named_modules():
-        fused, down = _child(module, "gate_up_proj"), _child(module, "down_proj")
-        if fused is not None and down is not None and out_features(fused) == 2 * in_features(down):
-            layers.append(check_layer(HiddenUnits(name or type(module).__name__, fused, down, fused_gate=True)))
+        fused = fused_layers(name, module)
+        if fused:
+            layers += fused
             continue
         for gate_path, up_path, down_path in _ADAPTERS:
             up, down = _child(module, up_path), _child(module, down_path)
@@ -175,7 +211,27 @@ def adapter_layers(model: nn.Module) -> list[HiddenUnits]:
             if in_features(down) == layer.width and (gate is None or out_features(gate) == layer.width):
                 layers.append(check_layer(layer))
             break
-    return layers
+    return layers + [check_layer(HiddenUnits(**layer)) for layer in expert_layers(model)]
+
+
+def fused_layers(name: str, module: nn.Module) -> list[HiddenUnits]:
+    """``up -> [two values per unit] -> down`` among ``module``'s direct children: ``up`` writes twice as many
+    values as ``down`` reads. Which two rows make unit ``i`` is read from ``module``'s forward
+    (:func:`~.experts.read_unit_pairing`: contiguous halves or interleaved pairs); a table entry
+    (``_FUSED_HALVES``) is trusted when the block will not run on ``x`` alone."""
+    children = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear)]
+    found = []
+    for up_name, up in children:
+        for down_name, down in children:
+            if up is down or out_features(up) != 2 * in_features(down) or in_features(up) != out_features(down):
+                continue
+            pairing = read_unit_pairing(module, up, down)
+            if pairing is None and (up_name, down_name) in _FUSED_HALVES:
+                pairing = "halves"
+            if pairing is not None:
+                found.append(check_layer(HiddenUnits(name or type(module).__name__, up, down, fused_gate=True,
+                                                     interleaved=pairing == "interleaved")))
+    return found
 
 
 def traced_layers(model: nn.Module) -> list[HiddenUnits]:
@@ -192,7 +248,7 @@ def traced_layers(model: nn.Module) -> list[HiddenUnits]:
         for up_name, norm_name, down_name, flattened in _chains(graph, modules):
             up, down = modules[up_name], modules[down_name]
             width = out_features(up)
-            group = in_features(down) // width if flattened and isinstance(up, CONV) else 1
+            group = in_features(down) // width if flattened and isinstance(up, (*CONV, *CONV_TRANSPOSE)) else 1
             layer = HiddenUnits(prefix + up_name, up, down, norm=modules.get(norm_name) if norm_name else None,
                                 group=group)
             if getattr(down, "groups", 1) != 1:
@@ -234,17 +290,18 @@ def _chains(graph, modules):
 
     for node in graph.nodes:
         up = target(node)
-        if not (isinstance(up, (nn.Linear, *CONV)) or (up is not None and is_conv1d(up))):
+        if not (isinstance(up, (nn.Linear, *CONV, *CONV_TRANSPOSE)) or (up is not None and is_conv1d(up))):
+            continue
+        if isinstance(up, CONV_TRANSPOSE) and up.groups != 1:
+            _warn_grouped_up(node.target, up)
             continue
         current, norm_name, activated, flattened = single_user(node), None, False, False
         if current is not None and isinstance(target(current), _BATCHNORM):
             norm_name, current = current.target, single_user(current)
         while current is not None:
             module = target(current)
-            if module is not None and is_layer(module):
+            if module is not None and (is_layer(module) or isinstance(module, CONV_TRANSPOSE)):
                 break
-            if isinstance(module, CONV_TRANSPOSE) and activated:
-                _warn_grouped(node.target, current.target, module)
             if isinstance(module, ACTIVATIONS) or _is_call(current, _ACTIVATION_FUNCTIONS, _ACTIVATION_METHODS):
                 activated = True
             elif isinstance(module, nn.Flatten) or _is_call(current, _FLATTEN_FUNCTIONS, _FLATTEN_METHODS):
@@ -254,9 +311,17 @@ def _chains(graph, modules):
                 current = None
                 break
             current = single_user(current)
-        if current is not None and activated and (flattened or not isinstance(up, CONV)
-                                                  or type(target(current)) is type(up)):
+        if current is not None and activated and (flattened or _same_kind(up, target(current))):
             yield node.target, norm_name, current.target, flattened
+
+
+def _same_kind(up: nn.Module, down: nn.Module) -> bool:
+    """``down`` reads ``up``'s units one per input: a Linear after a Linear, a conv or transposed conv of the same
+    dimensionality after a conv or transposed conv."""
+    spatial = (*CONV, *CONV_TRANSPOSE)
+    if isinstance(up, spatial) or isinstance(down, spatial):
+        return isinstance(up, spatial) and isinstance(down, spatial) and up.weight.dim() == down.weight.dim()
+    return is_layer(down)
 
 
 def _is_call(node, functions, methods) -> bool:
@@ -275,15 +340,30 @@ def _is_square(node) -> bool:
 
 
 def _warn_grouped(up_name: str, down_name: str, down: nn.Module) -> None:
-    kind = "a transposed conv" if isinstance(down, CONV_TRANSPOSE) else f"a grouped conv (groups={down.groups})"
-    warnings.warn(f"ReDo: the units of {up_name} are not recycled: they feed {down_name}, {kind}, whose per-unit "
-                  "outgoing weights ReDo does not cut; FIRE, DASH, AdaptiveSVD and ShrinkPerturb still treat both "
-                  "layers", stacklevel=3)
+    kind = "a grouped transposed conv" if isinstance(down, CONV_TRANSPOSE) else "a grouped conv"
+    warnings.warn(f"ReDo: the units of {up_name} are not recycled: they feed {down_name}, {kind} (groups="
+                  f"{down.groups}), whose per-unit outgoing weights ReDo does not cut; FIRE, DASH, AdaptiveSVD and "
+                  "ShrinkPerturb still treat both layers", stacklevel=3)
+
+
+def _warn_grouped_up(up_name: str, up: nn.Module) -> None:
+    warnings.warn(f"ReDo: the units of {up_name} are not recycled: it is a grouped transposed conv (groups="
+                  f"{up.groups}), whose output channels are spread over its groups' weight blocks; FIRE, DASH, "
+                  "AdaptiveSVD and ShrinkPerturb still treat it", stacklevel=3)
 
 
 def recurrent_refusals(model: nn.Module) -> list[str]:
     """Recurrent layers, whose hidden units ReDo does not treat (a unit's output feeds back through ``weight_hh``)."""
     return [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
+
+
+def state_space_refusals(model: nn.Module) -> list[str]:
+    """State-space mixers (Mamba, Mamba-2, Jamba's, this package's ``mamba2`` block: a module with its own
+    ``A_log``), whose ``in_proj -> out_proj`` channels are not units ReDo can recycle: a channel also feeds the
+    scan's input-dependent parameters (Mamba's ``x_proj``: dt, B, C of every channel) or a norm over all
+    channels (Mamba-2's gated RMSNorm), so cutting its ``out_proj`` column does not remove it from the output."""
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m._parameters.get("A_log"), torch.Tensor)]
 
 
 def sequential_layers(model: nn.Module) -> list[HiddenUnits]:
@@ -294,7 +374,10 @@ def sequential_layers(model: nn.Module) -> list[HiddenUnits]:
             continue
         children = list(seq.named_children())
         for i, (up_name, up) in enumerate(children):
-            if not is_layer(up):
+            if not (is_layer(up) or isinstance(up, CONV_TRANSPOSE)):
+                continue
+            if isinstance(up, CONV_TRANSPOSE) and up.groups != 1:
+                _warn_grouped_up(f"{seq_name}.{up_name}" if seq_name else up_name, up)
                 continue
             j, activated, norm = i + 1, False, None
             if j < len(children) and isinstance(children[j][1], _BATCHNORM):
@@ -303,7 +386,7 @@ def sequential_layers(model: nn.Module) -> list[HiddenUnits]:
                 activated |= isinstance(children[j][1], ACTIVATIONS)
                 j += 1
             down = children[j][1] if activated and j < len(children) else None
-            same_kind = is_layer(down) if not isinstance(up, CONV) else type(down) is type(up)
+            same_kind = down is not None and _same_kind(up, down)
             if same_kind and getattr(down, "groups", 1) != 1:
                 _warn_grouped(f"{seq_name}.{up_name}" if seq_name else up_name, "the next conv", down)
             elif same_kind and in_features(down) == out_features(up):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..arguments import build_options
-from .neurons import HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
+from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals,
+                      state_space_refusals)
 from .probe import probe_fused_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
                       stored_param, unknown_split)
@@ -179,11 +180,21 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
         warnings.warn(f"ReDo does not recycle the hidden units of {recurrent}: a recurrent unit's output feeds back "
                       "through weight_hh, so it has no single outgoing weight to cut (FIRE, DASH, AdaptiveSVD and "
                       "ShrinkPerturb treat their gates)", stacklevel=2)
+    state_space = state_space_refusals(model)
+    if state_space:
+        warnings.warn(f"ReDo does not recycle the in_proj -> out_proj channels of {state_space}: a channel also "
+                      "feeds the scan's input-dependent parameters or a norm over all channels, so cutting its out_proj "
+                      "column does not remove it (FIRE, DASH and AdaptiveSVD treat in_proj/out_proj; the MLPs beside "
+                      "them are still recycled)", stacklevel=2)
     allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
-    found, _ = find_layers(model)
-    return [layer for layer in found
-            if id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
-            and names.get(id(layer.up)) not in heads]
+
+    def watched(layer: HiddenUnits) -> bool:
+        if layer.experts is not None:  # stacked parameters: excluded by their names only
+            return not any(_matches(m.name, exclude or ()) for m in (layer.up, layer.down))
+        return (id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
+                and names.get(id(layer.up)) not in heads)
+
+    return [layer for layer in find_layers(model)[0] if watched(layer)]
 
 
 def _submodule(model: nn.Module, path: str, entry: str) -> nn.Module:

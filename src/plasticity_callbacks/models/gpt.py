@@ -1,7 +1,8 @@
 """A nanochat-style GPT whose attention, MLP and positional blocks come from registries.
 
 Data flow: token embedding → RMSNorm → n_layer × [x + attn(norm x); x + mlp(norm x, attn_out)]
-→ RMSNorm → lm_head → logit soft-cap. No biases, norms without weights, untied head.
+→ RMSNorm → lm_head → logit soft-cap. No biases, norms without weights, untied head. ``attn`` is the
+layer's sequence mixer: an attention block, or a state-space block (``mamba2``) per ``layer_pattern``.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class GPTConfig:
     mlp_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the MLP block
     attention_options: dict[str, Any] = field(default_factory=dict)
     position_options: dict[str, Any] = field(default_factory=dict)
+    layer_pattern: list[str] | None = None  # mixers repeated over the layers, e.g. [attn, mamba2]; attn = `attention`
+    ssm_options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of mamba2 blocks from layer_pattern
     logit_softcap: float = 15.0  # logits = c·tanh(logits/c); 0 disables
     compile: bool = False  # GPTLightningModule runs training steps through torch.compile (not the architecture)
 
@@ -47,9 +50,30 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise ConfigError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}")
         MLPS.get(self.mlp), ATTENTIONS.get(self.attention), POSITIONS.get(self.position)  # validate names
+        if self.layer_pattern is not None:
+            if isinstance(self.layer_pattern, str) or not list(self.layer_pattern):
+                raise ConfigError(f"model.layer_pattern={self.layer_pattern!r} must be a list of mixers such as "
+                                  "[attn, mamba2]")
+            self.layer_pattern = [str(name) for name in self.layer_pattern]
+            for name in self.layer_pattern:
+                if name != "attn":
+                    ATTENTIONS.get(name)
+            first = ATTENTIONS.get(self.mixer(0)[0])
+            if self.position_options.get("shared") and not getattr(first, "uses_position", True):
+                raise ConfigError("model.position_options.shared=true shares layer 0's positional block, and layer 0 "
+                                  f"is {self.mixer(0)[0]!r}, which has none: start model.layer_pattern with attn")
         # Hydra hands over DictConfigs; keep plain dicts so the config pickles into checkpoints.
-        self.mlp_options, self.attention_options, self.position_options = (
-            dict(self.mlp_options), dict(self.attention_options), dict(self.position_options))
+        self.mlp_options, self.attention_options, self.position_options, self.ssm_options = (
+            dict(self.mlp_options), dict(self.attention_options), dict(self.position_options), dict(self.ssm_options))
+
+    def mixer(self, layer_idx: int) -> tuple[str, dict[str, Any]]:
+        """The sequence mixer of layer ``layer_idx`` and its options: ``attention`` everywhere, or the
+        ``layer_pattern`` entry (``attn``: ``attention`` with ``attention_options``; another name: that block with
+        ``ssm_options``)."""
+        name = "attn" if self.layer_pattern is None else self.layer_pattern[layer_idx % len(self.layer_pattern)]
+        if name == "attn" or name == self.attention:
+            return self.attention, self.attention_options
+        return name, self.ssm_options
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,8 +89,12 @@ def _build(registry, name: str, options: dict, *args):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
-        position = _build(POSITIONS, config.position, config.position_options, config, layer_idx)
-        self.attn = _build(ATTENTIONS, config.attention, config.attention_options, config, layer_idx, position)
+        name, options = config.mixer(layer_idx)
+        # a state-space mixer is causal and position-aware by itself: no positional block (no unused parameters)
+        uses_position = getattr(ATTENTIONS.get(name), "uses_position", True)
+        position = _build(POSITIONS, config.position if uses_position else "none",
+                          config.position_options if uses_position else {}, config, layer_idx)
+        self.attn = _build(ATTENTIONS, name, options, config, layer_idx, position)
         self.mlp = _build(MLPS, config.mlp, config.mlp_options, config, layer_idx)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -107,9 +135,10 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
         nn.init.normal_(self.wte.weight, 0.0, 1.0)
         nn.init.zeros_(self.lm_head.weight)
-        for block in self.blocks:
-            nn.init.zeros_(block.attn.c_proj.weight)
-            nn.init.zeros_(block.mlp.c_proj.weight)
+        for block in self.blocks:  # a state-space mixer and an MoE zero their output in their own init_weights
+            for part in (block.attn, block.mlp):
+                if hasattr(part, "c_proj"):
+                    nn.init.zeros_(part.c_proj.weight)
         for module in self.modules():  # blocks with their own parameters (gates, bias MLPs) finish here
             if module is not self and hasattr(module, "init_weights"):
                 module.init_weights()

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..functional.dormancy import Init, fresh_weights
-from ..model_map import is_conv1d
+from ..model_map.experts import ExpertMatrix
+from ..model_map.neurons import in_features, out_features, stores_in_out
 from .optimizer_state import zero_optimizer_state_slices
 from ..distributed.sharding import local_part
 
@@ -30,7 +31,8 @@ def reinit_incoming(
     those slices' optimizer moments; return how many neurons (a 0-D tensor, no host sync).
 
     Args:
-        up: the layer whose output units are the neurons (``nn.Linear``, conv, HF ``Conv1D``).
+        up: the layer whose output units are the neurons (``nn.Linear``, conv, transposed conv, HF ``Conv1D``,
+            one expert's :class:`~model_map.experts.ExpertMatrix`).
         mask: ``(hidden,)`` bool, the neurons to recycle.
         gate: the gate projection of a gated MLP (its rows are re-sampled too).
         init: how to draw a fresh row (see :func:`~functional.dormancy.fresh_weights`);
@@ -55,25 +57,26 @@ def reinit_incoming(
     if len(inits) != 2:
         raise ValueError(f"init must be one init or a pair (up_init, gate_init), got {init!r}")
     incoming = [(up, inits[0])] + ([(gate, inits[1])] if gate is not None else [])
-    hidden = up.weight.shape[1] if is_conv1d(up) else up.weight.shape[0]
+    hidden = out_features(up)
     mask = mask.to(device=up.weight.device, dtype=torch.bool)
     if mask.shape != (hidden,):
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({hidden},) = up's output width")
     for layer, _ in incoming[1:]:
-        if layer.weight.shape[int(is_conv1d(layer))] != hidden:
-            raise ValueError(f"gate has {layer.weight.shape[int(is_conv1d(layer))]} outputs, up has {hidden}")
+        if out_features(layer) != hidden:
+            raise ValueError(f"gate has {out_features(layer)} outputs, up has {hidden}")
     for layer, layer_init in incoming:
-        dim = int(is_conv1d(layer))  # the units' dim of the stored weight (HF Conv1D stores (in, out))
+        dim = int(stores_in_out(layer))  # the units' dim of the stored weight ((in, out) layouts: 1)
         # The whole weight's fresh draw, as on one process; under FSDP2 each rank keeps its own rows of it.
-        fresh = fresh_weights(layer.weight.mT if dim else layer.weight, layer_init, generator)  # (out, in, *k)
+        fresh = fresh_weights(layer.weight.transpose(0, 1) if dim else layer.weight, layer_init, generator)
         local, rows = local_part(layer.weight)
         units = mask[rows] if dim == 0 else mask
-        local.copy_(torch.where(_along(units, local.dim(), dim), (fresh.mT if dim else fresh)[rows], local))
-        zero_optimizer_state_slices(optimizer, layer.weight, mask, dim=dim)
+        local.copy_(torch.where(_along(units, local.dim(), dim), (fresh.transpose(0, 1) if dim else fresh)[rows],
+                                local))
+        zero_unit_state(optimizer, layer, "weight", mask, dim)
         if getattr(layer, "bias", None) is not None:
             bias, rows = local_part(layer.bias)
             bias.masked_fill_(mask[rows], 0)
-            zero_optimizer_state_slices(optimizer, layer.bias, mask, dim=0)
+            zero_unit_state(optimizer, layer, "bias", mask, 0)
     if norm is not None:
         reset_norm_channels(norm, mask, optimizer)
     return mask.sum()
@@ -90,21 +93,30 @@ def zero_outgoing(down: nn.Module, mask: torch.Tensor, optimizer=None, down_offs
     """
     hidden = mask.shape[0]
     mask = mask.to(device=down.weight.device, dtype=torch.bool)
-    down_width = down.weight.shape[0] if is_conv1d(down) else down.weight.shape[1]
+    down_width = in_features(down)
     if down_width < down_offset + hidden * group:
         raise ValueError(f"down reads {down_width} inputs, fewer than down_offset + up's "
-                         f"{hidden} x group {group} = {down_offset + hidden * group}; groups/transposed convs are "
-                         "not supported")
+                         f"{hidden} x group {group} = {down_offset + hidden * group}; grouped convs are not supported")
     down_mask = mask.repeat_interleave(group) if group > 1 else mask
     if down_width != down_mask.numel():  # pad to down's width: a slice copy, still no host sync
         padded = torch.zeros(down_width, dtype=torch.bool, device=mask.device)
         padded[down_offset:down_offset + down_mask.numel()] = down_mask
         down_mask = padded
-    read_dim = 0 if is_conv1d(down) else 1
+    read_dim = 0 if stores_in_out(down) else 1
     local, rows = local_part(down.weight)  # FSDP2: each rank zeroes the columns in its own rows
     here = down_mask[rows] if read_dim == 0 else down_mask
     local.masked_fill_(_along(here, local.dim(), read_dim), 0)
-    zero_optimizer_state_slices(optimizer, down.weight, down_mask, dim=read_dim)
+    zero_unit_state(optimizer, down, "weight", down_mask, read_dim)
+
+
+def zero_unit_state(optimizer, layer, attr: str, mask: torch.Tensor, dim: int) -> None:
+    """Zero the optimizer moments of ``layer.<attr>`` where ``mask`` is set along ``dim``; for one expert's
+    matrix, those of its slice of the stacked parameter only."""
+    if isinstance(layer, ExpertMatrix):
+        stack = layer.stack if attr == "weight" else layer.bias_stack
+        zero_optimizer_state_slices(optimizer, stack, mask, dim=dim + 1, index=layer.expert)
+    else:
+        zero_optimizer_state_slices(optimizer, getattr(layer, attr), mask, dim=dim)
 
 
 def reset_norm_channels(norm: nn.Module, mask: torch.Tensor, optimizer) -> None:

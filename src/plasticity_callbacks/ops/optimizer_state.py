@@ -51,8 +51,10 @@ def reset_optimizer_state(optimizers, params: Iterable[torch.Tensor]) -> int:
     return dropped
 
 
-def zero_optimizer_state_slices(optimizers, param: torch.Tensor, mask: torch.Tensor, dim: int) -> None:
-    """Zero the state entries of ``param`` where ``mask`` (a bool vector along ``dim``) is set.
+def zero_optimizer_state_slices(optimizers, param: torch.Tensor, mask: torch.Tensor, dim: int,
+                                index: int | None = None) -> None:
+    """Zero the state entries of ``param`` where ``mask`` (a bool vector along ``dim``) is set; with ``index``,
+    only in ``param[index]`` (one expert of a stacked parameter; ``dim`` counts the stack's dims).
 
     Only tensors shaped like ``param`` (moments, momentum) are touched; ``step`` is kept,
     because it is one counter for the whole tensor: resetting it would restart Adam's bias
@@ -61,6 +63,9 @@ def zero_optimizer_state_slices(optimizers, param: torch.Tensor, mask: torch.Ten
     shape = [1] * param.dim()
     shape[dim] = -1
     keep = (~mask).reshape(shape)
+    if index is not None:  # every other slice of the stack is kept whole
+        others = torch.arange(param.shape[0], device=mask.device) != index
+        keep = keep | others.reshape(-1, *[1] * (param.dim() - 1))
     for opt in leaf_optimizers(optimizers):
         state = opt.state.get(param)
         if not state:

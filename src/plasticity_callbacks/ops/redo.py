@@ -14,7 +14,9 @@ from torch.nn.utils import parametrize
 
 from ..distributed.strategy import rank_identical_generator
 from ..functional.dormancy import INITS, Init, dormancy_scores, dormant_mask, mean_abs_activation
-from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight, is_conv1d
+from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight
+from ..model_map.experts import ExpertMatrix, expert_hidden
+from ..model_map.neurons import stores_in_out
 from .neuron_reset import reinit_incoming, zero_outgoing
 
 RECYCLE_INITS = ("model", *INITS)  # "model": rows of a fresh draw by the layer's own init code
@@ -55,8 +57,14 @@ class ActivationStats:
         self._hooks: list = []
 
     def __enter__(self) -> ActivationStats:
+        experts: dict[int, tuple[nn.Module, ExpertMatrix, dict[int, int]]] = {}  # id(module) -> (module, up, {e: i})
         for index, layer in enumerate(self.layers):
-            self._hooks.append(layer.down.register_forward_pre_hook(self._collector(index)))
+            if layer.experts is not None:  # one hook on the experts module measures every routed expert
+                experts.setdefault(id(layer.experts), (layer.experts, layer.up, {}))[2][layer.up.expert] = index
+            else:
+                self._hooks.append(layer.down.register_forward_pre_hook(self._collector(index)))
+        for module, up, indices in experts.values():
+            self._hooks.append(module.register_forward_pre_hook(self._expert_collector(up, indices), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,14 +75,25 @@ class ActivationStats:
     def _collector(self, index: int) -> Callable:
         @torch.no_grad()
         def collect(module: nn.Module, args: tuple) -> None:
-            if not module.training or not args or not torch.is_tensor(args[0]):
-                return
-            units, unit = self.layers[index].unit_activity(args[0].detach())
-            activity = mean_abs_activation(units, unit).float()
-            finite = torch.isfinite(activity).all()  # a mask, not an `if`: no host sync per forward
-            self._sums[index] += torch.where(finite, activity, 0.0)
-            self._counts[index] += finite.float()
+            if module.training and args and torch.is_tensor(args[0]):
+                self._add(index, args[0].detach())
         return collect
+
+    def _expert_collector(self, up: ExpertMatrix, indices: Mapping[int, int]) -> Callable:
+        @torch.no_grad()
+        def collect(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if module.training:  # each routed expert's units, on the tokens routed to it
+                for expert, h in expert_hidden(module, args, kwargs, up.attr, up.transposed):
+                    if expert in indices:
+                        self._add(indices[expert], h)
+        return collect
+
+    def _add(self, index: int, h: torch.Tensor) -> None:
+        units, unit = self.layers[index].unit_activity(h)
+        activity = mean_abs_activation(units, unit).float()
+        finite = torch.isfinite(activity).all()  # a mask, not an `if`: no host sync per forward
+        self._sums[index] += torch.where(finite, activity, 0.0)
+        self._counts[index] += finite.float()
 
     def scores(self) -> dict[str, torch.Tensor]:
         """``{layer name: score per neuron}``: mean ``|h|`` over the layer's mean (1 = an average neuron); a
@@ -175,5 +194,8 @@ def redo_(model: nn.Module, optimizers, stats: ActivationStats, tau: float = 0.1
 
 def model_draw(model: nn.Module, layer: nn.Module, seed: int) -> torch.Tensor:
     """A fresh weight of ``layer`` by its model's init, in ``(out, in)`` orientation (recycling's rows)."""
-    weight = fresh_layer_weight(model, layer, seed)
-    return weight.mT if is_conv1d(layer) else weight
+    if isinstance(layer, ExpertMatrix):  # the experts module's own init draws the whole stack
+        weight = fresh_layer_weight(model, layer.owner, seed, attr=layer.attr)[layer.expert]
+    else:
+        weight = fresh_layer_weight(model, layer, seed)
+    return weight.transpose(0, 1) if stores_in_out(layer) else weight

@@ -17,7 +17,7 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding.
+    """Keys and values (or a recurrent mixer's state) of every layer for incremental decoding.
 
     Concatenation keeps exactly the valid prefix, so a cache can never hand out stale or
     padding positions (seed 003 recorded a prefill bug from copying a whole buffer).
@@ -26,6 +26,7 @@ class KVCache:
     def __init__(self, n_layer: int):
         self.keys: list[torch.Tensor | None] = [None] * n_layer
         self.values: list[torch.Tensor | None] = [None] * n_layer
+        self.states: list[dict | None] = [None] * n_layer  # recurrent mixers (mamba2): their state after the prefix
 
     def length(self, layer_idx: int) -> int:
         k = self.keys[layer_idx]
