@@ -12,6 +12,7 @@ from ..ops import factorization
 from ..arguments import check_number
 from ..distributed.strategy import is_dtensor, rank_identical_generator, require_full_parameters
 from ..model_map import Selection, fresh_parameters
+from ..model_map.holding import is_factorization, is_frozen, is_frozen_parameter, parametrization, weight_in_buffer
 from ..ops.optimizer_state import reset_optimizer_state
 from .schedule import Schedule
 from ..distributed.sharding import local_part
@@ -26,15 +27,20 @@ class ShrinkPerturb(PlasticityCallback):
     start, in ``on_train_start``, after a checkpoint is restored and before the first step). Epoch
     triggers act in ``on_train_epoch_start``, step triggers and task boundaries in
     ``on_train_batch_start``, plateaus in ``on_validation_end``; each trigger acts once, also across
-    a resume. What changes: every selected parameter; ``θ_fresh`` is a fresh initialization of the
+    a resume. What changes: every selected trainable parameter (a frozen one, ``requires_grad=False``,
+    only when an ``include`` pattern names it); ``θ_fresh`` is a fresh initialization of the
     same model by its own init code (:func:`plasticity_callbacks.model_map.fresh_parameters`:
-    Hugging Face ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
-    ``reset_parameters``), drawn from a generator seeded from ``seed`` and the global step,
-    identically on every rank. A selected parameter that no init reaches (a bare ``nn.Parameter``
-    of the LightningModule) and a matrix whose fresh draw equals its current value are named: the
-    first is an error (exclude it or give its module ``reset_parameters()``), the second a warning.
-    A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
-    effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
+    Hugging Face ``_init_weights``, ``init_weights``, a model built by ``self.apply(self._init_weights)``
+    rebuilt from its config, ``_reset_parameters`` (MHA, ``nn.Transformer``), each layer's
+    ``reset_parameters``, PEFT's LoRA init: ``lora_B`` fresh is zeros), drawn from a generator seeded
+    from ``seed`` and the global step, identically on every rank. A selected parameter that no init
+    reaches (a bare ``nn.Parameter`` of the LightningModule) and a matrix whose fresh draw equals its
+    current value are named: the first is an error (exclude it or give it init code), the second a
+    warning. A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
+    effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept); one
+    computed by a parametrization (weight norm, spectral norm) through its ``original`` parameters,
+    drawn fresh as the parametrization makes them from a fresh weight; ``orthogonal``, which keeps the
+    weight in a buffer, is refused by name (exclude it).
     Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before). Under FSDP2 every rank draws the whole
     fresh model, the values one process draws for the same seed, and treats the rows it holds
     (peak extra memory: one full copy of the largest unit its init draws at once).
@@ -77,19 +83,31 @@ class ShrinkPerturb(PlasticityCallback):
                                         exclude=self.selection.exclude, schedule=self.schedule.describe())
 
     def selected(self, pl_module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` pairs to treat. A factorized weight (``W_p + BA``) appears once, under its
-        plain name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it."""
+        """``(name, parameter)`` pairs to treat: the selection's, minus those the user froze unless an ``include``
+        pattern names them. A factorized weight (``W_p + BA``) appears once, under its plain name
+        (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it. A weight computed by the
+        user's parametrization (weight norm, ...) is treated through its ``original`` parameters."""
         chosen = []
         for name, param in pl_module.named_parameters():
+            frozen = is_frozen_parameter(param)
             if ".parametrizations." in name:
-                if not name.endswith(".original"):
-                    continue  # B, A: inside the effective weight
-                name = name.replace(".parametrizations.", ".").removesuffix(".original")
+                path, rest = name.split(".parametrizations.", 1)
+                module, attr = pl_module.get_submodule(path), rest.split(".", 1)[0]
+                if is_factorization(module, attr):
+                    if not name.endswith(".original"):
+                        continue  # B, A: inside the effective weight
+                    name, frozen = f"{path}.{attr}", is_frozen(module, attr)
+                elif weight_in_buffer(module, attr) and self.selection.matches(name) and not frozen:
+                    raise ValueError(f"{self.owner} cannot treat {path}.{attr}: its parametrization "
+                                     f"({parametrization(module, attr)}) keeps the weight in a buffer, not in {name}; "
+                                     f"exclude it: {self.owner}(selection={ {'exclude': [name]} })")
+            if frozen and self.selection.include is None:
+                continue  # the user froze it; an include pattern naming it treats it
             if self.selection.matches(name):
                 chosen.append((name, param))
         if not chosen:
             raise ValueError(f"{self.owner}: no parameters match include={self.selection.include}, "
-                             f"exclude={self.selection.exclude}")
+                             f"exclude={self.selection.exclude} (frozen ones count only where include names them)")
         return chosen
 
     def check_strategy(self, trainer) -> None:
@@ -101,7 +119,7 @@ class ShrinkPerturb(PlasticityCallback):
     def act(self, trainer, pl_module, reason: str) -> dict[str, float]:
         chosen = self.selected(pl_module)
         seed = rank_identical_generator(self.seed, trainer.global_step).initial_seed()
-        fresh = _checked_fresh(pl_module, chosen, seed)
+        fresh = _checked_fresh(pl_module, chosen, seed, self.owner)
         factorized = {n: p for n, p in chosen if _factorized(pl_module, n)}
         plain = [(n, p) for n, p in chosen if n not in factorized]
         norm_before = _norm(pl_module, chosen)
@@ -142,19 +160,19 @@ def _name_patterns(selection: Selection, owner: str) -> Selection:
     return selection
 
 
-def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int) -> dict:
+def _checked_fresh(pl_module: nn.Module, chosen: list[tuple[str, nn.Parameter]], seed: int, owner: str) -> dict:
     """The fresh draw of every chosen parameter, or a clear error: never a silent copy of the current value."""
     fresh = fresh_parameters(pl_module, seed)
     missing = [name for name, _ in chosen if name not in fresh]
     if missing:
-        raise RuntimeError(f"ShrinkPerturb: no init code draws a fresh value for {missing}; give their module "
-                           "reset_parameters() (or init_weights()), or exclude them, e.g. selection="
-                           f"{ {'exclude': [missing[0]]} }")
+        raise RuntimeError(f"{owner}: no init code draws a fresh value for {missing}; give their module "
+                           "reset_parameters() (or the model init_weights() or _init_weights(module)), or exclude "
+                           f"them: {owner}(selection={ {'exclude': missing} })")
     unchanged = [name for name, p in chosen  # FSDP2: this rank's rows
                  if p.dim() >= 2 and torch.equal(fresh[name][local_part(p)[1]].to(p.device),
                                                  local_part(_value(pl_module, name, p))[0])]
     if unchanged:  # an init that copies, or the very seed the model was built with: either way a mere rescale
-        rank_zero_warn(f"ShrinkPerturb: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
+        rank_zero_warn(f"{owner}: the fresh draw of {unchanged} equals the current weights, so shrink & perturb "
                        "only rescales them; pass another seed=, or fix their init code if it copies instead of drawing")
     return fresh
 

@@ -1,7 +1,8 @@
 """Selection: which weight views and neuron layers a callback treats, with its arguments checked.
 
 Skipped by default: embeddings, the output head(s) (:func:`~.weights.output_heads`, tied or not),
-biases, norms and other 1-D parameters, and positional blocks.
+biases, norms and other 1-D parameters, positional blocks, frozen weights (``requires_grad=False``; an
+``include`` pattern naming one treats it) and weights a parametrization computes (:mod:`.holding`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from ..arguments import build_options
 from .neurons import HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals
+from .holding import is_frozen, parametrization
 from .probe import probe_fused_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
                       stored_param, unknown_split)
@@ -77,7 +79,7 @@ class Selection:
     Args:
         scope: ``all`` (every role except positional), ``attention`` or ``mlp``.
         include: ``fnmatch`` patterns on parameter names; when given, only matching weights
-            are kept (a pattern can also bring back a positional weight).
+            are kept (a pattern can also bring back a positional or a frozen weight).
         exclude: patterns of parameter names to drop.
         include_conv: also treat conv kernels (``dim > 2``).
         include_head: also treat the output head(s).
@@ -139,6 +141,8 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
         explicitly_included = include is not None and _matches(view.name, include)
         if include is not None and not explicitly_included:
             continue
+        if is_frozen(view.module, view.attribute) and not explicitly_included:
+            continue  # the user froze it (requires_grad=False): an include pattern naming it treats it
         if view.role == "position" and not explicitly_included:
             continue
         if selection.scope != "all" and view.role != selection.scope:
@@ -181,9 +185,20 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                       "ShrinkPerturb treat their gates)", stacklevel=2)
     allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
     found, _ = find_layers(model)
+    held = [f"{names[id(layer.up)]} -> {names[id(layer.down)]}" for layer in found if not all(_plain_trainable(m) for m in (layer.up, layer.gate, layer.down)
+                                                     if m is not None)]
+    if held:
+        warnings.warn(f"ReDo and ContinualBackprop leave alone the units of {held}: their weights are frozen "
+                      "(requires_grad=False) or computed by a parametrization (weight norm, ...); layer_map= treats "
+                      "a frozen one", stacklevel=2)
     return [layer for layer in found
             if id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
-            and names.get(id(layer.up)) not in heads]
+            and names.get(id(layer.up)) not in heads and _plain_trainable(layer.down)]
+
+
+def _plain_trainable(layer: nn.Module) -> bool:
+    """Recycling writes zeros into ``layer.weight``'s columns: it must train and be stored as it is used."""
+    return not is_frozen(layer, "weight") and not parametrization(layer, "weight")
 
 
 def _submodule(model: nn.Module, path: str, entry: str) -> nn.Module:
