@@ -462,3 +462,60 @@ def test_lstm_with_proj_size_fire_per_gate_and_fresh_draw_of_its_own_scale():
     bound = 1 / math.sqrt(8)  # LSTM.reset_parameters: U(±1/√hidden)
     assert model.lstm.weight_ih_l0.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.15)
     assert model.lstm.weight_ih_l0.abs().max().item() <= bound
+
+
+def test_redo_recycles_nanogpt_rows_by_its_own_init():
+    torch.manual_seed(0)
+    model = NanoGPT(NanoConfig())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0)  # as after training: far from the init scale
+    before = snapshot(model)
+    tokens = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
+    fit(Lit(model, tokens), ReDoMonitor(tau=1.0, collect_every_n_steps=1, log_every_n_steps=1, init="model",
+                                        layer_map={"mlp0": ("model.transformer.h.0.mlp.c_fc", "model.transformer.h.0.mlp.c_proj")},
+                                        schedule=Schedule(steps=[1])), steps=2)
+    weight = model.transformer.h[0].mlp.c_fc.weight.detach()
+    recycled = (weight != before["transformer.h.0.mlp.c_fc.weight"]).any(dim=1)
+    assert 16 <= int(recycled.sum()) < 128
+    assert weight[recycled].std().item() == pytest.approx(0.02, rel=0.15)  # today: Linear's default, 0.10
+
+
+class BareParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(8, 8), nn.Parameter(torch.ones(8, 8))
+
+    def forward(self, x):
+        return self.fc(x) @ self.scale
+
+
+def test_full_reset_names_a_parameter_no_init_reaches_and_takes_the_fix_it_suggests():
+    torch.manual_seed(0)
+    model = BareParameter()
+    with pytest.raises(RuntimeError, match=r"\['model.scale'\].*FullReset\(selection=\{'exclude': \['model.scale'\]\}\)"):
+        fit(Lit(model, inputs()), FullReset(seed=5))
+    fc = model.fc.weight.detach().clone()
+    fit(Lit(model, inputs()), FullReset(seed=5, selection={"exclude": ["model.scale"]}))
+    assert torch.equal(model.scale, torch.ones(8, 8)) and not torch.equal(model.fc.weight, fc)
+
+
+def test_lora_on_a_hugging_face_model_draws_adapters_by_peft_not_by_hugging_face():
+    peft = pytest.importorskip("peft")
+    from model_zoo import gpt2
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.5)
+    before = snapshot(model)
+    tokens = torch.randint(1, 32, (8, 6), generator=torch.Generator().manual_seed(0))
+    fit(Lit(model, tokens, loss=lambda out, x: out.logits.float().pow(2).mean()), FullReset(seed=5))
+    assert_untouched(model, before, frozen_names(model))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # Hugging Face's _init_weights would draw N(0, 0.02)
+            assert torch.count_nonzero(p) == 0, name
+        elif "lora_A" in name:
+            assert p.std().item() == pytest.approx(1 / math.sqrt(3 * p.shape[1]), rel=0.25), name

@@ -175,6 +175,11 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
             if any(n in heads for n in in_names):
                 raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
                                  "layer, which ReDo never recycles")
+            computed = [n for n, m in zip([*in_names, down_name], modules) if parametrization(m, "weight")]
+            if computed:
+                raise ValueError(f"ReDoMonitor layer_map[{name!r}]: the weights of {computed} are computed by a "
+                                 "parametrization (weight norm, ...), which recycling would write past; remove it "
+                                 "(torch.nn.utils.parametrize.remove_parametrizations) or leave the layer out")
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
             layers.append(check_layer(HiddenUnits(name, up, modules[-1], gate)))
         return layers
@@ -189,8 +194,8 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                                                      if m is not None)]
     if held:
         warnings.warn(f"ReDo and ContinualBackprop leave alone the units of {held}: their weights are frozen "
-                      "(requires_grad=False) or computed by a parametrization (weight norm, ...); layer_map= treats "
-                      "a frozen one", stacklevel=2)
+                      "(requires_grad=False) or computed by a parametrization (weight norm, ...); a layer_map naming "
+                      "them treats frozen ones", stacklevel=2)
     return [layer for layer in found
             if id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
             and names.get(id(layer.up)) not in heads and _plain_trainable(layer.down)]
