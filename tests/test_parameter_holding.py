@@ -519,3 +519,16 @@ def test_lora_on_a_hugging_face_model_draws_adapters_by_peft_not_by_hugging_face
             assert torch.count_nonzero(p) == 0, name
         elif "lora_A" in name:
             assert p.std().item() == pytest.approx(1 / math.sqrt(3 * p.shape[1]), rel=0.25), name
+
+
+def test_the_docs_example_runs_as_written(capsys):
+    pytest.importorskip("peft")
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parameters.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    exec(compile(snippet, "docs/parameters.md", "exec"), {"__name__": "docs_example"})
+    printed = capsys.readouterr().out
+    for line in re.findall(r"^# {3}(.*?)(?: \.\.\.)?$", snippet, flags=re.M):  # the table lines the docs quote
+        assert line.rstrip(" .") in printed, line
