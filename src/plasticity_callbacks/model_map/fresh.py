@@ -51,10 +51,14 @@ class _Init:
     run: Callable[[], None]
 
 
+def _has(module: nn.Module, method: str) -> bool:
+    # On the class: PEFT's wrappers forward unknown attributes to the model they wrap, whose init then runs
+    # on the wrapper; walked down to, the wrapped model draws itself.
+    return callable(getattr(type(module), method, None))
+
+
 def _is_hf_model(module: nn.Module) -> bool:
-    # On the class: PEFT's wrappers forward unknown attributes to the model they wrap.
-    cls = type(module)
-    return callable(getattr(cls, "initialize_weights", None)) and callable(getattr(cls, "_init_weights", None))
+    return _has(module, "initialize_weights") and _has(module, "_init_weights")
 
 
 def _initializers(module: nn.Module) -> Iterator[_Init]:
@@ -63,20 +67,20 @@ def _initializers(module: nn.Module) -> Iterator[_Init]:
     if _is_hf_model(module):
         yield _Init(f"{name}._init_weights (Hugging Face)", module, True, lambda: _hf_initialize(module))
         return
-    if callable(getattr(module, "init_weights", None)):
+    if _has(module, "init_weights"):
         yield _Init(f"{name}.init_weights", module, True, module.init_weights)
         return
-    if callable(getattr(module, "_init_weights", None)):
+    if _has(module, "_init_weights"):
         if getattr(module, "config", None) is not None:
             yield _Init(f"{name}(config), rebuilt", module, True, lambda: _rebuild(module))
         else:
             yield _Init(f"{name}._init_weights", module, True, lambda: module.apply(module._init_weights))
         return
-    if callable(getattr(module, "reset_parameters", None)):
+    if _has(module, "reset_parameters"):
         yield _Init(f"{name}.reset_parameters", module, False, module.reset_parameters)
     for child in module.children():
         yield from _initializers(child)
-    if callable(getattr(module, "_reset_parameters", None)):  # MHA's leaves out_proj.weight to its Linear
+    if _has(module, "_reset_parameters"):  # MHA's leaves out_proj.weight to its Linear
         yield _Init(f"{name}._reset_parameters", module, not isinstance(module, nn.MultiheadAttention),
                     module._reset_parameters)
 
@@ -98,8 +102,7 @@ def _rebuild(module: nn.Module) -> None:
 def _lora_initializers(module: nn.Module, lora_inits: dict) -> Iterator[_Init]:
     """PEFT's own init for every LoRA layer in ``module``, after every other init (HF's included)."""
     for layer in module.modules():
-        if not (callable(getattr(layer, "reset_lora_parameters", None)) and isinstance(getattr(layer, "lora_A", None),
-                                                                                         nn.ModuleDict)):
+        if not (_has(layer, "reset_lora_parameters") and isinstance(getattr(layer, "lora_A", None), nn.ModuleDict)):
             continue
         for adapter in layer.lora_A:
             init = lora_inits.get(adapter, True)
@@ -142,7 +145,7 @@ def init_sources(model: nn.Module) -> dict[int, str]:
 def _drawn_whole(model: nn.Module) -> bool:
     """A model with its own init is drawn whole (its init may treat parts jointly: tied heads, scaled
     projections); otherwise child by child, which also skips a LightningModule's trainer references."""
-    return _is_hf_model(model) or any(callable(getattr(model, m, None)) for m in ("init_weights", "_init_weights"))
+    return _is_hf_model(model) or _has(model, "init_weights") or _has(model, "_init_weights")
 
 
 def _hf_initialize(model: nn.Module) -> None:
@@ -276,8 +279,7 @@ def fresh_layer_weight(model: nn.Module, layer: nn.Module, seed: int) -> torch.T
     Example:
         >>> new_rows = fresh_layer_weight(model, model.mlp.up_proj, seed=0)[mask]
     """
-    owners = [m for m in model.modules()
-              if callable(getattr(type(m), "_init_weights", None)) and any(sub is layer for sub in m.modules())]
+    owners = [m for m in model.modules() if _has(m, "_init_weights") and any(sub is layer for sub in m.modules())]
     devices = [layer.weight.device.index] if layer.weight.is_cuda else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
