@@ -532,3 +532,18 @@ def test_the_docs_example_runs_as_written(capsys):
     printed = capsys.readouterr().out
     for line in re.findall(r"^# {3}(.*?)(?: \.\.\.)?$", snippet, flags=re.M):  # the table lines the docs quote
         assert line.rstrip(" .") in printed, line
+
+
+def test_a_weight_whose_gradient_a_tap_computes_is_not_taken_for_frozen():
+    from plasticity_callbacks.ops.minor_gradient import GradientTap
+
+    torch.manual_seed(0)
+    model = MLP()
+    U = torch.linalg.qr(torch.randn(16, 4))[0]  # (d_out, r) orthonormal columns
+    tap = GradientTap(model.fc1.weight, model.fc1, transposed=False)
+    tap.install(U, checked=True)  # AdaptiveSVD's projection: requires_grad off, the tap gives the gradient
+    assert not model.fc1.weight.requires_grad
+    assert [t.name for t in select_targets(model)] == ["fc1.weight", "fc2.weight"]
+    tap.remove()
+    model.fc1.weight.requires_grad_(False)  # now the user froze it
+    assert [t.name for t in select_targets(model)] == ["fc2.weight"]
