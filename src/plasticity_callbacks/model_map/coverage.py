@@ -17,7 +17,7 @@ import weakref
 from torch import nn
 
 from .fresh import init_sources
-from .holding import describe_holding, is_frozen, lora_parts, parametrization
+from .holding import describe_holding, is_frozen, lora_parts, parametrization, weight_in_buffer
 from .select import Selection, find_neuron_layers, select_targets, weight_views
 from .weights import output_heads
 
@@ -103,8 +103,10 @@ def _unknown_reason(name: str, owner: nn.Module | None, modules: dict[str, nn.Mo
         path, attr = name.split(".parametrizations.")[0], name.split(".parametrizations.")[1].split(".")[0]
         kind = parametrization(modules[path], attr) if path in modules else ""
         if kind:
+            shrink = ("ShrinkPerturb refuses it: the weight is kept in a buffer"
+                      if weight_in_buffer(modules[path], attr) else "ShrinkPerturb treats this original")
             return (f"{PARAMETRIZED} ({kind}): computes {path}.{attr}, which FIRE, DASH, ReDo, ContinualBackprop "
-                    "and AdaptiveSVD leave alone (ShrinkPerturb treats this original); to treat the weight, "
+                    f"and AdaptiveSVD leave alone ({shrink}); to treat the weight, "
                     f"torch.nn.utils.parametrize.remove_parametrizations(model.{path}, {attr!r}) first")
         return "low-rank factor of a factorized weight (AdaptiveSVDSwitch)"
     if owner is not None and "norm" in type(owner).__name__.lower():

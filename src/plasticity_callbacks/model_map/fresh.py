@@ -29,6 +29,7 @@ process draws for the same seed and keeps its own rows.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def _initializers(module: nn.Module) -> Iterator[_Init]:
         if getattr(module, "config", None) is not None:
             yield _Init(f"{name}(config), rebuilt", module, True, lambda: _rebuild(module))
         else:
-            yield _Init(f"{name}._init_weights", module, True, lambda: module.apply(module._init_weights))
+            yield _Init(f"{name}._init_weights", module, True, lambda: _apply_own_init(module))
         return
     if _has(module, "reset_parameters"):
         yield _Init(f"{name}.reset_parameters", module, False, module.reset_parameters)
@@ -91,12 +92,20 @@ def _rebuild(module: nn.Module) -> None:
     try:
         built = type(module)(module.config)
     except TypeError:  # a constructor that wants more than the config
-        module.apply(module._init_weights)
+        _apply_own_init(module)
         return
     drawn = dict(built.named_parameters())
     for key, param in module.named_parameters():
         if key in drawn and drawn[key].shape == param.shape:
             param.copy_(drawn[key])
+
+
+def _apply_own_init(module: nn.Module) -> None:
+    """``self.apply(self._init_weights)`` for ``_init_weights(module)``; a bare ``_init_weights()`` is called."""
+    if len(inspect.signature(module._init_weights).parameters) == 1:
+        module.apply(module._init_weights)
+    else:
+        module._init_weights()
 
 
 def _lora_initializers(module: nn.Module, lora_inits: dict) -> Iterator[_Init]:

@@ -190,8 +190,8 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                       "ShrinkPerturb treat their gates)", stacklevel=2)
     allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
     found, _ = find_layers(model)
-    held = [f"{names[id(layer.up)]} -> {names[id(layer.down)]}" for layer in found if not all(_plain_trainable(m) for m in (layer.up, layer.gate, layer.down)
-                                                     if m is not None)]
+    held = [f"{names[id(layer.up)]} -> {names[id(layer.down)]}" for layer in found
+            if not all(_plain_trainable(m) for m in (layer.up, layer.gate, layer.down) if m is not None)]
     if held:
         warnings.warn(f"ReDo and ContinualBackprop leave alone the units of {held}: their weights are frozen "
                       "(requires_grad=False) or computed by a parametrization (weight norm, ...); a layer_map naming "
