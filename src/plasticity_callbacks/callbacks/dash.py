@@ -128,7 +128,10 @@ class DASHShrink(DirectionalShrink):
     reference code does (its pass follows an evaluation, which leaves the model in eval mode:
     dropout off, BatchNorm on running statistics); ``"train"`` runs it in train mode (BatchNorm on
     batch statistics). Gradients, train/eval modes, buffers (BatchNorm statistics) and the RNG
-    state are restored afterwards; optimizer state is left alone, as in the paper. It needs one
+    state are restored afterwards; optimizer state is left alone, as in the paper. Frozen weights
+    (``requires_grad=False``, a PEFT base) are not selected unless an ``include`` pattern names them, and a
+    selected weight that got no gradient in the pass (frozen, unused) is left as it is, never read as a zero
+    gradient, which would look misaligned and shrink it to ``min_factor``. It needs one
     training dataloader and a ``training_step`` that returns the loss (or a dict with ``"loss"``);
     under manual optimization ``training_step`` runs as written, with every optimizer's and
     scheduler's ``step``/``zero_grad`` made a no-op for the pass (a closure passed to ``step``
@@ -208,6 +211,9 @@ class DASHShrink(DirectionalShrink):
         tracked = [p for layer in self._layers for p in (layer.weight, layer.bias) if p is not None]
         # FSDP2: the EMA of each rank's shard (its gradient is already the mean over ranks: reduce-scattered)
         ema = [torch.zeros_like(_local(p), dtype=torch.promote_types(p.dtype, torch.float32)) for p in tracked]
+        # A weight that never got a gradient (frozen, or unused by training_step) has no direction to compare:
+        # read as a zero gradient it would look misaligned and be shrunk to min_factor.
+        seen = torch.zeros(len(tracked), device=ema[0].device, dtype=ema[0].dtype)
         params = list(pl_module.parameters())
         saved_grads = [p.grad for p in params]
         modes = {m: m.training for m in pl_module.modules()}
@@ -239,6 +245,8 @@ class DASHShrink(DirectionalShrink):
                         loss = out["loss"] if isinstance(out, Mapping) else out
                         (scaler.scale(loss) if scaler is not None else loss).backward()
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
+                    seen += torch.tensor([float(p.grad is not None) for p in tracked], device=seen.device,
+                                         dtype=seen.dtype)
                     if not all_finite_on_every_rank(grads):
                         continue  # an fp16 overflow batch would poison the average
                     for g_ema, grad in zip(ema, grads):
@@ -257,14 +265,16 @@ class DASHShrink(DirectionalShrink):
         # the mean gradient. One collective for everything, plus the batch count so all ranks agree.
         # A DTensor's gradient was averaged by FSDP2 already, and its EMA covers this rank's rows only.
         replicated = [g for p, g in zip(tracked, ema) if not is_dtensor(p)]
-        flat = torch.cat([g.flatten() for g in replicated] + [torch.tensor([float(used)], device=ema[0].device,
-                                                                          dtype=ema[0].dtype)])
+        flat = torch.cat([g.flatten() for g in replicated] + [seen, torch.tensor([float(used)], device=ema[0].device,
+                                                                                dtype=ema[0].dtype)])
         flat = all_reduce_mean(trainer, flat)
         if float(flat[-1]) == 0.0:
             rank_zero_warn("DASHShrink: no training batch gave finite gradients; skipped the shrink")
             return None
-        means = iter(flat[:-1].split([g.numel() for g in replicated]))
-        return {p: _as_sharded(g, p) if is_dtensor(p) else next(means).view_as(p) for p, g in zip(tracked, ema)}
+        means = iter(flat[:-1 - len(tracked)].split([g.numel() for g in replicated]))
+        directions = [_as_sharded(g, p) if is_dtensor(p) else next(means).view_as(p) for p, g in zip(tracked, ema)]
+        got = flat[-1 - len(tracked):-1].tolist()
+        return {p: g for p, g, n in zip(tracked, directions, got) if n > 0}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """``FullReset``: every layer re-initialized and the optimizer's state dropped: training from scratch, mid-run."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from ..model_map import Selection
 from .shrink_perturb import ShrinkPerturb
 
 
@@ -11,9 +14,14 @@ class FullReset(ShrinkPerturb):
     Perturb with ``shrink = 0`` and ``perturb = 1`` (``θ ← θ_fresh``) and ``reset_optimizer=True``,
     so it acts exactly when and where :class:`ShrinkPerturb` would (see its docstring).
 
+    Frozen parameters (``requires_grad=False``: a frozen backbone, PEFT's base weights) stay as they
+    are; PEFT LoRA adapters are drawn by PEFT's init (``lora_B`` zeros), so the model returns to its base.
+
     Args:
         schedule: when to reset (a :class:`~callbacks.schedule.Schedule` or a mapping).
         seed: mixed with the global step into the fresh draw.
+        selection: name patterns (``exclude``: parameters kept as they are, e.g. one that no init code
+            draws; ``include``: only those, frozen ones too); None: every trainable parameter.
 
     Example:
         >>> reset = FullReset(schedule=Schedule(at_task_boundaries=True))
@@ -21,5 +29,6 @@ class FullReset(ShrinkPerturb):
         >>> trainer.fit(DigitsClassifier(), datamodule=RandomLabelDigits())
     """
 
-    def __init__(self, schedule=None, seed: int = 0):
-        super().__init__(shrink=0.0, perturb=1.0, reset_optimizer=True, seed=seed, schedule=schedule)
+    def __init__(self, schedule=None, seed: int = 0, selection: Selection | Mapping | None = None):
+        super().__init__(shrink=0.0, perturb=1.0, reset_optimizer=True, seed=seed, schedule=schedule,
+                         selection=selection)

@@ -20,15 +20,20 @@ class ShrinkPerturb(PlasticityCallback):
     start, in ``on_train_start``, after a checkpoint is restored and before the first step). Epoch
     triggers act in ``on_train_epoch_start``, step triggers and task boundaries in
     ``on_train_batch_start``, plateaus in ``on_validation_end``; each trigger acts once, also across
-    a resume. What changes: every selected parameter; ``θ_fresh`` is a fresh initialization of the
+    a resume. What changes: every selected trainable parameter (a frozen one, ``requires_grad=False``,
+    only when an ``include`` pattern names it); ``θ_fresh`` is a fresh initialization of the
     same model by its own init code (:func:`plasticity_callbacks.model_map.fresh_parameters`:
-    Hugging Face ``_init_weights``, ``init_weights``, ``nn.MultiheadAttention``'s and each layer's
-    ``reset_parameters``), drawn from a generator seeded from ``seed`` and the global step,
-    identically on every rank. A selected parameter that no init reaches (a bare ``nn.Parameter``
-    of the LightningModule) and a matrix whose fresh draw equals its current value are named: the
-    first is an error (exclude it or give its module ``reset_parameters()``), the second a warning.
-    A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
-    effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept).
+    Hugging Face ``_init_weights``, ``init_weights``, a model built by ``self.apply(self._init_weights)``
+    rebuilt from its config, ``_reset_parameters`` (MHA, ``nn.Transformer``), each layer's
+    ``reset_parameters``, PEFT's LoRA init: ``lora_B`` fresh is zeros), drawn from a generator seeded
+    from ``seed`` and the global step, identically on every rank. A selected parameter that no init
+    reaches (a bare ``nn.Parameter`` of the LightningModule) and a matrix whose fresh draw equals its
+    current value are named: the first is an error (exclude it or give it init code), the second a
+    warning. A weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")`` is treated as its
+    effective weight ``W_p + BA`` (its frozen ``W_p`` absorbs the change; ``B, A`` are kept); one
+    computed by a parametrization (weight norm, spectral norm) through its ``original`` parameters,
+    drawn fresh as the parametrization makes them from a fresh weight; ``orthogonal``, which keeps the
+    weight in a buffer, is refused by name (exclude it).
     Logs ``shrink_perturb/norm_ratio`` (‖θ‖ after / before). Under FSDP2 every rank draws the whole
     fresh model, the values one process draws for the same seed, and treats the rows it holds
     (peak extra memory: one full copy of the largest unit its init draws at once).

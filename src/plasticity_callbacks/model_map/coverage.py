@@ -16,12 +16,15 @@ import weakref
 
 from torch import nn
 
+from .fresh import init_sources
+from .holding import describe_holding, is_frozen, lora_parts, parametrization, weight_in_buffer
 from .select import Selection, find_neuron_layers, select_targets, weight_views
 from .weights import output_heads
 
 log = logging.getLogger("plasticity_callbacks")
 _LOGGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, selection)s logged
 UNKNOWN = "no callback knows this layer"
+PARAMETRIZED = "parametrized"
 
 
 def _selection(selection):
@@ -30,7 +33,8 @@ def _selection(selection):
 
 
 def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...], str, str]]:
-    """``(name, shape, "treated" | "untreated", detail)`` for every >=2-D parameter of ``model``.
+    """``(name, shape, "treated" | "untreated", detail)`` for every >=2-D parameter of ``model``; the detail says
+    how the user holds it (frozen, adapter, parametrized: :mod:`.holding`) and which init code draws it afresh.
 
     Args:
         model: any ``nn.Module``.
@@ -41,20 +45,24 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
     treated = {id(v.param) for v in select_targets(model, selection)}
     heads = output_heads(model)
     modules = dict(model.named_modules())
+    lora, sources = lora_parts(model), init_sources(model)
     rows = []
     for name, param in model.named_parameters():
         if param.dim() < 2:
             continue
+        fresh = f"; fresh draw: {sources.get(id(param), 'none (no init code reaches it)')}"
         if id(param) in views:
             module_name, view = views[id(param)]
             shape = tuple(view.shape)
+            held = describe_holding(view.module, view.attribute, lora)
             if id(param) in treated:
-                rows.append((name, shape, "treated", f"role={view.role} " + _structure(view)))
+                detail = f"role={view.role} " + _structure(view) + (f", {held}" if held else "")
+                rows.append((name, shape, "treated", detail + fresh))
             else:
-                rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection)))
+                rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection, held) + fresh))
             continue
         owner = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
-        rows.append((name, tuple(param.shape), "untreated", _unknown_reason(name, owner)))
+        rows.append((name, tuple(param.shape), "untreated", _unknown_reason(name, owner, modules) + fresh))
     return rows
 
 
@@ -76,7 +84,9 @@ def _structure(view) -> str:
     return " ".join(parts) or "whole"
 
 
-def _why_not(view, module_name: str, heads: set[str], selection) -> str:
+def _why_not(view, module_name: str, heads: set[str], selection, held: str) -> str:
+    if is_frozen(view.module, view.attribute):
+        return f"{held} (requires_grad=False: left alone; an include pattern naming it treats it)"
     if module_name in heads and not selection.include_head:
         return "output head (default; include_head=True treats it)"
     if view.kind == "conv" and not selection.include_conv:
@@ -86,10 +96,18 @@ def _why_not(view, module_name: str, heads: set[str], selection) -> str:
     return f"outside the selection (scope={selection.scope!r}, include/exclude patterns)"
 
 
-def _unknown_reason(name: str, owner: nn.Module | None) -> str:
+def _unknown_reason(name: str, owner: nn.Module | None, modules: dict[str, nn.Module]) -> str:
     if isinstance(owner, nn.Embedding) or isinstance(owner, nn.EmbeddingBag):
         return "embedding (default)"
     if ".parametrizations." in name:
+        path, attr = name.split(".parametrizations.")[0], name.split(".parametrizations.")[1].split(".")[0]
+        kind = parametrization(modules[path], attr) if path in modules else ""
+        if kind:
+            shrink = ("ShrinkPerturb refuses it: the weight is kept in a buffer"
+                      if weight_in_buffer(modules[path], attr) else "ShrinkPerturb treats this original")
+            return (f"{PARAMETRIZED} ({kind}): computes {path}.{attr}, which FIRE, DASH, ReDo, ContinualBackprop "
+                    f"and AdaptiveSVD leave alone ({shrink}); to treat the weight, "
+                    f"torch.nn.utils.parametrize.remove_parametrizations(model.{path}, {attr!r}) first")
         return "low-rank factor of a factorized weight (AdaptiveSVDSwitch)"
     if owner is not None and "norm" in type(owner).__name__.lower():
         return "normalization (default)"
@@ -146,6 +164,12 @@ def log_coverage(model: nn.Module, selection=None, owner: str = "plasticity") ->
     if unknown:
         warnings.warn(f"{owner}: no plasticity callback treats {unknown} (a parameter of a layer type the model map "
                       "does not know); exclude it explicitly, or compute it with nn.Linear/conv", stacklevel=3)
+    parametrized = [name for name, _, status, detail in rows if detail.startswith(PARAMETRIZED)]
+    if parametrized:
+        warnings.warn(f"{owner} leaves alone the weights computed from {parametrized} by a parametrization (weight "
+                      "norm, spectral norm, orthogonal): writing the weight would bypass it; remove the "
+                      "parametrization (torch.nn.utils.parametrize.remove_parametrizations) to treat them",
+                      stacklevel=3)
 
 
 def describe(model: nn.Module) -> str:

@@ -1,7 +1,8 @@
 """Selection: which weight views and neuron layers a callback treats, with its arguments checked.
 
 Skipped by default: embeddings, the output head(s) (:func:`~.weights.output_heads`, tied or not),
-biases, norms and other 1-D parameters, and positional blocks.
+biases, norms and other 1-D parameters, positional blocks, frozen weights (``requires_grad=False``; an
+``include`` pattern naming one treats it) and weights a parametrization computes (:mod:`.holding`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..arguments import build_options
+from .holding import is_frozen, parametrization
 from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals,
                       state_space_refusals)
 from .probe import probe_fused_layouts
@@ -78,7 +80,7 @@ class Selection:
     Args:
         scope: ``all`` (every role except positional), ``attention`` or ``mlp``.
         include: ``fnmatch`` patterns on parameter names; when given, only matching weights
-            are kept (a pattern can also bring back a positional weight).
+            are kept (a pattern can also bring back a positional or a frozen weight).
         exclude: patterns of parameter names to drop.
         include_conv: also treat conv kernels (``dim > 2``).
         include_head: also treat the output head(s).
@@ -140,6 +142,8 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
         explicitly_included = include is not None and _matches(view.name, include)
         if include is not None and not explicitly_included:
             continue
+        if is_frozen(view.module, view.attribute) and not explicitly_included:
+            continue  # the user froze it (requires_grad=False): an include pattern naming it treats it
         if view.role == "position" and not explicitly_included:
             continue
         if selection.scope != "all" and view.role != selection.scope:
@@ -172,6 +176,11 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
             if any(n in heads for n in in_names):
                 raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
                                  "layer, which ReDo never recycles")
+            computed = [n for n, m in zip([*in_names, down_name], modules) if parametrization(m, "weight")]
+            if computed:
+                raise ValueError(f"ReDoMonitor layer_map[{name!r}]: the weights of {computed} are computed by a "
+                                 "parametrization (weight norm, ...), which recycling would write past; remove it "
+                                 "(torch.nn.utils.parametrize.remove_parametrizations) or leave the layer out")
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
             layers.append(check_layer(HiddenUnits(name, up, modules[-1], gate)))
         return layers
@@ -187,14 +196,28 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                       "column does not remove it (FIRE, DASH and AdaptiveSVD treat in_proj/out_proj; the MLPs beside "
                       "them are still recycled)", stacklevel=2)
     allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
+    found, _ = find_layers(model)
+    held = [layer.name for layer in found if layer.experts is None
+            and not all(_plain_trainable(m) for m in (layer.up, layer.gate, layer.down) if m is not None)]
+    if held:
+        warnings.warn(f"ReDo and ContinualBackprop leave alone the units of {held}: their weights are frozen "
+                      "(requires_grad=False) or computed by a parametrization (weight norm, ...); a layer_map naming "
+                      "them treats frozen ones", stacklevel=2)
 
     def watched(layer: HiddenUnits) -> bool:
-        if layer.experts is not None:  # stacked parameters: excluded by their names only
-            return not any(_matches(m.name, exclude or ()) for m in (layer.up, layer.down))
+        if layer.experts is not None:  # stacked parameters: excluded by their names, frozen as a whole
+            return (not any(_matches(m.name, exclude or ()) for m in (layer.up, layer.down))
+                    and all(m.stack.requires_grad for m in (layer.up, layer.down)))
         return (id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
-                and names.get(id(layer.up)) not in heads)
+                and names.get(id(layer.up)) not in heads
+                and all(_plain_trainable(m) for m in (layer.up, layer.gate, layer.down) if m is not None))
 
-    return [layer for layer in find_layers(model)[0] if watched(layer)]
+    return [layer for layer in found if watched(layer)]
+
+
+def _plain_trainable(layer: nn.Module) -> bool:
+    """Recycling writes into ``layer.weight``'s rows or columns: it must train and be stored as it is used."""
+    return not is_frozen(layer, "weight") and not parametrization(layer, "weight")
 
 
 def _submodule(model: nn.Module, path: str, entry: str) -> nn.Module:

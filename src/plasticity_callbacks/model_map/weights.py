@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .declaration import declarations
+from .holding import is_factorization
 from .layouts import RowBlock, contiguous, declared_blocks, head_counts, suggested_declarations
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -137,9 +138,10 @@ def is_mlp(module: nn.Module) -> bool:
 
 
 def stored_param(module: nn.Module, attr: str) -> nn.Parameter | None:
-    """The parameter behind ``module.<attr>``: the plain one, or ``W_p`` under a parametrization."""
+    """The parameter behind ``module.<attr>``: the plain one, or ``W_p`` of a factorized weight; None for a weight
+    that the user's parametrization computes (weight norm, ...: see :mod:`.holding`)."""
     if parametrize.is_parametrized(module, attr):
-        return getattr(module.parametrizations, attr).original
+        return getattr(module.parametrizations, attr).original if is_factorization(module, attr) else None
     value = module._parameters.get(attr)
     return value if isinstance(value, nn.Parameter) else None
 

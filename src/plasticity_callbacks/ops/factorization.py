@@ -50,6 +50,8 @@ class MinorComponents(nn.Module):
     compiled forward keeps one graph (a hook that writes module state is a graph break).
     """
 
+    plasticity_factorization = True  # the model map's holding: W_p trains through B, A (not frozen, not the user's)
+
     def __init__(self, B: torch.Tensor, A: torch.Tensor, transposed: bool = False, shape: torch.Size | None = None):
         super().__init__()
         self.B = nn.Parameter(B)  # (d_out, r)

@@ -40,8 +40,8 @@ def fresh_values(model: nn.Module, names: Iterable[str], seed: int, owner: str =
     missing = [name for name in names if name not in fresh]
     if missing:
         raise RuntimeError(f"{owner}: no init code draws a fresh value for {missing}; give their module "
-                           "reset_parameters() (or init_weights()), or exclude them, e.g. selection="
-                           f"{ {'exclude': [missing[0]]} }")
+                           "reset_parameters() (or the model init_weights() or _init_weights(module)), or exclude "
+                           f"them: {owner}(selection={ {'exclude': missing} })")
     unchanged = []
     for name in names:
         value = effective_value(model, name)

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..model_map.holding import TAPPED
 from ..model_map.weights import is_conv1d
 
 # The check's relative tolerance: float32 sums in two orders agree to ~1e-6; float16/bfloat16 autocast to ~2.5e-3
@@ -116,6 +117,7 @@ class GradientTap:
         _TAPS[id(self.param)] = self
         if checked:
             self.param.requires_grad_(False)
+            setattr(self.param, TAPPED, True)  # not frozen by the user: other callbacks still treat it
 
     def remove(self) -> None:
         """Back to the plain layer: hooks removed, ``requires_grad`` as it was found."""
@@ -126,6 +128,8 @@ class GradientTap:
         self._handles, self._U, self._C = [], None, None
         _TAPS.pop(id(self.param), None)
         self.param.requires_grad_(self._requires_grad)
+        if hasattr(self.param, TAPPED):
+            delattr(self.param, TAPPED)
 
     def _forward(self, module: nn.Module, args: tuple, output):
         if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]) or not torch.is_tensor(output):

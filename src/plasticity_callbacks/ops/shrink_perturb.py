@@ -9,6 +9,8 @@ from ..distributed.sharding import local_part
 from ..distributed.strategy import is_dtensor
 from ..functional.shrink import shrink_perturb_ as shrink_perturb_tensors_
 from ..model_map import Selection
+from ..model_map.holding import (is_factorization, is_frozen, is_frozen_parameter, parametrization,
+                                weight_in_buffer)
 from . import factorization
 from .fresh import effective_value, fresh_values, owner_of
 from .optimizer_state import reset_optimizer_state
@@ -69,23 +71,35 @@ def shrink_perturb_(model: nn.Module, optimizers=None, shrink: float = 0.4, pert
 
 def selected_parameters(model: nn.Module, selection: Selection, owner: str = "shrink_perturb_"
                         ) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` pairs whose names ``selection`` matches. A factorized weight (``W_p + BA``)
-    appears once, under its plain name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part
-    of it.
+    """``(name, parameter)`` pairs to treat: those whose names ``selection`` matches, minus those the user froze
+    unless an ``include`` pattern names them. A factorized weight (``W_p + BA``) appears once, under its plain
+    name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it. A weight computed by the
+    user's parametrization (weight norm, ...) is treated through its ``original`` parameters.
 
     Raises:
-        ValueError: nothing matches.
+        ValueError: nothing matches, or a parametrization keeps the selected weight in a buffer (``orthogonal``).
     """
     chosen = []
     for name, param in model.named_parameters():
+        frozen = is_frozen_parameter(param)
         if ".parametrizations." in name:
-            if not name.endswith(".original"):
-                continue  # B, A: inside the effective weight
-            name = name.replace(".parametrizations.", ".").removesuffix(".original")
+            path, rest = name.split(".parametrizations.", 1)
+            module, attr = model.get_submodule(path), rest.split(".", 1)[0]
+            if is_factorization(module, attr):
+                if not name.endswith(".original"):
+                    continue  # B, A: inside the effective weight
+                name, frozen = f"{path}.{attr}", is_frozen(module, attr)
+            elif weight_in_buffer(module, attr) and selection.matches(name) and not frozen:
+                raise ValueError(f"{owner} cannot treat {path}.{attr}: its parametrization "
+                                 f"({parametrization(module, attr)}) keeps the weight in a buffer, not in {name}; "
+                                 f"exclude it: {owner}(selection={ {'exclude': [name]} })")
+        if frozen and selection.include is None:
+            continue  # the user froze it; an include pattern naming it treats it
         if selection.matches(name):
             chosen.append((name, param))
     if not chosen:
-        raise ValueError(f"{owner}: no parameters match include={selection.include}, exclude={selection.exclude}")
+        raise ValueError(f"{owner}: no parameters match include={selection.include}, exclude={selection.exclude} "
+                         "(frozen ones count only where include names them)")
     return chosen
 
 
