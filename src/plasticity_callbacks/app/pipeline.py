@@ -46,7 +46,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from .runs.checkpoint_folders import save_folder
+from .runs.checkpoint_folders import load_sharded, save_folder
 from ..distributed.strategy import saves_folders
 from ..errors import CheckpointError
 from .runs.checkpoints import VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred, verify_file
@@ -175,7 +175,6 @@ def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: 
     its shards, by parameter name), keeping ``optimizer``'s own param groups (learning rates, schedule)."""
     import copy
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     # get_optimizer_state_dict creates the moments of a fresh optimizer (a zero step at lr 0) for dcp.load to fill
@@ -183,7 +182,9 @@ def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: 
     groups = copy.deepcopy(current["param_groups"])  # before dcp.load overwrites them with the saved ones
     saved = {key: current}
     try:
-        dcp.load(saved, checkpoint_id=str(folder))
+        load_sharded(saved, folder)  # its param-group settings read as data, never unpickled with code
+    except CheckpointError:
+        raise
     except Exception as err:  # another optimizer, other parameters: DCP names the missing keys
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ConfigError(f"carry_optimizer: the optimizer state in {folder} does not fit this phase's optimizer "

@@ -28,8 +28,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from ...errors import ResumeError
+from ...distributed.strategy import saves_folders
+from ...errors import CheckpointError, ResumeError
 from .checkpoints import VerifiedCheckpointIO
+from .model_parallel import VerifiedModelParallelStrategy
 
 # Keys a resume may always change: where files go, how the resume itself is asked for, and how long
 # training runs (extending a run is what resuming is for). Everything else must match.
@@ -219,6 +221,11 @@ class ResumeGuard(L.Callback):
         self._checked = False
         if stage == "fit":
             self._trainer = trainer
+        if stage == "fit" and saves_folders(trainer) and not isinstance(trainer.strategy, VerifiedModelParallelStrategy):
+            raise CheckpointError(f"{type(trainer.strategy).__name__} resumes distributed checkpoints through "
+                                  "torch.distributed.checkpoint's default planner, which unpickles the items in their "
+                                  "shards (runs code they carry); use plasticity_callbacks.app.runs.model_parallel."
+                                  "VerifiedModelParallelStrategy (trainer=fsdp2 does) with the same arguments")
         io = getattr(trainer.strategy, "checkpoint_io", None)
         if stage == "fit" and isinstance(io, VerifiedCheckpointIO):
             io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer.callbacks, pl_module, path)
