@@ -49,7 +49,8 @@ from omegaconf import DictConfig, OmegaConf
 from .runs.checkpoint_folders import load_sharded, save_folder
 from ..distributed.strategy import saves_folders
 from ..errors import CheckpointError
-from .runs.checkpoints import VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred, verify_file
+from .runs.checkpoints import (VerifiedCheckpointIO, newest_last_checkpoint, read_checkpoint, stop_signals_deferred,
+                               verify_file)
 from .runs.verified_files import hashes_remembered
 from .runs.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
@@ -335,8 +336,8 @@ class Pipeline:
             if phase.name in self.state["phases"] and self.final_checkpoint(phase).exists():
                 verify_file(self.final_checkpoint(phase))
                 continue
-            last = self.checkpoint_dir(phase) / "last.ckpt"
-            if last.exists():  # the interrupted phase: also its model's shapes and its callbacks
+            last = newest_last_checkpoint(self.checkpoint_dir(phase))
+            if last is not None:  # the interrupted phase: also its model's shapes and its callbacks
                 guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
                 interrupted = read_checkpoint(last, mmap=True)
                 module = module_on_meta(lambda: self.build_module(phase))
@@ -417,8 +418,7 @@ class Pipeline:
     def run_phase(self, phase: Phase, previous: Path | str | None, offset: int,
                   previous_phase: str | None = None) -> dict[str, Any]:
         cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
-        resume_from = ckpt_dir / "last.ckpt" if self.options.get("resume") else None
-        resume_from = resume_from if resume_from is not None and resume_from.exists() else None
+        resume_from = newest_last_checkpoint(ckpt_dir) if self.options.get("resume") else None
         L.seed_everything(cfg.seed + phase.index, workers=True)
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from ...distributed.strategy import saves_folders
 from ...errors import CheckpointError, ResumeError
-from .checkpoints import VerifiedCheckpointIO
+from .checkpoints import VerifiedCheckpointIO, newest_last_checkpoint
 from .model_parallel import VerifiedModelParallelStrategy
 
 # Keys a resume may always change: where files go, how the resume itself is asked for, and how long
@@ -296,10 +296,12 @@ def check_shapes(saved: Mapping[str, Any], module, where: str) -> None:
 
 def resume_checkpoint(ckpt_path: str | Path | None, checkpoint_dir: str | Path) -> str | None:
     """The checkpoint a fit resumes from: None, an existing file or distributed checkpoint folder, or ``"last"`` =
-    ``checkpoint_dir/last.ckpt``. A missing one is a ResumeError (Lightning would warn and start a fresh run)."""
+    the newest last checkpoint in ``checkpoint_dir`` (:func:`~.checkpoints.newest_last_checkpoint`). A missing one
+    is a ResumeError (Lightning would warn and start a fresh run)."""
     if ckpt_path is None:
         return None
-    path = Path(checkpoint_dir) / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
+    path = newest_last_checkpoint(checkpoint_dir) if str(ckpt_path) == "last" else Path(ckpt_path)
+    path = Path(checkpoint_dir) / "last.ckpt" if path is None else path
     if not (path.is_file() or path.is_dir()):
         raise ResumeError(f"cannot resume: ckpt_path={ckpt_path} but {path} does not exist; check hydra.run.dir "
                           "(or paths.checkpoint_dir), or drop ckpt_path to start a new run")
