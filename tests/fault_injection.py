@@ -84,3 +84,15 @@ def hostile_shard_item(folder: Path, marker: Path, item: str = "optimizer_0.para
     folder.rename(staged)
     commit_folder(staged, folder)  # the checksums an attacker who can write the folder recomputes
     return folder
+
+
+class SignalRanksAt(L.Callback):
+    """Sends ``signal`` to the processes of ``ranks`` only (a scheduler's preemption reaching one of them) after
+    training step ``step``."""
+
+    def __init__(self, step: int, ranks: list[int], signal_name: str = "SIGTERM"):
+        self.step, self.ranks, self.signal_name = step, list(ranks), signal_name
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank in self.ranks:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
