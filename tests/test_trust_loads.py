@@ -84,6 +84,24 @@ def test_the_fsdp2_strategy_refuses_a_planted_item_on_every_rank(folder, tmp_pat
     assert not marker.exists()
 
 
+def test_a_fit_under_lightnings_plain_fsdp2_strategy_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from plasticity_callbacks.app.runs.model_parallel import VerifiedModelParallelStrategy
+    from plasticity_callbacks.app.runs.resume import ResumeGuard
+
+    def fit_with(strategy):
+        ResumeGuard().setup(SimpleNamespace(strategy=strategy), None, "fit")
+
+    with pytest.raises(CheckpointError, match="unpickles .*use plasticity_callbacks.app.runs.model_parallel."
+                                              "VerifiedModelParallelStrategy"):
+        fit_with(ModelParallelStrategy(save_distributed_checkpoint=True))
+    fit_with(VerifiedModelParallelStrategy(save_distributed_checkpoint=True))
+    fit_with(ModelParallelStrategy(save_distributed_checkpoint=False))  # one file: read through the IO plugin
+
+
 # ------------------------------------------------------------------------------------------- HF Trainer adapter
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
