@@ -479,11 +479,25 @@ def main() -> None:
     parser.add_argument("--break", dest="broken", default=None, help="logs, checksum, weights_only, optimizer, "
                         "rebase or refuse_first: break that guarantee on purpose")
     parser.add_argument("--only", default=None, help="run only the faults whose name holds this word")
+    parser.add_argument("--reuse", type=Path, default=None, help="keep the uninterrupted reference runs in this "
+                        "folder and reuse them (e.g. across --break runs: the reference is never broken)")
     args = parser.parse_args()
+    if args.reuse is not None:  # reference runs first, unbroken, once; each invocation's faults in their own folder
+        args.reuse.mkdir(parents=True, exist_ok=True)
+        for family in args.families.split(","):
+            if family in ("pipeline", "fsdp2", "ddp"):
+                references(args.reuse, family)
     if args.broken:
         BROKEN = args.broken
         break_guarantee(args.broken)
-    root = Path(tempfile.mkdtemp(prefix="faults-"))
+    root = args.reuse or Path(tempfile.mkdtemp(prefix="faults-"))
+    if args.reuse is not None:  # the reference runs stay in root; this invocation's faults go one level down
+        cases = root / f"cases-{os.getpid()}"
+        for name in ("reference", "pretrained", "fsdp2_reference", "ddp_reference"):
+            if (root / name).exists():
+                (cases / name).parent.mkdir(parents=True, exist_ok=True)
+                (cases / name).symlink_to(root / name)
+        root = cases
     families = {"pipeline": lambda: pipeline_faults(root), "fsdp2": lambda: sharded_faults(root, "fsdp2"),
                 "ddp": lambda: sharded_faults(root, "ddp"), "hf": lambda: hf_faults(root),
                 "inputs": lambda: input_faults(root)}
@@ -493,7 +507,18 @@ def main() -> None:
         counts[family] = run_faults(families[family](), args.only)
     for family, (survived, total) in counts.items():
         print(f"{family}: faults survived with nothing lost: {survived}/{total}")
-    shutil.rmtree(root, ignore_errors=True)
+    if args.reuse is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def references(root: Path, family: str) -> None:
+    """The uninterrupted runs a family compares against (with no guarantee broken)."""
+    runs = {"pipeline": [("reference", PIPELINE), ("pretrained", [*PIPELINE, "pipeline.stop_phase=pretrain"])],
+            "fsdp2": [("fsdp2_reference", [*SINGLE, "trainer=fsdp2"])],
+            "ddp": [("ddp_reference", [*SINGLE, "trainer=ddp"])]}[family]
+    for name, overrides in runs:
+        if not (root / name).exists():
+            assert plasticity_train(root / name, *overrides).returncode == 0, f"{name} run failed"
 
 
 if __name__ == "__main__":

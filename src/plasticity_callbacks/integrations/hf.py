@@ -184,13 +184,11 @@ class HFTrainerCallback(TrainerCallback):
         keys = {callback.state_key for callback in self.callbacks}
         saved = next((group for group in read_state_file(path) if set(group) & keys), {})
         missing, dropped = sorted(keys - set(saved)), sorted(set(saved) - keys)
-        if missing or dropped:
-            raise ResumeError(f"cannot resume from {path}: its callbacks differ from this adapter's: "
-                              f"{'no state for ' + ', '.join(missing) if missing else ''}"
-                              f"{'; ' if missing and dropped else ''}"
-                              f"{'state of callbacks this run does not have: ' + ', '.join(dropped) if dropped else ''}"
-                              "; give the adapter the checkpointed run's callbacks with the same arguments, or start "
-                              "a new run")
+        differences = ([f"no state for {', '.join(missing)}"] if missing else []) + \
+            ([f"state of callbacks this run does not have: {', '.join(dropped)}"] if dropped else [])
+        if differences:
+            raise ResumeError(f"cannot resume from {path}: {'; '.join(differences)}; give the adapter the checkpointed "
+                              "run's callbacks with the same arguments, or start a new run")
         return saved
 
     def _flush_metrics(self, args, state) -> None:
