@@ -1,183 +1,423 @@
-"""Fault and bad-input counts for the README's "Interruptions" guarantees (CPU, about a minute).
+"""Fault and bad-input counts for the guarantees in docs/trust.md (CPU; a few minutes on an idle machine).
 
-Each fault is injected into a tiny two-phase pipeline run (experiment=pipeline_smoke) and counts as
-survived when the run either refuses in one line and leaves the run directory unchanged, or resumes
-and ends with the uninterrupted run's weights and phase summary; a hostile checkpoint also counts
-only if its payload never ran. Each bad input counts when it raises one line of the expected type.
+Every fault goes through ``plasticity-train`` itself (``python -m plasticity_callbacks.app.train``, this
+interpreter: never whatever PATH finds), so "nothing written" covers ``.hydra/`` and ``train.log`` too. A fault
+counts as survived when the run either
 
-    PYTHONPATH=src python benchmarks/faults.py
+* refuses in one line (exit 1, one line on stderr, no traceback) and leaves the run directory byte for byte as it
+  was, a hostile checkpoint's payload never run; or
+* resumes and ends with the uninterrupted run's weights, optimizer state (every tensor), every metric row (each
+  phase's ``metrics.csv`` less wall-clock columns) and phase summary.
+
+Families: ``pipeline`` (one process: signals, a crash, damaged/foreign/hostile checkpoints, a broken
+``pipeline.json``, a moved and a copied run directory), ``fsdp2`` (2 gloo ranks: a stop and resume, a hostile shard
+item, a copied run), ``ddp`` (2 gloo ranks: SIGTERM to rank 0, to rank 1, to both), ``hf`` (the Trainer adapter:
+resume, hostile/damaged state file, a removed callback), ``inputs`` (bad arguments: one line of the expected
+error type each). ``--break NAME`` breaks one guarantee on purpose (also
+inside every ``plasticity-train`` it runs) to show the count drops; ``--only WORD`` runs the faults whose name
+holds WORD.
+
+    PYTHONPATH=src python benchmarks/faults.py [--families pipeline,hf] [--break logs] [--only SIGTERM]
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import io
 import json
 import os
 import shutil
-import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from torch import nn
 
-from plasticity_callbacks.app.pipeline import Pipeline, read_state, write_state
-from plasticity_callbacks.app.train import config_dir, refuse_before_start
-from plasticity_callbacks.errors import CheckpointError
-from plasticity_callbacks.app.runs.checkpoints import RunInterrupted, read_checkpoint, verify_file
-from plasticity_callbacks.app.runs.verified_files import write_verified
-from plasticity_callbacks.app.runs.resume import ResumeError
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from fault_injection import Payload, hostile_checkpoint, hostile_shard_item  # noqa: E402  (the trust tests' faults)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fault_injection import hostile_checkpoint, signal_spec  # noqa: E402  (the faults the trust tests inject)
-
-RUN = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
+PIPELINE = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
+SINGLE = ["experiment=smoke", "validate_before_fit=false", "+callbacks=shrink_perturb",
+          "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]
 SUMMARY = ("val_loss_before", "summary", "val_loss", "train_loss", "retention_loss")  # summary: fire/dfi_*
+VOLATILE = ("seconds", "per_sec")  # wall-clock columns differ run to run
+TIMEOUT = 240  # a launch past this is a hang: the fault is lost
 
 
-def cfg(run: Path, *overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=[*RUN, f"paths.output_dir={run}", *overrides])
+# ------------------------------------------------------------------------ guarantees broken on purpose (--break)
+def break_guarantee(name: str) -> None:
+    """Break one guarantee in this process (and, through ``--as-plasticity-train``, in every run it launches)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from plasticity_callbacks.app import pipeline, train
+    from plasticity_callbacks.app.runs import checkpoints, verified_files
+
+    if name == "logs":  # the resumed-log restoration a no-op: the rows before the checkpoint are not kept as they were
+        pipeline.restore_logs = train.restore_logs = lambda logger, checkpoint: None
+    elif name == "checksum":  # checksums never compared
+        checkpoints.recorded_checksum = lambda path: None
+    elif name == "weights_only":  # every load unpickles with code
+        os.environ[verified_files.TRUST_ENV] = "1"
+    elif name == "optimizer":  # a resume drops the optimizer's moments
+        load = checkpoints.VerifiedCheckpointIO.load_checkpoint
+
+        def without_moments(self, path, *args, **kwargs):
+            checkpoint = load(self, path, *args, **kwargs)
+            for state in checkpoint.get("optimizer_states", []):
+                state["state"] = {}
+            return checkpoint
+        checkpoints.VerifiedCheckpointIO.load_checkpoint = without_moments
+    elif name == "rebase":  # a moved run's checkpoint callback forgets its checkpoints (Lightning's own rule)
+        checkpoints.ModelCheckpointAfterValidation.load_state_dict = ModelCheckpoint.load_state_dict
+    elif name == "refuse_first":  # no refusal before Hydra creates the run directory
+        train.refuse_before_start = lambda argv, directory: None
+    else:
+        raise SystemExit(f"--break {name!r}: one of logs, checksum, weights_only, optimizer, rebase, refuse_first")
 
 
+BROKEN: str | None = None
+
+
+def plasticity_train(run: Path, *overrides: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess | None:
+    """``plasticity-train OVERRIDES hydra.run.dir=RUN`` in a fresh process; None when it ran past ``timeout``."""
+    command = ([sys.executable, "-m", "plasticity_callbacks.app.train"] if BROKEN is None else
+               [sys.executable, __file__, "--as-plasticity-train", BROKEN])
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT / "tests")) if p))
+    env.pop("LOCAL_RANK", None)
+    run.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([*command, *overrides, f"hydra.run.dir={run}"], cwd=run.parent, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)  # this launch's process group: its ranks too
+        process.communicate()
+        return None
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+# ---------------------------------------------------------------------------------------------- comparisons
 def snapshot(directory: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(directory.rglob("*"))} \
         if directory.exists() else {}
 
 
-def same_as_reference(run: Path, reference: Path) -> bool:
-    a = read_checkpoint(reference / "checkpoints" / "sft" / "final.ckpt")["state_dict"]
-    b = read_checkpoint(run / "checkpoints" / "sft" / "final.ckpt")["state_dict"]
-    sa, sb = (read_state(r / "pipeline.json")["phases"]["sft"] for r in (reference, run))
-    return all(torch.equal(a[k], b[k]) for k in a) and all(sa[k] == sb[k] for k in SUMMARY)
+def same(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
-def refused_cleanly(run: Path, action, errors=(ResumeError, CheckpointError)) -> bool:
+def metric_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if not any(word in k for word in VOLATILE)} for row in csv.DictReader(f)]
+
+
+def differences(run: Path, reference: Path, checkpoints: dict[str, str], logs: list[str]) -> list[str]:
+    """What in ``run`` differs from ``reference``: weights and optimizer state of each ``checkpoints`` entry
+    (a name → its path under ``checkpoints/``), the rows of each ``logs`` file, the pipeline's phase summaries."""
+    from plasticity_callbacks.app.runs.checkpoints import read_checkpoint
+
+    found = []
+    for name, relative in checkpoints.items():
+        a, b = (read_checkpoint(r / "checkpoints" / relative) for r in (reference, run))
+        found += [f"{name} weights"] * (not same(a["state_dict"], b["state_dict"]))
+        if "optimizer_states" in a:  # a distributed checkpoint keeps them in its shards (compared by its weights)
+            found += [f"{name} optimizer state"] * (not same(a["optimizer_states"], b.get("optimizer_states")))
+    for relative in logs:
+        found += [f"{relative} rows"] * (metric_rows(run / relative) != metric_rows(reference / relative))
+    if (reference / "pipeline.json").is_file():
+        phases = [json.loads((r / "pipeline.json").read_text())["phases"] for r in (reference, run)]
+        found += [f"{phase} summary" for phase in phases[0]
+                  if any(phases[0][phase].get(k) != phases[1].get(phase, {}).get(k) for k in SUMMARY)]
+    return found
+
+
+def refused_in_one_line(run: Path, *overrides: str, marker: Path | None = None) -> str | None:
+    """None when ``plasticity-train`` refuses in one line and writes nothing; else what went wrong."""
     before = snapshot(run)
-    try:
-        action()
-    except errors as err:
-        return "\n" not in str(err) and snapshot(run) == before
-    return False
+    done = plasticity_train(run, *overrides)
+    if done is None:
+        return "hung"
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    if done.returncode != 1 or len(lines) != 1:
+        return f"exit {done.returncode}, {len(lines)} lines on stderr"
+    if snapshot(run) != before:
+        return "wrote into the run directory"
+    if marker is not None and marker.exists():
+        return "the payload ran"
+    return None
 
 
-def main() -> None:
-    root = Path(tempfile.mkdtemp(prefix="faults-"))
-    reference, pretrained = root / "reference", root / "pretrained"
-    Pipeline(cfg(reference)).run()
-    Pipeline(cfg(pretrained, "pipeline.stop_phase=pretrain")).run()
-    marker = root / "payload_ran"
+def last_versions(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("last-v*"))
+
+
+# ------------------------------------------------------------------------------------------ the families
+def pipeline_faults(root: Path) -> dict:
+    from fault_injection import signal_spec
+
+    reference, pretrained, marker = root / "reference", root / "pretrained", root / "payload_ran"
+    compared = {"pretrain final": "pretrain/final.ckpt", "sft final": "sft/final.ckpt"}
+    logs = ["logs/pretrain/metrics.csv", "logs/sft/metrics.csv"]
+    allow = "resume_allow_changes=[phases.sft.callbacks.stop]"
+
+    def prepare():
+        for run, extra in ((reference, []), (pretrained, ["pipeline.stop_phase=pretrain"])):
+            if not run.exists():
+                assert plasticity_train(run, *PIPELINE, *extra).returncode == 0, f"{run.name} run failed"
 
     def fresh(name: str) -> Path:
+        prepare()
         run = root / name
         shutil.copytree(pretrained, run)
+        (run / ".run.lock").unlink(missing_ok=True)
         return run
 
-    def resume(run: Path, *extra):
-        return lambda: Pipeline(cfg(run, "pipeline.resume=true", *extra)).run()
+    def stopped_then_resumed(name: str, stop: str, expected_exit: int | None) -> list[str]:
+        prepare()
+        run = root / name
+        done = plasticity_train(run, *PIPELINE, stop)
+        if done is None or (expected_exit is not None and done.returncode != expected_exit):
+            return [f"the stop exited {None if done is None else done.returncode}"]
+        again = plasticity_train(run, *PIPELINE, "pipeline.resume=true", allow)
+        if again is None or again.returncode != 0:
+            return [f"the resume exited {None if again is None else again.returncode}"]
+        return differences(run, reference, compared, logs)
 
-    def preflight(run: Path, *extra):
-        return lambda: refuse_before_start([*RUN, f"hydra.run.dir={run}", *extra], config_dir())
-
-    def signal_fault(name: str, step: int) -> bool:
-        run = root / f"signal_{name}_{step}"
-        stop = signal_spec(step, name)
-        try:
-            Pipeline(cfg(run, stop)).run()
-            return False
-        except RunInterrupted as stopped:
-            if stopped.code != 128 + getattr(signal, name):
-                return False
-        verify_file(run / "checkpoints" / "sft" / "last.ckpt")
-        resume(run, "resume_allow_changes=[phases.sft.callbacks.stop]")()
-        return same_as_reference(run, reference)
-
-    def damaged(how: str) -> bool:
+    def damaged(how: str) -> str | None:
         run = fresh(f"damaged_{how}")
         final = run / "checkpoints" / "pretrain" / "final.ckpt"
         data = final.read_bytes()
-        final.write_bytes({"truncated": data[: len(data) // 2], "empty": b"",
-                           "flipped": data[:100] + bytes([data[100] ^ 1]) + data[101:]}[how])
-        return refused_cleanly(run, preflight(run, "pipeline.resume=true")) and refused_cleanly(run, resume(run))
+        middle = len(data) // 2  # inside a tensor's bytes: torch would load the flipped value without a word
+        final.write_bytes({"truncated": data[:middle], "empty": b"",
+                           "flipped": data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]}[how])
+        return refused_in_one_line(run, *PIPELINE, "pipeline.resume=true")
 
-    def foreign_phase() -> bool:
+    def foreign_phase() -> str | None:
         run = fresh("foreign_phase")
         (run / "checkpoints" / "sft").mkdir()
         for name in ("last.ckpt", "last.ckpt.sha256"):
             shutil.copy(run / "checkpoints" / "pretrain" / name, run / "checkpoints" / "sft" / name)
-        return refused_cleanly(run, preflight(run, "pipeline.resume=true")) and refused_cleanly(run, resume(run))
+        return refused_in_one_line(run, *PIPELINE, "pipeline.resume=true")
 
-    def schema(edit) -> bool:
-        run = fresh(f"schema_{len(os.listdir(root))}")
+    def schema(name: str, edit) -> str | None:
+        run = fresh(f"schema_{name}")
         state = json.loads((run / "pipeline.json").read_text())
         edit(state)
         (run / "pipeline.json").write_text(json.dumps(state))
-        return refused_cleanly(run, resume(run))
+        return refused_in_one_line(run, *PIPELINE, "pipeline.resume=true")
 
-    def hostile_via(how: str) -> bool:
+    def hostile_via(how: str) -> str | None:
         run = fresh(f"hostile_{how}")
         target = {"resume": run / "checkpoints" / "sft" / "last.ckpt", "init_from": root / "shared.ckpt",
                   "previous": run / "checkpoints" / "pretrain" / "final.ckpt"}[how]
         hostile_checkpoint(target, marker, global_step=1)
-        extra = {"resume": ["pipeline.resume=true"], "init_from": [f"pipeline.init_from={target}"],
-                 "previous": ["pipeline.start_phase=sft"]}[how]
-        ok = refused_cleanly(run, preflight(run, *extra)) and refused_cleanly(
-            run, lambda: Pipeline(cfg(run, *extra)).run())
-        return ok and not marker.exists()
+        extra = {"resume": "pipeline.resume=true", "init_from": f"pipeline.init_from={target}",
+                 "previous": "pipeline.start_phase=sft"}[how]
+        return refused_in_one_line(run, *PIPELINE, extra, marker=marker)
 
-    def half_written_state() -> bool:
+    def half_written_state() -> list[str]:
         run = fresh("half_written")
         (run / "pipeline.json").rename(run / "pipeline.json.writing")
-        resume(run)()
-        return same_as_reference(run, reference)
+        done = plasticity_train(run, *PIPELINE, "pipeline.resume=true")
+        return differences(run, reference, compared, logs) if done and done.returncode == 0 else ["resume failed"]
 
-    faults = {
-        "SIGTERM mid-phase (no validation follows)": lambda: signal_fault("SIGTERM", 3),
-        "SIGTERM mid-phase (a validation follows)": lambda: signal_fault("SIGTERM", 4),
-        "SIGINT mid-phase": lambda: signal_fault("SIGINT", 5),
+    def moved_then_copied() -> list[str]:
+        """Stopped at sft step 3, moved, resumed and stopped at 5, copied, resumed to the end from the copy."""
+        prepare()
+        first, moved, copied = root / "moved_first", root / "elsewhere" / "moved", root / "copied"
+        if plasticity_train(first, *PIPELINE, signal_spec(3, "SIGTERM")).returncode != 143:
+            return ["the first stop"]
+        moved.parent.mkdir(exist_ok=True)
+        shutil.move(first, moved)
+        if plasticity_train(moved, *PIPELINE, "pipeline.resume=true", allow, signal_spec(5, "SIGTERM")).returncode \
+                != 143:
+            return ["the stop after the move"]
+        drift = last_versions(moved / "checkpoints" / "sft")
+        shutil.copytree(moved, copied)
+        (copied / ".run.lock").unlink(missing_ok=True)
+        before = snapshot(moved)
+        if plasticity_train(copied, *PIPELINE, "pipeline.resume=true", allow).returncode != 0:
+            return ["the resume of the copy"]
+        found = differences(copied, reference, compared, logs)
+        found += [f"{name} written beside last.ckpt" for name in drift + last_versions(copied / "checkpoints" / "sft")]
+        return found + ["the copy's run wrote where it came from"] * (snapshot(moved) != before)
+
+    return {
+        "SIGTERM mid-phase (no validation follows)": lambda: stopped_then_resumed("sigterm_3", signal_spec(3, "SIGTERM"), 143),
+        "SIGTERM mid-phase (a validation follows)": lambda: stopped_then_resumed("sigterm_4", signal_spec(4, "SIGTERM"), 143),
+        "SIGINT mid-phase": lambda: stopped_then_resumed("sigint_5", signal_spec(5, "SIGINT"), 130),
+        "crash mid-phase (after logging past the checkpoint)": lambda: stopped_then_resumed(
+            "crash_5", "+phases.sft.callbacks.stop={_target_: fault_injection.CrashAt, step: 5}", 1),
         "truncated previous-phase checkpoint": lambda: damaged("truncated"),
         "empty previous-phase checkpoint": lambda: damaged("empty"),
-        "one flipped byte": lambda: damaged("flipped"),
+        "one flipped byte in a weight": lambda: damaged("flipped"),
         "another phase's checkpoint as sft/last.ckpt": foreign_phase,
-        "pipeline.json phase entry a string": lambda: schema(lambda s: s["phases"].__setitem__("pretrain", "done")),
-        "pipeline.json loss a string": lambda: schema(lambda s: s["phases"]["pretrain"].__setitem__("val_loss", "x")),
-        "pipeline.json phases a list": lambda: schema(lambda s: s.__setitem__("phases", [])),
+        "pipeline.json phase entry a string": lambda: schema("entry", lambda s: s["phases"].__setitem__("pretrain", "x")),
+        "pipeline.json loss a string": lambda: schema("loss", lambda s: s["phases"]["pretrain"].__setitem__("val_loss", "x")),
+        "pipeline.json phases a list": lambda: schema("list", lambda s: s.__setitem__("phases", [])),
         "pipeline.json write stopped before its rename": half_written_state,
-        "changed configuration": lambda: refused_cleanly(fresh("changed"), preflight(root / "changed", "pipeline.resume=true", "seed=3")),
-        "missing run directory": lambda: refused_cleanly(root / "nowhere", preflight(root / "nowhere", "pipeline.resume=true")),
+        "changed configuration": lambda: refused_in_one_line(fresh("changed"), *PIPELINE, "pipeline.resume=true", "seed=3"),
+        "missing run directory": lambda: refused_in_one_line(root / "nowhere", *PIPELINE, "pipeline.resume=true"),
         "hostile checkpoint via pipeline.resume": lambda: hostile_via("resume"),
         "hostile checkpoint via pipeline.init_from": lambda: hostile_via("init_from"),
         "hostile checkpoint as previous phase": lambda: hostile_via("previous"),
+        "run directory moved, then copied (resume follows the run)": moved_then_copied,
     }
-    survived = 0
-    for name, fault in faults.items():
-        try:
-            ok = bool(fault())
-        except Exception as err:  # an unexpected error is a fault not survived
-            ok, name = False, f"{name} ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
-        survived += ok
-        print(f"  {'survived' if ok else 'LOST    '}  {name}", flush=True)
 
-    bad = bad_inputs(root)
-    clear = 0
-    for name, call, error in bad:
+
+def sharded_faults(root: Path, trainer: str) -> dict:
+    """``experiment=smoke`` on 2 gloo ranks (``trainer=fsdp2`` or ``ddp``): stops and resumes against one
+    uninterrupted run (weights and every metric row; FSDP2's optimizer state lives in its shards)."""
+    reference, marker = root / f"{trainer}_reference", root / f"{trainer}_payload_ran"
+    run_args = [*SINGLE, f"trainer={trainer}"]
+    resume = ["ckpt_path=last", "resume_allow_changes=[callbacks.stop]"]
+
+    def prepare():
+        if not reference.exists():
+            assert plasticity_train(reference, *run_args).returncode == 0, f"{trainer} reference run failed"
+
+    def stop(step: int, ranks: str) -> str:
+        return f"+callbacks.stop={{_target_: fault_injection.SignalRanksAt, step: {step}, ranks: {ranks}}}"
+
+    def stopped_then_resumed(name: str, ranks: str, move: bool = False) -> list[str]:
+        prepare()
+        run = root / name
+        done = plasticity_train(run, *run_args, stop(4, ranks))
+        if done is None or done.returncode != 143:
+            return [f"the stop {'hung' if done is None else f'exited {done.returncode}'}"]
+        if move:
+            moved = root / "elsewhere" / name
+            moved.parent.mkdir(exist_ok=True)
+            shutil.move(run, moved)
+            run = moved
+        again = plasticity_train(run, *run_args, *resume)
+        if again is None or again.returncode != 0:
+            return [f"the resume {'hung' if again is None else f'exited {again.returncode}'}"]
+        found = differences(run, reference, {"last": "last.ckpt"}, ["logs/metrics.csv"])
+        return found + [f"{n} written beside last.ckpt" for n in last_versions(run / "checkpoints")]
+
+    def hostile_shard() -> str | None:
+        prepare()
+        run = root / f"{trainer}_hostile"
+        shutil.copytree(reference, run)
+        (run / ".run.lock").unlink(missing_ok=True)
+        hostile_shard_item(run / "checkpoints" / "last.ckpt", marker)
+        return refused_in_one_line(run, *run_args, *resume, marker=marker)
+
+    if trainer == "fsdp2":
+        return {"FSDP2: SIGTERM to both ranks, resumed": lambda: stopped_then_resumed("fsdp2_both", "[0, 1]"),
+                "FSDP2: run directory moved, resumed": lambda: stopped_then_resumed("fsdp2_moved", "[0, 1]", True),
+                "FSDP2: hostile item in a .distcp shard": hostile_shard}
+    return {f"DDP: SIGTERM to {who}, resumed": (lambda ranks=ranks, who=who: stopped_then_resumed(
+        f"ddp_{who.replace(' ', '_')}", ranks)) for who, ranks in
+        (("rank 0 alone", "[0]"), ("rank 1 alone", "[1]"), ("both ranks", "[0, 1]"))}
+
+
+def hf_faults(root: Path) -> dict:
+    """The Trainer adapter (in this process; the adapter is a library, not a command)."""
+    from test_hf_trainer import make_trainer, tiny_gpt2
+
+    from plasticity_callbacks.app.runs.verified_files import write_verified
+    from plasticity_callbacks.callbacks.fire import FIREReinit
+    from plasticity_callbacks.callbacks.redo import ReDoMonitor
+    from plasticity_callbacks.callbacks.schedule import Schedule
+    from plasticity_callbacks.integrations.hf import STATE_FILE
+
+    marker = root / "hf_payload_ran"
+
+    def callbacks(with_redo: bool = True):
+        fire = FIREReinit(schedule=Schedule(steps=[2, 5]), selection={"scope": "attention"})
+        return [fire, ReDoMonitor()] if with_redo else [fire]
+
+    def train(output: Path, resume: bool = False, with_redo: bool = True):
+        trainer = make_trainer(output, tiny_gpt2(), *callbacks(with_redo), max_steps=6, save_steps=3)
+        trainer.train(resume_from_checkpoint=str(output / "checkpoint-3") if resume else None)
+        return trainer
+
+    def rows(trainer) -> list[dict]:
+        return [{k: v for k, v in row.items() if not any(word in k for word in (*VOLATILE, "runtime"))}
+                for row in trainer.state.log_history if row.get("step", 0) > 3]
+
+    reference: dict = {}
+
+    def prepare():
+        if not reference:
+            reference["trainer"] = train(root / "hf_reference")
+
+    def resumed() -> list[str]:
+        prepare()
+        run = root / "hf_resumed"
+        shutil.copytree(root / "hf_reference", run)
+        for later in ("checkpoint-6",):
+            shutil.rmtree(run / later, ignore_errors=True)
+        trainer, expected = train(run, resume=True), reference["trainer"]
+        found = ["weights"] * (not same(dict(expected.model.state_dict()), dict(trainer.model.state_dict())))
+        found += ["optimizer state"] * (not same(expected.optimizer.state_dict()["state"],
+                                                 trainer.optimizer.state_dict()["state"]))
+        return found + ["log rows after the checkpoint"] * (rows(trainer) != rows(expected))
+
+    def refused(name: str, damage, with_redo: bool = True) -> str | None:
+        prepare()
+        run = root / f"hf_{name}"
+        shutil.copytree(root / "hf_reference", run)
+        damage(run / "checkpoint-3" / STATE_FILE)
+        try:
+            train(run, resume=True, with_redo=with_redo)
+        except Exception as err:
+            if "\n" in str(err) or STATE_FILE not in str(err):
+                return f"not one line naming the file: {type(err).__name__}"
+            return "the payload ran" if marker.exists() else None
+        return "resumed without a word"
+
+    def hostile(path: Path) -> None:
+        buffer = io.BytesIO()
+        torch.save({"adapters": [{"payload": Payload(marker)}]}, buffer)
+        write_verified(buffer.getvalue(), path)
+
+    def flip(path: Path) -> None:
+        data = path.read_bytes()
+        path.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 1]) + data[len(data) // 2 + 1:])
+
+    return {"HF adapter: resumed from a Trainer checkpoint": resumed,
+            "HF adapter: hostile state file (checksum recomputed)": lambda: refused("hostile", hostile),
+            "HF adapter: one flipped byte in the state file": lambda: refused("flipped", flip),
+            "HF adapter: truncated state file": lambda: refused(
+                "truncated", lambda p: p.write_bytes(p.read_bytes()[:-40])),
+            "HF adapter: a callback removed since the save": lambda: refused("removed", lambda p: None, False)}
+
+
+def input_faults(root: Path) -> dict:
+    """Bad inputs: each counts when it raises one line of the expected type."""
+
+    def clear(call, error) -> str | None:
         try:
             call()
-            ok = False
         except error as err:
-            ok = "\n" not in str(err) and len(str(err)) > 20
-        except Exception:
-            ok = False
-        clear += ok
-        print(f"  {'clear   ' if ok else 'UNCLEAR '}  {name}", flush=True)
-    print(f"faults survived with nothing lost: {survived}/{len(faults)}")
-    print(f"bad inputs with a clear one-line error: {clear}/{len(bad)}")
-    shutil.rmtree(root, ignore_errors=True)
+            return None if "\n" not in str(err) and len(str(err)) > 20 else f"unclear: {str(err)[:80]!r}"
+        except Exception as err:
+            return f"{type(err).__name__}, not {error.__name__}"
+        return "accepted"
+
+    return {name: (lambda call=call, error=error: clear(call, error)) for name, call, error in bad_inputs(root)}
 
 
 def bad_inputs(root: Path):
+    from torch import nn
+
     from plasticity_callbacks import ReDoMonitor
+    from plasticity_callbacks.app.pipeline import read_state, write_state
+    from plasticity_callbacks.app.runs.checkpoints import read_checkpoint
+    from plasticity_callbacks.app.runs.verified_files import write_verified
+    from plasticity_callbacks.errors import CheckpointError
     from plasticity_callbacks.ops.fire import apply_fire
     from plasticity_callbacks.model_map import Selection
     from plasticity_callbacks.functional.spectral import orthogonalize
@@ -216,5 +456,77 @@ def bad_inputs(root: Path):
     ]
 
 
+# ---------------------------------------------------------------------------------------------------- main
+def run_faults(faults: dict, only: str | None) -> tuple[int, int]:
+    survived = total = 0
+    for name, fault in faults.items():
+        if only and only.lower() not in name.lower():
+            continue
+        try:
+            problem = fault()
+        except Exception as err:  # an unexpected error is a fault not survived
+            problem = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
+        ok = not problem
+        survived, total = survived + ok, total + 1
+        print(f"  {'survived' if ok else 'LOST    '}  {name}{'' if ok else f'  ({problem})'}", flush=True)
+    return survived, total
+
+
+def main() -> None:
+    global BROKEN
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="pipeline,fsdp2,ddp,hf,inputs")
+    parser.add_argument("--break", dest="broken", default=None, help="logs, checksum, weights_only, optimizer, "
+                        "rebase or refuse_first: break that guarantee on purpose")
+    parser.add_argument("--only", default=None, help="run only the faults whose name holds this word")
+    parser.add_argument("--reuse", type=Path, default=None, help="keep the uninterrupted reference runs in this "
+                        "folder and reuse them (e.g. across --break runs: the reference is never broken)")
+    args = parser.parse_args()
+    if args.reuse is not None:  # reference runs first, unbroken, once; each invocation's faults in their own folder
+        args.reuse.mkdir(parents=True, exist_ok=True)
+        for family in args.families.split(","):
+            if family in ("pipeline", "fsdp2", "ddp"):
+                references(args.reuse, family)
+    if args.broken:
+        BROKEN = args.broken
+        break_guarantee(args.broken)
+    root = args.reuse or Path(tempfile.mkdtemp(prefix="faults-"))
+    if args.reuse is not None:  # the reference runs stay in root; this invocation's faults go one level down
+        cases = root / f"cases-{os.getpid()}"
+        for name in ("reference", "pretrained", "fsdp2_reference", "ddp_reference"):
+            if (root / name).exists():
+                (cases / name).parent.mkdir(parents=True, exist_ok=True)
+                (cases / name).symlink_to(root / name)
+        root = cases
+    families = {"pipeline": lambda: pipeline_faults(root), "fsdp2": lambda: sharded_faults(root, "fsdp2"),
+                "ddp": lambda: sharded_faults(root, "ddp"), "hf": lambda: hf_faults(root),
+                "inputs": lambda: input_faults(root)}
+    counts = {}
+    for family in args.families.split(","):
+        print(f"{family}{f' (broken on purpose: {BROKEN})' if BROKEN else ''}:", flush=True)
+        counts[family] = run_faults(families[family](), args.only)
+    for family, (survived, total) in counts.items():
+        print(f"{family}: faults survived with nothing lost: {survived}/{total}")
+    if args.reuse is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def references(root: Path, family: str) -> None:
+    """The uninterrupted runs a family compares against (with no guarantee broken)."""
+    runs = {"pipeline": [("reference", PIPELINE), ("pretrained", [*PIPELINE, "pipeline.stop_phase=pretrain"])],
+            "fsdp2": [("fsdp2_reference", [*SINGLE, "trainer=fsdp2"])],
+            "ddp": [("ddp_reference", [*SINGLE, "trainer=ddp"])]}[family]
+    for name, overrides in runs:
+        if not (root / name).exists():
+            assert plasticity_train(root / name, *overrides).returncode == 0, f"{name} run failed"
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--as-plasticity-train"]:  # a run launched with a guarantee broken (see --break)
+        break_guarantee(sys.argv[2])
+        from plasticity_callbacks.app.train import main as plasticity_train_main
+
+        sys.argv = ["plasticity-train", *sys.argv[3:]]
+        plasticity_train_main()
+    else:
+        main()

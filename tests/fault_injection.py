@@ -60,3 +60,39 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step:
             raise Crash(f"crashed at step {self.step}")
+
+
+def hostile_shard_item(folder: Path, marker: Path, item: str = "optimizer_0.param_groups.0.lr") -> Path:
+    """A distributed checkpoint folder whose non-tensor ``item`` (pickled bytes inside a ``.distcp`` shard) is the
+    payload: appended to its shard, the index pointed at it, and the folder's ``.sha256`` recomputed to match."""
+    import dataclasses
+    import pickle
+
+    from plasticity_callbacks.app.runs.checkpoint_folders import commit_folder, read_index
+
+    index = read_index(folder)
+    key = next(k for k in index.storage_data if k.fqn == item)
+    shard = folder / index.storage_data[key].relative_path
+    buffer = io.BytesIO()
+    torch.save(Payload(marker), buffer)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buffer.getvalue())
+    index.storage_data[key] = dataclasses.replace(index.storage_data[key], offset=offset, length=len(buffer.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    staged = folder.with_name(folder.name + ".writing")
+    folder.rename(staged)
+    commit_folder(staged, folder)  # the checksums an attacker who can write the folder recomputes
+    return folder
+
+
+class SignalRanksAt(L.Callback):
+    """Sends ``signal`` to the processes of ``ranks`` only (a scheduler's preemption reaching one of them) after
+    training step ``step``."""
+
+    def __init__(self, step: int, ranks: list[int], signal_name: str = "SIGTERM"):
+        self.step, self.ranks, self.signal_name = step, list(ranks), signal_name
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank in self.ranks:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))

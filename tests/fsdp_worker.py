@@ -181,8 +181,8 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from plasticity_callbacks.app.runs.model_parallel import VerifiedModelParallelStrategy
     from plasticity_callbacks.distributed.sharded_state import reshard
 
     L.seed_everything(spec.get("seed", 0), workers=True)
@@ -202,8 +202,8 @@ def run(spec: dict, out: Path, devices: int) -> dict | None:
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, callbacks=callbacks,
         strategy="auto" if devices == 1 else "ddp" if spec.get("ddp") else
-        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                              save_distributed_checkpoint=spec.get("distributed_checkpoint", False)),
+        VerifiedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,  # reads its resume as data
+                                      save_distributed_checkpoint=spec.get("distributed_checkpoint", False)),
         logger=CSVLogger(run_dir, name="logs", version=""), log_every_n_steps=1,
         enable_checkpointing=bool(spec.get("ckpt_every")), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, use_distributed_sampler=False,

@@ -24,7 +24,7 @@ from plasticity_callbacks.errors import CheckpointError
 from plasticity_callbacks.app.runs.checkpoints import read_checkpoint
 from plasticity_callbacks.app.runs.verified_files import checksum_path
 
-from fault_injection import Payload
+from fault_injection import Payload, hostile_shard_item
 from test_resume_trust import copy_run, refused, snapshot
 
 TESTS = Path(__file__).parent
@@ -151,6 +151,31 @@ def test_an_index_that_needs_code_is_refused_and_its_payload_never_runs(runs, tm
     with pytest.raises(CheckpointError, match="needs arbitrary code") as err:
         read_checkpoint(folder, mmap=True)
     assert "\n" not in str(err.value) and not marker.exists()
+
+
+def test_a_shard_item_that_needs_code_is_refused_before_any_rank_starts(runs, tmp_path, monkeypatch, capsys):
+    """The optimizer's param-group settings are pickled bytes inside the shards; one planted there (the folder's
+    .sha256 recomputed) is refused in one line, nothing written, its payload never run."""
+    run, marker = tmp_path / "run", tmp_path / "payload_ran"
+    shutil.copytree(runs[2], run)
+    hostile_shard_item(run / "checkpoints" / "last.ckpt", marker)
+    before = snapshot(run)
+    line = refused([*RUN, *RESUME, f"hydra.run.dir={run}"], monkeypatch, capsys)
+    assert "__1_0.distcp (item optimizer_0.param_groups.0.lr) needs arbitrary code to load (io.open)" in line, line
+    assert snapshot(run) == before and not marker.exists()
+
+
+def test_a_copied_run_resumes_its_checkpoint_folder_and_writes_the_next_in_its_place(runs, tmp_path):
+    full, _, stopped = runs
+    run = tmp_path / "elsewhere"
+    shutil.copytree(stopped, run)  # a run directory moved or restored: its checkpoints name the old place
+    done = launch(run, *RESUME)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("last*")) == ["last.ckpt", "last.ckpt.sha256"]
+    expected, got = (read_checkpoint(r / "checkpoints" / "last.ckpt") for r in (full, run))
+    assert got["global_step"] == expected["global_step"] == 6
+    for name, weight in expected["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], weight), name
 
 
 def test_a_folder_write_interrupted_before_its_rename_is_finished_on_read(runs, tmp_path):

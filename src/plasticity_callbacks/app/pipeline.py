@@ -46,10 +46,11 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from .runs.checkpoint_folders import save_folder
+from .runs.checkpoint_folders import load_sharded, save_folder
 from ..distributed.strategy import saves_folders
 from ..errors import CheckpointError
-from .runs.checkpoints import VerifiedCheckpointIO, read_checkpoint, stop_signals_deferred, verify_file
+from .runs.checkpoints import (VerifiedCheckpointIO, newest_last_checkpoint, read_checkpoint, stop_signals_deferred,
+                               verify_file)
 from .runs.verified_files import hashes_remembered
 from .runs.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
@@ -175,7 +176,6 @@ def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: 
     its shards, by parameter name), keeping ``optimizer``'s own param groups (learning rates, schedule)."""
     import copy
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     # get_optimizer_state_dict creates the moments of a fresh optimizer (a zero step at lr 0) for dcp.load to fill
@@ -183,7 +183,9 @@ def load_sharded_moments(module: torch.nn.Module, optimizer, folder: Path, key: 
     groups = copy.deepcopy(current["param_groups"])  # before dcp.load overwrites them with the saved ones
     saved = {key: current}
     try:
-        dcp.load(saved, checkpoint_id=str(folder))
+        load_sharded(saved, folder)  # its param-group settings read as data, never unpickled with code
+    except CheckpointError:
+        raise
     except Exception as err:  # another optimizer, other parameters: DCP names the missing keys
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ConfigError(f"carry_optimizer: the optimizer state in {folder} does not fit this phase's optimizer "
@@ -334,8 +336,8 @@ class Pipeline:
             if phase.name in self.state["phases"] and self.final_checkpoint(phase).exists():
                 verify_file(self.final_checkpoint(phase))
                 continue
-            last = self.checkpoint_dir(phase) / "last.ckpt"
-            if last.exists():  # the interrupted phase: also its model's shapes and its callbacks
+            last = newest_last_checkpoint(self.checkpoint_dir(phase))
+            if last is not None:  # the interrupted phase: also its model's shapes and its callbacks
                 guard = ResumeGuard(config=self.fingerprint, allow_changes=allow, phase=phase.name)
                 interrupted = read_checkpoint(last, mmap=True)
                 module = module_on_meta(lambda: self.build_module(phase))
@@ -416,8 +418,7 @@ class Pipeline:
     def run_phase(self, phase: Phase, previous: Path | str | None, offset: int,
                   previous_phase: str | None = None) -> dict[str, Any]:
         cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
-        resume_from = ckpt_dir / "last.ckpt" if self.options.get("resume") else None
-        resume_from = resume_from if resume_from is not None and resume_from.exists() else None
+        resume_from = newest_last_checkpoint(ckpt_dir) if self.options.get("resume") else None
         L.seed_everything(cfg.seed + phase.index, workers=True)
         datamodule, module = self.build_data(phase), self.build_module(phase)
         check_data_fits_model(datamodule, module.config)

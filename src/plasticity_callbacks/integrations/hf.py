@@ -14,7 +14,8 @@ Hook map (Hugging Face → Lightning):
     on_pre_optimizer_step → on_before_optimizer_step  (gradients accumulated, all-reduced and clipped)
     on_step_end         → on_train_batch_end          (after the optimizer step)
     on_evaluate         → on_validation_end           (``Schedule(monitor="eval_loss")`` reads its metrics)
-    on_save             → state_dict, into ``<checkpoint>/plasticity_callbacks.pt``
+    on_save             → state_dict, into ``<checkpoint>/plasticity_callbacks.pt``: written whole or not at
+                          all, its SHA-256 beside it, read back on a resume as data only (``weights_only``)
     on_train_end        → on_train_end, on_fit_end, teardown("fit")
 
 Metrics the callback logs (``pl_module.log``, and an action's metrics, written to ``trainer.loggers``)
@@ -25,6 +26,7 @@ copy of the model, as under Lightning's DDP.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,9 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ..app.runs.checkpoints import read_checkpoint
+from ..app.runs.verified_files import write_verified
+from ..errors import CheckpointError, ResumeError
 from ..extras import require_module
 
 transformers = require_module("transformers", "hf", "plasticity_callbacks.integrations.hf")
@@ -126,9 +131,12 @@ class HFTrainerCallback(TrainerCallback):
         if not args.should_save or self.view is None:
             return
         path = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
-        saved = torch.load(path, weights_only=False) if path.exists() else {}  # one file for every adapter
-        saved.update({callback.state_key: callback.state_dict() for callback in self.callbacks})
-        torch.save(saved, path)
+        states = {callback.state_key: callback.state_dict() for callback in self.callbacks}
+        # One file for every adapter of the trainer: each keeps its own group, the others' are kept as read.
+        groups = [group for group in read_state_file(path) if not set(group) & set(states)] if path.exists() else []
+        buffer = io.BytesIO()
+        torch.save({"adapters": [*groups, states]}, buffer)
+        write_verified(buffer.getvalue(), path)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         for hook in ("on_train_end", "on_fit_end"):
@@ -173,11 +181,14 @@ class HFTrainerCallback(TrainerCallback):
                 f"{self!r}: training resumes at global step {state.global_step}, but {path} does not exist; resume "
                 f"from a checkpoint written with this callback attached, or set TrainingArguments(resume_from_"
                 f"checkpoint=<that checkpoint folder>)")
-        saved = torch.load(path, weights_only=False)
-        missing = [callback.state_key for callback in self.callbacks if callback.state_key not in saved]
-        if missing:
-            raise KeyError(f"{self!r}: {path} holds no state for {missing}; it holds {sorted(saved)} (callbacks or "
-                           "their arguments differ from the checkpointed run's?)")
+        keys = {callback.state_key for callback in self.callbacks}
+        saved = next((group for group in read_state_file(path) if set(group) & keys), {})
+        missing, dropped = sorted(keys - set(saved)), sorted(set(saved) - keys)
+        differences = ([f"no state for {', '.join(missing)}"] if missing else []) + \
+            ([f"state of callbacks this run does not have: {', '.join(dropped)}"] if dropped else [])
+        if differences:
+            raise ResumeError(f"cannot resume from {path}: {'; '.join(differences)}; give the adapter the checkpointed "
+                              "run's callbacks with the same arguments, or start a new run")
         return saved
 
     def _flush_metrics(self, args, state) -> None:
@@ -192,6 +203,18 @@ class HFTrainerCallback(TrainerCallback):
             self._warned_unbound = True
             rank_zero_warn(f"{self!r} has no trainer: its metrics reach trainer.state.log_history but not "
                            f"report_to={args.report_to}; pass HFTrainerCallback(callback, trainer)")
+
+
+def read_state_file(path: Path) -> list[dict[str, Any]]:
+    """The callback states in ``path`` (``plasticity_callbacks.pt``), one group per adapter: verified against its
+    ``.sha256`` and read as data (``weights_only``); a damaged, truncated, empty or hostile file is a one-line
+    :class:`~plasticity_callbacks.errors.CheckpointError` naming it."""
+    saved = read_checkpoint(path)
+    groups = saved.get("adapters")
+    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+        raise CheckpointError(f"checkpoint {path} holds no adapter states (keys {sorted(saved)[:4]}): it was not "
+                              f"written by HFTrainerCallback; resume from a checkpoint folder written with it")
+    return groups
 
 
 class _HFStrategy:

@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -31,10 +32,15 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
 from ...errors import CheckpointError
-from .verified_files import (TRUST_ENV, pending_path, write_synced, checksum_path, load_trusted_or_weights_only,
-                          sha256_of_file, unreadable, verified_hash)
+from .verified_files import (TRUST_ENV, checksum_path, load_as_data, load_trusted_or_weights_only, pending_path,
+                             sha256_of_file, unreadable, verified_hash, write_synced)
 
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shards
 REST_FILE = "meta.pt"  # Lightning's checkpoint dict less weights and optimizer states (rank 0)
@@ -191,24 +197,91 @@ def read_index(path: Path, trust: bool = False):
         raise unreadable(index_file, err) from err
 
 
+class DataOnlyReader(FileSystemReader):
+    """``torch.distributed.checkpoint``'s file reader whose index goes through :class:`IndexUnpickler` (torch's
+    own reader unpickles ``.metadata`` with plain ``pickle.load``)."""
+
+    def __init__(self, path: str | Path, trust: bool = False):
+        super().__init__(path)
+        self.trust = trust
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_index(Path(self.path), self.trust)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class DataOnlyLoadPlanner(DefaultLoadPlanner):
+    """``torch.distributed.checkpoint``'s default load planner, whose non-tensor items (an optimizer's
+    param-group settings, saved as pickled bytes inside the shards) are read with ``weights_only=True``: torch's
+    own planner unpickles them with ``weights_only=False``, so a payload planted in a shard would run. An item
+    that needs code is a one-line :class:`CheckpointError` naming the shard file and the item."""
+
+    def __init__(self, folder: str | Path, trust: bool = False):
+        super().__init__()
+        self.folder, self.trust = Path(folder), trust
+
+    def load_bytes(self, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        shard = self.metadata.storage_data[read_item.storage_index].relative_path
+        item = load_as_data(value, f"{self.folder / shard} (item {fqn})", trust=self.trust)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], item)
+        else:
+            self.state_dict[fqn] = item
+
+
+def load_sharded(state: dict[str, Any], folder: str | Path, trust: bool = False, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load(state, folder)`` that reads tensors and plain data only (see
+    :class:`DataOnlyReader`, :class:`DataOnlyLoadPlanner`); ``no_dist``: without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # its note that no process group runs: none is meant to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, storage_reader=DataOnlyReader(folder, trust), planner=DataOnlyLoadPlanner(folder, trust),
+                     no_dist=no_dist)
+        except CheckpointException as err:  # torch gathers each rank's failure: ours is the one line to show
+            refusals = [failure[0] for failure in err.failures.values() if isinstance(failure[0], CheckpointError)]
+            if refusals:
+                raise refusals[0] from None
+            raise
+
+
+def check_items_are_data(path: Path, index, trust: bool = False) -> None:
+    """Read every non-tensor item of the folder (a few bytes each: param-group settings) as data, straight from
+    its shard, so that one that needs code is refused before a resume starts any rank."""
+    if trust:
+        return
+    encoded = []  # items written through a storage transform (compression): torch's reader decodes them
+    for key, where in index.storage_data.items():
+        if not isinstance(index.state_dict_metadata.get(key.fqn), BytesStorageMetadata):
+            continue
+        if where.transform_descriptors:
+            encoded.append(key.fqn)
+            continue
+        with open(path / where.relative_path, "rb") as f:
+            f.seek(where.offset)
+            load_as_data(io.BytesIO(f.read(where.length)), f"{path / where.relative_path} (item {key.fqn})")
+    if encoded:
+        load_sharded(dict.fromkeys(encoded), path, no_dist=True)
+
+
 def read_folder(path: Path, map_location: Any = "cpu", trust: bool = False, tensors: bool = True) -> dict:
     """The checkpoint dict of a verified folder, as ``torch.load`` of a file checkpoint gives it; ``state_dict``
     holds whole tensors (``tensors=True``) or tensors on the meta device with the saved shapes and dtypes.
     Optimizer states stay in the folder (Lightning's strategy restores them into its sharded optimizer)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-
     checkpoint = load_trusted_or_weights_only(path / REST_FILE, map_location=map_location, trust=trust)
-    entries = {fqn[len(STATE_DICT_PREFIX):]: entry for fqn, entry in read_index(path, trust).state_dict_metadata.items()
+    index = read_index(path, trust)
+    check_items_are_data(path, index, trust)
+    entries = {fqn[len(STATE_DICT_PREFIX):]: entry for fqn, entry in index.state_dict_metadata.items()
                if fqn.startswith(STATE_DICT_PREFIX) and isinstance(entry, TensorStorageMetadata)}
     device = "cpu" if tensors else "meta"
     state = {name: torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
              for name, entry in entries.items()}
     if tensors:
-        import torch.distributed.checkpoint as dcp
-
-        with warnings.catch_warnings():  # its note that no process group runs: none is meant to
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"state_dict": state}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        load_sharded({"state_dict": state}, path, trust, no_dist=True)
     checkpoint["state_dict"] = state
     return checkpoint

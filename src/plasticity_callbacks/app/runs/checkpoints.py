@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import signal
 import threading
@@ -38,8 +39,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from ...distributed.strategy import saves_folders
 from ...errors import CheckpointError, ResumeError
 from .checkpoint_folders import read_folder, save_folder, verify_folder
-from .verified_files import (CHECKSUM_SUFFIX, checksum_path, load_trusted_or_weights_only, pending_path, recorded_checksum,
-                             trusted_by_environment, verified_hash, write_verified)
+from .verified_files import (CHECKSUM_SUFFIX, PENDING_SUFFIX, checksum_path, load_trusted_or_weights_only, pending_path,
+                             recorded_checksum, trusted_by_environment, verified_hash, write_verified)
 
 
 class RunInterrupted(SystemExit):
@@ -136,6 +137,45 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", trust: bool | N
     if path.is_dir():  # a distributed checkpoint; mmap: the checks need shapes, not weights
         return read_folder(path, map_location=map_location, trust=trust, tensors=not load_kwargs.get("mmap"))
     return load_trusted_or_weights_only(path, map_location=map_location, trust=trust, **load_kwargs)
+
+
+LAST_CHECKPOINT = re.compile(r"last(-v\d+)?\.ckpt")  # Lightning's last.ckpt, and last-v1.ckpt ... beside it
+
+
+def newest_last_checkpoint(dirpath: str | Path) -> Path | None:
+    """The last checkpoint in ``dirpath`` a resume continues from, or None when there is none.
+
+    Lightning writes ``last-v1.ckpt`` (``-v2`` ...) beside a ``last.ckpt`` it does not know as its own: one in a
+    run directory that was moved, copied or restored before :class:`ModelCheckpointAfterValidation` rebased its
+    paths. Of several, the one at the highest global step (then the most recently written) is the run's newest;
+    each is verified as it is read, and a damaged one is a one-line :class:`CheckpointError`.
+    """
+    dirpath = Path(dirpath)
+    if not dirpath.is_dir():
+        return None
+    names = {entry.name.removesuffix(PENDING_SUFFIX) for entry in dirpath.iterdir()}
+    candidates = sorted(dirpath / name for name in names if LAST_CHECKPOINT.fullmatch(name))
+    for path in candidates:
+        if not path.exists():  # only its pending write is there: finished when it matches its checksum
+            verify_file(path)
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None  # verified when it is loaded
+    steps = {path: read_checkpoint(path, mmap=True).get("global_step", -1) for path in candidates}
+    return max(candidates, key=lambda path: (steps[path], path.stat().st_mtime_ns, path.name))
+
+
+def rebased_paths(state: dict[str, Any], saved_dir: str, dirpath: str) -> dict[str, Any]:
+    """A ``ModelCheckpoint`` state saved in ``saved_dir`` with its checkpoint paths moved to ``dirpath``."""
+
+    def rebase(value):
+        if isinstance(value, str) and value and Path(value).is_relative_to(saved_dir):
+            return str(Path(dirpath) / Path(value).relative_to(saved_dir))
+        return value
+
+    moved = {key: rebase(value) for key, value in state.items()}
+    moved["best_k_models"] = {rebase(path): score for path, score in (state.get("best_k_models") or {}).items()}
+    moved["dirpath"] = dirpath
+    return moved
 
 
 def remove_with_checksum(path: str | Path) -> None:
@@ -307,12 +347,22 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
             self._save_and_stop(trainer)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        # Lightning asks this only to resolve ckpt_path="last": a resume with nothing to resume from.
+        # Lightning asks this only to resolve ckpt_path="last": the newest one (not the latest modified), and a
+        # resume with nothing to resume from is an error.
         found = super()._find_last_checkpoints(trainer)
-        if not any(Path(path).exists() for path in found):  # a file, or a distributed checkpoint's folder
+        newest = newest_last_checkpoint(Path(next(iter(found))).parent) if found else None
+        if newest is None:
             raise ResumeError(f'cannot resume: ckpt_path="last" but {self.dirpath} holds no last checkpoint; check '
                               "the directory, or pass ckpt_path=None to start a new run")
-        return found
+        return {str(newest)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A run directory moved, copied or restored elsewhere: its checkpoints are this run's own, at their new
+        # place (Lightning would forget them and write last-v1.ckpt beside the last.ckpt just resumed).
+        saved_dir = state_dict.get("dirpath")
+        if saved_dir and self.dirpath and os.path.normpath(saved_dir) != os.path.normpath(self.dirpath):
+            state_dict = rebased_paths(state_dict, saved_dir, self.dirpath)
+        super().load_state_dict(state_dict)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._save_after_validation and not trainer.sanity_checking:

@@ -28,8 +28,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from ...errors import ResumeError
-from .checkpoints import VerifiedCheckpointIO
+from ...distributed.strategy import saves_folders
+from ...errors import CheckpointError, ResumeError
+from .checkpoints import VerifiedCheckpointIO, newest_last_checkpoint
+from .model_parallel import VerifiedModelParallelStrategy
 
 # Keys a resume may always change: where files go, how the resume itself is asked for, and how long
 # training runs (extending a run is what resuming is for). Everything else must match.
@@ -219,6 +221,11 @@ class ResumeGuard(L.Callback):
         self._checked = False
         if stage == "fit":
             self._trainer = trainer
+        if stage == "fit" and saves_folders(trainer) and not isinstance(trainer.strategy, VerifiedModelParallelStrategy):
+            raise CheckpointError(f"{type(trainer.strategy).__name__} resumes distributed checkpoints through "
+                                  "torch.distributed.checkpoint's default planner, which unpickles the items in their "
+                                  "shards (runs code they carry); use plasticity_callbacks.app.runs.model_parallel."
+                                  "VerifiedModelParallelStrategy (trainer=fsdp2 does) with the same arguments")
         io = getattr(trainer.strategy, "checkpoint_io", None)
         if stage == "fit" and isinstance(io, VerifiedCheckpointIO):
             io.inspect_on_load = lambda checkpoint, path: self.check(checkpoint, trainer.callbacks, pl_module, path)
@@ -289,10 +296,12 @@ def check_shapes(saved: Mapping[str, Any], module, where: str) -> None:
 
 def resume_checkpoint(ckpt_path: str | Path | None, checkpoint_dir: str | Path) -> str | None:
     """The checkpoint a fit resumes from: None, an existing file or distributed checkpoint folder, or ``"last"`` =
-    ``checkpoint_dir/last.ckpt``. A missing one is a ResumeError (Lightning would warn and start a fresh run)."""
+    the newest last checkpoint in ``checkpoint_dir`` (:func:`~.checkpoints.newest_last_checkpoint`). A missing one
+    is a ResumeError (Lightning would warn and start a fresh run)."""
     if ckpt_path is None:
         return None
-    path = Path(checkpoint_dir) / "last.ckpt" if str(ckpt_path) == "last" else Path(ckpt_path)
+    path = newest_last_checkpoint(checkpoint_dir) if str(ckpt_path) == "last" else Path(ckpt_path)
+    path = Path(checkpoint_dir) / "last.ckpt" if path is None else path
     if not (path.is_file() or path.is_dir()):
         raise ResumeError(f"cannot resume: ckpt_path={ckpt_path} but {path} does not exist; check hydra.run.dir "
                           "(or paths.checkpoint_dir), or drop ckpt_path to start a new run")

@@ -13,7 +13,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -130,23 +130,30 @@ def trusted_by_environment() -> bool:
 
 def load_trusted_or_weights_only(path: Path, map_location: Any = "cpu", trust: bool = False, **load_kwargs) -> dict:
     """``torch.load`` with ``weights_only=not trust``; every failure a one-line :class:`CheckpointError`."""
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=not trust, **load_kwargs)
-    except pickle.UnpicklingError as err:
-        if "weights only" not in str(err).lower() and "weights_only" not in str(err).lower():
-            raise unreadable(path, err) from err
-        found = re.search(r"(?:GLOBAL|global:?) ([\w.]+)", str(err))
-        what = found.group(1) if found else "an object that is not a tensor or plain data"
-        raise CheckpointError(f"checkpoint {path} needs arbitrary code to load ({what}) and was refused; only if you "
-                              f"trust its source, load it with {TRUST_ENV}=1") from None
-    except Exception as err:  # EOFError, OSError, RuntimeError ...: whatever a damaged file raises
-        raise unreadable(path, err) from err
+    checkpoint = load_as_data(path, str(path), map_location=map_location, trust=trust, **load_kwargs)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
 
 
-def unreadable(path: Path, err: Exception) -> CheckpointError:
+def load_as_data(source: Path | BinaryIO, where: str, trust: bool = False, **load_kwargs) -> Any:
+    """``torch.load(source, weights_only=not trust)``: tensors and plain data only. A pickle that needs code, or
+    bytes that are not a torch file, is a one-line :class:`CheckpointError` naming ``where`` (the file, or the
+    file and item a distributed checkpoint's entry comes from)."""
+    try:
+        return torch.load(source, weights_only=not trust, **load_kwargs)
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower() and "weights_only" not in str(err).lower():
+            raise unreadable(where, err) from err
+        found = re.search(r"GLOBAL ([\w.]+)", str(err)) or re.search(r"global:? ([\w.]+)", str(err))
+        what = found.group(1) if found else "an object that is not a tensor or plain data"
+        raise CheckpointError(f"checkpoint {where} needs arbitrary code to load ({what}) and was refused; only if you "
+                              f"trust its source, load it with {TRUST_ENV}=1") from None
+    except Exception as err:  # EOFError, OSError, RuntimeError ...: whatever a damaged file raises
+        raise unreadable(where, err) from err
+
+
+def unreadable(path: Path | str, err: Exception) -> CheckpointError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return CheckpointError(f"checkpoint {path} is not a readable torch checkpoint (truncated or another format): "
                            f"{first[:200]}")
