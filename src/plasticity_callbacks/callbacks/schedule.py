@@ -56,16 +56,18 @@ class Threshold:
     Read at every check of the step trigger (``ScheduleState.due_at_step``) from ``trainer.callback_metrics``
     (the mean over ranks), so it works with :class:`~callbacks.monitor.PlasticityMonitor`'s metrics and with any
     metric logged by ``pl_module.log`` or ``log_at_step``. It acts when the value is ``< below`` (or
-    ``> above``); after acting it waits ``cooldown`` optimizer steps *and* a new value of the metric (one that
-    differs from the value it acted on: the action changed the model, so the old measurement is stale), and it
-    acts at most ``max_actions`` times per fit. A metric that is still not logged ``warn_after_steps`` steps into
+    ``> above``). After acting it waits, with ``cooldown=None``, for a new value of the metric: one that differs
+    from the value it acted on (the action changed the model, so that measurement is stale; a new measurement
+    equal to it to the last bit also waits); with ``cooldown=n``, for ``n`` optimizer steps, then it reads
+    whatever is logged. It acts at most ``max_actions`` times per fit. A metric that is still not logged ``warn_after_steps`` steps into
     the fit is warned about once (a misspelt name or a monitor that is off), rather than never firing silently.
 
     Args:
         metric: the logged name, e.g. ``"monitor/weight_srank/layers.0.mlp.up.weight"`` or ``"monitor/dormant"``.
         below: act when the value falls below this.
         above: act when the value rises above this (set exactly one of ``below`` and ``above``).
-        cooldown: optimizer steps after an action before the next may come.
+        cooldown: optimizer steps after an action before the next may come (set it to at least the interval the
+            metric is logged at); None: until the metric's value changes.
         max_actions: at most this many actions per fit (None: no limit).
         warn_after_steps: warn once when the metric is still not logged this many steps after ``start_step``
             (set it to the interval the metric is logged at).
@@ -79,7 +81,7 @@ class Threshold:
     metric: str
     below: float | None = None
     above: float | None = None
-    cooldown: int = 0
+    cooldown: int | None = None
     max_actions: int | None = None
     warn_after_steps: int = 100
 
@@ -92,7 +94,7 @@ class Threshold:
         for name in ("below", "above"):
             if getattr(self, name) is not None:
                 check_number(f"Threshold {name}", getattr(self, name))
-        check_int("Threshold cooldown", self.cooldown, minimum=0)
+        check_int("Threshold cooldown", self.cooldown, optional=True)
         check_int("Threshold max_actions", self.max_actions, minimum=1, optional=True)
         check_int("Threshold warn_after_steps", self.warn_after_steps, minimum=1)
 
@@ -318,10 +320,11 @@ class ScheduleState:
                                f"the metric is not logged (logged: {sorted(trainer.callback_metrics)[:12]}); add "
                                "PlasticityMonitor with the group that logs it, or fix the name")
             return None
-        if value == self.threshold_acted_on:  # the measurement already acted on: the model changed since
-            return None
-        if self.threshold_fired_step is not None and step - self.threshold_fired_step < rule.cooldown:
-            return None
+        if self.threshold_fired_step is not None:
+            if rule.cooldown is None and value == self.threshold_acted_on:  # the measurement already acted on
+                return None
+            if rule.cooldown is not None and step - self.threshold_fired_step < rule.cooldown:
+                return None
         if (rule.max_actions is not None and self.threshold_fires >= rule.max_actions) or not rule.crossed(value):
             return None
         reason = self._fire(trainer, rule.describe(value))
