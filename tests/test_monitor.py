@@ -238,3 +238,29 @@ def test_feature_layers_that_match_nothing_and_models_without_neuron_layers_fail
     monitor = PlasticityMonitor(activations_every_n_steps=None, weights_every_n_steps=1, plot=False)
     cpu_trainer(max_steps=1, callbacks=[monitor]).fit(Linear(), loader)  # weights only: fine
     assert monitor.history[0]["monitor/weight_norm"] > 0
+
+
+# ------------------------------------------------------------------ DDP and FSDP2: one process's values
+MONITOR = {"_target_": "plasticity_callbacks.PlasticityMonitor", "activations_every_n_steps": 2,
+           "weights_every_n_steps": 2, "spectra_every_n_steps": 2, "feature_layers": ["*"], "plot": False}
+DISTRIBUTED = [{"name": "monitor_ddp", "model": "gpt", "ddp": True, "steps": 4,
+                "callbacks": [MONITOR | {"curvature_every_n_steps": 4, "curvature_iterations": 5}]},
+               {"name": "monitor_fsdp2", "model": "gpt", "steps": 4, "callbacks": [MONITOR]}]
+
+
+def test_ddp_and_fsdp2_log_the_values_of_one_process(tmp_path):
+    """Two gloo ranks, each with half of every global batch, log what one process logs on the whole batch: the
+    activation statistics summed over ranks, FSDP2's shard sums over shards; the same rows at the same steps."""
+    from fsdp_harness import run_fsdp2, run_single
+
+    sharded = run_fsdp2(tmp_path, DISTRIBUTED)
+    for run in DISTRIBUTED:
+        single, distributed = run_single(tmp_path, run), sharded[run["name"]]
+        rows, rows_distributed = single["callbacks"][0]["history"], distributed["callbacks"][0]["history"]
+        assert [r["step"] for r in rows] == [r["step"] for r in rows_distributed] == [2, 4]
+        assert len(rows[-1]) > 40 and ("monitor/curvature" in rows[-1]) == (run["name"] == "monitor_ddp")
+        for row, other in zip(rows, rows_distributed):
+            assert set(row) == set(other)
+            for key, value in row.items():
+                assert other[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (run["name"], key)
+        assert distributed["metrics"]["monitor/weight_distance"] > 0

@@ -152,9 +152,7 @@ class PlasticityMonitor(PlasticityCallback):
                              "curvature_every_n_steps=None under FSDP2 or measure it with strategy='ddp'")
 
     def check_targets(self, trainer, pl_module) -> None:
-        chosen = matching_parameters(pl_module, self.selection, self.owner)
-        self.names = self.names or [name for name, _ in chosen]
-        self._chosen = chosen
+        matching_parameters(pl_module, self.selection, self.owner)  # none: fails before any training
         if not self.every["activations"]:
             return
         self.layers = find_neuron_layers(pl_module, self.layer_map)
@@ -191,8 +189,10 @@ class PlasticityMonitor(PlasticityCallback):
         self._remove_hooks()
 
     def _attach_weights(self, trainer) -> None:
-        """θ₀ paired with the chosen parameters: taken now on a first fit, else the checkpoint's."""
-        self.names, self.initial, self._params = copies_of(trainer, self._chosen, self.names, self.initial,
+        """θ₀ paired with the chosen parameters: taken now on a first fit, else the checkpoint's. The parameters
+        are looked up again here: FSDP2's ``configure_model`` replaces them with sharded ones after ``setup``."""
+        chosen = matching_parameters(trainer.lightning_module, self.selection, self.owner)
+        self.names, self.initial, self._params = copies_of(trainer, chosen, self.names, self.initial,
                                                            "PlasticityMonitor initial weights")
 
     def _attach_collectors(self, pl_module) -> None:
