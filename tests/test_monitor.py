@@ -264,3 +264,21 @@ def test_ddp_and_fsdp2_log_the_values_of_one_process(tmp_path):
             for key, value in row.items():
                 assert other[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (run["name"], key)
         assert distributed["metrics"]["monitor/weight_distance"] > 0
+
+
+def test_a_compiled_gpt_logs_what_the_eager_one_does():
+    """The MLPs hand their hidden values to the monitor through ``hidden_observer``, which the compiled graph calls."""
+    import torch._dynamo
+
+    def run(compile):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        module = tiny_gpt_module(n_layer=1, compile=compile)
+        monitor = PlasticityMonitor(activations_every_n_steps=2, weights_every_n_steps=2, spectra_every_n_steps=None,
+                                    plot=False)
+        cpu_trainer(max_steps=2, callbacks=[monitor]).fit(module, token_loader())
+        return monitor.history
+
+    eager, compiled = run(False), run(True)
+    assert len(compiled) == 1 and compiled[0]["monitor/feature_erank"] > 1
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-4, abs=1e-6, nan_ok=True)
