@@ -394,16 +394,18 @@ class PlasticityMonitor(PlasticityCallback):
         fig = new_figure(figsize=(10, 2.2 * ((len(summaries) + 1) // 2)))
         axes = fig.subplots((len(summaries) + 1) // 2, 2, squeeze=False).reshape(-1)
         for ax, summary in zip(axes, summaries):
-            for key in sorted({k for row in self.history for k in row if k.startswith(summary + "/")}):
+            layers = sorted({k for row in self.history for k in row if k.startswith(summary + "/")})
+            for key in layers:
                 steps, values = _series(self.history, key)
-                ax.plot(steps, values, linewidth=0.8, alpha=0.7, label=key[len(summary) + 1:])
+                ax.plot(steps, values, linewidth=0.8, alpha=0.7, label=key[len(summary) + 1:].removesuffix(".weight"))
             steps, values = _series(self.history, summary)
             ax.plot(steps, values, color="black", linewidth=2, label="all")
             ax.set_title(summary, fontsize=9)
             ax.tick_params(labelsize=7)
+            if len(layers) <= 8:  # more lines than that: a legend would hide the curves
+                ax.legend(fontsize=5, ncol=2)
         for ax in axes[len(summaries):]:
             ax.axis("off")
-        axes[0].legend(fontsize=6, ncol=2)
         axes[len(summaries) - 1].set_xlabel("global step")
         fig.tight_layout()
         save_figure(fig, trainer, "plasticity_monitor")
