@@ -31,6 +31,8 @@ def methods(steps_per_task: int) -> dict[str, object]:
         "fire at boundaries": lambda: FIREReinit(schedule=Schedule(at_task_boundaries=True)),
         "fire when weight_srank < 7.5": lambda: FIREReinit(schedule=Schedule(
             threshold=Threshold("monitor/weight_srank", below=7.5, cooldown=cooldown))),
+        "fire when weight_dfi > 1000": lambda: FIREReinit(schedule=Schedule(
+            threshold=Threshold("monitor/weight_dfi", above=1000.0, cooldown=cooldown))),
         "redo at boundaries": lambda: ReDoMonitor(collect_every_n_steps=1, schedule=Schedule(at_task_boundaries=True)),
         "redo when dormant > 0.2": lambda: ReDoMonitor(collect_every_n_steps=1, schedule=Schedule(
             threshold=Threshold("monitor/dormant", above=0.2, cooldown=cooldown))),
@@ -60,11 +62,14 @@ def main() -> None:
     parser.add_argument("--steps-per-task", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", nargs="*", help="run only the methods whose name contains one of these")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"digits stream, {args.tasks} tasks x {args.steps_per_task} steps, MLP 128-128, seeds {args.seeds}")
     print(f"{'method':<32}{'late accuracy':>14}{'actions':>9}")
     for name, factory in methods(args.steps_per_task).items():
+        if args.only and not any(word in name for word in args.only):
+            continue
         results = [run(factory, args.tasks, args.steps_per_task, seed) for seed in args.seeds]
         accuracy = statistics.mean(a for a, _ in results)
         actions = statistics.mean(n for _, n in results)
