@@ -243,14 +243,18 @@ def test_feature_layers_that_match_nothing_and_models_without_neuron_layers_fail
 # ------------------------------------------------------------------ DDP and FSDP2: one process's values
 MONITOR = {"_target_": "plasticity_callbacks.PlasticityMonitor", "activations_every_n_steps": 2,
            "weights_every_n_steps": 2, "spectra_every_n_steps": 2, "feature_layers": ["*"], "plot": False}
+# FIRE acts once, when the monitor's DfI logged at step 2 is read: the trigger decides alike on every rank
+TRIGGERED_FIRE = {"_target_": "plasticity_callbacks.FIREReinit",
+                  "schedule": {"threshold": {"metric": "monitor/weight_dfi", "above": 0.0, "max_actions": 1}}}
 DISTRIBUTED = [{"name": "monitor_ddp", "model": "gpt", "ddp": True, "steps": 4,
-                "callbacks": [MONITOR | {"curvature_every_n_steps": 4, "curvature_iterations": 5}]},
-               {"name": "monitor_fsdp2", "model": "gpt", "steps": 4, "callbacks": [MONITOR]}]
+                "callbacks": [MONITOR | {"curvature_every_n_steps": 4, "curvature_iterations": 5}, TRIGGERED_FIRE]},
+               {"name": "monitor_fsdp2", "model": "gpt", "steps": 4, "callbacks": [MONITOR, TRIGGERED_FIRE]}]
 
 
 def test_ddp_and_fsdp2_log_the_values_of_one_process(tmp_path):
     """Two gloo ranks, each with half of every global batch, log what one process logs on the whole batch: the
-    activation statistics summed over ranks, FSDP2's shard sums over shards; the same rows at the same steps."""
+    activation statistics summed over ranks, FSDP2's shard sums over shards; the same rows at the same steps; and
+    a threshold trigger on a logged metric acts at the same step as on one process."""
     from fsdp_harness import run_fsdp2, run_single
 
     sharded = run_fsdp2(tmp_path, DISTRIBUTED)
@@ -264,6 +268,8 @@ def test_ddp_and_fsdp2_log_the_values_of_one_process(tmp_path):
             for key, value in row.items():
                 assert other[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (run["name"], key)
         assert distributed["metrics"]["monitor/weight_distance"] > 0
+        fired = [state["schedule"]["fired"] for state in (single["callbacks"][1], distributed["callbacks"][1])]
+        assert fired[0] == fired[1] and [step for step, _ in fired[0]] == [2]
 
 
 def test_a_compiled_gpt_logs_what_the_eager_one_does():
