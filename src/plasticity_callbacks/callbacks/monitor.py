@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from fnmatch import fnmatch
 from typing import Any
 
@@ -315,15 +316,16 @@ class PlasticityMonitor(PlasticityCallback):
 
     def _weight_metrics(self) -> dict[str, torch.Tensor]:
         params = self._params
-        # per parameter: ‖θ‖², ‖θ − θ₀‖², ‖θ₀‖², ‖Δθ‖², ‖θ before the step‖², ‖∇θ‖²
-        rows = [torch.stack([D.squared_sum([_local(p)]), D.squared_difference_sum([_local(p)], [_local(p0)]),
-                             D.squared_sum([_local(p0)]),
-                             D.squared_difference_sum([_local(p)], [b]) if self._before else _zero(p),
-                             D.squared_sum([b]) if self._before else _zero(p)])
-                for p, p0, b in zip(params, self.initial, self._before or [None] * len(params))]
-        squares = torch.cat([torch.stack(rows), self._grad_squares[:, None].to(rows[0].device)
-                             if self._grad_squares is not None else torch.zeros(len(rows), 1, dtype=torch.float64,
-                                                                                device=rows[0].device)], dim=1)
+        device = self._params[0].device
+        before = self._before or [_local(p).detach() for p in params]  # no optimizer step seen: Δθ = 0
+        grad_squares = (self._grad_squares if self._grad_squares is not None
+                        else torch.zeros(len(params), dtype=torch.float64, device=device))
+        # one row per parameter (this rank's shard under FSDP2): ‖θ‖², ‖θ − θ₀‖², ‖θ₀‖², ‖Δθ‖², ‖θ before‖², ‖∇θ‖²
+        squares = torch.stack([
+            torch.stack([D.squared_sum([_local(p)]), D.squared_difference_sum([_local(p)], [_local(p0)]),
+                         D.squared_sum([_local(p0)]), D.squared_difference_sum([_local(p)], [b]), D.squared_sum([b]),
+                         g.to(device)])
+            for p, p0, b, g in zip(params, self.initial, before, grad_squares)])
         squares = _sum_over_shards(squares, params)
         self._before = None
         total = squares.sum(0)
@@ -438,10 +440,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float64, device=like.device)
-
-
 def _sum_over_shards(rows: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Add the rows of FSDP2-sharded parameters over their shards (one all-reduce); others are whole already."""
     sharded = [i for i, p in enumerate(params) if is_dtensor(p)]
@@ -495,15 +493,12 @@ def _to_device(batch, device):
     return batch
 
 
-class _muted_logging:
-    """``pl_module.log``/``log_dict`` do nothing inside: a ``training_step`` replayed for the curvature must not
+@contextmanager
+def _muted_logging(module):
+    """``module.log``/``log_dict`` do nothing inside: a ``training_step`` replayed for the curvature must not
     overwrite the step's logged loss."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __enter__(self):
-        self.module.log = self.module.log_dict = lambda *args, **kwargs: None
-
-    def __exit__(self, *exc):
-        del self.module.log, self.module.log_dict
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
