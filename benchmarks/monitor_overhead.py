@@ -98,7 +98,8 @@ def _sync(module) -> None:
 def build(name: str, batch: int, sequence: int, steps: int):
     if name == "gpt":
         config = GPTConfig()
-        module, vocab, sequence = GPTLightningModule(config, optimizer="adamw", schedule="constant"), 256, config.sequence_len
+        module = GPTLightningModule(config, optimizer="adamw", schedule="constant")
+        vocab, sequence = 256, config.sequence_len
         label = f"GPT {config.n_layer}x{config.n_embd} {config.mlp}"
     else:
         vocab = 1024
@@ -114,7 +115,8 @@ def measure(name: str, args) -> None:
     module, loader, label = build(name, args.batch_size, args.sequence, steps)
     monitor = PlasticityMonitor(plot=False)
     driver = CycleDriver(monitor, time.process_time if args.clock == "cpu" else time.perf_counter)
-    trainer = L.Trainer(accelerator=args.device, devices=1, max_steps=steps, callbacks=[driver, monitor, StopClock(driver)], logger=False,
+    trainer = L.Trainer(accelerator=args.device, devices=1, max_steps=steps, logger=False,
+                        callbacks=[driver, monitor, StopClock(driver)],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     trainer.fit(module, loader)
@@ -137,7 +139,8 @@ def measure(name: str, args) -> None:
     direct = (work["idle"] + sum(work[g] / every for g, every in DEFAULTS.items())) / step
     print("direct, the monitor's own work: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in work.items())
           + f"; fastest baseline step {step * 1e3:.1f} ms")
-    print(f"direct, at the default intervals: monitor/no monitor = {1 + direct:.4f} ({100 * direct:+.3f} %, goal <= 1 %)")
+    print(f"direct, at the default intervals: monitor/no monitor = {1 + direct:.4f} "
+          f"({100 * direct:+.3f} %, goal <= 1 %)")
 
 
 def direct_costs(monitor, trainer, module, batch, clock, reps: int = 7) -> dict[str, float]:

@@ -14,7 +14,8 @@ import model_zoo
 from plasticity_callbacks import PlasticityMonitor
 from plasticity_callbacks.functional import diagnostics as D
 from plasticity_callbacks.functional.spectral import deviation_from_isometry
-from tiny import TinyCNNModule, TinyMLPModule, cpu_trainer, image_loader, regression_loader, tiny_gpt_module, token_loader
+from tiny import (TinyCNNModule, TinyMLPModule, cpu_trainer, image_loader, regression_loader, tiny_gpt_module,
+                  token_loader)
 
 TAU = 0.1
 
@@ -89,7 +90,8 @@ def test_every_metric_equals_a_direct_computation(case, tmp_path):
     monitor = PlasticityMonitor(activations_every_n_steps=2, weights_every_n_steps=2, spectra_every_n_steps=2,
                                 tau=TAU, feature_layers=["last", "*0*"], plot=False)
     reference = Reference(downs, measured_step=1)
-    trainer = cpu_trainer(max_steps=2, callbacks=[reference, monitor], accumulate_grad_batches=2 if case == "mlp" else 1)
+    trainer = cpu_trainer(max_steps=2, callbacks=[reference, monitor],
+                          accumulate_grad_batches=2 if case == "mlp" else 1)
     trainer.fit(module, loader)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("monitor/")}
     assert [layer.down for layer in monitor.layers] == downs  # the layers the reference hooks

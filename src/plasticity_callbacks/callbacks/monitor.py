@@ -423,7 +423,8 @@ class PlasticityMonitor(PlasticityCallback):
 
 
 class _Collector:
-    """Hands one ``down`` layer's input to the monitor; a plain object kept for the fit (compiled graphs guard on it)."""
+    """Hands one ``down`` layer's input to the monitor; a plain object kept for the fit (a compiled graph
+    guards on it)."""
 
     def __init__(self, monitor: PlasticityMonitor, indices: list[int]):
         self.monitor, self.indices = monitor, indices

@@ -59,8 +59,9 @@ class Threshold:
     ``> above``). After acting it waits, with ``cooldown=None``, for a new value of the metric: one that differs
     from the value it acted on (the action changed the model, so that measurement is stale; a new measurement
     equal to it to the last bit also waits); with ``cooldown=n``, for ``n`` optimizer steps, then it reads
-    whatever is logged. It acts at most ``max_actions`` times per fit. A metric that is still not logged ``warn_after_steps`` steps into
-    the fit is warned about once (a misspelt name or a monitor that is off), rather than never firing silently.
+    whatever is logged. It acts at most ``max_actions`` times per fit. A metric that is still not logged
+    ``warn_after_steps`` steps into the fit is warned about once (a misspelt name or a monitor that is off), rather
+    than never firing silently.
 
     Args:
         metric: the logged name, e.g. ``"monitor/weight_srank/layers.0.mlp.up.weight"`` or ``"monitor/dormant"``.
