@@ -290,3 +290,25 @@ def test_a_compiled_gpt_logs_what_the_eager_one_does():
     eager, compiled = run(False), run(True)
     assert len(compiled) == 1 and compiled[0]["monitor/feature_erank"] > 1
     assert compiled[0] == pytest.approx(eager[0], rel=1e-4, abs=1e-6, nan_ok=True)
+
+
+def test_in_a_hugging_face_trainer_the_dead_units_made_by_hand_are_logged(tmp_path):
+    """Through the HF ``Trainer`` adapter: GPT-2 with three hidden units of block 0 dead by construction."""
+    from test_hf_trainer import D as WIDTH, make_trainer, tiny_gpt2
+
+    model = tiny_gpt2()
+    dead = [3, 17, 40]
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[:, dead] = 0.0
+        model.transformer.h[0].mlp.c_fc.bias[dead] = -30.0
+    monitor = PlasticityMonitor(activations_every_n_steps=2, weights_every_n_steps=2, spectra_every_n_steps=4,
+                                plot=False)
+    trainer = make_trainer(tmp_path, model, monitor, max_steps=4)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "monitor/dead" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+    for h in logged:
+        assert h["monitor/dead/transformer.h.0.mlp"] == pytest.approx(len(dead) / (4 * WIDTH))
+        assert h["monitor/dead/transformer.h.1.mlp"] == 0.0
+        assert h["monitor/weight_distance"] > 0 and h["monitor/grad_norm"] > 0
+    assert "monitor/weight_srank" in logged[-1]

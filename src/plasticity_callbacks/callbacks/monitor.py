@@ -172,7 +172,7 @@ class PlasticityMonitor(PlasticityCallback):
                              f"layers {names}")
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self._attach_weights(trainer)
+        self._attach_weights(trainer, pl_module)
         self._remove_hooks()
         if self.layers:
             self._attach_collectors(pl_module)
@@ -180,7 +180,7 @@ class PlasticityMonitor(PlasticityCallback):
                        f"parameters every {({k: v for k, v in self.every.items() if v})} steps")
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._attach_weights(trainer)  # FSDP2 restores a checkpoint after on_fit_start
+        self._attach_weights(trainer, pl_module)  # FSDP2 restores a checkpoint after on_fit_start
         super().on_train_start(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -189,10 +189,10 @@ class PlasticityMonitor(PlasticityCallback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._remove_hooks()
 
-    def _attach_weights(self, trainer) -> None:
+    def _attach_weights(self, trainer, pl_module) -> None:
         """θ₀ paired with the chosen parameters: taken now on a first fit, else the checkpoint's. The parameters
         are looked up again here: FSDP2's ``configure_model`` replaces them with sharded ones after ``setup``."""
-        chosen = matching_parameters(trainer.lightning_module, self.selection, self.owner)
+        chosen = matching_parameters(pl_module, self.selection, self.owner)
         self.names, self.initial, self._params = copies_of(trainer, chosen, self.names, self.initial,
                                                            "PlasticityMonitor initial weights")
 
