@@ -35,7 +35,9 @@ _LAZY = {
     "WeightClip": "plasticity_callbacks.callbacks.weight_clip",
     "HareTortoise": "plasticity_callbacks.callbacks.hare_tortoise",
     "PlasticityCallback": "plasticity_callbacks.callbacks.base",
+    "PlasticityMonitor": "plasticity_callbacks.callbacks.monitor",
     "Schedule": "plasticity_callbacks.callbacks.schedule",
+    "Threshold": "plasticity_callbacks.callbacks.schedule",
     "Selection": "plasticity_callbacks.model_map",
     "FIREOptions": "plasticity_callbacks.functional.isometry",
 }

@@ -10,6 +10,9 @@ skips a trigger. A callback owns one state per schedule and asks it from its own
     a step hook           -> reason = self.firing.due_at_step(trainer)
     on_validation_end     -> reason = self.firing.due_at_validation_end(trainer, pl_module)
 
+A threshold (:class:`Threshold`) is a step trigger too: ``due_at_step`` reads a logged metric from
+``trainer.callback_metrics`` (a :class:`~callbacks.monitor.PlasticityMonitor` metric or any the user logs).
+
 Each ``due_*`` returns a short reason (``"epoch 3"``, ``"step 100"``) when the callback should act
 now, else ``None``.
 
@@ -26,11 +29,13 @@ global steps at which a new task starts (task 0 starts at step 0 and is not a bo
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ..arguments import build_options, check_int, check_number, sorted_int_list
 from .state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
@@ -40,6 +45,71 @@ MODES = ("min", "max")
 _STATE_TYPES = {"fit_start_fired": bool, "last_epoch": OPTIONAL_INT, "last_step": OPTIONAL_INT,
                 "last_fired_step": OPTIONAL_INT, "fired": list, "best": OPTIONAL_NUMBER, "wait": int,
                 "cooldown_left": int, "plateau_fires": int}
+_THRESHOLD_STATE_TYPES = {"threshold_fires": int, "threshold_fired_step": OPTIONAL_INT,
+                          "threshold_acted_on": OPTIONAL_NUMBER, "threshold_value": OPTIONAL_NUMBER}
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Act when a logged metric is beyond a threshold: a trigger on what the run measures, not on a clock.
+
+    Read at every check of the step trigger (``ScheduleState.due_at_step``) from ``trainer.callback_metrics``
+    (the mean over ranks), so it works with :class:`~callbacks.monitor.PlasticityMonitor`'s metrics and with any
+    metric logged by ``pl_module.log`` or ``log_at_step``. It acts when the value is ``< below`` (or
+    ``> above``). After acting it waits, with ``cooldown=None``, for a new value of the metric: one that differs
+    from the value it acted on (the action changed the model, so that measurement is stale; a new measurement
+    equal to it to the last bit also waits); with ``cooldown=n``, for ``n`` optimizer steps, then it reads
+    whatever is logged. It acts at most ``max_actions`` times per fit. A metric that is still not logged
+    ``warn_after_steps`` steps into the fit is warned about once (a misspelt name or a monitor that is off), rather
+    than never firing silently.
+
+    Args:
+        metric: the logged name, e.g. ``"monitor/weight_srank/layers.0.mlp.up.weight"`` or ``"monitor/dormant"``.
+        below: act when the value falls below this.
+        above: act when the value rises above this (set exactly one of ``below`` and ``above``).
+        cooldown: optimizer steps after an action before the next may come (set it to at least the interval the
+            metric is logged at); None: until the metric's value changes.
+        max_actions: at most this many actions per fit (None: no limit).
+        warn_after_steps: warn once when the metric is still not logged this many steps after ``start_step``
+            (set it to the interval the metric is logged at).
+
+    Example:
+        >>> fire = FIREReinit(schedule=Schedule(threshold=Threshold("monitor/weight_srank", below=20.0,
+        ...                                                         cooldown=1000)))
+        >>> redo = ReDoMonitor(schedule={"threshold": {"metric": "monitor/dormant", "above": 0.1}})
+    """
+
+    metric: str
+    below: float | None = None
+    above: float | None = None
+    cooldown: int | None = None
+    max_actions: int | None = None
+    warn_after_steps: int = 100
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"Threshold metric={self.metric!r} must be a logged metric's name")
+        if (self.below is None) == (self.above is None):
+            raise ValueError(f"Threshold(metric={self.metric!r}) needs exactly one of below= and above= "
+                             f"(got below={self.below!r}, above={self.above!r})")
+        for name in ("below", "above"):
+            if getattr(self, name) is not None:
+                check_number(f"Threshold {name}", getattr(self, name))
+        check_int("Threshold cooldown", self.cooldown, optional=True)
+        check_int("Threshold max_actions", self.max_actions, minimum=1, optional=True)
+        check_int("Threshold warn_after_steps", self.warn_after_steps, minimum=1)
+
+    @classmethod
+    def build(cls, value: Threshold | Mapping, owner: str) -> Threshold:
+        return build_options(cls, value, owner, "schedule threshold")
+
+    def crossed(self, value: float) -> bool:
+        """Whether ``value`` is beyond the threshold (NaN never is)."""
+        return value < self.below if self.below is not None else value > self.above
+
+    def describe(self, value: float) -> str:
+        return (f"{self.metric}={value:.4g} < {self.below:g}" if self.below is not None
+                else f"{self.metric}={value:.4g} > {self.above:g}")
 
 
 @dataclass(frozen=True)
@@ -64,11 +134,14 @@ class Schedule:
         max_plateau_fires: at most this many plateau firings per fit (None: no limit).
         start_step: no trigger acts before this global step.
         end_step: no trigger acts after this global step (None: no end).
+        threshold: act when a logged metric crosses a threshold (a :class:`Threshold` or a mapping of its
+            fields), checked at the step trigger.
 
     Example:
         >>> fire = FIREReinit(schedule=Schedule(at_fit_start=True, every_n_steps=1000))
         >>> redo = ReDoMonitor(schedule=Schedule(every_n_steps=1000, end_step=8000))
         >>> trainer = L.Trainer(callbacks=[fire, redo], max_steps=10_000)
+        >>> fire = FIREReinit(schedule=Schedule(threshold=Threshold("monitor/weight_srank", below=20.0)))
     """
 
     at_fit_start: bool = False
@@ -85,6 +158,7 @@ class Schedule:
     max_plateau_fires: int | None = None
     start_step: int = 0
     end_step: int | None = None
+    threshold: Threshold | None = None
 
     def __post_init__(self) -> None:
         for name in ("at_fit_start", "at_task_boundaries"):
@@ -105,19 +179,21 @@ class Schedule:
         check_int("Schedule max_plateau_fires", self.max_plateau_fires, minimum=1, optional=True)
         check_int("Schedule start_step", self.start_step, minimum=0)
         check_int("Schedule end_step", self.end_step, minimum=self.start_step, optional=True, hint="(>= start_step)")
+        if self.threshold is not None:
+            object.__setattr__(self, "threshold", Threshold.build(self.threshold, "Schedule"))
         if not self.has_trigger:
             raise ValueError("Schedule has no trigger: set at_fit_start, epochs, every_n_epochs, steps, every_n_steps, "
-                             "at_task_boundaries or monitor")
+                             "at_task_boundaries, monitor or threshold")
 
     @property
     def has_trigger(self) -> bool:
         return bool(self.at_fit_start or self.epochs or self.every_n_epochs or self.steps or self.every_n_steps
-                    or self.at_task_boundaries or self.monitor)
+                    or self.at_task_boundaries or self.monitor or self.threshold)
 
     @property
     def acts_on_steps(self) -> bool:
-        """Whether step-based triggers exist (``steps``, ``every_n_steps``, task boundaries)."""
-        return bool(self.steps or self.every_n_steps or self.at_task_boundaries)
+        """Whether step-based triggers exist (``steps``, ``every_n_steps``, task boundaries, a threshold)."""
+        return bool(self.steps or self.every_n_steps or self.at_task_boundaries or self.threshold)
 
     @property
     def acts_on_epochs(self) -> bool:
@@ -127,7 +203,7 @@ class Schedule:
         """Refuse fit-start, epoch and plateau triggers for a callback that can only act inside a step."""
         if self.at_fit_start or self.acts_on_epochs or self.monitor:
             raise ValueError(f"{owner} {why}, so it acts only at steps: schedule=({self.describe()}) may set steps, "
-                             "every_n_steps, at_task_boundaries, start_step and end_step")
+                             "every_n_steps, at_task_boundaries, threshold, start_step and end_step")
 
     @classmethod
     def build(cls, value: Schedule | Mapping, owner: str) -> Schedule:
@@ -183,6 +259,11 @@ class ScheduleState:
         self.wait = 0
         self.cooldown_left = 0
         self.plateau_fires = 0
+        self.threshold_fires = 0
+        self.threshold_fired_step: int | None = None
+        self.threshold_acted_on: float | None = None  # the value the last threshold action read
+        self._restored_value: float | None = None  # the metric's value when the checkpoint was written
+        self._warned_missing = False
 
     # ------------------------------------------------------------------ hooks
     def begin_fit(self, stage: str | None) -> None:
@@ -194,6 +275,7 @@ class ScheduleState:
         """Call from ``on_train_start``; reads the task boundaries and marks the fit's first step as checked."""
         if self.schedule.at_task_boundaries:
             self._boundaries = task_boundary_steps(trainer, self.owner)
+        self._trainer = weakref.ref(trainer)  # state_dict reads the threshold's metric as the checkpoint is written
         if self.last_step is None:  # a fresh fit (a resumed one keeps its saved clock)
             self.last_step = trainer.global_step - 1
         if self.schedule.at_fit_start and not self.fit_start_fired:
@@ -227,7 +309,42 @@ class ScheduleState:
         n = self.schedule.every_n_steps
         if any(last < s <= step for s in self.schedule.steps) or (n is not None and _multiple_in(last, step, n)):
             return self._fire(trainer, f"step {step}")
-        return None
+        return self._threshold_due(trainer, step) if self.schedule.threshold is not None else None
+
+    def _threshold_due(self, trainer, step: int) -> str | None:
+        rule = self.schedule.threshold
+        value = self._threshold_value(trainer)
+        if value is None:
+            if not self._warned_missing and step >= self.schedule.start_step + rule.warn_after_steps:
+                self._warned_missing = True
+                rank_zero_warn(f"{self.owner}: Schedule(threshold={rule.metric!r}) has read no value at step {step}: "
+                               f"the metric is not logged (logged: {sorted(trainer.callback_metrics)[:12]}); add "
+                               "PlasticityMonitor with the group that logs it, or fix the name")
+            return None
+        if self.threshold_fired_step is not None:
+            if rule.cooldown is None and value == self.threshold_acted_on:  # the measurement already acted on
+                return None
+            if rule.cooldown is not None and step - self.threshold_fired_step < rule.cooldown:
+                return None
+        if (rule.max_actions is not None and self.threshold_fires >= rule.max_actions) or not rule.crossed(value):
+            return None
+        reason = self._fire(trainer, rule.describe(value))
+        if reason is not None:
+            self.threshold_fires += 1
+            self.threshold_fired_step, self.threshold_acted_on = step, value
+        return reason
+
+    def _threshold_value(self, trainer) -> float | None:
+        """The threshold's metric (mean over ranks; None when not logged). A resumed fit whose metric is not
+        logged yet reads the value it had when the checkpoint was written, so a crossing logged just before
+        that checkpoint is acted on once, after the resume as before it."""
+        value = trainer.callback_metrics.get(self.schedule.threshold.metric)
+        value = float(value) if value is not None else self._restored_value
+        if trainer.world_size > 1:  # ranks may log different local values: every rank decides on the mean
+            local = torch.tensor(math.nan if value is None else value, dtype=torch.float64,
+                                 device=trainer.strategy.root_device)
+            value = float(all_reduce_mean(trainer, local))
+        return None if value is None or math.isnan(value) else value
 
     def due_at_validation_end(self, trainer, pl_module) -> str | None:
         """Call from ``on_validation_end`` on every rank (the metric is averaged over ranks)."""
@@ -261,16 +378,32 @@ class ScheduleState:
     def state_dict(self) -> dict[str, Any]:
         return {"fit_start_fired": self.fit_start_fired, "last_epoch": self.last_epoch, "last_step": self.last_step,
                 "last_fired_step": self.last_fired_step, "fired": [list(f) for f in self.fired], "best": self.best,
-                "wait": self.wait, "cooldown_left": self.cooldown_left, "plateau_fires": self.plateau_fires}
+                "wait": self.wait, "cooldown_left": self.cooldown_left, "plateau_fires": self.plateau_fires,
+                **self._threshold_state()}
+
+    def _threshold_state(self) -> dict[str, Any]:
+        if self.schedule.threshold is None:
+            return {}
+        trainer = self._trainer() if getattr(self, "_trainer", None) is not None else None
+        value = trainer.callback_metrics.get(self.schedule.threshold.metric) if trainer is not None else None
+        return {"threshold_fires": self.threshold_fires, "threshold_fired_step": self.threshold_fired_step,
+                "threshold_acted_on": self.threshold_acted_on,
+                "threshold_value": float(value) if value is not None else self._restored_value}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state(f"{self.owner} schedule", state, _STATE_TYPES)
+        check_state(f"{self.owner} schedule", state, _STATE_TYPES, _THRESHOLD_STATE_TYPES)
         self.fit_start_fired = bool(state["fit_start_fired"])
         self.last_epoch, self.last_step = state["last_epoch"], state["last_step"]
         self.last_fired_step = state["last_fired_step"]
         self.fired = [(int(step), str(reason)) for step, reason in state["fired"]]
         self.best, self.wait = state["best"], int(state["wait"])
         self.cooldown_left, self.plateau_fires = int(state["cooldown_left"]), int(state["plateau_fires"])
+        self.threshold_fires = int(state.get("threshold_fires", 0))
+        self.threshold_fired_step = state.get("threshold_fired_step")
+        self.threshold_acted_on, self._restored_value = state.get("threshold_acted_on"), state.get("threshold_value")
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or pickle of a callback carries no trainer
+        return {k: v for k, v in self.__dict__.items() if k != "_trainer"}
 
     # ------------------------------------------------------------------ internals
     def _fire(self, trainer, reason: str) -> str | None:

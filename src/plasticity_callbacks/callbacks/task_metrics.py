@@ -17,8 +17,8 @@ from .figures import run_output_dir
 from ..ops.minor_gradient import full_gradients
 from ..distributed.sharded_state import reshard
 from .step_logging import log_at_step
-from ..functional.dormancy import dormancy_scores, mean_abs_activation
-from ..functional.spectral import effective_rank, stable_rank
+from ..functional.diagnostics import abs_activation_sum, feature_gram, gram_ranks, unit_fractions
+from ..functional.dormancy import dormancy_scores
 
 COLUMNS = ("task", "step", "accuracy", "loss", "online_accuracy", "online_loss", "retained_accuracy",
            "probe_accuracy", "dormant", "dead", "feature_rank", "stable_rank", "weight_norm", "grad_norm")
@@ -28,7 +28,7 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
     """Accuracy and loss on ``(x, y)``, and what the papers read plasticity from, on the same inputs:
 
     - ``dormant`` / ``dead``: share of hidden units (all ReLU layers; conv: channels) whose ReDo score
-      ``E|h_i| / mean_k E|h_k|`` is ``≤ tau`` / exactly 0 (Sokar et al. 2023);
+      ``E|h_i| / mean_k E|h_k|`` is ``≤ tau`` / 0 (Sokar et al. 2023);
     - ``feature_rank``: effective rank (Roy & Vetterli) of the final hidden layer's features, ``(M, width)``
       (Kumar et al. 2021; Lyle et al. 2023), and ``stable_rank`` ``‖Φ‖²_F / ‖Φ‖²₂`` of the same matrix;
     - ``weight_norm``: the L2 norm of every parameter together (Dohare et al. 2024).
@@ -47,15 +47,18 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
     finally:
         pl_module.train(was_training)
         reshard(pl_module)  # FSDP2 leaves a root unit gathered after an evaluation: back to its shards
-    scores = torch.cat([dormancy_scores(mean_abs_activation(h, unit_dim=1)) for h in hidden])
-    features = hidden[-1].flatten(1)  # (M, width)
+    # the same functions as PlasticityMonitor's (functional/diagnostics.py), on this evaluation's activations
+    scores = torch.cat([dormancy_scores(abs_activation_sum(h, unit_dim=1) / (h.numel() // h.shape[1]))
+                        for h in hidden])
+    fractions = unit_fractions(scores, tau)
+    ranks = gram_ranks(feature_gram(hidden[-1].flatten(1)))  # features (M, width)
     return {
         "accuracy": float((logits.argmax(-1) == y).float().mean()),
         "loss": float(F.cross_entropy(logits, y)),
-        "dormant": float((scores <= tau).float().mean()),
-        "dead": float((scores == 0).float().mean()),
-        "feature_rank": float(effective_rank(features)),
-        "stable_rank": float(stable_rank(features)),
+        "dormant": float(fractions["dormant"]),
+        "dead": float(fractions["dead"]),
+        "feature_rank": float(ranks["effective_rank"]),
+        "stable_rank": float(ranks["stable_rank"]),
         "weight_norm": total_norm([p.detach().float() for p in pl_module.parameters()]),
     }
 
