@@ -9,9 +9,11 @@ multiplied by on the way (``q · head_dim^-½`` in some code), so the ratio of t
 In half precision the row numbers travel as base-16 digits, one run per digit. One token
 (position 0) keeps rotary embeddings the identity.
 
-The result is accepted only when it is a clean partition: every row of the layer reaches exactly
-one of Q, K, V. Anything else (a norm on q/k, a model that cannot run without real inputs) gives
-``None``: the layout is then unknown, never guessed.
+The result is accepted only when every row of the layer reaches at most one of Q, K, V; rows that
+reach none of them (a compressed latent another layer expands) form one more block. Every Linear of
+the attention module is numbered in the same run, so no unnumbered value reaches an operand.
+Anything else (a norm on q/k, a model that cannot run without real inputs) gives ``None``: the
+layout is then unknown, never guessed.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .layouts import RowBlock
+from .trace import preserved
 
 _SDPA = F.scaled_dot_product_attention
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
@@ -75,6 +78,7 @@ def probe_fused_layouts(model: nn.Module, layers: dict[str, nn.Module]) -> dict[
             pending[name] = layer
     if not pending:
         return found
+    pending = dict(layers)  # every layer of the attention numbered in one run: no stray value reaches Q, K, V
     # Layers under one attention module get disjoint numbers, so each value names one layer's row.
     offsets, used = {}, {}
     for name, layer in pending.items():
@@ -124,17 +128,13 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
 
         handles += [layer.register_forward_hook(replace), parent.register_forward_pre_hook(enter),
                     parent.register_forward_hook(leave)]
-    training = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad(), warnings.catch_warnings(), recorder:
+        with preserved(model), torch.no_grad(), warnings.catch_warnings(), recorder:
             warnings.simplefilter("ignore")
             ran = _forward(model, layers)
     finally:
         for handle in handles:
             handle.remove()
-        for module, mode in training:
-            module.training = mode
     return recorder.calls if ran else None
 
 
@@ -202,12 +202,16 @@ def _decode(name: str, layer: nn.Module, offset: int, total: int, scale, numbere
             return None
         mine = ids[(ids >= offset) & (ids < offset + width)]
         parts.append(sorted(set((mine - offset).tolist())))
-    if sum(len(p) for p in parts) != width or sorted(r for p in parts for r in p) != list(range(width)):
-        return None  # not a partition of the layer's rows: unknown, never guessed
+    reached = [r for p in parts for r in p]
+    if len(reached) != len(set(reached)):
+        return None  # a row in two of Q, K, V: not a partition, unknown, never guessed
+    # Rows that reach no attention operand (a latent that another layer expands, DeepSeek's kv_a_proj_with_mqa)
+    # are one more block of their own.
+    parts.append(sorted(set(range(width)) - set(reached)))
     if sum(bool(p) for p in parts) == 1:
         return ()
     blocks = []
-    for label, rows in zip(("q", "k", "v"), parts):
+    for label, rows in zip(("q", "k", "v", "rest"), parts):
         contiguous = rows == list(range(rows[0], rows[-1] + 1)) if rows else False
         blocks.append(RowBlock(label, range(rows[0], rows[-1] + 1) if contiguous else tuple(rows)))
     return tuple(b for b in blocks if len(b))
