@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .layouts import RowBlock
-from .trace import preserved
+from .trace import preserved, run_one_token
 
 _SDPA = F.scaled_dot_product_attention
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
@@ -139,28 +139,19 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
 
 
 def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
-    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``,
-    else the model on one token id."""
+    """Run a Hugging Face model on ``input_ids``, else each attention module on ``x``, else the module that
+    takes token ids (the model, or the network a LightningModule without ``forward`` holds) on one token."""
     device = next(model.parameters()).device
-    hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
-              None)
-    try:
-        if hf is not None:
-            hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+    hf = any(hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids" for m in model.modules())
+    if not hf:
+        try:
+            for name, layer in layers.items():
+                inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
+                model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
             return True
-        for name, layer in layers.items():
-            inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
-            model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
-        return True
-    except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
-        pass
-    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
-        return False
-    try:  # a token model (nanoGPT, litgpt): forward(idx)
-        model(torch.zeros(1, 1, dtype=torch.long, device=device))
-        return True
-    except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
-        return False
+        except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
+            pass
+    return run_one_token(model)
 
 
 def _operands(calls) -> list[torch.Tensor] | None:

@@ -263,20 +263,32 @@ def _summary(uses: list[tuple[bool, bool]], cuts: list[list[set[int]]], width: i
 
 
 def _forward(model: nn.Module) -> bool:
-    """Run the model on one token: a Hugging Face model on ``input_ids`` (without a cache), else the
-    model on one token id, else on one zero input vector of the first layer's width."""
+    """Run the model on one token (see :func:`run_one_token`), else on one zero input vector of its first
+    Linear's width."""
+    if run_one_token(model):
+        return True
+    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    if first is None:
+        return False
+    try:
+        model(torch.zeros(1, 1, first.in_features, device=first.weight.device))
+        return True
+    except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
+        return False
+
+
+def run_one_token(model: nn.Module) -> bool:
+    """Run the module that takes token ids on one token: a Hugging Face model on ``input_ids`` (without a
+    cache), else the outermost module holding an embedding whose ``forward(idx)`` runs (the model itself, or
+    the network a LightningModule holds when it has no ``forward`` of its own, litgpt's ``GPT``).
+    Returns whether one ran."""
     device = next(model.parameters()).device
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
               None)
-    attempts = []
-    if hf is not None:
-        attempts += [lambda: hf(input_ids=token, use_cache=False), lambda: hf(input_ids=token)]
-    if any(isinstance(m, nn.Embedding) for m in model.modules()):
-        attempts.append(lambda: model(token))
-    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
-    if first is not None:
-        attempts.append(lambda: model(torch.zeros(1, 1, first.in_features, device=device)))
+    attempts = [lambda: hf(input_ids=token, use_cache=False), lambda: hf(input_ids=token)] if hf is not None else []
+    holders = [m for m in model.modules() if any(isinstance(x, nn.Embedding) for x in m.modules())]
+    attempts += [lambda m=m: m(token) for m in holders if not isinstance(m, nn.Embedding)]
     for attempt in attempts:
         try:
             attempt()
