@@ -180,26 +180,29 @@ def test_coverage_names_what_a_state_space_layer_keeps(family):
     assert len(included) == 1 and included[0].endswith("conv1d.weight")  # a name pattern brings it back
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_dash_shrinks_each_expert_row_by_its_own_factor(family):
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_dash_shrinks_each_expert_row_and_every_linear_map_by_its_own_factor(family):
     module = Wrapped(family)
     first = next(iter(DataLoader(batches(family), batch_size=4)))
     module.train()
     module.zero_grad()
     loss_of(family, module.model, first).backward()
     experts = experts_modules(module.model)[0]
-    grads = {n: getattr(experts, n).grad.detach().clone() for n in ("gate_up_proj", "down_proj")}
-    before = {n: getattr(experts, n).detach().clone() for n in grads}
+    stacks = {n: getattr(experts, n) for n in ("gate_up_proj", "down_proj")}
+    maps = {n: p for n, p in module.named_parameters()  # routers, attention and dense MLP maps: (out, in)
+            if p.dim() == 2 and p.grad is not None and not n.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    grads = {n: p.grad.detach().clone() for n, p in {**stacks, **maps}.items()}
+    before = {n: p.detach().clone() for n, p in {**stacks, **maps}.items()}
     module.zero_grad()
     fit(module, [DASHShrink(n_batches=1, gradient_ema_weight=1.0, min_factor=0.3, shrink_bias=False,
                             gradient_mode="train")])
-    for name in grads:
-        W0, G, W = before[name].double(), -grads[name].double(), getattr(experts, name).detach().double()
-        if family == "gpt_oss":  # stored (E, in, out): a row (output neuron) is a column here
+    for name, param in {**stacks, **maps}.items():
+        W0, G, W = before[name].double(), -grads[name].double(), param.detach().double()
+        if family == "gpt_oss" and name in stacks:  # stored (E, in, out): a row (output neuron) is a column here
             W0, G, W = W0.mT, G.mT, W.mT
-        factor = F.cosine_similarity(G, W0, dim=-1).clamp(0.3, 1.0)  # (E, out): per expert, per neuron
+        factor = F.cosine_similarity(G, W0, dim=-1).clamp(0.3, 1.0)  # per expert, per output neuron
         torch.testing.assert_close(W, W0 * factor[..., None], rtol=1e-4, atol=1e-6, msg=name)
-        assert (factor < 1).any()
+        assert name not in stacks or (factor < 1).any()
 
 
 def test_adaptive_svd_refuses_expert_stacks_by_name_and_its_fix_works():
@@ -291,3 +294,38 @@ def test_a_declared_stack_overrides_the_trace_and_a_wrong_one_fails_when_made():
     apply_fire(model, None, FIREOptions(method="svd"))
     experts = experts_modules(model)[0]
     assert max(off_isometry(m) for e in range(4) for m in expert_matrices("gpt_oss", experts, e).values()) < 1e-4
+
+
+class MinorGradients(L.Callback):
+    """Checks, before each optimizer step, that every minor matrix's gradient lies in its minor left subspace."""
+
+    def __init__(self, switch):
+        self.switch, self.checked = switch, set()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for m in self.switch.matrices:
+            if m.state != "minor":
+                continue
+            param = m.target.param
+            W = (param.mT if m.target.transposed else param).detach().double()
+            G = (param.grad.mT if m.target.transposed else param.grad).double()
+            U = torch.linalg.svd(W, full_matrices=False)[0][:, -m.r:]
+            assert (G - U @ (U.mT @ G)).norm() <= 1e-4 * G.norm() + 1e-12, m.target.name
+            self.checked.add(m.target.name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "jamba"])
+def test_adaptive_svd_projects_routers_and_their_neighbours_onto_their_minor_subspace(family):
+    from plasticity_callbacks.callbacks.schedule import Schedule
+
+    module = Wrapped(family)
+    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(steps=[0], every_n_steps=1),
+                               thresholds={"clobber_alignment": 0.0}, r_min=2, initial_rank=3,
+                               svd={"dtype": "float64"}, save_figure=False, log_per_matrix=False,
+                               selection={"exclude": ["*.experts.gate_up_proj", "*.experts.down_proj"]})
+    probe = MinorGradients(switch)
+    fit(module, [switch, probe])
+    wanted = {"mixtral": ["mlp.gate.weight"], "deepseek_v3": ["mlp.gate.weight", "kv_a_proj_with_mqa.weight"],
+              "jamba": ["feed_forward.router.weight", "mamba.x_proj.weight"]}[family]
+    for suffix in wanted:
+        assert any(name.endswith(suffix) for name in probe.checked), (suffix, sorted(probe.checked))

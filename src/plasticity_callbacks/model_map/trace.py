@@ -17,7 +17,8 @@ One forward on one token under a ``TorchFunctionMode`` answers, for every ≥2-D
   rope key]`` of DeepSeek's ``kv_a_proj_with_mqa``, ModernBERT's ``Wi.chunk(2)``).
 
 Cuts along other dims (tokens, batch) keep every row in every piece and refine nothing. Results
-are cached per model until a parameter's shape changes. A model that cannot run on one token id
+are cached per model until a parameter's shape changes (so a model read before FSDP2 shards it keeps
+its layouts; a sharded model is never run here, its forward would all-gather). A model that cannot run on one token id
 (or on ``x`` for a model without embeddings) gives no result: nothing is read, nothing is guessed.
 """
 from __future__ import annotations
@@ -208,6 +209,8 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
     cached = _CACHE.get(model)
     if cached is not None and cached[0] == shapes:
         return cached[1]
+    if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params.values()):
+        return None  # FSDP2: a forward all-gathers on every rank; the layouts were read before sharding (cached)
     tracer = _Tracer({id(p): p for p in params.values()})
     with preserved(model), torch.no_grad(), warnings.catch_warnings(), tracer:
         warnings.simplefilter("ignore")
