@@ -329,3 +329,19 @@ def test_adaptive_svd_projects_routers_and_their_neighbours_onto_their_minor_sub
               "jamba": ["feed_forward.router.weight", "mamba.x_proj.weight"]}[family]
     for suffix in wanted:
         assert any(name.endswith(suffix) for name in probe.checked), (suffix, sorted(probe.checked))
+
+
+def test_a_bf16_model_with_wide_experts_is_read_exactly_and_left_in_bf16():
+    """bf16 holds integers exactly only up to 256: 400 interleaved gate/up rows must still split right."""
+    import transformers
+
+    config = transformers.GptOssConfig(vocab_size=40, hidden_size=16, intermediate_size=200, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=2,
+                                       num_experts_per_tok=1, layer_types=["full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(torch.bfloat16)
+    apply_fire(model, None, FIREOptions(method="svd"))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    experts = experts_modules(model)[0]
+    off = [off_isometry(m) for e in range(2) for m in expert_matrices("gpt_oss", experts, e).values()]
+    assert max(off) < 0.02  # bf16 rounding of an exact isometry; a wrong split is off by far more

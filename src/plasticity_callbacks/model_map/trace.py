@@ -20,6 +20,8 @@ Cuts along other dims (tokens, batch) keep every row in every piece and refine n
 are cached per model until a parameter's shape changes (so a model read before FSDP2 shards it keeps
 its layouts; a sharded model is never run here, its forward would all-gather). A model that cannot run on one token id
 (or on ``x`` for a model without embeddings) gives no result: nothing is read, nothing is guessed.
+A half-precision model is traced in float32 (the numbers must stay exact), which needs the memory of a
+float32 copy of its weights for the duration of the trace.
 """
 from __future__ import annotations
 
@@ -212,7 +214,7 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
     if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params.values()):
         return None  # FSDP2: a forward all-gathers on every rank; the layouts were read before sharding (cached)
     tracer = _Tracer({id(p): p for p in params.values()})
-    with preserved(model), torch.no_grad(), warnings.catch_warnings(), tracer:
+    with in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), tracer:
         warnings.simplefilter("ignore")
         ran = _forward(model)
     result = None
@@ -224,6 +226,26 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
                 result[name] = _summary(uses, tracer.cuts.get(id(param), []), tracer.width.get(id(param)))
     _CACHE[model] = (shapes, result)
     return result
+
+
+@contextlib.contextmanager
+def in_float32(model: nn.Module):
+    """Half-precision parameters and buffers seen as float32 copies while the block runs (bf16 holds integers
+    exactly only up to 256, so feature numbers would collide); the original tensors are put back after."""
+    low = (torch.float16, torch.bfloat16)
+    params = [(p, p.data) for p in model.parameters() if p.dtype in low]
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and b.dtype in low]
+    try:
+        for p, data in params:
+            p.data = data.float()
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.float()
+        yield
+    finally:
+        for p, data in params:
+            p.data = data
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
 
 
 @contextlib.contextmanager
