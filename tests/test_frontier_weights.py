@@ -332,10 +332,11 @@ def test_adaptive_svd_projects_routers_and_their_neighbours_onto_their_minor_sub
 
 
 def test_a_bf16_model_with_wide_experts_is_read_exactly_and_left_in_bf16():
-    """bf16 holds integers exactly only up to 256: 400 interleaved gate/up rows must still split right."""
+    """bf16 holds integers exactly only up to 256: 280 interleaved gate/up rows must still split right. The
+    halves are wide (140 × 320), so a finer split than the forward's would also break their isometry."""
     import transformers
 
-    config = transformers.GptOssConfig(vocab_size=40, hidden_size=16, intermediate_size=200, num_hidden_layers=1,
+    config = transformers.GptOssConfig(vocab_size=40, hidden_size=320, intermediate_size=140, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=2,
                                        num_experts_per_tok=1, layer_types=["full_attention"])
     torch.manual_seed(0)

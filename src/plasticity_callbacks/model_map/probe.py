@@ -6,7 +6,8 @@ pair) is intercepted with a ``TorchFunctionMode``: the values that reach its que
 arguments name the rows each one came from, whatever ``view``/``split``/``chunk``/``transpose`` the
 forward did in between. A run with every feature at ``1`` gives the scale each argument was
 multiplied by on the way (``q · head_dim^-½`` in some code), so the ratio of the two runs is exact.
-In half precision the row numbers travel as base-16 digits, one run per digit. One token
+A half-precision model is probed in float32 (:func:`~.trace.in_float32`; bf16 holds integers exactly only
+up to 256), and its row numbers still travel as base-16 digits, one run per digit. One token
 (position 0) keeps rotary embeddings the identity.
 
 The result is accepted only when every row of the layer reaches at most one of Q, K, V; rows that
@@ -27,7 +28,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .layouts import RowBlock
-from .trace import preserved, run_one_token
+from .trace import in_float32, preserved, run_one_token
 
 _SDPA = F.scaled_dot_product_attention
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
@@ -129,7 +130,7 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
         handles += [layer.register_forward_hook(replace), parent.register_forward_pre_hook(enter),
                     parent.register_forward_hook(leave)]
     try:
-        with preserved(model), torch.no_grad(), warnings.catch_warnings(), recorder:
+        with in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), recorder:
             warnings.simplefilter("ignore")
             ran = _forward(model, layers)
     finally:
