@@ -346,3 +346,21 @@ def test_a_bf16_model_with_wide_experts_is_read_exactly_and_left_in_bf16():
     experts = experts_modules(model)[0]
     off = [off_isometry(m) for e in range(2) for m in expert_matrices("gpt_oss", experts, e).values()]
     assert max(off) < 0.02  # bf16 rounding of an exact isometry; a wrong split is off by far more
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_every_experts_implementation_is_read_the_same_with_trained_biases(family, implementation):
+    """transformers runs experts by a loop over ``W[e]``, one ``grouped_mm`` or a ``bmm`` of gathered experts;
+    biases far from their zero init (GPT-OSS) are added in place or not: the split and orientation hold."""
+    torch.manual_seed(0)
+    model = FRONTIER_MODELS[family]()
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name and "bias" in name:
+                p.normal_(0, 3.0)
+    check_hand_split(family, model)
+    apply_fire(model, None, FIREOptions(method="svd"))
+    experts = experts_modules(model)[0]
+    assert max(off_isometry(m) for e in range(4) for m in expert_matrices(family, experts, e).values()) < 1e-4

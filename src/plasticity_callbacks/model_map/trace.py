@@ -64,6 +64,7 @@ _GROUPED = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped
 _SHAPE = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
           "expand", "expand_as", "clone", "to", "float", "double", "half", "bfloat16", "type", "movedim", "t", "T",
           "mT", "detach", "pad", "narrow", "repeat_interleave"}
+_BIAS_ADD = {"add", "__add__", "__radd__"}
 _CUT = {"split", "chunk", "tensor_split", "unbind", "__getitem__", "split_with_sizes", "narrow"}
 # Elementwise activations: probed as the identity, so a split after "conv -> act" (Mamba-2's xBC) is still read.
 _ACTIVATIONS = {F.silu, F.gelu, F.relu, F.softplus, F.sigmoid, torch.sigmoid, torch.tanh, torch.Tensor.sigmoid,
@@ -103,8 +104,15 @@ class _Tracer(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
-        if func in _ACTIVATIONS and args and self._numbers(args[0]) is not None:
-            return self._keep(args[0], args[0].clone())
+        if args and self._numbers(args[0]) is not None:
+            if func in _ACTIVATIONS:
+                return self._keep(args[0], args[0].clone())
+            if name.startswith("__i") or (name.endswith("_") and not name.startswith("_")):
+                return args[0]  # an in-place op (a bias added with add_) would overwrite the numbers: skipped
+        if name in _BIAS_ADD and len(args) == 2:
+            kept = self._bias_added(*args)
+            if kept is not None:
+                return kept
         result = func(*args, **kwargs)
         if func in _LINEAR:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -113,8 +121,8 @@ class _Tracer(TorchFunctionMode):
             left, right = (args + (None, None))[:2]
             if self._source(right) is not None:
                 return self._used(right, True, result)
-            if self._source(left) is not None:  # W @ x: (out, in) with the output's features in dim -2
-                self._used(left, False, None)
+            if self._source(left) is not None:  # W @ x: (out, in), the output's features in dim -2
+                return self._used(left, False, result, feature_dim=-2)
             return result
         if func in _ADDMM and len(args) >= 3 and self._source(args[2]) is not None:
             return self._used(args[2], True, result)
@@ -136,6 +144,13 @@ class _Tracer(TorchFunctionMode):
                     self._keep(args[0], piece)
         return result
 
+    def _bias_added(self, a, b):
+        """``numbered + bias`` (a parameter, or a parameter's rows ``b[e]``) keeps the numbers."""
+        for numbered, other in ((a, b), (b, a)):
+            if self._numbers(numbered) is not None and (isinstance(other, nn.Parameter) or self._source(other)):
+                return self._keep(numbered, numbered.clone())
+        return None
+
     def _slice(self, source, name, args, result) -> None:
         param_id, flipped, stacked = source
         if not isinstance(result, torch.Tensor):
@@ -144,24 +159,27 @@ class _Tracer(TorchFunctionMode):
             flipped = not flipped
         elif name in ("__getitem__", "select") and stacked and result.dim() == 2:
             pass  # W[e]: one expert's matrix
-        elif name in ("__getitem__",) and stacked and result.dim() == 3:
-            pass  # W[expert_ids]: a batch of experts' matrices
+        elif name == "__getitem__":
+            pass  # W[expert_ids]: a batch of experts' matrices; b[e]: one expert's bias
         elif name not in ("contiguous", "to", "float"):
             return
         self.slices[id(result)] = (param_id, result)
         self.flipped[id(result)] = flipped
 
-    def _used(self, weight, transposed_use: bool, result):
+    def _used(self, weight, transposed_use: bool, result, feature_dim: int = -1):
+        """Record a use of ``weight`` in a linear map and return its output with feature ``r`` (along
+        ``feature_dim``) holding ``r + 1``."""
         source = self._source(weight)
         if source is None:
             return result
         param_id, flipped, stacked = source
         self.uses.setdefault(param_id, []).append((transposed_use != flipped, stacked))
-        if not isinstance(result, torch.Tensor) or result.dim() == 0 or (not transposed_use and result is None):
+        if not isinstance(result, torch.Tensor) or result.dim() < -feature_dim:
             return result
-        width = result.shape[-1]
+        width = result.shape[feature_dim]
         self.width[param_id] = width
-        numbered = torch.arange(1, width + 1, device=result.device).to(result.dtype).expand_as(result).clone()
+        numbers = torch.arange(1, width + 1, device=result.device).to(result.dtype)
+        numbered = numbers.view(-1, *([1] * (-feature_dim - 1))).expand_as(result).clone()
         self.numbered[id(numbered)] = (param_id, numbered)
         return numbered
 
