@@ -1,19 +1,49 @@
-"""Cost of building the model map on a GPT-2 124M-sized model (random init, nothing downloaded).
+"""Cost of building the model map (random init, nothing downloaded), against one training step.
 
-Times ``select_targets`` (the first call on a model also builds and logs its coverage table),
-``find_neuron_layers`` and ``coverage_report``, and, for a model whose fused Q/K/V split is read
-by the forward probe, a GPT-NeoX of the same size. Prints milliseconds; asserts nothing.
+Times ``select_targets`` (the first call on a model runs the forward probes: the attention probe for
+fused Q/K/V and the trace that reads bare parameters, expert stacks and every layer's output cuts;
+later calls are cached), ``find_neuron_layers`` and ``coverage_report``, and one SGD training step
+(batch 4 × 128 tokens, forward + backward + step) on the same model. Families: GPT-2 124M, a GPT-NeoX
+of the same size (fused Q/K/V read by the probe), and the frontier ones of issue 32 at about that size:
+Mixtral-style MoE (8 experts), GPT-OSS (interleaved ``(in, out)`` experts), DeepSeek-V3 (latent attention
++ MoE), Mamba, Mamba-2 and Jamba (hybrid). Prints milliseconds; asserts nothing.
 
-Usage: ``python benchmarks/model_map_cost.py``
+Usage: ``python benchmarks/model_map_cost.py [family ...]``
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 import transformers
 
 from plasticity_callbacks.model_map import coverage_report, find_neuron_layers, select_targets
+
+VOCAB = 50304
+MOE = dict(hidden_size=768, intermediate_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
+           vocab_size=VOCAB)
+FAMILIES = {
+    "gpt2-124M": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()),
+    "gpt-neox-124M (probed)": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=VOCAB)),
+    "mixtral-8x (6 layers)": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_local_experts=8, num_experts_per_tok=2, **MOE)),
+    "gpt-oss-8x (6 layers)": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        num_local_experts=8, num_experts_per_tok=2, head_dim=64, layer_types=["full_attention"] * 6, **MOE)),
+    "deepseek-v3 (6 layers)": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        hidden_size=768, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=6,
+        first_k_dense_replace=1, num_attention_heads=12, num_key_value_heads=12, q_lora_rank=384, kv_lora_rank=256,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, vocab_size=VOCAB)),
+    "mamba-130M": lambda: transformers.MambaForCausalLM(transformers.MambaConfig(
+        hidden_size=768, num_hidden_layers=24, vocab_size=VOCAB, use_mambapy=False)),
+    "mamba2 (24 layers)": lambda: transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, n_groups=1, vocab_size=VOCAB)),
+    "jamba (8 layers)": lambda: transformers.JambaForCausalLM(transformers.JambaConfig(
+        hidden_size=768, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+        num_experts=8, vocab_size=VOCAB, use_mamba_kernels=False)),
+}
 
 
 def timed(fn, repeat: int = 3) -> tuple[float, float]:
@@ -26,23 +56,36 @@ def timed(fn, repeat: int = 3) -> tuple[float, float]:
     return times[0], min(times[1:])
 
 
-def main() -> None:
+def training_step_ms(model: torch.nn.Module) -> float:
+    """Best of two SGD steps on 4 × 128 random tokens (the first one warms up), in milliseconds."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    ids = torch.randint(0, VOCAB, (4, 128))
+    model.train()
+
+    def step():
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    step()
+    return timed(step, repeat=3)[1]
+
+
+def main(names: list[str]) -> None:
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    models = {
-        "gpt2-124M": transformers.GPT2LMHeadModel(transformers.GPT2Config()),
-        "gpt-neox-124M (probed)": transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
-            hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-            vocab_size=50304)),
-    }
-    for label, model in models.items():
+    for label in names or FAMILIES:
+        torch.manual_seed(0)
+        model = FAMILIES[label]()
         params = sum(p.numel() for p in model.parameters()) / 1e6
         select = timed(lambda: select_targets(model))
         neurons = timed(lambda: find_neuron_layers(model))
         report = timed(lambda: coverage_report(model))
-        print(f"{label} ({params:.0f}M params): select_targets first {select[0]:.0f} ms, then {select[1]:.0f} ms; "
-              f"find_neuron_layers {neurons[0]:.0f} / {neurons[1]:.0f} ms; coverage_report {report[1]:.0f} ms")
+        step = training_step_ms(model)
+        print(f"{label} ({params:.0f}M params): select_targets first {select[0]:.0f} ms "
+              f"({select[0] / step:.2f} training steps), then {select[1]:.1f} ms ({select[1] / step:.3f}); "
+              f"find_neuron_layers {neurons[0]:.0f} / {neurons[1]:.0f} ms; coverage_report {report[1]:.0f} ms; "
+              f"one training step {step:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -113,7 +113,7 @@ MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "bert": bert, "torch
 
 def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS):
+    if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS, *FRONTIER_MODELS):
         ids = torch.randint(1, VOCAB, (n * batch, SEQ), generator=g)
         return TensorDataset(ids, ids.clone())
     x = {"torch_encoder": (SEQ, WIDTH), "resnet": (3, 6, 6), "mlp": (8,), "conv_zoo": (8, 4, 4),
@@ -123,7 +123,7 @@ def batches(family: str, n: int = 4, batch: int = 4, seed: int = 0) -> TensorDat
 
 def loss_of(family: str, model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS):
+    if family in ("gpt2", "llama", "mistral", "bert", *LAYOUT_MODELS, *FRONTIER_MODELS):
         return model(input_ids=x, labels=y).loss
     return F.cross_entropy(model(x), y)
 
@@ -212,3 +212,46 @@ class Recurrent(nn.Module):
 
 
 MODELS.update(conv_zoo=ConvZoo, recurrent=Recurrent, **LAYOUT_MODELS)
+
+
+# The frontier (issue 32): mixture-of-experts with fused 3-D expert tensors, latent attention, state-space
+# layers and hybrids, a split-input encoder MLP. Two layers where a family mixes layer kinds.
+_MOE = dict(hidden_size=WIDTH, intermediate_size=12, num_hidden_layers=1, num_attention_heads=HEADS_,
+            num_key_value_heads=KV_, max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+FRONTIER_MODELS = {
+    # experts.gate_up_proj (E, 2I, H) used by F.linear, .chunk(2): contiguous (out, in)
+    "mixtral": lambda: _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, **_MOE),
+    "qwen3_moe": lambda: _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=12, decoder_sparse_step=1, head_dim=4, **_MOE),
+    # experts.gate_up_proj (E, H, 2I) used by x @ W[e], gate = [..., ::2]: interleaved (in, out), with biases
+    "gpt_oss": lambda: _hf("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                           head_dim=4, sliding_window=SEQ, layer_types=["full_attention"], **_MOE),
+    # latent attention: q_a/q_b, kv_a_proj_with_mqa = [latent | rope key], kv_b = per head [k_nope | v]; one MoE layer
+    "deepseek_v3": lambda: _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", hidden_size=WIDTH, intermediate_size=24,
+                               moe_intermediate_size=8, num_hidden_layers=2, first_k_dense_replace=1,
+                               num_attention_heads=HEADS_, num_key_value_heads=HEADS_, q_lora_rank=12,
+                               kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=6, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                               max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    # in_proj = [x | z], x_proj = [dt | B | C], depthwise conv1d, A_log (2-D), D
+    "mamba": lambda: _hf("MambaConfig", "MambaForCausalLM", hidden_size=WIDTH, state_size=4, num_hidden_layers=1,
+                         expand=2, conv_kernel=3, time_step_rank=2, use_mambapy=False, pad_token_id=0,
+                         bos_token_id=0, eos_token_id=0),
+    # in_proj = [z | x | B | C | dt] (x, B, C cut after the depthwise conv), A_log, D, dt_bias (1-D)
+    "mamba2": lambda: _hf("Mamba2Config", "Mamba2ForCausalLM", hidden_size=WIDTH, state_size=4, num_hidden_layers=1,
+                          expand=2, head_dim=8, num_heads=4, n_groups=1, conv_kernel=3, chunk_size=4,
+                          pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    # hybrid: a Mamba layer and an attention layer, each with a MoE MLP
+    "jamba": lambda: _hf("JambaConfig", "JambaForCausalLM", hidden_size=WIDTH, intermediate_size=12,
+                         num_hidden_layers=2, num_attention_heads=HEADS_, num_key_value_heads=KV_, num_experts=4,
+                         num_experts_per_tok=2, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
+                         attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=2,
+                         use_mamba_kernels=False, max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0,
+                         eos_token_id=0),
+    # encoder MLP: Wi(x).chunk(2) -> act(input) * gate; fused Wqkv
+    "modernbert": lambda: _hf("ModernBertConfig", "ModernBertForMaskedLM", hidden_size=WIDTH, intermediate_size=12,
+                              num_hidden_layers=1, num_attention_heads=HEADS_, max_position_embeddings=SEQ,
+                              global_attn_every_n_layers=1, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                              cls_token_id=0, sep_token_id=0),
+}
+MODELS.update(FRONTIER_MODELS)

@@ -273,6 +273,12 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             raise ValueError(f"AdaptiveSVDSwitch: {grouped_transposed} are grouped transposed convolutions, whose "
                              "(out, in) matrix is not a view of the stored kernel; exclude them "
                              "(selection={'exclude': [...]})")
+        stacks = [t.name for t in targets if t.stack]
+        if stacks:  # one SVD of the (E·out, in) stack would mix the experts' subspaces
+            raise ValueError(f"AdaptiveSVDSwitch: {stacks} are stacks of expert matrices (3-D parameters); it splits "
+                             "one matrix per weight into major/minor subspaces and does not split a stack per expert; "
+                             "exclude them (selection={'exclude': " + repr(sorted({_stack_pattern(n) for n in stacks}))
+                             + "}); routers and every other matrix stay treated")
         for t in targets:
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split
@@ -676,3 +682,9 @@ def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]
     fig.colorbar(image, ax=ax, label="minor state: r / g (number in the cell: r)", shrink=0.9)
     fig.legend([Patch(color="0.85")], ["full matrix trained"], loc="outside lower right", frameon=False, fontsize=8)
     return fig
+
+
+def _stack_pattern(name: str) -> str:
+    """An exclude pattern for every layer's copy of the stack ``name``: ``*.experts.gate_up_proj``."""
+    parts = name.split(".")
+    return "*." + ".".join(parts[-2:]) if len(parts) > 1 else name

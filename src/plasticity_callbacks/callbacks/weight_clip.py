@@ -1,18 +1,81 @@
 """``WeightClip``: after every optimizer step, every layer's weights stay within ``±κ`` times their init bound."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from ..arguments import check_number
 from ..model_map import Selection, is_conv1d
-from ..model_map.weights import is_layer
 from ..model_map.patterns import name_selection
+from ..model_map.select import weight_views
+from ..model_map.stacks import expert_bias_of
+from ..model_map.weights import CONV_TRANSPOSE, is_layer
 from ..distributed.sharding import fraction_over_shards, local_part
 from ..functional.anchors import clip_to_bounds_, fan_in_bound
 from .base import PlasticityCallback
+
+
+def clip_bounds(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, float]], dict[str, str]]:
+    """``({name: (parameter, init bound)}, {name: why not clipped})`` over every trainable parameter of ``model``.
+
+    Bounds: ``1/√fan_in`` of one ``(out, in)`` matrix (Linear, conv, transposed conv as PyTorch inits it, HF
+    ``Conv1D``, ``nn.MultiheadAttention``'s ``in_proj_weight`` and ``q/k/v_proj_weight``, a router, each expert
+    matrix of a 3-D stack), shared by the layer's bias (an expert's bias by its matrix's); ``1/√hidden_size`` for
+    every weight and bias of ``nn.LSTM``/``GRU``/``RNN`` (PyTorch's init of each).
+
+    Example:
+        >>> bounds, left = clip_bounds(model)
+        >>> left["model.norm.weight"]
+        'no fan-in bound (norm, embedding or 1-D parameter)'
+    """
+    bounds: dict[str, tuple[nn.Parameter, float]] = {}
+
+    def add(module_name: str, attr: str, bound: float) -> None:
+        param = model.get_submodule(module_name)._parameters.get(attr)
+        if isinstance(param, nn.Parameter):
+            bounds.setdefault(f"{module_name}.{attr}" if module_name else attr, (param, bound))
+
+    for module_name, module in model.named_modules():
+        if is_layer(module) or isinstance(module, CONV_TRANSPOSE):
+            bound = fan_in_bound(module.weight, stored_in_out=is_conv1d(module))  # transposed conv: as PyTorch inits
+            add(module_name, "weight", bound)
+            add(module_name, "bias", bound)
+        elif isinstance(module, nn.MultiheadAttention):
+            add(module_name, "in_proj_weight", 1 / math.sqrt(module.embed_dim))
+            add(module_name, "in_proj_bias", 1 / math.sqrt(module.embed_dim))
+            for attr in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                weight = module._parameters.get(attr)
+                if weight is not None:
+                    add(module_name, attr, 1 / math.sqrt(weight.shape[1]))
+        elif isinstance(module, nn.RNNBase):
+            for attr, _ in module.named_parameters(recurse=False):
+                add(module_name, attr, 1 / math.sqrt(module.hidden_size))
+    for module_name, view in weight_views(model):
+        if view.kind != "matrix" or view.name in bounds:
+            continue
+        module = view.module
+        bound = 1 / math.sqrt(view.shape[1])  # one matrix's fan-in: an expert's own, not the stack's
+        bounds[view.name] = (view.param, bound)
+        add(module_name, "bias", bound)  # a router's bias
+        for attr, param in module.named_parameters(recurse=False):
+            if expert_bias_of(module, param) is view.param:
+                add(module_name, attr, bound)
+    left = {}
+    for name, param in model.named_parameters():
+        if name not in bounds and param.requires_grad:
+            left[name] = ("no fan-in bound (norm, embedding or 1-D parameter)" if param.dim() < 2 or "norm" in name
+                          or _is_embedding(model, name) else "not a linear map the model map knows (see its "
+                          "coverage table)")
+    return bounds, left
+
+
+def _is_embedding(model: nn.Module, name: str) -> bool:
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return isinstance(owner, (nn.Embedding, nn.EmbeddingBag))
 
 
 class WeightClip(PlasticityCallback):
@@ -20,10 +83,13 @@ class WeightClip(PlasticityCallback):
 
     ``b`` is the layer's init bound ``1/√fan_in`` (PyTorch's default uniform init of a Linear/conv weight
     and of its bias; fan-in over the kernel for a conv, the rows of a Hugging Face ``Conv1D``), the
-    reference code's (``mohmdelsayed/weight-clipping``, ``InitBounds``) choice. Every ``nn.Linear``,
-    conv and ``Conv1D`` weight and bias is clipped, the output head too (the reference's
-    ``clip_last_layer=True``); norms, embeddings and other parameters have no fan-in bound and are left
-    alone (the fit-start message counts them). Acts in ``on_train_batch_end`` of every batch whose
+    reference code's (``mohmdelsayed/weight-clipping``, ``InitBounds``) choice. Clipped, the output head
+    too (the reference's ``clip_last_layer=True``): every ``nn.Linear``, conv, transposed conv and
+    ``Conv1D`` weight and bias; ``nn.MultiheadAttention``'s ``in_proj_weight`` (or ``q/k/v_proj_weight``)
+    and ``in_proj_bias``; every ``nn.LSTM``/``GRU``/``RNN`` weight and bias (bound ``1/√hidden_size``, their
+    init); mixture-of-experts routers and 3-D expert stacks with their biases (the bound from one expert
+    matrix's own fan-in), see :func:`clip_bounds`. Norms, embeddings and other parameters have no fan-in
+    bound and are left alone; the fit-start message names them. Acts in ``on_train_batch_end`` of every batch whose
     optimizer stepped (so once per accumulated step); deterministic, hence identical on every DDP rank (under FSDP2 each rank clips its shard);
     stateless across a resume (the bounds follow from the shapes). Logs ``weight_clip/clipped``, the
     fraction of clipped entries that were outside their box before the step's clip.
@@ -57,29 +123,28 @@ class WeightClip(PlasticityCallback):
                                         exclude=self.selection.exclude)
 
     def check_targets(self, trainer, pl_module) -> None:
-        self._resolve(pl_module)
-        chosen = {id(p) for p in self._params}
-        others = sum(1 for p in pl_module.parameters() if p.requires_grad and id(p) not in chosen)
-        rank_zero_info(f"WeightClip keeps {len(self._params)} layer weights/biases within ±{self.kappa}/√fan_in; "
-                       f"{others} other trainable tensors (norms, embeddings, excluded) are not clipped")
+        left = self._resolve(pl_module)
+        others = ", ".join(f"{name} ({why})" for name, why in sorted(left.items()))
+        rank_zero_info(f"WeightClip keeps {len(self._params)} weights/biases within ±{self.kappa}·init bound "
+                       f"(1/√fan_in); not clipped: {others or 'nothing'}")
 
-    def _resolve(self, pl_module) -> None:
+    def _resolve(self, pl_module) -> dict[str, str]:
         """The clipped parameters and their bounds, as the model holds them now (FSDP2 replaces them in
-        ``configure_model``, after setup)."""
+        ``configure_model``, after setup); returns the trainable ones left alone, with why."""
+        bounds, left = clip_bounds(pl_module)
         self._params, self._bounds = [], []
-        for module_name, module in pl_module.named_modules():
-            if not is_layer(module):
+        for name, (param, bound) in bounds.items():
+            if not param.requires_grad:
                 continue
-            bound = fan_in_bound(module.weight, stored_in_out=is_conv1d(module))
-            for attr in ("weight", "bias"):
-                param = getattr(module, attr, None)
-                name = f"{module_name}.{attr}" if module_name else attr
-                if isinstance(param, torch.nn.Parameter) and param.requires_grad and self.selection.matches(name):
-                    self._params.append(param)
-                    self._bounds.append(bound)
+            if self.selection.matches(name):
+                self._params.append(param)
+                self._bounds.append(bound)
+            else:
+                left[name] = "excluded by the selection"
         if not self._params:
-            raise ValueError(f"WeightClip found no Linear/conv/Conv1D weight matching include={self.selection.include}, "
+            raise ValueError(f"WeightClip found no weight with an init bound matching include={self.selection.include}, "
                              f"exclude={self.selection.exclude}")
+        return left
 
     def attach(self, trainer, pl_module) -> None:
         self._resolve(pl_module)

@@ -10,12 +10,14 @@
   :func:`describe` prints it with the neuron layers.
 
 Built in: ``nn.Linear``, conv (grouped, depthwise, transposed), HF ``Conv1D``, ``nn.LSTM``/``GRU``/``RNN``,
-``nn.MultiheadAttention``; fused Q/K/V splits are read from the model's forward (:mod:`.probe`).
+``nn.MultiheadAttention``; fused Q/K/V splits are read from the model's forward (:mod:`.probe`), the cuts of
+every other layer's output and bare parameters used as linear maps (routers, 3-D expert stacks) by a trace
+of it (:mod:`.trace`, :mod:`.stacks`).
 """
 from .coverage import coverage_report, describe
 from .declaration import Declaration, declare_plasticity
 from .fresh import fresh_layer_weight, fresh_parameters
-from .layouts import HeadLayout, RowBlock, grouped_heads, interleaved_heads
+from .layouts import HeadLayout, Interleaved, RowBlock, grouped_heads, interleaved_heads, linear_map, stacked_matrices
 from .neurons import HiddenUnits
 from .select import (
     SCOPES,
@@ -30,7 +32,7 @@ from .select import (
 from .weights import WeightView, is_conv1d, output_heads
 
 __all__ = [
-    "Declaration", "HeadLayout", "HiddenUnits", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
+    "Declaration", "HeadLayout", "HiddenUnits", "Interleaved", "linear_map", "stacked_matrices", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
     "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "grouped_heads",
     "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "refuse_unknown_splits", "require_targets",
     "select_targets", "validate_patterns",

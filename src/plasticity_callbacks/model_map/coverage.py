@@ -19,6 +19,7 @@ from torch import nn
 from .fresh import init_sources
 from .holding import describe_holding, is_frozen, lora_parts, parametrization, weight_in_buffer
 from .select import Selection, find_neuron_layers, select_targets, weight_views
+from .stacks import bare_fix, bare_reason
 from .weights import output_heads
 
 log = logging.getLogger("plasticity_callbacks")
@@ -62,7 +63,8 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
                 rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection, held) + fresh))
             continue
         owner = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
-        rows.append((name, tuple(param.shape), "untreated", _unknown_reason(name, owner, modules) + fresh))
+        reason = _unknown_reason(model, name, param, owner, modules)
+        rows.append((name, tuple(param.shape), "untreated", reason + fresh))
     return rows
 
 
@@ -71,6 +73,10 @@ def _structure(view) -> str:
     parts = []
     if view.split_unknown:
         parts.append("fused, split unknown: FIRE refuses it, the others treat it whole")
+    elif view.stack:
+        matrix = (view.shape[0] // view.stack, view.shape[1])
+        parts.append(f"stack of {view.stack} {matrix} matrices, one block each" + (
+            " split [" + ", ".join(b.describe() for b in view.per_matrix) + "]" if view.per_matrix else ""))
     elif view.blocks:
         parts.append("blocks[" + ", ".join(b.describe() for b in view.blocks) + "]")
     if view.groups > 1:
@@ -87,6 +93,8 @@ def _structure(view) -> str:
 def _why_not(view, module_name: str, heads: set[str], selection, held: str) -> str:
     if is_frozen(view.module, view.attribute):
         return f"{held} (requires_grad=False: left alone; an include pattern naming it treats it)"
+    if view.left_alone and selection.include is None:
+        return view.left_alone
     if module_name in heads and not selection.include_head:
         return "output head (default; include_head=True treats it)"
     if view.kind == "conv" and not selection.include_conv:
@@ -96,7 +104,8 @@ def _why_not(view, module_name: str, heads: set[str], selection, held: str) -> s
     return f"outside the selection (scope={selection.scope!r}, include/exclude patterns)"
 
 
-def _unknown_reason(name: str, owner: nn.Module | None, modules: dict[str, nn.Module]) -> str:
+def _unknown_reason(model: nn.Module, name: str, param, owner: nn.Module | None,
+                    modules: dict[str, nn.Module]) -> str:
     if isinstance(owner, nn.Embedding) or isinstance(owner, nn.EmbeddingBag):
         return "embedding (default)"
     if ".parametrizations." in name:
@@ -111,8 +120,12 @@ def _unknown_reason(name: str, owner: nn.Module | None, modules: dict[str, nn.Mo
         return "low-rank factor of a factorized weight (AdaptiveSVDSwitch)"
     if owner is not None and "norm" in type(owner).__name__.lower():
         return "normalization (default)"
+    default = bare_reason(model, name, param)
+    if default is not None:
+        return default
     kind = type(owner).__name__ if owner is not None else "parameter"
-    return f"{UNKNOWN} ({kind}.{name.rsplit('.', 1)[-1]}); exclude it, or compute it with nn.Linear/conv"
+    return (f"{UNKNOWN} ({kind}.{name.rsplit('.', 1)[-1]}: the forward never used it as a linear map that could be "
+            f"read); {bare_fix(name, param)}")
 
 
 def coverage_report(model: nn.Module, selection=None) -> str:
@@ -162,8 +175,9 @@ def log_coverage(model: nn.Module, selection=None, owner: str = "plasticity") ->
     log.info("%s coverage:\n%s", owner, _table(rows))
     unknown = [name for name, _, status, detail in rows if detail.startswith(UNKNOWN)]
     if unknown:
-        warnings.warn(f"{owner}: no plasticity callback treats {unknown} (a parameter of a layer type the model map "
-                      "does not know); exclude it explicitly, or compute it with nn.Linear/conv", stacklevel=3)
+        warnings.warn(f"{owner}: no plasticity callback treats {unknown} (the forward never used them as a linear "
+                      "map it could read); declare them (see the coverage table) or exclude them explicitly",
+                      stacklevel=3)
     parametrized = [name for name, _, status, detail in rows if detail.startswith(PARAMETRIZED)]
     if parametrized:
         warnings.warn(f"{owner} leaves alone the weights computed from {parametrized} by a parametrization (weight "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .layouts import HeadLayout, parse_fused
+from .layouts import Bare, HeadLayout, declared_blocks, parse_fused
 
 ROLES = ("attention", "mlp", "position", "other")
 ATTRIBUTE = "plasticity_declaration"
@@ -44,8 +44,11 @@ def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neuro
         fused: ``{param_name: layout}``, how a fused matrix's rows (``(out, in)`` orientation) split:
             contiguous counts ``{"q": 64, "k": 16, "v": 16}`` or ``[64, 16, 16]``; row index lists
             ``{"q": [0, 1, ...], ...}``; ``interleaved_heads(heads=8)`` (``[heads, 3, head_dim]``) or
-            ``grouped_heads(kv_groups=2, q_per_kv=4)`` (``[kv_groups, q_per_kv + 2, head_dim]``).
-            The blocks must cover every row once.
+            ``grouped_heads(kv_groups=2, q_per_kv=4)`` (``[kv_groups, q_per_kv + 2, head_dim]``);
+            ``Interleaved(("gate", "up"))`` (rows dealt out in turn). A parameter outside ``nn.Linear``/conv:
+            ``linear_map("out_in" | "in_out", split=...)`` (a router), ``stacked_matrices("out_in" | "in_out",
+            split=...)`` (a 3-D expert stack, ``split`` per expert matrix). The blocks must cover every row once;
+            a layout that does not fit the parameter raises here, and nothing is stored.
         neurons: ``{name: (up, down)}`` or ``{name: ([gate, up], down)}`` by module names.
         head: the output layer(s); never treated unless a callback is told ``include_head=True``.
         roles: ``{module_name: role}``, so ``scope="attention"``/``"mlp"`` find the right weights.
@@ -66,11 +69,8 @@ def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neuro
                                                            for n in (*up, down))]:
         if name and not _has_module(module, name):
             raise ValueError(f"declare_plasticity: the module has no submodule {name!r}")
-    for name in declaration.fused:
-        try:
-            module.get_parameter(name)
-        except AttributeError as err:
-            raise ValueError(f"declare_plasticity(fused=...): the module has no parameter {name!r}") from err
+    for name, spec in declaration.fused.items():
+        _check_fused(module, name, spec)  # every entry checked before the module is touched
     object.__setattr__(module, ATTRIBUTE, declaration)  # a plain attribute, not a submodule
     return module
 
@@ -83,6 +83,39 @@ def declarations(model: nn.Module) -> list[tuple[str, Declaration]]:
         if isinstance(declaration, Declaration):
             found.append((f"{name}." if name else "", declaration))
     return found
+
+
+def _check_fused(module: nn.Module, name: str, spec) -> None:
+    """Raise, naming what is wrong, unless ``spec`` fits parameter ``name`` (its kind and its row count)."""
+    what = f"declare_plasticity(fused={{{name!r}: ...}})"
+    try:
+        param = module.get_parameter(name)
+    except AttributeError as err:
+        raise ValueError(f"declare_plasticity(fused=...): the module has no parameter {name!r}") from err
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    layer = isinstance(owner, (nn.Linear, nn.modules.conv._ConvNd)) or hasattr(owner, "nf")
+    if isinstance(spec, Bare):
+        if layer:
+            raise ValueError(f"{what}: {type(owner).__name__}'s weight is a layer's, not a bare parameter: give its "
+                             "row blocks ({'q': 64, ...}), not linear_map/stacked_matrices")
+        if param.dim() != (3 if spec.stacked else 2):
+            raise ValueError(f"{what}: the parameter is {param.dim()}-D {tuple(param.shape)}; "
+                             + ("stacked_matrices(...) describes a 3-D stack" if spec.stacked else
+                                "linear_map(...) describes a 2-D matrix")
+                             + ("; use stacked_matrices(...)" if param.dim() == 3 else
+                                "; use linear_map(...)" if param.dim() == 2 else ""))
+        rows = param.shape[-1 if spec.stored == "in_out" else -2]
+        if spec.split is not None:
+            declared_blocks(spec.split, rows, what)
+        return
+    if param.dim() == 3 and not layer:
+        raise ValueError(f"{what}: the parameter is a 3-D stack {tuple(param.shape)}; describe it with "
+                         "stacked_matrices('out_in' or 'in_out', split=...)")
+    if hasattr(owner, "nf") or isinstance(owner, nn.modules.conv._ConvTransposeNd):
+        rows = param.shape[1] * getattr(owner, "groups", 1)
+    else:
+        rows = param.shape[0]
+    declared_blocks(spec, rows, what)
 
 
 def _has_module(module: nn.Module, name: str) -> bool:

@@ -98,6 +98,67 @@ class HeadLayout:
         return f"HeadLayout(groups={self.groups}, slots={self.slots})"
 
 
+@dataclass(frozen=True)
+class Interleaved:
+    """Rows dealt out in turn: row ``r`` belongs to ``parts[r % len(parts)]`` (GPT-OSS experts' ``gate_up[..., ::2]``,
+    ``gate_up[..., 1::2]``).
+
+    Args:
+        parts: the labels, in the order rows cycle through them.
+    """
+
+    parts: tuple[str, ...] = ("gate", "up")
+
+    def blocks(self, rows: int) -> tuple[RowBlock, ...]:
+        if rows % len(self.parts):
+            raise ValueError(f"{self!r}: {rows} rows do not deal out evenly to {len(self.parts)} parts")
+        return tuple(RowBlock(label, range(i, rows, len(self.parts))) for i, label in enumerate(self.parts))
+
+
+@dataclass(frozen=True)
+class Bare:
+    """A parameter outside ``nn.Linear``/conv used as a linear map: one matrix, or a stack of them along dim 0.
+
+    Build it with :func:`linear_map` or :func:`stacked_matrices`.
+    """
+
+    stored: str = "out_in"
+    split: object = None
+    stacked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stored not in ("out_in", "in_out"):
+            raise ValueError(f"stored={self.stored!r}: give 'out_in' (used as F.linear(x, W)) or 'in_out' (x @ W)")
+
+
+def linear_map(stored: str = "out_in", split=None) -> Bare:
+    """A bare 2-D parameter used as one linear map, for ``declare_plasticity(fused=...)``.
+
+    Args:
+        stored: ``"out_in"`` (the forward computes ``F.linear(x, W)``) or ``"in_out"`` (``x @ W``).
+        split: how its output rows split (any ``fused=`` layout), or None: whole.
+
+    Example:
+        >>> declare_plasticity(model, fused={"mix": linear_map("in_out")})
+    """
+    return Bare(stored, None if split is None else parse_fused("split", split), stacked=False)
+
+
+def stacked_matrices(stored: str = "out_in", split=None) -> Bare:
+    """A 3-D parameter holding one matrix per leading index (experts), for ``declare_plasticity(fused=...)``.
+
+    Args:
+        stored: ``"out_in"`` (each matrix used as ``F.linear(x, W[e])``) or ``"in_out"`` (``x @ W[e]``).
+        split: how one matrix's output rows split (counts, row lists, :func:`interleaved_heads`,
+            :class:`Interleaved`), or None: each matrix whole.
+
+    Example:
+        >>> declare_plasticity(model, fused={"layers.0.mlp.experts.gate_up_proj":
+        ...                                  stacked_matrices("in_out", split=Interleaved(("gate", "up")))})
+    """
+    return Bare(stored, None if split is None else parse_fused("split", split), stacked=True)
+
+
 def interleaved_heads(heads: int, parts: int | Sequence[str] = ("q", "k", "v")) -> HeadLayout:
     """Rows laid out ``[heads, parts, head_dim]``: the forward does ``view(..., heads, parts·head_dim)``
     then ``chunk(parts)`` (GPT-NeoX/Pythia, Bloom, MHA Falcon).
@@ -146,7 +207,7 @@ def parse_fused(name: str, spec) -> HeadLayout | tuple[tuple[str, object], ...]:
     Accepted: ``{"q": 64, "k": 16, "v": 16}`` or ``[64, 16, 16]`` (contiguous counts), ``{"q": [0, 1, ...], ...}``
     (row index sets), :func:`interleaved_heads` / :func:`grouped_heads`.
     """
-    if isinstance(spec, HeadLayout):
+    if isinstance(spec, (HeadLayout, Interleaved, Bare)):
         return spec
     items = list(spec.items()) if isinstance(spec, Mapping) else [(f"block{i}", s) for i, s in enumerate(spec or ())]
     parsed = []
@@ -170,7 +231,10 @@ def parse_fused(name: str, spec) -> HeadLayout | tuple[tuple[str, object], ...]:
 
 def declared_blocks(spec, rows: int, what: str) -> tuple[RowBlock, ...]:
     """The row blocks a parsed declaration gives for a matrix of ``rows`` rows (checked)."""
-    if isinstance(spec, HeadLayout):
+    if isinstance(spec, Bare):
+        raise ValueError(f"{what}: {'stacked_matrices' if spec.stacked else 'linear_map'}(...) describes a "
+                         "parameter outside nn.Linear/conv; this one is a layer's weight: give its row blocks")
+    if isinstance(spec, (HeadLayout, Interleaved)):
         try:
             return spec.blocks(rows)
         except ValueError as err:

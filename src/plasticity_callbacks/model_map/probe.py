@@ -6,12 +6,15 @@ pair) is intercepted with a ``TorchFunctionMode``: the values that reach its que
 arguments name the rows each one came from, whatever ``view``/``split``/``chunk``/``transpose`` the
 forward did in between. A run with every feature at ``1`` gives the scale each argument was
 multiplied by on the way (``q · head_dim^-½`` in some code), so the ratio of the two runs is exact.
-In half precision the row numbers travel as base-16 digits, one run per digit. One token
+A half-precision model is probed in float32 (:func:`~.trace.in_float32`; bf16 holds integers exactly only
+up to 256), and its row numbers still travel as base-16 digits, one run per digit. One token
 (position 0) keeps rotary embeddings the identity.
 
-The result is accepted only when it is a clean partition: every row of the layer reaches exactly
-one of Q, K, V. Anything else (a norm on q/k, a model that cannot run without real inputs) gives
-``None``: the layout is then unknown, never guessed.
+The result is accepted only when every row of the layer reaches at most one of Q, K, V; rows that
+reach none of them (a compressed latent another layer expands) form one more block. Every Linear of
+the attention module is numbered in the same run, so no unnumbered value reaches an operand.
+Anything else (a norm on q/k, a model that cannot run without real inputs) gives ``None``: the
+layout is then unknown, never guessed.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .layouts import RowBlock
+from .trace import in_float32, preserved, run_one_token
 
 _SDPA = F.scaled_dot_product_attention
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
@@ -75,6 +79,7 @@ def probe_fused_layouts(model: nn.Module, layers: dict[str, nn.Module]) -> dict[
             pending[name] = layer
     if not pending:
         return found
+    pending = dict(layers)  # every layer of the attention numbered in one run: no stray value reaches Q, K, V
     # Layers under one attention module get disjoint numbers, so each value names one layer's row.
     offsets, used = {}, {}
     for name, layer in pending.items():
@@ -124,43 +129,30 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
 
         handles += [layer.register_forward_hook(replace), parent.register_forward_pre_hook(enter),
                     parent.register_forward_hook(leave)]
-    training = [(m, m.training) for m in model.modules()]
-    model.eval()
     try:
-        with torch.no_grad(), warnings.catch_warnings(), recorder:
+        with in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), recorder:
             warnings.simplefilter("ignore")
             ran = _forward(model, layers)
     finally:
         for handle in handles:
             handle.remove()
-        for module, mode in training:
-            module.training = mode
     return recorder.calls if ran else None
 
 
 def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
-    """Run the model on one token: a Hugging Face model on ``input_ids``, else each attention module on ``x``,
-    else the model on one token id."""
+    """Run a Hugging Face model on ``input_ids``, else each attention module on ``x``, else the module that
+    takes token ids (the model, or the network a LightningModule without ``forward`` holds) on one token."""
     device = next(model.parameters()).device
-    hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
-              None)
-    try:
-        if hf is not None:
-            hf(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+    hf = any(hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids" for m in model.modules())
+    if not hf:
+        try:
+            for name, layer in layers.items():
+                inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
+                model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
             return True
-        for name, layer in layers.items():
-            inputs = layer.nx if hasattr(layer, "nx") else layer.weight.shape[1]
-            model.get_submodule(_parent(name))(torch.zeros(1, 1, inputs, device=device))
-        return True
-    except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
-        pass
-    if not any(isinstance(m, nn.Embedding) for m in model.modules()):
-        return False
-    try:  # a token model (nanoGPT, litgpt): forward(idx)
-        model(torch.zeros(1, 1, dtype=torch.long, device=device))
-        return True
-    except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
-        return False
+        except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
+            pass
+    return run_one_token(model)
 
 
 def _operands(calls) -> list[torch.Tensor] | None:
@@ -202,12 +194,16 @@ def _decode(name: str, layer: nn.Module, offset: int, total: int, scale, numbere
             return None
         mine = ids[(ids >= offset) & (ids < offset + width)]
         parts.append(sorted(set((mine - offset).tolist())))
-    if sum(len(p) for p in parts) != width or sorted(r for p in parts for r in p) != list(range(width)):
-        return None  # not a partition of the layer's rows: unknown, never guessed
+    reached = [r for p in parts for r in p]
+    if len(reached) != len(set(reached)):
+        return None  # a row in two of Q, K, V: not a partition, unknown, never guessed
+    # Rows that reach no attention operand (a latent that another layer expands, DeepSeek's kv_a_proj_with_mqa)
+    # are one more block of their own.
+    parts.append(sorted(set(range(width)) - set(reached)))
     if sum(bool(p) for p in parts) == 1:
         return ()
     blocks = []
-    for label, rows in zip(("q", "k", "v"), parts):
+    for label, rows in zip(("q", "k", "v", "rest"), parts):
         contiguous = rows == list(range(rows[0], rows[-1] + 1)) if rows else False
         blocks.append(RowBlock(label, range(rows[0], rows[-1] + 1) if contiguous else tuple(rows)))
     return tuple(b for b in blocks if len(b))

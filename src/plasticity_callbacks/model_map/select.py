@@ -18,8 +18,9 @@ from .holding import is_frozen, parametrization
 from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals,
                       state_space_refusals)
 from .probe import probe_fused_layouts
-from .weights import (CONV, CONV_TRANSPOSE, WeightView, is_conv1d, known_blocks, module_roles, output_heads,
-                      stored_param, unknown_split)
+from .stacks import left_alone, read_layouts
+from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks, module_roles,
+                      named_blocks, output_heads, stored_param, table_blocks, unknown_split)
 
 SCOPES = ("all", "attention", "mlp")
 
@@ -44,18 +45,26 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
             rows = param.shape[1] * groups if transposed else param.shape[0]  # of the (out, in) view
             found.append((module_name, module, attr, kind, param, transposed, groups,
                           known_blocks(model, module_name, module, attr, rows), rows))
-    probed = probe_fused_layouts(model, {n: m for n, m, *_, blocks, _ in found if blocks is None})
+    attention = {n: m for n, m, attr, *_, blocks, _ in found if blocks is None and in_attention(model, n, m, attr)}
+    probed = probe_fused_layouts(model, attention)
+    layouts = read_layouts(model, seen)
     views = []
     for module_name, module, attr, kind, param, transposed, groups, blocks, rows in found:
         unknown = ""
-        if blocks is None:
-            blocks = probed.get(module_name)
-            if blocks is None:
-                blocks, unknown = (), unknown_split(model, module_name, module, rows)
         name = f"{module_name}.{attr}" if module_name else attr
+        if blocks is None and module_name in attention:
+            blocks = probed.get(module_name)
+            if blocks is None and is_probe_candidate(model, module_name, module, attr):
+                blocks, unknown = (), unknown_split(model, module_name, module, rows)
+            blocks = blocks or ()
+        elif blocks is None:  # the forward's own cut of this layer's output, else the name table's guess
+            read = layouts.traced(name)
+            blocks = named_blocks(module_name, read.blocks) if read is not None else table_blocks(module_name, rows)
         views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
                                               transposed=transposed, blocks=blocks, groups=groups,
-                                              split_unknown=unknown)))
+                                              split_unknown=unknown, left_alone=left_alone(model, module_name,
+                                                                                           module))))
+    views += layouts.views(roles)
     return views
 
 
@@ -144,7 +153,7 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
             continue
         if is_frozen(view.module, view.attribute) and not explicitly_included:
             continue  # the user froze it (requires_grad=False): an include pattern naming it treats it
-        if view.role == "position" and not explicitly_included:
+        if (view.role == "position" or view.left_alone) and not explicitly_included:
             continue
         if selection.scope != "all" and view.role != selection.scope:
             continue

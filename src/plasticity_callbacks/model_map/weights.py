@@ -59,6 +59,9 @@ class WeightView:
     blocks: tuple[RowBlock, ...] = field(default=())  # row blocks of the (out, in) view; () = one block
     groups: int = 1  # a grouped conv: block-diagonal over this many groups of rows
     split_unknown: str = ""  # a fused matrix whose row split is unknown: why, and what to declare
+    left_alone: str = ""  # why callbacks leave it alone unless a name pattern includes it (an SSM's conv1d)
+    per_matrix: tuple[RowBlock, ...] = ()  # a stack's blocks within one of its matrices (for the coverage table)
+    stack: int = 0  # a stack of this many matrices (experts) along dim 0, viewed as their rows one after another
 
     @property
     def attribute(self) -> str:
@@ -75,13 +78,23 @@ class WeightView:
 
     def oriented(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (shaped like the stored parameter) as ``(out, in, *k)``: a view, writes go through
-        (a grouped transposed conv: a copy). The same swap turns an oriented tensor back into a stored one."""
+        (a grouped transposed conv, an ``(in, out)`` stack: a copy). A stack of ``E`` matrices is
+        ``(E·out, in)``: expert ``e``'s rows follow expert ``e − 1``'s. :meth:`stored` undoes it."""
+        if self.stack:
+            return (tensor.transpose(1, 2) if self.transposed else tensor).flatten(0, 1)  # (E·out, in)
         if not self.transposed:
             return tensor
         if self.groups == 1:
             return tensor.transpose(0, 1)
         # (groups·a, b, *k) <-> (groups·b, a, *k): swap within each group
         return tensor.unflatten(0, (self.groups, -1)).transpose(1, 2).flatten(0, 1)
+
+    def stored(self, oriented: torch.Tensor) -> torch.Tensor:
+        """An ``(out, in, *k)`` tensor back in the stored parameter's layout (the inverse of :meth:`oriented`)."""
+        if self.stack:
+            matrices = oriented.unflatten(0, (self.stack, -1))  # (E, out, in)
+            return matrices.transpose(1, 2) if self.transposed else matrices
+        return self.oriented(oriented)
 
     def read(self) -> torch.Tensor:
         """The effective weight as ``(out, in, *k)``, detached. Not factorized: a view of the parameter."""
@@ -92,7 +105,7 @@ class WeightView:
     @torch.no_grad()
     def write(self, value: torch.Tensor) -> None:
         """Set the effective weight to ``value`` (``(out, in, *k)``); factorized: ``W_p = value − BA``."""
-        stored = self.oriented(value)
+        stored = self.stored(value)
         if self.factorized:
             parts = getattr(self.module.parametrizations, self.attribute)[0]
             delta = parts.delta(self.param)
@@ -210,31 +223,77 @@ def output_heads(model: nn.Module) -> set[str]:
 
 def known_blocks(model: nn.Module, module_name: str, module: nn.Module, attr: str, rows: int
                  ) -> tuple[RowBlock, ...] | None:
-    """Row blocks a weight is known to have without running the model, or None when only a probe can tell.
+    """Row blocks a weight is known to have without running the model, or None when only the forward can tell.
 
     Declared layouts first, then structure that fixes the split: ``nn.MultiheadAttention`` Q/K/V,
-    recurrent gates, GPT-2-style contiguous ``c_attn``, ``gate_up_proj`` halves. ``()``: not fused.
+    recurrent gates, GPT-2-style contiguous ``c_attn``. ``()``: not fused.
     """
     full = f"{module_name}.{attr}" if module_name else attr
-    for prefix, declaration in declarations(model):
-        if full.startswith(prefix) and full[len(prefix):] in declaration.fused:
-            return declared_blocks(declaration.fused[full[len(prefix):]], rows,
-                                   f"declare_plasticity(fused={{{full!r}: ...}})")
+    declared = declared_layout(model, full)
+    if declared is not None:
+        return declared_blocks(declared, rows, f"declare_plasticity(fused={{{full!r}: ...}})")
     if isinstance(module, nn.MultiheadAttention) and attr == "in_proj_weight":
         return contiguous((("q", module.embed_dim), ("k", module.embed_dim), ("v", module.embed_dim)))
     gates = next((g for cls, g in RECURRENT_GATES.items() if isinstance(module, cls)), None)
     if gates is not None and attr.startswith(("weight_ih", "weight_hh")):
         return contiguous(tuple((gate, rows // len(gates)) for gate in gates)) if len(gates) > 1 else ()
+    if gates is not None or isinstance(module, nn.MultiheadAttention):
+        return ()
     leaf = module_name.rsplit(".", 1)[-1]
-    if leaf in GATE_UP_NAMES and attr == "weight" and rows % 2 == 0:
-        return contiguous((("gate", rows // 2), ("up", rows // 2)))
     parent = _parent_of(model, module_name)
     if leaf == "c_attn" and class_name(parent) in CONTIGUOUS_QKV and rows % 3 == 0 \
             and not getattr(parent, "is_cross_attention", False):
         return contiguous((("q", rows // 3), ("k", rows // 3), ("v", rows // 3)))
-    if is_probe_candidate(model, module_name, module, attr):
-        return None
+    return None  # read from the forward: inside attention, where rows reach Q, K, V (.probe); elsewhere, its cuts
+
+
+def declared_layout(model: nn.Module, full: str):
+    """The ``declare_plasticity(fused=...)`` entry for parameter ``full``, or None."""
+    for prefix, declaration in declarations(model):
+        if full.startswith(prefix) and full[len(prefix):] in declaration.fused:
+            return declaration.fused[full[len(prefix):]]
+    return None
+
+
+def table_blocks(module_name: str, rows: int) -> tuple[RowBlock, ...]:
+    """The name table's guess for a weight whose forward could not be read: ``gate_up_proj`` halves."""
+    if module_name.rsplit(".", 1)[-1] in GATE_UP_NAMES and rows % 2 == 0:
+        return contiguous((("gate", rows // 2), ("up", rows // 2)))
     return ()
+
+
+def named_blocks(module_name: str, blocks: tuple[RowBlock, ...]) -> tuple[RowBlock, ...]:
+    """Read blocks labelled by the name table where it names them (``gate``/``up`` of a ``gate_up_proj``
+    whose forward cuts it in two halves, interleaved or not), else kept as read (``part0``, ``part1``, ...)."""
+    leaf = module_name.rsplit(".", 1)[-1]
+    if len(blocks) == 2 and (leaf in GATE_UP_NAMES or leaf == "gate_up_proj"):
+        return tuple(RowBlock(label, b.rows) for label, b in zip(("gate", "up"), blocks))
+    return blocks
+
+
+def stacked_blocks(stack: int, rows: int, blocks: tuple[RowBlock, ...]) -> tuple[RowBlock, ...]:
+    """Blocks of an ``(E·rows, in)`` stack view: each of ``blocks`` (of one ``rows``-row matrix) in every expert."""
+    per_matrix = blocks or (RowBlock("all", range(rows)),)
+    out = []
+    for expert in range(stack):
+        for block in per_matrix:
+            label = f"expert{expert}" if not blocks else f"expert{expert}.{block.label}"
+            shifted = block.rows
+            if isinstance(shifted, range):
+                shifted = range(shifted.start + expert * rows, shifted.stop + expert * rows, shifted.step)
+            else:
+                shifted = tuple(r + expert * rows for r in shifted)
+            out.append(RowBlock(label, shifted))
+    return tuple(out)
+
+
+def in_attention(model: nn.Module, module_name: str, module: nn.Module, attr: str) -> bool:
+    """A Linear/Conv1D weight directly inside an attention module (not ``nn.MultiheadAttention``): the probe
+    reads which of its rows reach Q, K and V."""
+    if attr != "weight" or not (isinstance(module, nn.Linear) or is_conv1d(module)) or not module_name:
+        return False
+    parent = _parent_of(model, module_name)
+    return parent is not None and is_attention(parent) and not isinstance(parent, nn.MultiheadAttention)
 
 
 def is_probe_candidate(model: nn.Module, module_name: str, module: nn.Module, attr: str) -> bool:

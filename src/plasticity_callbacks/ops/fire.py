@@ -64,6 +64,10 @@ def apply_fire(
         selection = Selection() if selection is None else selection
         targets = require_targets(select_targets(module, selection), "apply_fire", selection)
     refuse_unknown_splits(targets, "FIRE")
+    sharded_stacks = [t.name for t in targets if t.stack and is_dtensor(t.param)]
+    if sharded_stacks:
+        raise NotImplementedError(f"FIRE: {sharded_stacks} are expert stacks sharded by FSDP2, whose rows per rank do "
+                                  "not follow expert boundaries; exclude them or run FIRE unsharded (DDP)")
     records, fired = [], []
     local = [t for t in targets if not is_dtensor(t.param)]
     workers = min(torch.get_num_threads(), len(local)) if all(t.param.device.type == "cpu" for t in local) else 1
