@@ -34,6 +34,8 @@ def callbacks_for(model: str) -> list[dict]:
         specs.append({"_target_": CB + "DASHPeriodic", "schedule": {"every_n_steps": 2}, "cosine_threshold": -1.0,
                       "shrink_rate": 0.2, "skip_muon_params": False})
         specs.append({"_target_": CB + "ShrinkPerturb", "shrink": 0.5, "perturb": 0.1, "reset_optimizer": True})
+        # Its forward hooks on the model: Shrink & Perturb's fresh draw copies layers without them.
+        specs.append({"_target_": CB + "ContinualBackprop", "replacement_rate": 0.2, "maturity_threshold": 0})
     else:  # the paper rule's data pass reads each rank's DistributedSampler shard, then all-reduces
         specs.append({"_target_": CB + "DASHShrink", "n_batches": 2})
     if _exists("fire"):
@@ -47,6 +49,8 @@ def assert_acted(metrics: dict, model: str) -> None:
     assert float(metrics["adaptive_svd/n_minor"]) > 0
     prefix = "dash_periodic" if model == "gpt" else "dash"
     assert float(metrics[f"{prefix}/shrunk"]) > 0
+    if model == "gpt":
+        assert float(metrics["cbp/replaced"]) > 0
     if "fire/applications" in metrics or _exists("fire"):
         assert float(metrics["fire/applications"]) == 2
 

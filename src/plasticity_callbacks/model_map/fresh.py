@@ -73,9 +73,25 @@ def _unsharded_class(cls: type) -> type:
     return next(base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule))
 
 
+def _hook_dicts(module: nn.Module) -> Iterator[dict]:
+    """``module``'s own hook tables (forward, backward, state-dict hooks, and those to come)."""
+    return (value for attr, value in vars(module).items() if attr.endswith("_hooks") and isinstance(value, dict))
+
+
+def _copy_without_hooks(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` that runs no hook: the hooks are shared with the copy instead of copied (a
+    hook may reach anything: a callback, its trainer, a process group), then dropped from it."""
+    hooks = {id(hook): hook for sub in module.modules() for table in _hook_dicts(sub) for hook in table.values()}
+    clone = copy.deepcopy(module, memo=hooks)
+    for sub in clone.modules():
+        for table in _hook_dicts(sub):
+            table.clear()
+    return clone
+
+
 def _plain_copy(module: nn.Module) -> nn.Module:
-    """A deep copy without parametrizations: inits write the real weight (``W_p`` stands in for it)."""
-    clone = copy.deepcopy(module)
+    """A deep copy without parametrizations or hooks: inits write the real weight (``W_p`` stands in for it)."""
+    clone = _copy_without_hooks(module)
     for sub in clone.modules():
         if parametrize.is_parametrized(sub):
             # deepcopy shares the injected class, and removing a parametrization deletes its property from
