@@ -31,13 +31,14 @@ def hostile_checkpoint(path: Path, marker: Path, global_step: int = 2) -> Path:
 
 
 class SignalAt(L.Callback):
-    """Sends ``signal`` to this process after training step ``step`` (before the checkpoint callback runs)."""
+    """Sends ``signal`` to this process after training step ``step`` (before the checkpoint callback runs);
+    with ``rank``, only the process of that global rank is signalled (a scheduler's signal that reaches one)."""
 
-    def __init__(self, step: int, signal_name: str = "SIGTERM"):
-        self.step, self.signal_name = step, signal_name
+    def __init__(self, step: int, signal_name: str = "SIGTERM", rank: int | None = None):
+        self.step, self.signal_name, self.rank = step, signal_name, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 

@@ -289,6 +289,40 @@ def test_fresh_parameters_of_a_bare_hugging_face_model_draws_it_whole():
     assert flags == {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}  # untouched
 
 
+class Uncopyable:
+    """What a callback's forward hook may reach under DDP (its trainer, a process group): no deep copy."""
+
+    def __deepcopy__(self, memo):
+        raise AttributeError("a process group cannot be deep-copied")
+
+
+def test_a_fresh_draw_neither_copies_nor_runs_the_models_hooks():
+    from plasticity_callbacks.model_map import fresh_layer_weight, fresh_parameters
+
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    calls = []
+
+    class Collector:  # ContinualBackprop's kind of hook: an object holding its callback and trainer
+        def __init__(self):
+            self.trainer = Uncopyable()
+
+        def __call__(self, module, args):
+            calls.append(module)
+
+    model[2].register_forward_pre_hook(Collector())
+    model[0].register_forward_hook(lambda module, args, out: calls.append(module))
+    torch.manual_seed(3)
+    expected = {f"{i}.{k}": v for i in (0, 2) for k, v in nn.Linear(*model[i].weight.shape[::-1]).named_parameters()}
+    fresh = fresh_parameters(model, seed=3)
+    assert set(fresh) == set(expected) and not calls
+    for name, value in expected.items():  # what one draw of the layers' own init gives, in model order
+        torch.testing.assert_close(fresh[name], value, rtol=0, atol=0, msg=name)
+    torch.manual_seed(4)
+    torch.testing.assert_close(fresh_layer_weight(model, model[2], seed=4), nn.Linear(7, 3).weight, rtol=0, atol=0)
+    model(torch.randn(2, 5))
+    assert calls == [model[0], model[2]]  # the model keeps its hooks
+
+
 class CachingForward(nn.Module):
     """A forward that stores something on the module: a trace must not leave a proxy behind."""
 

@@ -150,7 +150,9 @@ def hydra_main(cfg: DictConfig) -> float | None:
         print(f"plasticity-train: {err}", file=sys.stderr)
         sys.exit(1)
     except RunInterrupted as err:  # SIGTERM / SIGINT: the checkpoint of the step reached is on disk
-        print(f"plasticity-train: {err}", file=sys.stderr)
+        if rank_zero_only.rank == 0:
+            print(f"plasticity-train: {err}", file=sys.stderr)
+        err.wait_for_other_ranks()  # they stopped at the same step: the job ends when they have
         sys.exit(err.code)
     except (ConfigError, InstantiationException, OmegaConfBaseException) as err:
         exit_with_config_error(err)

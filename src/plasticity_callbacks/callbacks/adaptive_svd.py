@@ -207,6 +207,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     supports_fsdp2 = True  # minor_training="project": distributed.sharded_subspace
     summary_metrics = ("adaptive_svd/n_minor",)
+    reads_gradients = True  # its alignments read the last step's gradient
     default_schedule = Schedule(every_n_steps=100, start_step=100)
     extra_state_types = {"matrices": dict, "history": list}
     optional_state_types = {"singular_vectors": list}  # FSDP2: each matrix's U, sharded by rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from .state import check_state
-from ..distributed.strategy import require_full_parameters
+from ..distributed.strategy import is_dtensor, require_full_parameters
 from ..model_map import Selection, require_targets, select_targets
 from ..model_map.coverage import log_coverage
 from ..ops.fresh import fresh_values
@@ -23,6 +24,24 @@ from ..distributed.sharded_state import pack_for_checkpoint, reshard
 from .step_logging import log_at_step, write_to_loggers
 
 STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+def nonfinite_parameters(module: torch.nn.Module, gradients: bool = False) -> list[str]:
+    """Names of ``module``'s trainable parameters holding NaN or Inf (with ``gradients``: or whose gradient
+    does); under FSDP2 each rank looks at its own shards. One device sync when every value is finite.
+
+    Example:
+        >>> nonfinite_parameters(model, gradients=True)
+        ['layers.0.mlp.up.weight']
+    """
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    tensors = [(name, t) for name, p in named for t in ((p, p.grad) if gradients else (p,)) if t is not None]
+    if not tensors:
+        return []
+    finite = [torch.isfinite(t.to_local() if is_dtensor(t) else t).all() for _, t in tensors]
+    if bool(torch.stack(finite).all()):
+        return []
+    return list(dict.fromkeys(name for (name, _), ok in zip(tensors, finite) if not bool(ok)))
 
 
 class PlasticityCallback(L.Callback):
@@ -49,6 +68,12 @@ class PlasticityCallback(L.Callback):
     and calls ``super()``. :meth:`fresh_values` (a fresh draw by the model's own init code) and
     :meth:`reset_optimizer_state` are shared helpers for ``act``.
 
+    Non-finite values, one rule for every method: a method never acts on a model whose trainable weights
+    (or, for a method that reads them, ``reads_gradients``, their gradients) hold NaN or Inf. The action is
+    skipped with a warning naming those parameters (:meth:`skip_nonfinite`; the same decision on every
+    rank), so a NaN is never moved into another parameter, an EMA or a logged metric. ``act_if`` applies
+    it before every scheduled action; a method acting every step calls it in its own hook.
+
     Class attributes a subclass sets:
         supports_fsdp2: ``act`` works on FSDP2's sharded ``DTensor`` parameters (each rank its own rows);
             False: ``ModelParallelStrategy`` is refused at setup with the fix.
@@ -59,6 +84,7 @@ class PlasticityCallback(L.Callback):
         optional_state_types: keys :meth:`extra_state` may leave out, with their types.
         parameter_state_keys: keys of :meth:`extra_state` holding lists of tensors shaped like parameters
             (sharded like them under FSDP2, written by :func:`~distributed.sharded_state.pack_for_checkpoint`).
+        reads_gradients: the method's action reads gradients, so a NaN/Inf gradient skips it too.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -97,6 +123,7 @@ class PlasticityCallback(L.Callback):
     extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     optional_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     parameter_state_keys: ClassVar[tuple[str, ...]] = ()
+    reads_gradients: ClassVar[bool] = False
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
         super().__init__()
@@ -208,9 +235,28 @@ class PlasticityCallback(L.Callback):
         return reset_optimizer_state(trainer.optimizers, params)
 
     # ------------------------------------------------------------------ plumbing
+    def skip_nonfinite(self, trainer: L.Trainer, pl_module: L.LightningModule, what: str) -> bool:
+        """True, with a warning naming the parameters, when a trainable weight (a gradient too, with
+        ``reads_gradients``) of ``pl_module`` holds NaN or Inf on any rank: then ``what`` must not happen.
+
+        Example:
+            >>> if self.skip_nonfinite(trainer, pl_module, "the EMA update"):
+            ...     return
+        """
+        names = nonfinite_parameters(pl_module, gradients=self.reads_gradients)
+        skip = trainer.strategy.reduce_boolean_decision(bool(names), all=False)  # FSDP2: shards differ
+        if names:
+            values = "weights or gradients" if self.reads_gradients else "weights"
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            warnings.warn(f"{self.owner}: {what} skipped at step {trainer.global_step}: the {values} of {shown} hold "
+                          "NaN/Inf (the training diverged: lower the learning rate, clip gradients, or resume from "
+                          "an earlier checkpoint)", RuntimeWarning, stacklevel=2)
+        return skip
+
     def act_if(self, reason: str | None, trainer: L.Trainer, pl_module: L.LightningModule, defer: bool = False) -> None:
-        """Call :meth:`act` when ``reason`` is not None and log its metrics as an event."""
-        if reason is not None:
+        """Call :meth:`act` when ``reason`` is not None (and no weight is NaN/Inf: :meth:`skip_nonfinite`) and log
+        its metrics as an event."""
+        if reason is not None and not self.skip_nonfinite(trainer, pl_module, f"the action of {reason}"):
             # FSDP2 keeps the root unit gathered after an evaluation forward (a validation just ran); the next
             # forward would use that copy and the write to the shards would be lost. No-op without FSDP2.
             reshard(pl_module)

@@ -94,6 +94,9 @@ class ContinualBackprop(PlasticityCallback):
             raise ValueError(f"bias_correction={bias_correction!r} must be true or false")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} must be an integer")
+        if layer_map is not None and not isinstance(layer_map, Mapping):
+            raise ValueError(f"layer_map={layer_map!r} must be a mapping {{name: (up, down)}} of module names, e.g. "
+                             '{"mlp0": ("fc1", "fc2")}, or None to find the layers')
         validate_patterns(exclude=exclude)
         super().__init__()
         self.rate, self.maturity, self.decay = float(replacement_rate), maturity_threshold, float(decay_rate)
@@ -187,6 +190,9 @@ class ContinualBackprop(PlasticityCallback):
         if not pl_module.training or trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step = trainer.global_step
+        if self.skip_nonfinite(trainer, pl_module, "generate-and-test"):  # its statistics would turn NaN for good
+            self._batch = [None] * len(self.layers)
+            return
         # An expert that no token was routed to in this step has no statistics: it waits (its age too).
         missing = [layer.name for layer, seen in zip(self.layers, self._batch) if seen is None and layer.experts is None]
         if missing:

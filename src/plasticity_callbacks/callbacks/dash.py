@@ -69,6 +69,11 @@ class DirectionalShrink(PlasticityCallback):
     def attach(self, trainer, pl_module) -> None:
         self._layers = self._select_layers(trainer, pl_module)  # optimizers exist only from here on
 
+    def skip_nonfinite(self, trainer, pl_module, what: str) -> bool:
+        skip = super().skip_nonfinite(trainer, pl_module, what)
+        self.skipped_nonfinite += int(skip)  # counted in the state: a resumed run reports the same
+        return skip
+
     def extra_state(self) -> dict:
         return {"shrinks": self.shrinks, "skipped_nonfinite": self.skipped_nonfinite,
                 "last_shrink_step": self.last_shrink_step}

@@ -9,7 +9,6 @@ from ..arguments import check_number
 from ..model_map import Selection
 from .schedule import Schedule
 from ..functional.shrink import penalty_shrink_factors
-from ..distributed.sharding import all_finite_on_every_rank
 from .dash import DirectionalShrink
 
 
@@ -60,6 +59,7 @@ class DASHPeriodic(DirectionalShrink):
     summary_metrics = ("dash_periodic/shrunk_fraction",)
     default_schedule = Schedule(every_n_steps=2000)
     step_hook = "on_before_optimizer_step"  # the step's gradients exist, the optimizer has not used them yet
+    reads_gradients = True
 
     def __init__(
         self,
@@ -81,10 +81,6 @@ class DASHPeriodic(DirectionalShrink):
         self.cosine_threshold, self.shrink_rate, self.min_factor = cosine_threshold, shrink_rate, min_factor
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor | float]:
-        if not all_finite_on_every_rank([p.grad for p in pl_module.parameters() if p.grad is not None]):
-            self.skipped_nonfinite += 1
-            return {}
-
         def factors(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             return penalty_shrink_factors(weight, grad, self.cosine_threshold, self.shrink_rate, self.min_factor)
 

@@ -90,7 +90,8 @@ class HareTortoise(PlasticityCallback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step != self._last_step:  # the optimizer stepped in this batch
             self._last_step = trainer.global_step
-            ema_toward_(self.tortoise, self._hare, self.decay)
+            if not self.skip_nonfinite(trainer, pl_module, "the tortoise's EMA update"):  # it would keep the NaN
+                ema_toward_(self.tortoise, self._hare, self.decay)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @torch.no_grad()

@@ -88,6 +88,8 @@ class L2Init(PlasticityCallback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if self.skip_nonfinite(trainer, pl_module, "the pull toward the initial weights"):
+            return
         l2_init_grad_(self._params, self.anchors, self.strength)  # FSDP2: shard by shard, gradients already reduced
         every = trainer.log_every_n_steps  # 0: the trainer logs nothing
         if every and trainer.global_step % every == 0:  # measured at these steps only: written at them only

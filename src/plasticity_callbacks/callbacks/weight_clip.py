@@ -155,6 +155,8 @@ class WeightClip(PlasticityCallback):
         if trainer.global_step == self._last_step:  # an accumulating batch: the optimizer did not step
             return
         self._last_step = trainer.global_step
+        if self.skip_nonfinite(trainer, pl_module, "the clipping"):
+            return
         shards = [local_part(p)[0] for p in self._params]  # FSDP2: each rank clips the rows it holds
         clipped = fraction_over_shards(clip_to_bounds_(shards, self._bounds, self.kappa), shards, self._params)
         # measured at every optimizer step: Lightning writes the series at its log_every_n_steps cadence

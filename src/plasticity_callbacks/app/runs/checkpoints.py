@@ -26,6 +26,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from weakref import proxy
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ...distributed.strategy import saves_folders
 from ...errors import CheckpointError, ResumeError
@@ -47,16 +49,37 @@ class RunInterrupted(SystemExit):
     """SIGTERM or SIGINT stopped a fit after saving (and verifying) the checkpoint of the step it reached.
 
     Its exit status is the conventional ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), so a
-    scheduler records the run as stopped, not as finished; ``str()`` is the one line to print.
+    scheduler records the run as stopped, not as finished; ``str()`` is the one line to print. Under
+    DDP / FSDP2 every rank raises it at the same step, with the same signal.
+
+    Args:
+        signum: the stop signal (the one any rank received).
+        path: the checkpoint saved and verified.
+        step: the global step it holds.
+        other_ranks: the rank processes this one launched (Lightning's launcher on rank 0), which
+            :meth:`wait_for_other_ranks` waits for before this process exits.
     """
 
-    def __init__(self, signum: int, path: Path, step: int):
+    def __init__(self, signum: int, path: Path, step: int, other_ranks: list[subprocess.Popen] = ()):
         super().__init__(128 + signum)
         self.signum, self.path, self.step = signum, Path(path), step
+        self.other_ranks = list(other_ranks)
 
     def __str__(self) -> str:
         return (f"stopped by {signal.Signals(self.signum).name} at step {self.step}; checkpoint {self.path} saved and "
                 "verified: resume with the same command and ckpt_path=last (a pipeline: pipeline.resume=true)")
+
+    def wait_for_other_ranks(self, timeout: float = 120) -> None:
+        """Exit after the ranks this process launched (they stop at the same step), so a scheduler waiting on
+        this process sees the whole job stopped; a rank still running after ``timeout`` seconds is killed, and
+        a rank that ended otherwise than this one is named on stderr."""
+        for rank, process in enumerate(self.other_ranks, start=1):
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            if process.wait() != self.code:
+                print(f"rank {rank} exited with status {process.returncode}, not {self.code}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -239,6 +262,31 @@ def validation_follows(trainer) -> bool:
         return False
 
 
+def agreed_stop_signal(trainer, received: int | None) -> int | None:
+    """The stop signal any rank holds at this step boundary, or None: every rank asks at the same boundary
+    (one all-reduce of one integer per step under DDP / FSDP2), so a signal that reached one rank stops all
+    of them at the same step, and none waits alone in a collective the others never join."""
+    if trainer.world_size == 1:
+        return received
+    held = torch.tensor(received or 0, device=trainer.strategy.root_device)
+    return int(trainer.strategy.reduce(held, reduce_op="max")) or None
+
+
+def detach_launched_ranks(trainer) -> list[subprocess.Popen]:
+    """The rank processes Lightning's launcher started from this one, taken out of its watch list.
+
+    Lightning's process observer kills the whole job when a launched rank exits with a non-zero status;
+    on a stop every rank exits with 128 + signal, so this process waits for them instead
+    (:meth:`RunInterrupted.wait_for_other_ranks`) and exits last.
+    """
+    launched = getattr(trainer.strategy.launcher, "procs", None)
+    if not isinstance(launched, list):
+        return []
+    detached = list(launched)
+    launched.clear()  # the observer holds this very list: it now sees no rank to watch
+    return detached
+
+
 def write_step_row(trainer) -> None:
     """Log the current training step's metrics row now, as Lightning does right after the ``on_train_batch_end``
     hooks: a stop raised in one of them would lose that row, and the resumed fit starts at the next step."""
@@ -268,8 +316,10 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
 
     SIGTERM or SIGINT during the fit is held until the current step ends (after its validation when
     one follows); then ``last.ckpt`` of that step is saved, verified, and the fit stops with
-    :class:`RunInterrupted` (exit status 128 + signal). A second signal stops at once. Same arguments
-    as ``ModelCheckpoint``.
+    :class:`RunInterrupted` (exit status 128 + signal). Under DDP / FSDP2 the ranks agree at every step
+    boundary (one all-reduce of the signal each holds), so a signal to any one rank, or to all, stops
+    every rank at the same step with one checkpoint. A second signal to the same process stops it at
+    once. Same arguments as ``ModelCheckpoint``.
 
     Example:
         >>> checkpoint = ModelCheckpointAfterValidation(dirpath="ckpt", every_n_train_steps=100, save_last=True)
@@ -281,12 +331,13 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._save_after_validation = False
-        self._received: int | None = None  # the stop signal held until the current step ends
+        self._received: int | None = None  # the stop signal this process holds until the current step ends
+        self._stopping: int | None = None  # the stop signal the ranks agreed on
         self._previous_handlers: dict[int, Any] = {}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self._received = None
+        self._received = self._stopping = None
         if stage == "fit" and threading.current_thread() is threading.main_thread():
             self._previous_handlers = {s: signal.getsignal(s) for s in self.STOP_SIGNALS}
 
@@ -316,7 +367,9 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
         if self._received is not None:  # asked twice: stop now, from the last checkpoint written
             raise KeyboardInterrupt
         self._received = signum
-        rank_zero_info(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping")
+        # Every rank says so (a scheduler's signal may reach one): rank_zero_info would hide rank 1's.
+        print(f"{signal.Signals(signum).name} received: saving a checkpoint when this step ends, then stopping",
+              file=sys.stderr, flush=True)
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         if not saves_folders(trainer):
@@ -334,16 +387,18 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
         self._save_checkpoint(trainer, str(path))
         trainer.strategy.barrier("stop_signal_checkpoint")
         verify_file(path)
-        raise RunInterrupted(self._received, path, trainer.global_step)
+        raise RunInterrupted(self._stopping, path, trainer.global_step, detach_launched_ranks(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if pl_module.automatic_optimization and validation_follows(trainer):
             self._save_after_validation = True
             return
-        if self._received is not None:
+        # Decided once, here: a signal arriving after the agreement waits for the next step boundary.
+        self._stopping = agreed_stop_signal(trainer, self._received)
+        if self._stopping is not None:
             write_step_row(trainer)  # the fit stops in this hook, before Lightning logs the step
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._received is not None:
+        if self._stopping is not None:
             self._save_and_stop(trainer)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
@@ -369,5 +424,8 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
             self._save_after_validation = False
             super().on_train_batch_end(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)
         super().on_validation_end(trainer, pl_module)
-        if self._received is not None and not trainer.sanity_checking:
+        if trainer.sanity_checking:
+            return
+        self._stopping = agreed_stop_signal(trainer, self._received)
+        if self._stopping is not None:
             self._save_and_stop(trainer)
