@@ -1,8 +1,8 @@
 """A run's logged metrics as rows, whichever logger wrote them: CSV (``metrics.csv``) or TensorBoard (event files).
 
 ``configs/logger/csv.yaml`` writes ``<run>/logs[/<phase>]/metrics.csv``; ``tensorboard.yaml`` writes
-``<run>/tensorboard[/<phase>]/events.out.tfevents.*``. The report reads either through
-:func:`read_rows`, so ``plasticity-report`` works for both (W&B and MLflow keep their own stores).
+``<run>/tensorboard[/<phase>]/events.out.tfevents.*``; a plain Lightning run writes either straight into its
+version folder (``lightning_logs/version_0``). The report reads each through :func:`read_rows`.
 
 Example:
     >>> rows = read_rows(Path("outputs/2026-01-01/12-00-00"), "sft")   # [{"step": 0, "val/loss": 5.5}, ...]
@@ -13,15 +13,21 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-# logger folder under the run dir -> how its phase folders are laid out
-LOG_FOLDERS = ("logs", "tensorboard")
+# Where a run's logger writes, under the run dir: plasticity-train's CSV and TensorBoard folders, then the
+# run dir itself (a plain Lightning run: lightning_logs/version_0/metrics.csv or its event files).
+LOG_FOLDERS = ("logs", "tensorboard", "")
+
+
+def holds_metrics(path: Path) -> bool:
+    """Whether ``path`` itself holds a CSV or TensorBoard log."""
+    return (path / "metrics.csv").is_file() or any(path.glob("events.out.tfevents.*"))
 
 
 def log_dir(run_dir: Path, phase: str | None) -> Path | None:
     """The folder holding ``phase``'s metrics (a single fit: ``phase=None``), CSV first, or None."""
     for folder in LOG_FOLDERS:
         path = run_dir / folder / phase if phase else run_dir / folder
-        if (path / "metrics.csv").is_file() or any(path.glob("events.out.tfevents.*")):
+        if holds_metrics(path):
             return path
     return None
 
