@@ -418,7 +418,7 @@ def metric_figure(path: Path, panels: list[Panel], title: str | None = None) -> 
             below = grid[1, column]
             plot_series(below, panel.series, styles, panel.boundaries)
             if wide_range(values[panel.title]) and zoom_on_the_best(below, panel.series):
-                below.set(title=f"zoom: second half, curves ending within 10% of the best", xlabel=panel.xlabel,
+                below.set(title="zoom: second half, curves ending within 10% of the best", xlabel=panel.xlabel,
                           ylabel=panel.ylabel)
                 below.grid(alpha=0.3)
             else:
