@@ -180,3 +180,47 @@ def test_one_seed_is_the_value_alone_and_several_seeds_mean_and_std(sweep):
     fire = next(line for line in text.splitlines() if line.startswith("| fire"))
     assert [c.strip() for c in fire.split("|")[1:-1]][1:3] == ["1", f"{1.8:.4f}"]
     assert "±" not in fire
+
+
+# The tables and columns of MLflow's SQLAlchemy tracking store (mlflow/store/tracking/dbmodels/models.py) that
+# the report reads; mlflow itself is not needed to read them (nor installed in CI).
+MLFLOW_SCHEMA = """
+CREATE TABLE runs (run_uuid VARCHAR(32) PRIMARY KEY, name VARCHAR(250), status VARCHAR(9), start_time BIGINT,
+                   end_time BIGINT, lifecycle_stage VARCHAR(20), artifact_uri VARCHAR(200), experiment_id INTEGER);
+CREATE TABLE metrics (key VARCHAR(250) NOT NULL, value FLOAT NOT NULL, timestamp BIGINT NOT NULL,
+                      run_uuid VARCHAR(32) NOT NULL, step BIGINT NOT NULL, is_nan BOOLEAN NOT NULL,
+                      PRIMARY KEY (key, timestamp, step, run_uuid, value, is_nan));
+"""
+
+
+def test_a_pipeline_logged_to_mlflow_is_read_from_its_store(sweep):
+    """``logger=mlflow``: one MLflow run per phase in ``<run>/mlflow.db``; a resumed phase adds a run of the same
+    name; a deleted run is left out. Its curves are drawn as a CSV run's are."""
+    import sqlite3
+
+    from plasticity_callbacks.app.report.metric_logs import read_rows
+
+    run = next(p.parent for p in sorted(sweep.glob("*/pipeline.json")))
+    expected = {phase: read_rows(run, phase) for phase in ("pretrain", "sft")}
+    shutil.rmtree(run / "logs")
+    db = sqlite3.connect(run / "mlflow.db")
+    db.executescript(MLFLOW_SCHEMA)
+    runs = [("a", "pretrain", 1, "active"), ("b", "sft", 2, "active"), ("c", "sft", 3, "active"),
+            ("d", "sft", 4, "deleted")]
+    db.executemany("INSERT INTO runs (run_uuid, name, start_time, lifecycle_stage) VALUES (?, ?, ?, ?)", runs)
+    clock = iter(range(1000, 2000))
+    for phase, rows in expected.items():
+        for row in rows:
+            uuid = "a" if phase == "pretrain" else ("b" if row["step"] <= 5 else "c")  # sft resumed after step 5
+            db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, 0)",
+                           [(k, v, next(clock), uuid, row["step"]) for k, v in row.items() if k != "step"])
+    db.execute("INSERT INTO metrics VALUES ('val/loss', 99.0, 1, 'b', 10, 0)")  # an older value, replaced below
+    db.execute("INSERT INTO metrics VALUES ('val/loss', 77.0, 5000, 'd', 10, 0)")  # a deleted run's
+    db.commit()
+    db.close()
+    for phase, rows in expected.items():
+        got = read_rows(run, phase)
+        assert [r["step"] for r in got] == [r["step"] for r in rows]
+        assert all(g[k] == pytest.approx(v) for g, r in zip(got, rows) for k, v in r.items() if k != "epoch")
+    text, figures = build_report(sweep)
+    assert {"loss_curves.png", "dormant_fraction.png"} <= {p.name for p in figures}
