@@ -1,15 +1,45 @@
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import plasticity_callbacks
+
 sys.path.insert(0, str(Path(__file__).parent))  # tiny.py, ddp_harness.py
 
 # Two cores: one intra-op thread per test process keeps timings stable and leaves room for DDP ranks.
 torch.set_num_threads(1)
 
+# A test that starts a process carries one of these markers (pyproject.toml registers them), so that
+# `pytest -m "not multiprocess and not cli"` runs exactly the in-process tests.
+PROCESS_MARKERS = ("multiprocess", "cli")
+OURS = (Path(__file__).resolve().parent, Path(plasticity_callbacks.__file__).resolve().parent)  # tests, package
+
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_where_marked(request, monkeypatch):
+    """An unmarked test whose own code (this folder's or the package's) starts a process fails, naming the
+    marker to add, so the fast subset stays in-process; a library's helper (a compiler that ``torch.compile``
+    calls) is not such a process."""
+    if any(request.node.get_closest_marker(name) for name in PROCESS_MARKERS):
+        return
+    start = subprocess.Popen._execute_child
+
+    def refuse_ours(self, args, *rest, **kwargs):
+        caller = sys._getframe(1)
+        while caller is not None and Path(caller.f_code.co_filename).name == "subprocess.py":
+            caller = caller.f_back
+        if caller is not None and any(Path(caller.f_code.co_filename).resolve().is_relative_to(d) for d in OURS):
+            command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+            pytest.fail(f"{request.node.nodeid} starts a process ({command[:120]}): mark it @pytest.mark.cli "
+                        "(runs a command) or @pytest.mark.multiprocess (trains on several processes)", pytrace=False)
+        return start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse_ours)

@@ -77,10 +77,8 @@ def state_of(callback) -> dict:
 def run_pipeline(spec: dict) -> None:
     """The Hydra multi-phase pipeline (pipeline.py) composed from ``spec["overrides"]``; with
     ``stop_at``, phase ``stop_phase`` is interrupted at that step; ``resume`` sets pipeline.resume."""
-    from hydra import compose, initialize_config_dir
-
     from plasticity_callbacks.app.pipeline import Pipeline
-    from plasticity_callbacks.app.train import config_dir
+    from hydra_app import compose_config
 
     out = Path(spec["out"])
     overrides = [*spec["overrides"], f"paths.output_dir={out}", f"pipeline.resume={bool(spec.get('resume'))}"]
@@ -89,8 +87,7 @@ def run_pipeline(spec: dict) -> None:
                          f"step: {spec['stop_at']}, how: raise, out: '{out}', at: {spec.get('at', 'batch')}}}")
     if spec.get("resume"):  # the interruption is the one intended change of configuration
         overrides.append(f"resume_allow_changes=[phases.{spec['stop_phase']}.callbacks.interrupt]")
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config(*overrides, output_dir=None)
     try:
         Pipeline(cfg).run()
     except Interrupted:

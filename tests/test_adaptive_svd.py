@@ -421,6 +421,7 @@ def test_factorize_refuses_ddp_with_a_pointer_to_project():
         AdaptiveSVDSwitch(minor_training="factorize").setup(fake, TinyMLPModule(), "fit")
 
 
+@pytest.mark.multiprocess
 def test_project_mode_keeps_ddp_ranks_identical(tmp_path):
     spec = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "minor_training": "project",
             "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2, "thresholds": {"clobber_alignment": 0.0},

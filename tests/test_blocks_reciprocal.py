@@ -2,12 +2,11 @@
 GateLogger; every attention × MLP × position combination composed from Hydra and trained."""
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
+from hydra_app import compose_config
 from tiny import build, cpu_trainer, tiny_gpt_module, token_loader
 
 from plasticity_callbacks.callbacks.gate_logger import GateLogger
@@ -16,7 +15,7 @@ from plasticity_callbacks.app.runs.resume import check_shapes
 from plasticity_callbacks.models import ATTENTIONS, GPT, MLPS, POSITIONS, GPTConfig, KVCache
 from plasticity_callbacks.models.blocks import rms_norm
 from plasticity_callbacks.models.blocks.reciprocal_attention import fold_reciprocal, reciprocal_dim_mask
-from plasticity_callbacks.app.train import build_module, config_dir
+from plasticity_callbacks.app.train import build_module
 
 SMALL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, sequence_len=16)  # head_dim 16
 
@@ -284,35 +283,33 @@ def test_every_block_combination_composes_from_hydra_and_trains():
     assert {"reciprocal"} <= set(ATTENTIONS.names()) and {"fire", "alibi", "t5"} <= set(POSITIONS.names())
     x, y = next(iter(token_loader(n=4, sequence_len=16, batch_size=4)))
     tiny = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=1", "model.sequence_len=16"]
-    with initialize_config_dir(config_dir=str(Path(config_dir())), version_base="1.3"):
-        for n, (attention, mlp, position) in enumerate(combos):
-            optimizer = ("adamw", "muon")[n % 2]
-            cfg = compose("config", overrides=["paths.output_dir=/tmp/plasticity-compose", f"optimizer={optimizer}",
-                                               f"model/attention={attention}", f"model/mlp={mlp}",
-                                               f"model/position={position}", *tiny])
-            module = build_module(cfg)
-            assert (module.config.attention, module.config.mlp, module.config.position) == (attention, mlp, position)
-            opt = module.configure_optimizers()["optimizer"]
-            params = dict(module.named_parameters())
-            before = {name: p.detach().clone() for name, p in params.items()}
-            got_gradient = set()
-            for _ in range(3):  # zero-initialized c_proj and head: gradients reach every weight by step 3
-                loss = module.loss(module(x), y)
-                assert torch.isfinite(loss), (attention, mlp, position)
-                opt.zero_grad()
-                loss.backward()
-                got_gradient |= {name for name, p in params.items() if p.grad is not None and p.grad.abs().sum() > 0}
-                opt.step()
-            where = f"{attention}/{mlp}/{position}/{optimizer}"
-            assert got_gradient == set(params), f"{where}: no gradient for {set(params) - got_gradient}"
-            assert all(torch.isfinite(p).all() for p in params.values()), where
-            moved = {name for name, p in params.items() if not torch.equal(before[name], p)}
-            # (a tiny first gradient, e.g. α's at step 3, may not move a float32 scalar under warmup)
-            mixer_input = "in_proj" if attention == "mamba2" else "c_q"
-            mlp_output = "experts.down_proj" if mlp == "moe" else "c_proj.weight"
-            must_move = {"model.lm_head.weight", f"model.blocks.0.attn.{mixer_input}.weight",
-                         f"model.blocks.0.mlp.{mlp_output}"}
-            assert must_move <= moved, where
+    for n, (attention, mlp, position) in enumerate(combos):
+        optimizer = ("adamw", "muon")[n % 2]
+        cfg = compose_config(f"optimizer={optimizer}", f"model/attention={attention}", f"model/mlp={mlp}",
+                             f"model/position={position}", *tiny)
+        module = build_module(cfg)
+        assert (module.config.attention, module.config.mlp, module.config.position) == (attention, mlp, position)
+        opt = module.configure_optimizers()["optimizer"]
+        params = dict(module.named_parameters())
+        before = {name: p.detach().clone() for name, p in params.items()}
+        got_gradient = set()
+        for _ in range(3):  # zero-initialized c_proj and head: gradients reach every weight by step 3
+            loss = module.loss(module(x), y)
+            assert torch.isfinite(loss), (attention, mlp, position)
+            opt.zero_grad()
+            loss.backward()
+            got_gradient |= {name for name, p in params.items() if p.grad is not None and p.grad.abs().sum() > 0}
+            opt.step()
+        where = f"{attention}/{mlp}/{position}/{optimizer}"
+        assert got_gradient == set(params), f"{where}: no gradient for {set(params) - got_gradient}"
+        assert all(torch.isfinite(p).all() for p in params.values()), where
+        moved = {name for name, p in params.items() if not torch.equal(before[name], p)}
+        # (a tiny first gradient, e.g. α's at step 3, may not move a float32 scalar under warmup)
+        mixer_input = "in_proj" if attention == "mamba2" else "c_q"
+        mlp_output = "experts.down_proj" if mlp == "moe" else "c_proj.weight"
+        must_move = {"model.lm_head.weight", f"model.blocks.0.attn.{mixer_input}.weight",
+                     f"model.blocks.0.mlp.{mlp_output}"}
+        assert must_move <= moved, where
 
 
 @pytest.mark.parametrize("kind", ["attn", "mlp"])

@@ -2,21 +2,15 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_app import compose_config
 
 from plasticity_callbacks.app.callback_checks import check_callbacks
-from plasticity_callbacks.app.train import config_dir
 from plasticity_callbacks.errors import ConfigError
-
-
-def composed(*overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("experiment", ["smoke", "pretrain_sft", "continual_pretrain", "continual_digits"])
 def test_shipped_experiments_pass(experiment):
-    check_callbacks(composed(f"experiment={experiment}", "+callbacks=fire", "+callbacks.fire.save_spectra=true"))
+    check_callbacks(compose_config(f"experiment={experiment}", "+callbacks=fire", "+callbacks.fire.save_spectra=true"))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -28,13 +22,13 @@ def test_shipped_experiments_pass(experiment):
 ])
 def test_a_misspelled_callback_key_names_the_accepted_ones(override, message):
     with pytest.raises(ConfigError, match=message) as error:
-        check_callbacks(composed("experiment=smoke", "+callbacks=fire", override))
+        check_callbacks(compose_config("experiment=smoke", "+callbacks=fire", override))
     assert "\n" not in str(error.value)
 
 
 def test_a_log_interval_that_does_not_divide_the_tasks_is_accepted():
     # TaskMetrics writes each task end at its own step (log_at_step), whatever trainer.log_every_n_steps
-    check_callbacks(composed("experiment=continual_digits", "+method=warm", "trainer.log_every_n_steps=7"))
+    check_callbacks(compose_config("experiment=continual_digits", "+method=warm", "trainer.log_every_n_steps=7"))
 
 
 def test_the_digits_streams_without_scikit_learn_name_the_install_command(monkeypatch):
@@ -43,4 +37,4 @@ def test_the_digits_streams_without_scikit_learn_name_the_install_command(monkey
     monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn -> ModuleNotFoundError, as when absent
     with pytest.raises(ConfigError, match=r"needs sklearn, which is not installed: pip install (-e '.*\[digits\]'|"
                                           r"'plasticity_callbacks\[digits\]')"):
-        check_callbacks(composed("experiment=continual_digits", "+method=warm"))
+        check_callbacks(compose_config("experiment=continual_digits", "+method=warm"))

@@ -6,7 +6,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra_app import compose_config, run_train
 from omegaconf import OmegaConf
 
 from plasticity_callbacks.app.train import build_module, config_dir
@@ -23,11 +23,6 @@ def group_options():
             yield str(rel.parent), rel.stem
 
 
-def compose_with(*overrides):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose("config", overrides=["paths.output_dir=/tmp/plasticity-compose", *overrides])
-
-
 @pytest.mark.parametrize("group,option", list(group_options()))
 def test_every_config_composes(group, option):
     prefix = "+" if group in ("callbacks", "method") or group.startswith("hparams") else ""
@@ -36,20 +31,15 @@ def test_every_config_composes(group, option):
         overrides.append("data.paths=/tmp/*.txt")
     if group == "model" and option.startswith("digits_"):  # the task-stream classifiers, not a GPT
         overrides.append("experiment=continual_digits")
-    cfg = compose_with(*overrides)
+    cfg = compose_config(*overrides)
     OmegaConf.resolve(cfg)
     if group.startswith("model") or group == "optimizer":
         build_module(cfg)  # the model config is valid, not just parseable
 
 
-def run_cli(args, cwd, env=None, module=False):
-    cmd = [sys.executable, "-m", "plasticity_callbacks.app.train"] if module else ["plasticity-train"]
-    env = dict(os.environ, **(env or {}))
-    return subprocess.run(cmd + args, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
-
-
+@pytest.mark.cli
 def test_cli_trains_and_writes_metrics_and_checkpoint(tmp_path):
-    proc = run_cli(["experiment=smoke", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    proc = run_train("experiment=smoke", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     metrics = (run / "logs" / "metrics.csv").read_text().splitlines()
@@ -58,17 +48,18 @@ def test_cli_trains_and_writes_metrics_and_checkpoint(tmp_path):
     assert "run summary" in proc.stdout + proc.stderr
 
 
+@pytest.mark.cli
 def test_bad_config_value_gives_one_line_error(tmp_path):
-    proc = run_cli(["experiment=smoke", "model.mlp=swiglo", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path,
-                   module=True)
+    proc = run_train("experiment=smoke", "model.mlp=swiglo", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert any("model.mlp='swiglo'" in line and "swiglu" in line for line in err), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    missing = run_cli(["model/mlp=swiglo"], cwd=tmp_path)
+    missing = run_train("model/mlp=swiglo", cwd=tmp_path)
     assert missing.returncode != 0 and "swiglu" in missing.stderr and "Traceback" not in missing.stderr
 
 
+@pytest.mark.cli
 def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
     wheel_dir = tmp_path / "wheel"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -87,18 +78,19 @@ def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     found, package = proc.stdout.split()
     assert Path(found) == site / "plasticity_callbacks" / "configs" and package.startswith(str(site))
-    proc = run_cli(["experiment=smoke", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}/run2"], cwd=elsewhere,
-                   env={"PYTHONPATH": str(site)}, module=True)
+    proc = run_train("experiment=smoke", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}/run2", cwd=elsewhere,
+                     env={"PYTHONPATH": str(site)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run2" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.cli
 def test_resume_in_the_same_run_directory_keeps_earlier_metric_rows(tmp_path):
     run = tmp_path / "run"
-    first = run_cli(["experiment=smoke", f"hydra.run.dir={run}"], cwd=tmp_path)
+    first = run_train("experiment=smoke", f"hydra.run.dir={run}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_cli(["experiment=smoke", "trainer.max_steps=9", "ckpt_path=last", f"hydra.run.dir={run}"],
-                      cwd=tmp_path)
+    resumed = run_train("experiment=smoke", "trainer.max_steps=9", "ckpt_path=last", f"hydra.run.dir={run}",
+                        cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = (run / "logs" / "metrics.csv").read_text().splitlines()
     header = lines[0].split(",")

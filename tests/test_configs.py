@@ -3,8 +3,8 @@ through ``defaults:`` and override only what differs; everything instantiates wi
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from hydra_app import compose_config
 
 from plasticity_callbacks.app.train import config_dir
 from plasticity_callbacks.callbacks.schedule import Schedule
@@ -15,14 +15,9 @@ CALLBACKS = sorted(p.stem for p in (CONFIGS / "callbacks").glob("*.yaml"))
 METHODS = sorted(p.stem for p in (CONFIGS / "method").glob("*.yaml"))
 
 
-def composed(*overrides):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
 @pytest.mark.parametrize("name", CALLBACKS)
 def test_each_callback_config_instantiates_alone(name):
-    cfg = composed("~experiment", f"+callbacks={name}")
+    cfg = compose_config("~experiment", f"+callbacks={name}")
     (spec,) = cfg.callbacks.values()
     callback = instantiate(spec, _convert_="all")
     assert type(callback).__name__ == spec._target_.rsplit(".", 1)[-1]
@@ -30,18 +25,18 @@ def test_each_callback_config_instantiates_alone(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_each_method_instantiates_its_callbacks(name):
-    method = composed(f"+method={name}").method
+    method = compose_config(f"+method={name}").method
     for spec in (method.callbacks or {}).values():
         instantiate(spec)  # raises on any argument the callback no longer takes
 
 
 def test_methods_override_only_what_differs():
-    fire = instantiate(composed("+method=fire").method.callbacks.fire)
+    fire = instantiate(compose_config("+method=fire").method.callbacks.fire)
     assert fire.options == FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)
     assert fire.schedule == Schedule(at_fit_start=True) and fire.save_spectra
-    exact = instantiate(composed("+method=fire_exact").method.callbacks.fire)
+    exact = instantiate(compose_config("+method=fire_exact").method.callbacks.fire)
     assert exact.options == FIREOptions(method="svd")
-    redo = instantiate(composed("+method=redo").method.callbacks.redo)
+    redo = instantiate(compose_config("+method=redo").method.callbacks.redo)
     assert redo.schedule == Schedule(every_n_steps=100) and redo.log_every_n_steps == 50 and redo.tau == 0.025
 
 
@@ -56,5 +51,5 @@ def test_no_callback_target_is_restated_outside_configs_callbacks():
 
 
 def test_an_added_callback_and_the_experiments_redo_coexist():
-    cfg = composed("+callbacks=fire")  # the default experiment composes callbacks/redo too
+    cfg = compose_config("+callbacks=fire")  # the default experiment composes callbacks/redo too
     assert set(cfg.callbacks) == {"redo", "fire"}

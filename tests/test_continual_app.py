@@ -1,9 +1,8 @@
 """``plasticity-train experiment=continual_digits`` runs a sweep end to end and ``plasticity-report``
 turns it into the task-stream table and figure."""
-import subprocess
-import sys
 
 import pytest
+from hydra_app import run_train
 
 pytest.importorskip("sklearn")
 
@@ -14,10 +13,10 @@ TINY = ["data.num_tasks=3", "data.steps_per_task=6", "data.samples_per_task=128"
 
 
 def train(args, cwd):
-    return subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return run_train(*args, cwd=cwd)
 
 
+@pytest.mark.cli
 def test_sweep_and_report(tmp_path):
     pytest.importorskip("plasticity_callbacks.callbacks.schedule")  # the boundary methods take schedule=
     sweep = tmp_path / "sweep"
@@ -38,14 +37,11 @@ def test_sweep_and_report(tmp_path):
 
 def test_every_method_runs_in_the_stream_without_a_stream_table():
     """Every method file runs in the stream, warm_reset (the warm + fresh optimizer control) included."""
-    from hydra import compose, initialize_config_dir
+    from hydra_app import compose_config
 
     from plasticity_callbacks.app.methods import task_stream_callbacks
     from plasticity_callbacks.app.pipeline import resolve_method
-    from plasticity_callbacks.app.train import config_dir
 
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=continual_digits", "+method=warm_reset",
-                                           "paths.output_dir=/tmp/plasticity-compose"])
+    cfg = compose_config("experiment=continual_digits", "+method=warm_reset")
     assert "stream_methods" not in cfg
     assert list(task_stream_callbacks(resolve_method(cfg))) == ["fresh_optimizer_state"]

@@ -223,6 +223,7 @@ def test_ages_count_optimizer_steps_under_gradient_accumulation():
     assert [int(s["age"].max()) for s in callback.stats] == [3, 3]
 
 
+@pytest.mark.multiprocess
 def test_ranks_stay_identical_under_ddp_with_every_per_step_method(tmp_path):
     """CBP's draws come from a rank-identical generator and its statistics are averaged over ranks; L2-Init,
     weight clipping and Hare & Tortoise are deterministic: after 5 accumulated steps both ranks agree."""

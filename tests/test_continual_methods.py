@@ -3,13 +3,12 @@
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra_app import compose_config
 
 pytest.importorskip("sklearn")
 
 from plasticity_callbacks.app.methods import method_names, task_stream_callbacks  # noqa: E402
 from plasticity_callbacks.app.pipeline import instantiate_callbacks, resolve_method  # noqa: E402
-from plasticity_callbacks.app.train import config_dir  # noqa: E402
 from plasticity_callbacks.callbacks.schedule import Schedule  # noqa: E402
 from plasticity_callbacks.data.digits import RandomLabelDigits  # noqa: E402
 from plasticity_callbacks.models.classifier import DigitsClassifier  # noqa: E402
@@ -22,9 +21,7 @@ OVERRIDES = {"redo": ["method.callbacks.redo.tau=0.9", "method.callbacks.redo.sc
 
 def method_callbacks(method: str, *overrides: str) -> tuple[list[L.Callback], bool]:
     """The method's callbacks in a task stream, and whether it carries the optimizer's state."""
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=continual_digits", f"+method={method}",
-                                           "paths.output_dir=/tmp/plasticity-compose", *overrides])
+    cfg = compose_config("experiment=continual_digits", f"+method={method}", *overrides)
     method_cfg = resolve_method(cfg)
     return instantiate_callbacks(task_stream_callbacks(method_cfg)), bool(method_cfg.carry_optimizer)
 
@@ -96,5 +93,4 @@ def test_each_method_acts_at_every_task_boundary(method):
 
 
 def resolve_method_cfg(method: str):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return resolve_method(compose("config", overrides=[f"+method={method}", "paths.output_dir=/tmp/x"]))
+    return resolve_method(compose_config(f"+method={method}"))

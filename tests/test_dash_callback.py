@@ -68,10 +68,24 @@ def fit_watched(module, loader, dash, max_steps, poison=None, **trainer_kw):
     return watch, trainer
 
 
+def test_periodic_rule_logs_per_layer_keys_only_when_asked():
+    """Under a logger that prints every key (the HF Trainer's) per-layer factors would be ~3 keys per layer
+    and action; by default an action logs its totals only."""
+    keys = {}
+    for per_layer in (False, True):
+        module, loader = build("mlp")
+        dash = DASHPeriodic(schedule=Schedule(every_n_steps=3), log_per_layer=per_layer, **VISIBLE)
+        _, trainer = fit_watched(module, loader, dash, max_steps=4)  # acts once, at step 3
+        keys[per_layer] = {k for k in trainer.callback_metrics if k.startswith("dash_periodic/")}
+    assert keys[False] and not any(k.startswith("dash_periodic/net.") for k in keys[False])
+    assert keys[True] - keys[False] == {f"dash_periodic/net.{i}/{m}" for i in (0, 2)
+                                        for m in ("factor_mean", "factor_min", "shrunk")}
+
+
 @pytest.mark.parametrize("accumulate", [1, 4])
 def test_periodic_rule_fires_on_exactly_the_configured_optimizer_steps(accumulate):
     module, loader = build("mlp")
-    dash = DASHPeriodic(schedule=Schedule(every_n_steps=3), **VISIBLE)
+    dash = DASHPeriodic(schedule=Schedule(every_n_steps=3), log_per_layer=True, **VISIBLE)
     watch, trainer = fit_watched(module, loader, dash, max_steps=8, accumulate_grad_batches=accumulate)
     assert watch.calls == 8  # one hook call per real optimizer step, whatever the accumulation
     assert sorted(watch.changed) == [3, 6]  # once 3 and 6 optimizer steps are done, before the next
@@ -266,6 +280,7 @@ def test_arguments_are_validated():
             DASHShrink(**kwargs)
 
 
+@pytest.mark.multiprocess
 def test_ddp_two_ranks_end_identical(tmp_path):
     periodic = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"every_n_steps": 2}, **VISIBLE}
     paper = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 2}

@@ -1,9 +1,11 @@
 """The DDP harness itself: without callbacks, ranks stay identical (and a broken rank would be caught)."""
+import pytest
 import torch
 
 from ddp_harness import _assert_equal, assert_ranks_identical, run_ddp
 
 
+@pytest.mark.multiprocess
 def test_plain_ddp_training_keeps_ranks_identical(tmp_path):
     results = run_ddp(tmp_path, None, model="gpt", steps=3)
     assert_ranks_identical(results)

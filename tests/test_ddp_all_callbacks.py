@@ -34,12 +34,14 @@ def assert_acted(metrics: dict) -> None:
     assert float(metrics["adaptive_svd/n_minor"]) > 0
 
 
+@pytest.mark.multiprocess
 def test_all_callbacks_on_gpt_with_muon_and_accumulation_keep_ranks_identical(tmp_path):
     results = run_ddp(tmp_path, callbacks_for("gpt"), model="gpt", optimizer="muon", steps=4, accumulate=2)
     assert_ranks_identical(results)
     assert_acted(results[0]["metrics"])
 
 
+@pytest.mark.multiprocess
 def test_all_callbacks_on_cnn_with_sgd_keep_ranks_identical(tmp_path):
     results = run_ddp(tmp_path, callbacks_for("cnn"), model="cnn", optimizer="sgd", steps=4)
     assert_ranks_identical(results)
@@ -99,6 +101,7 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("flavour", ["fsdp2", "fsdp1"])
 def test_full_parameters_gathers_and_writes_back_fsdp_shards(tmp_path, flavour):
     """FSDP2 (DTensor ``full_tensor``) and FSDP1 (``summon_full_params``) on 2 CPU processes: inside

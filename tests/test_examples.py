@@ -27,6 +27,7 @@ def test_every_example_has_a_smoke_run():
     assert sorted(p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".sh")) == sorted(SMOKE)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_example_runs(name, tmp_path):
     arguments, outputs, needs = SMOKE[name]

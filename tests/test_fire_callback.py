@@ -171,6 +171,7 @@ def test_hydra_config_instantiates_with_overrides():
     assert fire.schedule == Schedule(at_fit_start=True)
 
 
+@pytest.mark.multiprocess
 def test_ddp_two_ranks_end_identical_after_fire(tmp_path):
     spec = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"at_fit_start": True, "steps": [3]},
             "rewarmup_steps": 2, "log_per_layer": True}

@@ -192,6 +192,7 @@ def fsdp2_runs(tmp_path_factory):
     return out, run_fsdp2(out, RUNS)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["fire_mlp", "fire_gpt2", "fire_encoder", "fire_gpt"])
 def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
     single, sharded = single_and_sharded(fsdp2_runs, name)
@@ -200,6 +201,7 @@ def test_fire_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/sfe", "fire/layers"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["fire_ns_mlp", "fire_ns_gpt2"])
 def test_fire_with_a_fixed_iteration_count_under_fsdp2_equals_one_process(fsdp2_runs, name):
     single, sharded = single_and_sharded(fsdp2_runs, name)
@@ -209,6 +211,7 @@ def test_fire_with_a_fixed_iteration_count_under_fsdp2_equals_one_process(fsdp2_
     assert_same_as_single(single, sharded, metrics=("fire/dfi_before", "fire/dfi_after", "fire/sfe", "fire/layers"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["redo_mlp", "redo_gpt2"])
 def test_redo_under_fsdp2_equals_one_process(fsdp2_runs, name):
     single, sharded = single_and_sharded(fsdp2_runs, name)
@@ -216,6 +219,7 @@ def test_redo_under_fsdp2_equals_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded, metrics=("redo/recycled", "redo/dormant"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["dash_mlp", "dash_gpt2", "dash_encoder"])
 def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
     single, sharded = single_and_sharded(fsdp2_runs, name)
@@ -225,6 +229,7 @@ def test_dash_under_fsdp2_equals_one_process(fsdp2_runs, name):
                                                     "dash_periodic/factor_min"))
 
 
+@pytest.mark.multiprocess
 def test_a_phase_carries_the_optimizer_moments_of_a_distributed_checkpoint(fsdp2_runs):
     out, results = fsdp2_runs
     source, target = results["carry_source"]["optimizer"], results["carry_target"]["optimizer"]
@@ -234,6 +239,7 @@ def test_a_phase_carries_the_optimizer_moments_of_a_distributed_checkpoint(fsdp2
             torch.testing.assert_close(target[name][key], value, rtol=0, atol=0, msg=f"{name}.{key}")
 
 
+@pytest.mark.multiprocess
 def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process(fsdp2_runs):
     single, sharded = single_and_sharded(fsdp2_runs, "sp_gpt_after_validation")
     assert sharded["callbacks"][0]["applications"] == single["callbacks"][0]["applications"] == 1
@@ -242,6 +248,7 @@ def test_a_method_acting_right_after_a_validation_under_fsdp2_equals_one_process
     assert_same_as_single(single, sharded, metrics=("train/loss",))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["sp_mlp", "sp_gpt", "reset_gpt2"])
 def test_fresh_draws_under_fsdp2_equal_one_process(fsdp2_runs, name):
     single, sharded = single_and_sharded(fsdp2_runs, name)
@@ -249,6 +256,7 @@ def test_fresh_draws_under_fsdp2_equal_one_process(fsdp2_runs, name):
     assert_same_as_single(single, sharded)  # the whole fresh draw one process makes, each rank's rows of it
 
 
+@pytest.mark.multiprocess
 def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
     single, sharded = single_and_sharded(fsdp2_runs, "clip_gpt2")
     c_fc = sharded["params"]["model.transformer.h.0.mlp.c_fc.weight"]  # stored (16, 64): bound 0.1/√16
@@ -257,6 +265,7 @@ def test_weight_clip_under_fsdp2_equals_one_process(fsdp2_runs):
     assert_same_as_single(single, sharded, metrics=("weight_clip/clipped",))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["l2_mlp", "l2_gpt2", "ht_mlp", "ht_gpt2", "ht_gpt2_val", "cbp_mlp", "cbp_gpt2", "cbp_mlp_uneven",
                                   "cbp_gpt", "cbp_phi3"])
 def test_stateful_methods_under_fsdp2_equal_one_process(fsdp2_runs, name):
@@ -278,6 +287,7 @@ def test_stateful_methods_under_fsdp2_equal_one_process(fsdp2_runs, name):
     assert_close(single["callbacks"], sharded["callbacks"], "callbacks")  # θ₀ / tortoise / utilities, ages, means
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["distributed", "full"])
 def test_stateful_methods_under_fsdp2_resume_to_the_uninterrupted_run(fsdp2_runs, kind):
     """L2Init's θ₀ and the tortoise, sharded like the weights, written as the distributed checkpoint's shards
@@ -296,6 +306,7 @@ def test_stateful_methods_under_fsdp2_resume_to_the_uninterrupted_run(fsdp2_runs
     assert tortoise["resets"] == 2  # step 2 before the checkpoint, step 5 after
 
 
+@pytest.mark.multiprocess
 def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     out, results = fsdp2_runs
     reference, resumed = results["resume_reference"], results["resume_resumed"]
@@ -305,6 +316,7 @@ def test_fire_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs):
     assert (out / "crashed_2" / "ckpt" / "last.ckpt").is_dir()  # a distributed checkpoint: one shard per rank
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["metrics_digits", "metrics_digits_root_head", "metrics_digits_ddp"])
 def test_task_metrics_on_two_ranks_equal_one_process(fsdp2_runs, name):
     out, results = fsdp2_runs
@@ -325,6 +337,7 @@ def test_task_metrics_on_two_ranks_equal_one_process(fsdp2_runs, name):
     assert_close(run_single(out, dict(spec, name=f"{name}_plain", callbacks=[]))["params"], sharded["params"])
 
 
+@pytest.mark.multiprocess
 def test_gate_logger_under_fsdp2_logs_the_gates_of_one_process(fsdp2_runs):
     single, sharded = single_and_sharded(fsdp2_runs, "gates_gpt")
     gates = [k for k in single["metrics"] if k.startswith("gates/")]
@@ -364,6 +377,7 @@ def _principal_part_kept(result: dict, transposed: bool) -> list[str]:
     return kept
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2", "svd_encoder"])
 def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
     out, results = fsdp2_runs
@@ -386,6 +400,7 @@ def test_adaptive_svd_under_fsdp2_projects_as_one_process(fsdp2_runs, name):
         "adaptive_svd/mean_minor_alignment", "adaptive_svd/mean_reconstruction_error"))
 
 
+@pytest.mark.multiprocess
 def test_adaptive_svd_under_fsdp2_projects_adam_moments_as_one_process(fsdp2_runs):
     single, sharded = single_and_sharded(fsdp2_runs, "svd_mlp_adamw")
     assert sharded["callbacks"][0]["history"] == single["callbacks"][0]["history"]
@@ -393,6 +408,7 @@ def test_adaptive_svd_under_fsdp2_projects_adam_moments_as_one_process(fsdp2_run
     assert_same_as_single(single, sharded, metrics=("adaptive_svd/n_minor", "adaptive_svd/mean_angle"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["svd_mlp", "svd_gpt2"])
 def test_adaptive_svd_under_fsdp2_resumes_to_the_uninterrupted_run(fsdp2_runs, name):
     out, results = fsdp2_runs
@@ -453,6 +469,8 @@ def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_
         AdaptiveSVDSwitch(minor_training="factorize").check_strategy(trainer)
 
 
+@pytest.mark.cli
+@pytest.mark.multiprocess
 def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
     """The Hydra app end to end on 2 CPU ranks: the GPT shards itself (1-element gates included), FIRE acts at
     fit start, GateLogger logs every step, and the checkpoint is a distributed one (a folder of shards)."""

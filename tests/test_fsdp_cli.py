@@ -27,6 +27,7 @@ from plasticity_callbacks.app.runs.verified_files import checksum_path
 from fault_injection import Payload, hostile_shard_item
 from test_resume_trust import copy_run, refused, snapshot
 
+pytestmark = [pytest.mark.cli, pytest.mark.multiprocess]  # every test reads the 2-rank launches
 TESTS = Path(__file__).parent
 RUN = ["experiment=smoke", "trainer=fsdp2", "validate_before_fit=false", "+callbacks=shrink_perturb",
        "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]

@@ -80,6 +80,7 @@ def outcomes(tmp_path_factory):
     return dict(zip(CASES, results))
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name", list(CASES))
 def test_config_mistake_is_explained_without_a_traceback(outcomes, name):
     _, words, max_lines = CASES[name]

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 CHECK = """
 import matplotlib
 matplotlib.use("svg")
@@ -12,11 +14,13 @@ assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
 """
 
 
+@pytest.mark.cli
 def test_importing_callbacks_and_report_keeps_the_matplotlib_backend():
     result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.cli
 def test_figures_module_imports_no_matplotlib():
     code = "import sys, plasticity_callbacks.callbacks.figures; assert 'matplotlib' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

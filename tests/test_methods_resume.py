@@ -2,6 +2,7 @@
 interrupted-and-resumed run per method ends where the uninterrupted run ends, callback state included."""
 from __future__ import annotations
 
+import pytest
 from resume_harness import assert_same_run, run_resume_scenarios
 
 CB = "plasticity_callbacks.callbacks."
@@ -14,6 +15,7 @@ SCENARIOS = {  # 12 steps, checkpoints every 5, interrupted at step 5
 }
 
 
+@pytest.mark.multiprocess
 def test_resumed_runs_end_where_uninterrupted_runs_end(tmp_path):
     results = run_resume_scenarios(tmp_path, {name: dict(callbacks=callbacks, steps=12, ckpt_every=5, stop_at=5)
                                               for name, callbacks in SCENARIOS.items()})

@@ -3,12 +3,11 @@ one YAML in the user's config folder run in ``plasticity-train``'s task stream a
 with no edit to the package."""
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hydra_app import run_report, run_train
 
 pytest.importorskip("sklearn")
 
@@ -34,35 +33,30 @@ def user_folder(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.cli
 def test_the_readme_method_runs_in_a_stream_and_its_report(user_folder):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(user_folder), os.environ.get("PYTHONPATH", "")]))
+    env = {"PYTHONPATH": os.pathsep.join([str(user_folder), os.environ.get("PYTHONPATH", "")])}
     sweep = user_folder / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", "--config-dir",
-                           str(user_folder / "my_configs"), "-m", "experiment=continual_digits", "+method=scale",
-                           *TINY, f"hydra.sweep.dir={sweep}"], cwd=user_folder, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_train("--config-dir", user_folder / "my_configs", "-m", "experiment=continual_digits", "+method=scale",
+                     *TINY, f"hydra.sweep.dir={sweep}", cwd=user_folder, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.report", str(sweep)], env=env,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report(sweep, env=env)
     assert report.returncode == 0, report.stderr[-2000:]
     rows = [line for line in (sweep / "report" / "report.md").read_text().splitlines() if line.startswith("| ")]
     assert any("| scale | 1 |" in row for row in rows)
 
 
 def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder):
-    from hydra import compose, initialize_config_dir
+    from hydra_app import compose_config
 
     from plasticity_callbacks.app.methods import method_names, task_stream_callbacks
     from plasticity_callbacks.app.pipeline import instantiate_callbacks, resolve_method
-    from plasticity_callbacks.app.train import config_dir
     from plasticity_callbacks.callbacks.schedule import Schedule
     from plasticity_callbacks.models.classifier import DigitsClassifier
 
     configs = user_folder / "my_configs"
     assert "scale" in method_names([configs])
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=[f"hydra.searchpath=[file://{configs}]", "experiment=continual_digits",
-                                           "+method=scale", "paths.output_dir=/tmp/plasticity-compose"])
+    cfg = compose_config(f"hydra.searchpath=[file://{configs}]", "experiment=continual_digits", "+method=scale")
     [callback] = instantiate_callbacks(task_stream_callbacks(resolve_method(cfg)))
     assert callback.firing.schedule == Schedule(at_task_boundaries=True)
     module = DigitsClassifier(widths=[8])

@@ -3,11 +3,10 @@ completed phase, resume mid-phase, optimizer carry-over, and config errors."""
 import csv
 import json
 import os
-import subprocess
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra_app import compose_config, run_train
 from omegaconf import OmegaConf
 
 from plasticity_callbacks.app.runs import verified_files
@@ -17,8 +16,7 @@ from plasticity_callbacks.app.train import config_dir
 
 
 def compose_pipeline(run_dir, *overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=["experiment=pipeline_smoke", f"paths.output_dir={run_dir}", *overrides])
+    return compose_config("experiment=pipeline_smoke", *overrides, output_dir=run_dir)
 
 
 def rows(path):
@@ -30,12 +28,12 @@ def rows(path):
 def cli_run(tmp_path_factory):
     """Pretrain → SFT with Shrink & Perturb at the boundary, from the command line."""
     run = tmp_path_factory.mktemp("pipeline") / "run"
-    proc = subprocess.run(["plasticity-train", "experiment=pipeline_smoke", "+method=sp", f"hydra.run.dir={run}"],
-                          cwd=run.parent, capture_output=True, text=True, timeout=600)
+    proc = run_train("experiment=pipeline_smoke", "+method=sp", f"hydra.run.dir={run}", cwd=run.parent, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run, proc.stdout + proc.stderr
 
 
+@pytest.mark.cli
 def test_cli_writes_checkpoints_metrics_and_summary(cli_run):
     run, output = cli_run
     for phase in ("pretrain", "sft"):
@@ -58,6 +56,7 @@ def test_cli_writes_checkpoints_metrics_and_summary(cli_run):
     assert saved["global_step"] == 4 and "optimizer_states" in saved
 
 
+@pytest.mark.cli
 def test_restart_from_a_completed_phase_and_resume_mid_phase(cli_run, tmp_path, monkeypatch):
     run, _ = cli_run
     first = json.loads((run / "pipeline.json").read_text())["phases"]
@@ -137,6 +136,7 @@ def test_every_method_composes_into_boundary_callbacks(tmp_path):
         assert set(first.callbacks) == set(OmegaConf.to_container(cfg.callbacks))  # the method is not in phase 1
 
 
+@pytest.mark.cli
 def test_cli_run_logs_to_train_log_draws_figures_and_says_where_outputs_are(cli_run):
     run, output = cli_run
     log = (run / "train.log").read_text()

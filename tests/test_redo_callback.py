@@ -335,6 +335,7 @@ def test_hydra_config_instantiates():
     assert isinstance(redo, ReDoMonitor) and redo.schedule is None and redo.tau == 0.025
 
 
+@pytest.mark.multiprocess
 def test_ddp_recycling_keeps_ranks_identical(tmp_path):
     spec = {"_target_": "plasticity_callbacks.ReDoMonitor", "collect_every_n_steps": 1, "log_every_n_steps": 1,
             "schedule": {"every_n_steps": 2}, "tau": 1.0}

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from plasticity_callbacks.distributed.strategy import rank_identical_generator
+from hydra_app import compose_config
 from tiny import TinyMLPModule, cpu_trainer, regression_loader, tiny_gpt_module, token_loader
 
 METHODS = Path(__file__).resolve().parents[1] / "configs" / "method"
@@ -24,10 +25,7 @@ METHODS = Path(__file__).resolve().parents[1] / "configs" / "method"
 
 def method_callback(name: str, key: str, **overrides):
     """The callback ``key`` of ``configs/method/<name>.yaml`` as composed (callbacks/<key>.yaml + overrides)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(METHODS.parent), version_base="1.3"):
-        cfg = compose("config", overrides=[f"+method={name}"]).method.callbacks[key]
+    cfg = compose_config(f"+method={name}").method.callbacks[key]
     return instantiate(OmegaConf.merge(cfg, overrides))
 
 

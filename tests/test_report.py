@@ -1,10 +1,11 @@
 """plasticity-report on a small fake sweep: the table's numbers and the figure files."""
 import csv
 import json
+import shutil
 import statistics
-import subprocess
 
 import pytest
+from hydra_app import run_report
 
 from plasticity_callbacks.app.report import build_report, main
 
@@ -69,12 +70,13 @@ def test_table_has_mean_and_std_over_seeds(sweep):
     assert (sweep / "report" / "report.md").read_text() == text
 
 
+@pytest.mark.cli
 def test_command_line(sweep, tmp_path, capsys):
     out = tmp_path / "elsewhere"
     main([str(sweep), "--out", str(out)])
     printed = capsys.readouterr().out
     assert "| fire | 3 |" in printed and (out / "loss_curves.png").is_file()
-    proc = subprocess.run(["plasticity-report", str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
+    proc = run_report(tmp_path / "empty")
     assert proc.returncode == 2 and "no runs under" in proc.stderr
 
 
@@ -136,3 +138,89 @@ def test_a_methods_summary_metrics_become_columns(sweep):
     assert [c.strip() for c in fire.split("|")[1:-1]][-2] == f"{1.5:.4f} ± {1.0:.4f}"
     warm = next(line for line in text.splitlines() if line.startswith("| warm"))
     assert [c.strip() for c in warm.split("|")[1:-1]][-2] == "-"
+
+
+@pytest.mark.parametrize("logger_name", ["csv", "tensorboard"])
+def test_a_plain_lightning_run_is_reported_with_its_methods_summary(tmp_path, logger_name):
+    """``lightning_logs/version_0`` of a Trainer nobody configured for the report: its last values, FIRE's
+    summary columns, one seed shown as the value alone."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from tiny import TinyMLPModule, cpu_trainer, regression_loader
+
+    from plasticity_callbacks import FIREReinit, Schedule
+    from plasticity_callbacks.app.report.metric_logs import read_rows
+
+    if logger_name == "tensorboard":
+        pytest.importorskip("tensorboard")
+    logger = (CSVLogger if logger_name == "csv" else TensorBoardLogger)(save_dir=tmp_path, name="lightning_logs")
+    trainer = cpu_trainer(max_steps=6, val_check_interval=3, logger=logger, log_every_n_steps=1,
+                          callbacks=[FIREReinit(schedule=Schedule(steps=[2]))])
+    trainer.fit(TinyMLPModule(), regression_loader(), regression_loader(seed=1))
+    version = tmp_path / "lightning_logs" / "version_0"
+    rows = read_rows(version, None)  # the logger's own rows, CSV or TensorBoard
+    last_val = [r["val/loss"] for r in rows if "val/loss" in r][-1]
+    dfi_after = [r["fire/dfi_after"] for r in rows if "fire/dfi_after" in r][-1]
+    assert dfi_after < 1e-3  # FIRE acted, so the column below reports a real value
+
+    text, figures = build_report(tmp_path / "lightning_logs")
+    header, _, row = [line for line in text.splitlines() if line.startswith("|")]
+    cells = dict(zip([c.strip() for c in header.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
+    assert cells["runs (what varies)"] == "version_0" and cells["seeds"] == "1"
+    assert cells["final val loss"] == f"{last_val:.4f}" and cells["fire/dfi_after"] == f"{dfi_after:.4f}"
+    assert float(cells["fire/dfi_before"]) > 0.1 and "±" not in row
+    assert [p.name for p in figures] == ["loss_curves.png"]
+    assert build_report(version)[0].count("| version_0 |") == 1  # the version folder itself is a run too
+
+
+def test_one_seed_is_the_value_alone_and_several_seeds_mean_and_std(sweep):
+    for path in sorted(sweep.glob("*/pipeline.json")):
+        if json.loads(path.read_text())["seed"] > 0:
+            shutil.rmtree(path.parent)
+    text, _ = build_report(sweep)
+    fire = next(line for line in text.splitlines() if line.startswith("| fire"))
+    assert [c.strip() for c in fire.split("|")[1:-1]][1:3] == ["1", f"{1.8:.4f}"]
+    assert "±" not in fire
+
+
+# The tables and columns of MLflow's SQLAlchemy tracking store (mlflow/store/tracking/dbmodels/models.py) that
+# the report reads; mlflow itself is not needed to read them (nor installed in CI).
+MLFLOW_SCHEMA = """
+CREATE TABLE runs (run_uuid VARCHAR(32) PRIMARY KEY, name VARCHAR(250), status VARCHAR(9), start_time BIGINT,
+                   end_time BIGINT, lifecycle_stage VARCHAR(20), artifact_uri VARCHAR(200), experiment_id INTEGER);
+CREATE TABLE metrics (key VARCHAR(250) NOT NULL, value FLOAT NOT NULL, timestamp BIGINT NOT NULL,
+                      run_uuid VARCHAR(32) NOT NULL, step BIGINT NOT NULL, is_nan BOOLEAN NOT NULL,
+                      PRIMARY KEY (key, timestamp, step, run_uuid, value, is_nan));
+"""
+
+
+def test_a_pipeline_logged_to_mlflow_is_read_from_its_store(sweep):
+    """``logger=mlflow``: one MLflow run per phase in ``<run>/mlflow.db``; a resumed phase adds a run of the same
+    name; a deleted run is left out. Its curves are drawn as a CSV run's are."""
+    import sqlite3
+
+    from plasticity_callbacks.app.report.metric_logs import read_rows
+
+    run = next(p.parent for p in sorted(sweep.glob("*/pipeline.json")))
+    expected = {phase: read_rows(run, phase) for phase in ("pretrain", "sft")}
+    shutil.rmtree(run / "logs")
+    db = sqlite3.connect(run / "mlflow.db")
+    db.executescript(MLFLOW_SCHEMA)
+    runs = [("a", "pretrain", 1, "active"), ("b", "sft", 2, "active"), ("c", "sft", 3, "active"),
+            ("d", "sft", 4, "deleted")]
+    db.executemany("INSERT INTO runs (run_uuid, name, start_time, lifecycle_stage) VALUES (?, ?, ?, ?)", runs)
+    clock = iter(range(1000, 2000))
+    for phase, rows in expected.items():
+        for row in rows:
+            uuid = "a" if phase == "pretrain" else ("b" if row["step"] <= 5 else "c")  # sft resumed after step 5
+            db.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?, 0)",
+                           [(k, v, next(clock), uuid, row["step"]) for k, v in row.items() if k != "step"])
+    db.execute("INSERT INTO metrics VALUES ('val/loss', 99.0, 1, 'b', 10, 0)")  # an older value, replaced below
+    db.execute("INSERT INTO metrics VALUES ('val/loss', 77.0, 5000, 'd', 10, 0)")  # a deleted run's
+    db.commit()
+    db.close()
+    for phase, rows in expected.items():
+        got = read_rows(run, phase)
+        assert [r["step"] for r in got] == [r["step"] for r in rows]
+        assert all(g[k] == pytest.approx(v) for g, r in zip(got, rows) for k, v in r.items() if k != "epoch")
+    text, figures = build_report(sweep)
+    assert {"loss_curves.png", "dormant_fraction.png"} <= {p.name for p in figures}

@@ -146,6 +146,7 @@ def acted(name: str, state: list[dict]) -> bool:
     return True
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_resumed_run_ends_where_the_uninterrupted_run_ends(runs, name):
     if name not in runs["scenarios"]:
@@ -160,6 +161,7 @@ def test_resumed_run_ends_where_the_uninterrupted_run_ends(runs, name):
     assert_same_run(result["reference"], result["resumed"])
 
 
+@pytest.mark.multiprocess
 def test_plateau_run_resumed_between_checkpoint_and_validation_logs_every_validation(runs):
     """The metric rows of the interrupted-and-resumed plateau run are those of the uninterrupted run (timings aside)."""
     if "pipeline_plateau" not in runs["scenarios"]:
@@ -174,6 +176,7 @@ def test_plateau_run_resumed_between_checkpoint_and_validation_logs_every_valida
     assert resumed == reference
 
 
+@pytest.mark.multiprocess
 def test_resumed_run_is_not_vacuous(runs):
     """Training moved the weights after the interruption point, so equality is not trivial."""
     first = runs["scenarios"]["no_callback"]
@@ -182,6 +185,7 @@ def test_resumed_run_is_not_vacuous(runs):
     assert all(not torch.equal(saved[n], final[n]) for n in final)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_killed_run_leaves_a_usable_last_checkpoint_and_resumes(runs, sig):
     killed = runs["killed"][sig]
@@ -195,6 +199,7 @@ def test_killed_run_leaves_a_usable_last_checkpoint_and_resumes(runs, sig):
     assert_same_run(runs["reference"], killed["resumed"], callback_state=False)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_nothing_logged_before_the_kill_is_lost(runs, sig):
     """Every step trained before the signal has its row on disk (the logger writes each row at once)."""
@@ -202,6 +207,7 @@ def test_nothing_logged_before_the_kill_is_lost(runs, sig):
     assert set(range(7)) <= steps, sorted(steps)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", ["SIGKILL"])
 def test_rows_logged_before_the_kill_survive_the_resume_once(runs, sig):
     """A hand-built Trainer with ``LogPosition`` and ``restore_logs``: killed at step 7 after the checkpoint of

@@ -18,14 +18,14 @@ import csv
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.pipeline import Pipeline
 from plasticity_callbacks.app.runs.resumed_logs import kept, restore_logs, rewrite_events
-from plasticity_callbacks.app.train import config_dir, fit
+from plasticity_callbacks.app.train import fit
 from plasticity_callbacks.app.runs.checkpoints import RunInterrupted
 
 from fault_injection import Crash
+from hydra_app import compose_config
 
 # ReDo recycles every 3 steps and measures its dormant fractions every 2: each written once, at its step, at the end
 # of the batch (repeated into every later row of the epoch, as Lightning does with pl_module.log, they would differ
@@ -41,8 +41,7 @@ VOLATILE = ("seconds", "per_sec")  # wall-clock measurements differ run to run
 
 
 def compose_run(run_dir: Path, overrides: list[str]):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=[*overrides, f"paths.output_dir={run_dir}"])
+    return compose_config(*overrides, output_dir=run_dir)
 
 
 def stop_at(step: int) -> str:

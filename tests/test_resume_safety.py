@@ -19,31 +19,28 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 import plasticity_callbacks as pc
 from plasticity_callbacks.app.pipeline import Pipeline
-from plasticity_callbacks.app.train import config_dir
 from plasticity_callbacks.errors import CheckpointError
 from plasticity_callbacks.app.runs.checkpoints import VerifiedCheckpointIO, verify_file
 from plasticity_callbacks.app.runs.verified_files import write_verified
 from plasticity_callbacks.app.runs.resume import ResumeError, ResumeGuard, RunLock
 
 from callback_table import methods
+from hydra_app import compose_config, run_train
 from tiny import TinyMLPModule, cpu_trainer, recycle, regression_loader
 
 
 def compose_pipeline(run_dir, *overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=["experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false",
-                                            f"paths.output_dir={run_dir}", *overrides])
+    return compose_config("experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false", *overrides,
+                          output_dir=run_dir)
 
 
 def cli(*args, cwd):
-    return subprocess.run(["plasticity-train", *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_train(*args, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
 def one_line(text: str) -> str:
@@ -110,6 +107,7 @@ def test_hand_built_plateau_run_interrupted_before_a_validation_resumes_bit_iden
 
 
 # ------------------------------------------------------------------ 2. nothing to resume
+@pytest.mark.cli
 def test_resuming_a_missing_run_is_a_one_line_error_not_a_fresh_start(tmp_path):
     typo = tmp_path / "outptus" / "run"
     proc = cli("experiment=smoke", "ckpt_path=last", f"hydra.run.dir={typo}", cwd=tmp_path)
@@ -133,9 +131,8 @@ def test_resuming_a_missing_run_is_a_one_line_error_not_a_fresh_start(tmp_path):
 ])
 def test_resume_with_a_changed_configuration_is_refused_naming_the_key(finished_pipeline, override, key):
     overrides = [o for o in ("+method=warm",) if not override.startswith("+method")]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=pipeline_smoke", *overrides, "validate_before_fit=false",
-                                           f"paths.output_dir={finished_pipeline}", "pipeline.resume=true", override])
+    cfg = compose_config("experiment=pipeline_smoke", *overrides, "validate_before_fit=false", "pipeline.resume=true",
+                         override, output_dir=finished_pipeline)
     before = (finished_pipeline / "pipeline.json").read_text()
     with pytest.raises(ResumeError, match=r"configuration differs") as err:
         Pipeline(cfg)
@@ -185,6 +182,7 @@ def read_only(directory: Path):
         directory.chmod(0o755)
 
 
+@pytest.mark.cli
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_no_phase_is_marked_complete(tmp_path):
     run = tmp_path / "run"
     with read_only(run / "checkpoints" / "sft"):
@@ -252,6 +250,7 @@ def test_a_truncated_pipeline_json_is_a_one_line_error(finished_pipeline, tmp_pa
 
 
 # ------------------------------------------------------------------ 6. one run per directory
+@pytest.mark.cli
 def test_a_run_directory_in_use_is_refused(finished_pipeline, tmp_path):
     metrics = (finished_pipeline / "logs" / "sft" / "metrics.csv").read_text()
     # another process holds the directory, as a live run does, until told to let go

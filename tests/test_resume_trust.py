@@ -13,30 +13,28 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from plasticity_callbacks.app.pipeline import Pipeline, read_state, write_state
-from plasticity_callbacks.app.train import config_dir, fit, main
+from plasticity_callbacks.app.train import fit, main
 from plasticity_callbacks.app.runs.checkpoints import RunInterrupted, VerifiedCheckpointIO, read_checkpoint, verify_file
 from plasticity_callbacks.app.runs.verified_files import TRUST_ENV
 from plasticity_callbacks.errors import CheckpointError
 from plasticity_callbacks.app.runs.resume import ResumeError
 
 from fault_injection import hostile_checkpoint, signal_spec
+from hydra_app import compose_config, run_train
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
 SMOKE = ["experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false"]
 
 
 def cli(*args, cwd, env=None):
-    return subprocess.run([sys.executable, "-m", "plasticity_callbacks.app.train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    return run_train(*args, cwd=cwd, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def refused(args, monkeypatch, capsys) -> str:
@@ -64,8 +62,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 def compose_pipeline(run_dir, *overrides):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=[*SMOKE, f"paths.output_dir={run_dir}", *overrides])
+    return compose_config(*SMOKE, *overrides, output_dir=run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +160,7 @@ SINGLE_FIT = ["experiment=smoke", "validate_before_fit=false", "trainer.max_step
 def fitted(tmp_path_factory):
     """A single fit with ReDo, checkpointed at its last step; and a pipeline stopped in its first phase."""
     runs = tmp_path_factory.mktemp("fitted")
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        fit(compose("config", overrides=[*SINGLE_FIT, "+callbacks=redo", f"paths.output_dir={runs / 'fit'}"]))
+    fit(compose_config(*SINGLE_FIT, "+callbacks=redo", output_dir=runs / "fit"))
     stop = "+phases.pretrain.callbacks.stop={_target_: fault_injection.SignalAt, step: 2}"
     with pytest.raises(RunInterrupted):
         Pipeline(compose_pipeline(runs / "pipeline", "pipeline.stop_phase=pretrain", stop)).run()
@@ -296,8 +292,7 @@ FIRE_RUN = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=tr
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        Pipeline(compose("config", overrides=[*FIRE_RUN, f"paths.output_dir={run}"])).run()
+    Pipeline(compose_config(*FIRE_RUN, output_dir=run)).run()
     return run
 
 
@@ -306,20 +301,19 @@ def test_a_stop_signal_saves_the_current_step_exits_128_plus_signal_and_resumes_
                                                                                          name, step):
     run = tmp_path / "run"
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=[*FIRE_RUN, f"paths.output_dir={run}", signal_spec(step, name)])
-        with pytest.raises(RunInterrupted) as stopped:
-            Pipeline(cfg).run()
-        assert stopped.value.code == 128 + getattr(signal, name)
-        last = run / "checkpoints" / "sft" / "last.ckpt"
-        assert str(last) in str(stopped.value) and "\n" not in str(stopped.value)
-        verify_file(last)
-        assert read_checkpoint(last)["global_step"] == step  # the step reached, not the periodic one before it
-        assert "sft" not in read_state(run / "pipeline.json")["phases"]
-        assert signal.getsignal(signal.SIGTERM) == handlers[0] and signal.getsignal(signal.SIGINT) == handlers[1]
-        resumed = compose("config", overrides=[*FIRE_RUN, f"paths.output_dir={run}", "pipeline.resume=true",
-                                               "resume_allow_changes=[phases.sft.callbacks.stop]"])
-        Pipeline(resumed).run()
+    cfg = compose_config(*FIRE_RUN, signal_spec(step, name), output_dir=run)
+    with pytest.raises(RunInterrupted) as stopped:
+        Pipeline(cfg).run()
+    assert stopped.value.code == 128 + getattr(signal, name)
+    last = run / "checkpoints" / "sft" / "last.ckpt"
+    assert str(last) in str(stopped.value) and "\n" not in str(stopped.value)
+    verify_file(last)
+    assert read_checkpoint(last)["global_step"] == step  # the step reached, not the periodic one before it
+    assert "sft" not in read_state(run / "pipeline.json")["phases"]
+    assert signal.getsignal(signal.SIGTERM) == handlers[0] and signal.getsignal(signal.SIGINT) == handlers[1]
+    resumed = compose_config(*FIRE_RUN, "pipeline.resume=true", "resume_allow_changes=[phases.sft.callbacks.stop]",
+                             output_dir=run)
+    Pipeline(resumed).run()
     reference = read_checkpoint(uninterrupted / "checkpoints" / "sft" / "final.ckpt")["state_dict"]
     final = read_checkpoint(run / "checkpoints" / "sft" / "final.ckpt")["state_dict"]
     assert all(torch.equal(reference[k], final[k]) for k in reference)
@@ -334,6 +328,7 @@ def test_a_stop_signal_saves_the_current_step_exits_128_plus_signal_and_resumes_
     assert set(got["metrics"]) >= {k for k in expected["metrics"] if not k.endswith(("seconds", "per_sec"))}
 
 
+@pytest.mark.cli
 def test_sigterm_through_the_cli_exits_143_with_one_line(tmp_path):
     run = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(Path(__file__).parent)])}

@@ -147,6 +147,7 @@ def test_reset_optimizer_drops_state_of_changed_parameters():
     assert probe.states == len(list(module.parameters())) - 2  # net.0.weight and net.0.bias dropped
 
 
+@pytest.mark.multiprocess
 def test_ddp_ranks_stay_identical(tmp_path):
     from ddp_harness import assert_ranks_identical, run_ddp
 

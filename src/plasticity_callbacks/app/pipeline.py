@@ -58,6 +58,7 @@ from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..errors import ConfigError
 from .methods import check_method
+from .time_estimate import TimeEstimate
 from .runs.resumed_logs import LogPosition, restore_logs
 
 PHASE_KEYS = {"data", "steps", "optimizer", "trainer", "callbacks", "carry_optimizer", "retention"}
@@ -435,7 +436,10 @@ class Pipeline:
         # here before the logger empties the phase's metrics file, and again as Lightning loads the checkpoint.
         guard = ResumeGuard(config=self.fingerprint, allow_changes=list(cfg.get("resume_allow_changes") or []),
                             phase=phase.name)
-        callbacks = [guard, *callbacks, LogPosition(), instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
+        names = [p.name for p in self.phases]
+        to_run = self.phases[phase.index : names.index(self.options.get("stop_phase") or names[-1]) + 1]
+        callbacks = [guard, *callbacks, LogPosition(), TimeEstimate([(p.name, p.steps) for p in to_run]),
+                     instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
         interrupted = read_checkpoint(resume_from, mmap=True) if resume_from is not None else None
         if interrupted is not None:
             guard.check(interrupted, callbacks, module, str(resume_from))

@@ -2,7 +2,8 @@
 
 Check the command line (``config_checks.py``), compose the config, check it; with ``phases:``
 (the default, ``experiment=pretrain_sft``) run the multi-phase pipeline (``pipeline.py``), else
-one fit: instantiate data, model, callbacks, logger and trainer, fit, print a summary. Every run
+one fit: instantiate data, model, callbacks, logger and trainer, fit, print a summary. After its first
+steps a run prints how long it will take on this machine (``time_estimate.py``). Every run
 ends by writing its figures (``report/``, see ``report.py``) and printing where its outputs are.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .console import configure_run_output
 from .methods import task_stream_callbacks
 from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
 from .runs.resumed_logs import LogPosition, restore_logs
+from .time_estimate import TimeEstimate
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
         check_data_fits_model(datamodule, module.config)
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
     callbacks = [guard, *build_callbacks(cfg)]
+    if cfg.trainer.get("max_steps", -1) > 0:
+        callbacks.append(TimeEstimate([("fit", cfg.trainer.max_steps)]))
     resumed_from = read_checkpoint(ckpt_path, mmap=True) if ckpt_path is not None else None
     if resumed_from is not None:  # refuse before anything touches the run's logs
         guard.check(resumed_from, callbacks, module, ckpt_path)
@@ -117,17 +121,20 @@ def report_outputs(run_dir: Path) -> None:
     lines = [f"outputs in {run_dir}:", f"  log          {run_dir / 'train.log'}"]
     lines += [f"  metrics      {p}" for p in sorted(run_dir.glob("logs/**/metrics.csv"))]
     lines += [f"  checkpoints  {p}" for p in sorted(run_dir.glob("checkpoints/**/*.ckpt"))]
+    figures: list[Path] = []
     try:
         # a task stream: its per-task panels (a classifier's loss is not in nats per byte; it validates nothing)
         _, figures = (build_stream_report if has_stream_runs(run_dir) else build_report)(run_dir)
-        lines += [f"  report       {run_dir / 'report' / 'report.md'}"] + [f"  figures      {p}" for p in figures]
-        lines += [f"  figures      {p}" for folder in ("logs", "tensorboard")
-                  for p in sorted(run_dir.glob(f"{folder}/**/figures/*.png"))]
-    except FileNotFoundError as err:  # nothing logged (e.g. zero steps): no figures to draw
-        lines.append(f"  figures      none ({err})")
+        lines.append(f"  report       {run_dir / 'report' / 'report.md'}")
+    except FileNotFoundError as err:  # nothing the report reads (zero steps, or a logger with its own store)
+        lines.append(f"  report       none ({err})")
     except Exception as err:  # the run's results are saved; a figure that fails must not hide them
         log.warning(f"could not draw the run's figures ({type(err).__name__}: {err}); "
                     f"plasticity-report {run_dir} retries")
+    # the callbacks' own figures (FIRE's spectra, ...), wherever the logger keeps them (logs/, tensorboard/, W&B's
+    # or MLflow's folders), listed even when the report had nothing to draw
+    drawn = sorted(p for p in run_dir.glob("**/figures/*.png") if p not in figures)
+    lines += [f"  figures      {p}" for p in [*figures, *drawn]] or ["  figures      none"]
     rank_zero_info("\n".join(lines))
 
 

@@ -33,7 +33,8 @@ class DASHPeriodic(DirectionalShrink):
     gradients, so a shrunk row receives a relatively larger update; accept this only with rare
     shrinks (``every_n_steps`` of 2000 or more).
 
-    Logs (prefix ``dash_periodic/``) what :class:`~.dash.DASHShrink` logs. Under FSDP2 each rank
+    Logs (prefix ``dash_periodic/``) what :class:`~.dash.DASHShrink` logs, the per-layer factors only with
+    ``log_per_layer=True``. Under FSDP2 each rank
     shrinks the rows it holds from its shard of ``.grad`` (a DTensor sharded like the weight); FSDP1
     and DeepSpeed are refused at setup.
 
@@ -46,7 +47,8 @@ class DASHPeriodic(DirectionalShrink):
             None: every weight but the head.
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
         skip_muon_params: leave alone the weights that ``torch.optim.Muon`` optimizes.
-        log_per_layer: also log the factors per layer.
+        log_per_layer: also log each layer's factors (three keys per layer and action; off by default, as a
+            logger that prints every key, such as the Hugging Face ``Trainer``'s, would print them all).
 
     Example:
         >>> dash = DASHPeriodic(schedule=Schedule(every_n_steps=2000), cosine_threshold=0.05)
@@ -70,7 +72,7 @@ class DASHPeriodic(DirectionalShrink):
         selection: Selection | Mapping | None = None,
         shrink_bias: bool = True,
         skip_muon_params: bool = True,
-        log_per_layer: bool = True,
+        log_per_layer: bool = False,
     ):
         super().__init__(schedule, selection, shrink_bias, skip_muon_params, log_per_layer)
         self.schedule.require_step_triggers("DASHPeriodic", "uses the step's gradient (DASHShrink acts at any "

@@ -1,16 +1,18 @@
 """``plasticity-report RUN_DIR``: a sweep's runs as one markdown table and a few figures.
 
 Finds every run under ``RUN_DIR``: pipeline runs (a ``pipeline.json``, e.g. each job of
-``plasticity-train -m experiment=continual_pretrain +method=warm,fire seed=0,1,2``) and single
+``plasticity-train -m experiment=continual_pretrain +method=warm,fire seed=0,1,2``), single
 fits (``~experiment``: a ``logs/metrics.csv``, or TensorBoard event files under ``tensorboard/``, next to
-Hydra's ``.hydra/``). Runs that differ only
+Hydra's ``.hydra/``) and plain Lightning log folders (``lightning_logs/version_0``: CSV or TensorBoard, named
+by their folder; their summary columns are those of the built-in callbacks). Runs that differ only
 in the seed form one group; a group is labelled by what varies across the sweep (the method,
 ``optimizer.lr=...``), while the settings every run shares are listed once in ``report.md``.
 Writes into ``RUN_DIR/report/`` (or ``--out``):
 
-- ``report.md``: per group, mean ± std over seeds of the last phase's final validation loss,
-  the retention loss (the first phase's validation set, measured after the last phase), the
-  dormant fraction and the minutes the run took;
+- ``report.md``: per group, mean ± std over seeds (the value alone for one seed) of the last phase's final
+  validation loss, the retention loss (the first phase's validation set, measured after the last phase), the
+  dormant fraction, each callback's summary values (``summary_metrics``, e.g. FIRE's DfI) and the minutes
+  the run took;
 - ``loss_curves.png``: validation loss of the current phase (and retention loss, for pipelines)
   over the whole run's steps: mean over seeds, a band of ± one standard deviation where two or
   more seeds logged the step, phase boundaries dashed;
@@ -99,28 +101,63 @@ def read_curves(run: Run) -> dict[str, dict[int, float]]:
 
 
 def single_fit_state(run_dir: Path) -> tuple[str, int, dict] | None:
-    """A single fit's (method, seed, one-phase state) from its Hydra config and logged metrics (CSV or TensorBoard)."""
+    """A Hydra single fit's (method, seed, one-phase state) from its config and logged metrics (CSV or TensorBoard)."""
     config = run_dir / ".hydra" / "config.yaml"
     if not (config.is_file() and has_metrics(run_dir)):
         return None
     import yaml
 
     cfg = yaml.safe_load(config.read_text()) or {}
-    names = sorted(k for k, v in (cfg.get("callbacks") or {}).items() if v)
+    callbacks = {k: v for k, v in (cfg.get("callbacks") or {}).items() if v}
+    targets = [v["_target_"] for v in callbacks.values() if isinstance(v, dict) and "_target_" in v]
+    method = "+".join(sorted(callbacks)) if callbacks else "no callbacks"
+    seed = int(cfg.get("seed", 0))
+    return method, seed, fit_state(run_dir, method, seed, summary_names(targets))
+
+
+def fit_state(run_dir: Path, method: str, seed: int, summaries: list[str]) -> dict:
+    """One fit as a one-phase pipeline state: its last logged values, ``summaries`` among them as the summary."""
     last: dict[str, float] = {}
     steps = 0
     for row in read_rows(run_dir, None):
         steps = max(steps, int(row["step"]))
         last.update({k: float(v) for k, v in row.items() if k not in ("epoch", "step")})
     phase = {"index": 0, "steps": steps, "step_offset": 0, "val_loss": last.get("val/loss"),
-             "retention_loss": None, "dormant_fraction": last.get("redo/dormant"), "minutes": None}
-    method = "+".join(names) if names else "no callbacks"
-    return method, int(cfg.get("seed", 0)), {"method": method, "seed": cfg.get("seed", 0), "single_fit": True,
-                                             "phase_order": ["fit"], "phases": {"fit": phase}}
+             "retention_loss": None, "dormant_fraction": last.get("redo/dormant"), "minutes": None,
+             "summary": {name: last[name] for name in summaries if name in last}}
+    return {"method": method, "seed": seed, "single_fit": True, "phase_order": ["fit"], "phases": {"fit": phase}}
+
+
+def summary_names(targets: list[str] | None) -> list[str]:
+    """The metrics the callbacks ``targets`` (``_target_`` paths) name as their summary (``summary_metrics``);
+    ``None`` (a run that does not record its callbacks): those of every built-in callback. A class that cannot
+    be imported here adds none."""
+    import importlib
+
+    if targets is None:
+        from ... import _LAZY
+
+        targets = [f"{module}.{name}" for name, module in _LAZY.items()
+                   if module.startswith("plasticity_callbacks.callbacks.")]
+    names: dict[str, None] = {}
+    for target in targets:
+        module, _, name = target.rpartition(".")
+        try:
+            names.update(dict.fromkeys(getattr(getattr(importlib.import_module(module), name), "summary_metrics", ())))
+        except (ImportError, AttributeError, ValueError):
+            continue
+    return list(names)
+
+
+def plain_run(run_dir: Path, root: Path) -> Run:
+    """A run that only its logger wrote (a plain Lightning ``lightning_logs/version_0``), named by its folder."""
+    name = run_dir.relative_to(root).as_posix() if run_dir != root else run_dir.name
+    return Run(run_dir, name, 0, fit_state(run_dir, name, 0, summary_names(None)))
 
 
 def find_runs(root: Path) -> list[Run]:
-    """Every pipeline run and single fit under ``root``, labelled by what varies among them."""
+    """Every pipeline run, Hydra single fit and plain Lightning log folder under ``root``, labelled by what
+    varies among them."""
     runs = []
     for state_file in sorted(root.rglob("pipeline.json")):
         state = json.loads(state_file.read_text())
@@ -131,6 +168,11 @@ def find_runs(root: Path) -> list[Run]:
     for run_dir in sorted(single_fits):
         if run_dir not in pipeline_dirs and (found := single_fit_state(run_dir)) is not None:
             runs.append(Run(run_dir, found[0], found[1], found[2]))
+    known = pipeline_dirs | single_fits
+    logged = {p.parent for pattern in ("metrics.csv", "events.out.tfevents.*") for p in root.rglob(pattern)}
+    for run_dir in sorted(logged):
+        if not any(run_dir == d or run_dir.is_relative_to(d) for d in known):
+            runs.append(plain_run(run_dir, root))
     for run in runs:
         run.overrides = read_overrides(run.path)
         run.curves = read_curves(run)
@@ -201,7 +243,8 @@ def summarize(runs: list[Run], columns=COLUMNS) -> dict[str, dict[str, tuple[flo
 
 def markdown_table(table: dict[str, dict[str, tuple[float, float, int]]], columns=COLUMNS,
                    first_column: str = "runs (what varies)") -> str:
-    """Rows sorted by the first column's mean (best first); cells ``mean ± std``, ``-`` where not logged."""
+    """Rows sorted by the first column's mean (best first); cells ``mean ± std`` (the value alone where one seed
+    measured it: a std of one value says nothing), ``-`` where not logged."""
     header = f"| {first_column} | seeds | " + " | ".join(name for name, _ in columns) + " |"
     lines = [header, "|" + "---|" * (len(columns) + 2)]
     sort_key = columns[0][1]
@@ -213,9 +256,9 @@ def markdown_table(table: dict[str, dict[str, tuple[float, float, int]]], column
             if key not in row:
                 cells.append("-")
                 continue
-            mean, std, _ = row[key]
+            mean, std, n = row[key]
             digits = 2 if key == "minutes" else 4
-            cells.append(f"{mean:.{digits}f} ± {std:.{digits}f}")
+            cells.append(f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if n > 1 else ""))
         lines.append(f"| {label} | {row['seeds'][2]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -375,7 +418,7 @@ def metric_figure(path: Path, panels: list[Panel], title: str | None = None) -> 
             below = grid[1, column]
             plot_series(below, panel.series, styles, panel.boundaries)
             if wide_range(values[panel.title]) and zoom_on_the_best(below, panel.series):
-                below.set(title=f"zoom: second half, curves ending within 10% of the best", xlabel=panel.xlabel,
+                below.set(title="zoom: second half, curves ending within 10% of the best", xlabel=panel.xlabel,
                           ylabel=panel.ylabel)
                 below.grid(alpha=0.3)
             else:
@@ -433,13 +476,14 @@ def plot_curves(runs: list[Run], out: Path) -> list[Path]:
 def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     runs = find_runs(root)
     if not runs:
-        raise FileNotFoundError(f"no runs under {root}: neither a pipeline.json nor logged metrics (logs/metrics.csv "
-                                "or tensorboard/ event files) next to .hydra/")
+        raise FileNotFoundError(f"no runs under {root}: neither a pipeline.json nor logged metrics (a metrics.csv or "
+                                "TensorBoard event files, e.g. lightning_logs/version_0)")
     shared = label_runs(runs)
     out = out or root / "report"
     out.mkdir(parents=True, exist_ok=True)
     single = all(r.state.get("single_fit") for r in runs)
-    columns = SINGLE_FIT_COLUMNS if single else [*COLUMNS[:-1], *summary_columns(runs), COLUMNS[-1]]
+    columns = [*SINGLE_FIT_COLUMNS, *summary_columns(runs)] if single else [*COLUMNS[:-1], *summary_columns(runs),
+                                                                            COLUMNS[-1]]
     table = markdown_table(summarize(runs, columns), columns)
     figures = plot_curves(runs, out)
     phases = " → ".join(runs[0].state.get("phase_order") or runs[0].state["phases"])
@@ -447,7 +491,8 @@ def build_report(root: Path, out: Path | None = None) -> tuple[str, list[Path]]:
     settings = ", ".join(shared) or "nothing but the defaults"
     text = "\n".join([
         f"# Plasticity study: {len(runs)} runs under {root}", "",
-        f"Runs: {kind}. Shared by every run: {settings}. Mean ± std over seeds; losses in nats per byte"
+        f"Runs: {kind}. Shared by every run: {settings}. Mean ± std over seeds (the value alone for one seed); "
+        "losses in nats per byte"
         + ("." if single else "; retention = loss on the first phase's validation set after the last phase; "
            "minutes = the phases each run trained."), "",
         table, "", *[f"![{p.stem}]({p.name})" for p in figures], "",
