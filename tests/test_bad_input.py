@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -587,3 +588,19 @@ def test_hydra_values_lightning_or_torch_would_reject_deep_inside_are_named_with
     with pytest.raises(ConfigError) as err:
         check_config(cfg, [override])
     assert words in str(err.value), str(err.value)
+
+
+def test_a_monitor_schedule_in_a_fit_without_validation_says_it_will_never_act():
+    from plasticity_callbacks import ShrinkPerturb
+
+    from tiny import cpu_trainer, regression_loader
+
+    method = ShrinkPerturb(schedule={"monitor": "val/loss", "patience": 1})
+    with pytest.warns(UserWarning, match=r"Schedule\(monitor='val/loss'\) .* runs no validation .* never act"):
+        cpu_trainer(max_steps=2, callbacks=[method]).fit(TinyMLPModule(), regression_loader())
+    assert method.firing.fired == []
+    validated = ShrinkPerturb(schedule={"monitor": "val/loss", "patience": 1})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs no validation.*")
+        cpu_trainer(max_steps=4, val_check_interval=2, callbacks=[validated]).fit(
+            TinyMLPModule(), regression_loader(), regression_loader())
