@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -458,3 +459,148 @@ def test_polar_factor_of_any_layout_and_magnitude_is_the_float64_svd_polar_facto
     u, _, vh = torch.linalg.svd(W.double(), full_matrices=False)
     assert Q.shape == W.shape and Q.dtype == dtype
     assert torch.allclose(Q.double(), u @ vh, atol=2e-4)  # the iterations stop at an orthogonality error of 1e-5
+
+
+# ------------------------------------------------------------------ 4. every public argument, swept
+def _exported_methods() -> list[str]:
+    import plasticity_callbacks
+    from plasticity_callbacks.callbacks.base import PlasticityCallback
+
+    return sorted(n for n in plasticity_callbacks.__all__ if isinstance(getattr(plasticity_callbacks, n), type)
+                  and issubclass(getattr(plasticity_callbacks, n), PlasticityCallback)
+                  and getattr(plasticity_callbacks, n) is not PlasticityCallback)
+
+
+def _swept_arguments() -> list[tuple[str, str, object]]:
+    """``(method, argument, bad value)`` for every argument of every exported method whose default says its kind:
+    a number gets Inf, NaN and a word; a flag gets a word and a number; a choice gets an unknown word."""
+    import inspect
+
+    cases = []
+    for name in _exported_methods():
+        for arg, p in inspect.signature(_callback(name).__init__).parameters.items():
+            default = p.default
+            if isinstance(default, bool):
+                bad = ["yes", 3]
+            elif isinstance(default, (int, float)):
+                bad = [math.inf, math.nan, "abc"]
+            elif isinstance(default, str):
+                bad = ["no-such-choice", 5]
+            else:
+                continue
+            cases += [(name, arg, value) for value in bad]
+    return cases
+
+
+@pytest.mark.parametrize("name,arg,value", _swept_arguments(), ids=lambda v: repr(v) if not isinstance(v, str) else v)
+def test_every_argument_of_every_method_refuses_a_value_of_the_wrong_kind_by_name(name, arg, value):
+    with pytest.raises(ValueError) as err:
+        _callback(name)(**{arg: value})
+    message = str(err.value)
+    assert arg in message and "\n" not in message, message
+
+
+def test_the_sweep_reaches_the_arguments_the_issue_found_accepted():
+    swept = {(n, a) for n, a, _ in _swept_arguments()}
+    assert {("L2Init", "strength"), ("FIREReinit", "save_spectra"), ("ReDoMonitor", "plot_scores")} <= swept
+    assert len({n for n, _ in swept}) == len(_exported_methods())
+
+
+def test_continual_backprop_layer_map_of_the_wrong_kind_is_named():
+    with pytest.raises(ValueError, match=r"layer_map=5 must be a mapping"):
+        _callback("ContinualBackprop")(layer_map=5)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(fused=[1, 2]), "fused=[1, 2]) must be a mapping"),
+    (dict(neurons=("fc1", "fc2")), "neurons=('fc1', 'fc2')) must be a mapping"),
+    (dict(roles="attention"), "roles='attention') must be a mapping"),
+])
+def test_declare_plasticity_arguments_of_the_wrong_kind_are_named(kwargs, words):
+    from plasticity_callbacks import declare_plasticity
+
+    with pytest.raises(ValueError) as err:
+        declare_plasticity(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4)), **kwargs)
+    assert words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("rows, words", [
+    ({"a": [0, 1, 2], "b": [3, 4, 9]}, "row(s) 9 out of range (the rows are 0..5); row(s) 5 in no block"),
+    ({"a": [0, 1, 2, 3], "b": [3, 4, 5]}, "row(s) 3 in more than one block"),
+])
+def test_a_declared_row_split_that_does_not_fit_names_the_rows(rows, words):
+    from plasticity_callbacks import declare_plasticity, select_targets
+
+    model = declare_plasticity(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4)), fused={"0.weight": rows})
+    with pytest.raises(ValueError) as err:
+        select_targets(model, None)
+    assert words in str(err.value) and "0.weight" in str(err.value), str(err.value)
+
+
+def test_fire_on_a_weight_with_no_entries_is_skipped_by_name_or_refused():
+    from plasticity_callbacks.functional.isometry import DegenerateMatrixError, FIREOptions
+    from plasticity_callbacks.ops.fire import apply_fire
+
+    with pytest.warns(UserWarning):  # torch: initializing a zero-element tensor
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 0), nn.Linear(0, 3), nn.Linear(3, 3))
+    before = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"FIRE: 1.weight has shape \(0, 8\), no entries"):
+        records = apply_fire(model)
+    assert {r.name: r.skipped for r in records} == {"0.weight": None, "1.weight": "empty", "2.weight": "empty"}
+    assert not torch.equal(model[0].weight, before)  # the others were treated
+    with pytest.raises(DegenerateMatrixError, match="no entries"):
+        apply_fire(model, options=FIREOptions(on_degenerate="raise"))
+
+
+def test_hf_adapter_arguments_of_the_wrong_kind_are_named():
+    pytest.importorskip("transformers")
+    import lightning as L
+    from plasticity_callbacks import FIREReinit
+    from plasticity_callbacks.integrations.hf import HFTrainerCallback
+
+    for kwargs, words in [(dict(task_boundary_steps=[-1]), "task_boundary_steps=[-1] must be"),
+                          (dict(task_boundary_steps="abc"), "task_boundary_steps='abc' must be"),
+                          (dict(trainer="x"), "trainer='x' must be the transformers.Trainer")]:
+        with pytest.raises(ValueError) as err:
+            HFTrainerCallback(FIREReinit(), **kwargs)
+        assert words in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"Callback\(\) overrides none of the hooks it drives"):
+        HFTrainerCallback(FIREReinit(), L.Callback())
+    assert HFTrainerCallback(FIREReinit(), task_boundary_steps=[20, 10]).task_boundary_steps == [10, 20]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.max_steps=abc", "trainer.max_steps='abc' must be an integer >= -1, e.g. trainer.max_steps=300"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
+    ("optimizer.lr=-1", "optimizer.lr=-1 must be finite and >= 0, e.g. optimizer.lr=0.003"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be finite and >= 0"),
+    ("optimizer.betas=[0.9,-1]", "optimizer.betas=[0.9, -1] must be finite and >= 0"),
+])
+def test_hydra_values_lightning_or_torch_would_reject_deep_inside_are_named_with_the_fix(override, words):
+    from hydra import compose, initialize_config_dir
+
+    from plasticity_callbacks.app.config_checks import check_config
+    from plasticity_callbacks.app.train import config_dir
+    from plasticity_callbacks.errors import ConfigError
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["paths.output_dir=/tmp/plasticity-compose", "experiment=smoke", override])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, [override])
+    assert words in str(err.value), str(err.value)
+
+
+def test_a_monitor_schedule_in_a_fit_without_validation_says_it_will_never_act():
+    from plasticity_callbacks import ShrinkPerturb
+
+    from tiny import cpu_trainer, regression_loader
+
+    method = ShrinkPerturb(schedule={"monitor": "val/loss", "patience": 1})
+    with pytest.warns(UserWarning, match=r"Schedule\(monitor='val/loss'\) .* runs no validation .* never act"):
+        cpu_trainer(max_steps=2, callbacks=[method]).fit(TinyMLPModule(), regression_loader())
+    assert method.firing.fired == []
+    validated = ShrinkPerturb(schedule={"monitor": "val/loss", "patience": 1})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs no validation.*")
+        cpu_trainer(max_steps=4, val_check_interval=2, callbacks=[validated]).fit(
+            TinyMLPModule(), regression_loader(), regression_loader())

@@ -20,9 +20,16 @@ def check_int(name: str, value, minimum: int = 1, optional: bool = False, hint: 
 
 
 def check_number(name: str, value, low: float = -math.inf, high: float = math.inf, hint: str = "") -> None:
-    """``value`` must be an int or float (not a bool) in the closed interval ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} must be a number in [{low:g}, {high:g}] {hint}".rstrip())
+    """``value`` must be a finite int or float (not a bool) in the closed interval ``[low, high]``."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not low <= value <= high):
+        raise ValueError(f"{name}={value!r} must be a finite number in [{low:g}, {high:g}] {hint}".rstrip())
+
+
+def check_bool(name: str, value) -> None:
+    """``value`` must be True or False (a config's ``yes``, ``1`` or ``"false"`` is refused by name)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be true or false")
 
 
 def sorted_int_list(name: str, values) -> list[int]:

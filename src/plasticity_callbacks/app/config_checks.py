@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -200,6 +201,7 @@ def check_config(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed={seed!r} must be an integer")
+    check_trainer_counts(cfg.get("trainer"))
     check_optimizer("optimizer", cfg.get("optimizer"))
     for name, block in (cfg.get("phases") or {}).items():
         if block and block.get("optimizer"):
@@ -245,6 +247,22 @@ def check_fsdp2(cfg: DictConfig) -> None:
                           f"trainer.strategy.data_parallel_size={ranks}")
 
 
+# Trainer settings a typo turns into a TypeError deep inside Lightning: (key, smallest value, example).
+TRAINER_COUNTS = (("max_steps", -1, 300), ("max_epochs", -1, 10), ("log_every_n_steps", 0, 10),
+                  ("accumulate_grad_batches", 1, 4), ("devices", 1, 2), ("num_nodes", 1, 1),
+                  ("num_sanity_val_steps", -1, 0))
+
+
+def check_trainer_counts(trainer: DictConfig | None) -> None:
+    """The trainer's counts are integers in range (``trainer.max_steps=abc`` names the key and an example)."""
+    for key, low, example in TRAINER_COUNTS:
+        value = (trainer or {}).get(key)
+        if value is None or (key == "devices" and value == "auto"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"trainer.{key}={value!r} must be an integer >= {low}, e.g. trainer.{key}={example}")
+
+
 def optimizer_arguments() -> dict[str, inspect.Parameter]:
     parameters = inspect.signature(GPTLightningModule.__init__).parameters
     return {name: p for name, p in parameters.items() if name not in ("self", "model", "optimizer")}
@@ -264,6 +282,10 @@ def check_optimizer(prefix: str, block: DictConfig | None, only: set[str] | None
         default = allowed[key].default
         if not same_kind(value, default):
             raise ConfigError(f"{prefix}.{key}={value!r} must be {kind_name(default)}")
+        numbers = value if isinstance(value, (tuple, list)) else [value]
+        if isinstance(default, (int, float, tuple, list)) and not isinstance(default, bool) and any(
+                not math.isfinite(v) or v < 0 for v in numbers):
+            raise ConfigError(f"{prefix}.{key}={value!r} must be finite and >= 0, e.g. {prefix}.{key}={default!r}")
 
 
 def same_kind(value: Any, default: Any) -> bool:

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..ops import factorization
 from ..distributed import sharded_subspace
-from ..arguments import build_options, check_int, check_number
+from ..arguments import build_options, check_bool, check_int, check_number
 from ..distributed.strategy import gather_full, is_dtensor
 from .figures import can_draw, save_figure
 from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
@@ -238,6 +238,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self._cycle_now = False  # the schedule said so at this step's first batch
         self._capturing = False  # factorized weights carry their gradient probes (a cycle step)
         self.r_min, self.initial_rank = r_min, initial_rank
+        check_bool("log_per_matrix", log_per_matrix)
+        check_bool("save_figure", save_figure)
         self.log_per_matrix, self.save_figure = log_per_matrix, save_figure
         if skip_full_gradient not in (True, False, "auto"):
             raise ValueError(f"skip_full_gradient={skip_full_gradient!r} is not one of True, False, 'auto'")

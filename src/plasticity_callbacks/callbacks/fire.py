@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ..ops.fire import apply_fire
-from ..arguments import build_options, check_int
+from ..arguments import build_options, check_bool, check_int
 from .state import OPTIONAL_INT
 from ..distributed.strategy import all_reduce_mean
 from ..model_map import Selection, refuse_unknown_splits, select_targets
@@ -75,6 +75,8 @@ class FIREReinit(PlasticityCallback):
         self.options = FIREOptions() if options is None else build_options(FIREOptions, options, "FIREReinit",
                                                                              "options")
         check_int("rewarmup_steps", rewarmup_steps, minimum=0)
+        check_bool("log_per_layer", log_per_layer)
+        check_bool("save_spectra", save_spectra)
         self.rewarmup_steps, self.log_per_layer, self.save_spectra = rewarmup_steps, log_per_layer, save_spectra
         self.history: list[dict[str, Any]] = []  # per application: reason, global_step, mean DfI before/after
         self.warmup_start: int | None = None  # global step of the first re-warmed step

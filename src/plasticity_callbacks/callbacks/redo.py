@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..arguments import check_int, check_number
+from ..arguments import check_bool, check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, validate_patterns
@@ -134,6 +134,7 @@ class ReDoMonitor(PlasticityCallback):
         self.layer_map = _validate_layer_map(layer_map)
         self.tau, self.ema_decay, self.init = float(tau), float(ema_decay), init
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps
+        check_bool("plot_scores", plot_scores)
         self.exclude, self.plot_scores, self.seed = list(exclude) if exclude else None, plot_scores, seed
 
         self.layers: list[HiddenUnits] = []

@@ -276,6 +276,10 @@ class ScheduleState:
         if self.schedule.at_task_boundaries:
             self._boundaries = task_boundary_steps(trainer, self.owner)
         self._trainer = weakref.ref(trainer)  # state_dict reads the threshold's metric as the checkpoint is written
+        if self.schedule.monitor is not None and not runs_validation(trainer):
+            rank_zero_warn(f"{self.owner}: Schedule(monitor={self.schedule.monitor!r}) acts at validation ends, and this "
+                           "fit runs no validation (no val dataloader, or limit_val_batches=0), so it will never act: "
+                           "pass val_dataloaders to trainer.fit, or use a step or epoch trigger")
         if self.last_step is None:  # a fresh fit (a resumed one keeps its saved clock)
             self.last_step = trainer.global_step - 1
         if self.schedule.at_fit_start and not self.fit_start_fired:
@@ -428,6 +432,13 @@ def _multiple_in(low: int, high: int, n: int) -> bool:
     """Whether a positive multiple of ``n`` lies in ``(low, high]``."""
     first = max(n, (low // n + 1) * n)
     return first <= high
+
+
+def runs_validation(trainer) -> bool:
+    """Whether a Lightning fit will validate (True where the trainer does not say: another loop's view)."""
+    if not hasattr(trainer, "val_dataloaders") or not hasattr(trainer, "limit_val_batches"):
+        return True
+    return trainer.val_dataloaders is not None and trainer.limit_val_batches != 0
 
 
 def task_boundary_steps(trainer, owner: str) -> tuple[int, ...]:

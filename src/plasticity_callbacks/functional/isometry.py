@@ -148,6 +148,9 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
     if param.dim() < 2:
         record.skipped = f"{param.dim()}-D parameter"
         return record
+    if param.numel() == 0:
+        return _skip_degenerate(record, f"FIRE: {name} has shape {tuple(param.shape)}, no entries (no polar factor)",
+                                "empty", on_degenerate)
     if param.is_cuda:
         torch.cuda.synchronize(param.device)
     started = time.perf_counter()

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..app.runs.checkpoints import read_checkpoint
 from ..app.runs.verified_files import write_verified
+from ..arguments import sorted_int_list
 from ..errors import CheckpointError, ResumeError
 from ..extras import require_module
 
@@ -44,6 +45,9 @@ TrainerCallback = transformers.TrainerCallback
 PREFIX_CHECKPOINT_DIR = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
 STATE_FILE = "plasticity_callbacks.pt"
+DRIVEN_HOOKS = ("setup", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
+                "on_before_optimizer_step", "on_train_batch_end", "on_train_epoch_end", "on_validation_end",
+                "on_train_end", "on_fit_end", "teardown", "state_dict", "load_state_dict")
 
 
 class HFTrainerCallback(TrainerCallback):
@@ -72,6 +76,15 @@ class HFTrainerCallback(TrainerCallback):
             if not isinstance(callback, L.Callback):
                 raise TypeError("HFTrainerCallback runs Lightning callbacks of plasticity_callbacks (e.g. FIREReinit), "
                                 f"got {type(callback).__name__}")
+            if not any(getattr(type(callback), hook) is not getattr(L.Callback, hook) for hook in DRIVEN_HOOKS):
+                raise ValueError(f"HFTrainerCallback: {type(callback).__name__}() overrides none of the hooks it drives "
+                                 f"({', '.join(DRIVEN_HOOKS)}), so it would do nothing; pass a callback that acts, "
+                                 "e.g. FIREReinit()")
+        if trainer is not None and not isinstance(trainer, transformers.Trainer):
+            raise ValueError(f"HFTrainerCallback: trainer={trainer!r} must be the transformers.Trainer the adapter is "
+                             "added to, or None")
+        if task_boundary_steps is not None:
+            task_boundary_steps = sorted_int_list("HFTrainerCallback task_boundary_steps", task_boundary_steps)
         keys = [callback.state_key for callback in callbacks]
         if len(set(keys)) < len(keys):
             raise ValueError(f"HFTrainerCallback: two callbacks share a state key ({keys}); their checkpointed states "
@@ -230,6 +243,11 @@ class _HFStrategy:
         tensor = tensor.clone()
         torch.distributed.all_reduce(tensor)
         return tensor / self.world_size if reduce_op == "mean" else tensor
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's: True when every rank (``all``) or any rank decided True."""
+        votes = int(self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum"))
+        return votes == self.world_size if all else votes > 0
 
     def barrier(self, name: str | None = None) -> None:
         if self.world_size > 1:

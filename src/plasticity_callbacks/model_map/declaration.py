@@ -59,6 +59,11 @@ def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neuro
         ...                    neurons={"mlp0": ("blocks.0.fc_in", "blocks.0.fc_out")}, head="out")
         >>> FIREReinit(schedule=Schedule(at_fit_start=True))  # reads the declaration like every other callback
     """
+    for argument, value, example in [("fused", fused, '{"qkv.weight": {"q": 64, "k": 16, "v": 16}}'),
+                                     ("neurons", neurons, '{"mlp": ("fc_in", "fc_out")}'),
+                                     ("roles", roles, '{"blocks.0.attn": "attention"}')]:
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(f"declare_plasticity({argument}={value!r}) must be a mapping, e.g. {argument}={example}")
     declaration = Declaration(
         fused={str(k): parse_fused(k, v) for k, v in (fused or {}).items()},
         neurons={str(k): _neurons(k, v) for k, v in (neurons or {}).items()},

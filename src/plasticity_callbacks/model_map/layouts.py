@@ -17,6 +17,7 @@ Example:
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -194,11 +195,20 @@ def contiguous(sizes: Sequence[tuple[str, int]]) -> tuple[RowBlock, ...]:
 
 def check_partition(blocks: Sequence[RowBlock], rows: int, what: str) -> tuple[RowBlock, ...]:
     """Raise unless ``blocks`` cover each of ``rows`` rows exactly once."""
-    seen = sorted(r for b in blocks for r in b.rows)
-    if seen != list(range(rows)):
-        raise ValueError(f"{what}: the row blocks must cover each of the matrix's {rows} rows exactly once "
-                         f"(they cover {len(set(seen))} distinct rows, {len(seen)} in all)")
+    seen = Counter(r for b in blocks for r in b.rows)
+    problems = {f"out of range (the rows are 0..{rows - 1})": sorted(r for r in seen if r >= rows),
+                "in no block": sorted(set(range(rows)) - set(seen)),
+                "in more than one block": sorted(r for r, n in seen.items() if n > 1)}
+    named = [f"row(s) {rows_named(found)} {problem}" for problem, found in problems.items() if found]
+    if named:
+        raise ValueError(f"{what}: the row blocks must cover each of the matrix's {rows} rows exactly once: "
+                         f"{'; '.join(named)}")
     return tuple(blocks)
+
+
+def rows_named(rows: list[int]) -> str:
+    """Up to five row indices, and how many more."""
+    return " ".join([", ".join(map(str, rows[:5])), f"and {len(rows) - 5} more" if len(rows) > 5 else ""]).strip()
 
 
 def parse_fused(name: str, spec) -> HeadLayout | tuple[tuple[str, object], ...]:
