@@ -46,15 +46,14 @@ class FabricPlasticity:
         ValueError: no callback, or two with the same ``state_key`` (their checkpointed states would collide).
 
     Example:
-        >>> plasticity = FabricPlasticity(fabric, model, optimizer, FIREReinit(schedule=Schedule(steps=[500])))
-        >>> plasticity.fit_start()
-        >>> for batch_idx, batch in enumerate(loader):
-        ...     plasticity.batch_start(batch_idx)
-        ...     fabric.backward(loss_fn(model, batch))
-        ...     plasticity.before_optimizer_step()
-        ...     optimizer.step(); optimizer.zero_grad()
-        ...     plasticity.batch_end(batch_idx)
-        >>> plasticity.fit_end()
+        >>> fire = FIREReinit(schedule=Schedule(steps=[500]))
+        >>> with FabricPlasticity(fabric, model, optimizer, fire) as plasticity:   # fit_start ... fit_end
+        ...     for batch_idx, batch in enumerate(loader):
+        ...         plasticity.batch_start(batch_idx)
+        ...         fabric.backward(loss_fn(model, batch))
+        ...         plasticity.before_optimizer_step()
+        ...         optimizer.step(); optimizer.zero_grad()
+        ...         plasticity.batch_end(batch_idx)
     """
 
     def __init__(self, fabric, model: nn.Module, optimizers, *callbacks: L.Callback,
@@ -85,6 +84,14 @@ class FabricPlasticity:
     def global_step(self) -> int:
         """Optimizer steps taken (counted by :meth:`batch_end`; restored by :meth:`load_state_dict`)."""
         return self.view.global_step
+
+    def __enter__(self) -> FabricPlasticity:
+        """``with FabricPlasticity(...) as plasticity:`` runs :meth:`fit_start` on entry, :meth:`fit_end` on exit."""
+        self.fit_start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fit_end()
 
     # ------------------------------------------------------------------------------------ the loop's calls
     def fit_start(self) -> None:
