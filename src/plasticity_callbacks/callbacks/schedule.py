@@ -115,11 +115,6 @@ class Schedule:
                     or self.at_task_boundaries or self.monitor)
 
     @property
-    def acts_on_steps(self) -> bool:
-        """Whether step-based triggers exist (``steps``, ``every_n_steps``, task boundaries)."""
-        return bool(self.steps or self.every_n_steps or self.at_task_boundaries)
-
-    @property
     def acts_on_epochs(self) -> bool:
         return bool(self.epochs or self.every_n_epochs)
 
