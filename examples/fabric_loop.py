@@ -54,7 +54,8 @@ def main() -> None:
             plasticity.batch_end(step)  # plasticity
             fabric.log("train/loss", loss.item(), step=step)
     fabric.logger.finalize("success")
-    fabric.print(f"final loss {loss.item():.3f}; FIRE acted at steps {[h['global_step'] for h in callbacks[0].history]}")
+    fired = [h["global_step"] for h in callbacks[0].history]
+    fabric.print(f"final loss {loss.item():.3f}; FIRE acted at steps {fired}")
 
 
 if __name__ == "__main__":

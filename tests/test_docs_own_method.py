@@ -47,5 +47,6 @@ def test_the_doc_method_refuses_damaged_state_and_fsdp2_like_every_method(doc):
     with pytest.raises(CheckpointError, match=r"HeadReset\.load_state_dict.*missing keys"):
         doc.HeadReset().load_state_dict({"unrelated": 1})
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    with pytest.raises(MisconfigurationException, match="HeadReset does not act on FSDP2's sharded weights.*FIREReinit"):
+    with pytest.raises(MisconfigurationException,
+                       match="HeadReset does not act on FSDP2's sharded weights.*FIREReinit"):
         doc.HeadReset().check_strategy(trainer)

@@ -110,7 +110,8 @@ def test_fire_redo_dash_and_shrink_perturb_act_in_a_fabric_loop_and_log_to_fabri
     def after_hooks(step, model):
         if step == 2:  # FIRE acted in batch_start: each true block is an isometry at √(d_out/d_in)
             for block in model.h:
-                matrices = [block.attn.proj.weight, *block.attn.qkv.weight.split(WIDTH), block.fc.weight, block.out.weight]
+                attn = block.attn
+                matrices = [attn.proj.weight, *attn.qkv.weight.split(WIDTH), block.fc.weight, block.out.weight]
                 for weight in matrices:  # Q, K, V of the fused matrix: one isometry each
                     s = torch.linalg.svdvals(weight.detach().double())
                     scale = math.sqrt(weight.shape[0] / weight.shape[1])
