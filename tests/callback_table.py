@@ -7,6 +7,7 @@ in each of them without an edit.
 """
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import lightning as L
@@ -43,8 +44,13 @@ def exported_callbacks() -> dict[str, type]:
 
 
 def methods() -> dict[str, type]:
-    """``{name: class}`` of every exported plasticity method (a :class:`PlasticityCallback`)."""
-    return {name: cls for name, cls in exported_callbacks().items() if issubclass(cls, PlasticityCallback)}
+    """``{name: class}`` of every plasticity method (a :class:`PlasticityCallback`) the package exports or a
+    config in ``configs/callbacks/`` names."""
+    found = dict(exported_callbacks())
+    for name, spec in configs().items():
+        module, _, attribute = spec["_target_"].rpartition(".")
+        found[name] = getattr(importlib.import_module(module), attribute)
+    return {name: cls for name, cls in found.items() if issubclass(cls, PlasticityCallback)}
 
 
 def configs() -> dict[str, dict]:

@@ -13,6 +13,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # example file -> (command after the interpreter or shell, files it must have written, extra it needs)
 SMOKE = {
     "pretrain_then_sft.py": (["--steps", "2", "2", "--val-batches", "1"], [], None),
+    "plain_loop.py": (["--steps", "6"], [], None),
+    "fabric_loop.py": (["--steps", "8"], ["fabric_logs/lightning_logs/version_0/metrics.csv"], None),
     "hf_trainer.py": (["--steps", "4", "--output-dir", "hf_out"], ["hf_out/checkpoint-4/plasticity_callbacks.pt"],
                       "transformers"),
     "method_sweep.sh": (["sweep", "phases.code_a_h.steps=2", "phases.code_i_r.steps=2", "~phases.code_s_z",

@@ -75,7 +75,7 @@ def test_recycling_when_the_monitors_dormant_fraction_exceeds_a_threshold():
 def test_hydra_mapping_builds_the_threshold():
     schedule = Schedule.build({"threshold": {"metric": "monitor/dormant", "above": 0.1, "cooldown": 100}}, "X")
     assert schedule.threshold == Threshold("monitor/dormant", above=0.1, cooldown=100)
-    assert schedule.acts_on_steps and "threshold" in schedule.describe()
+    assert schedule.has_trigger and "threshold" in schedule.describe()
 
 
 @pytest.mark.parametrize("kwargs, match", [

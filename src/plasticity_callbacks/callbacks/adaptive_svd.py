@@ -199,6 +199,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             ``MIN_ENTRIES`` (2¹⁵) entries, where it saves time, True for all, False never (always project
             the full gradient after the backward). The trained weights are the same either way.
 
+    Raises:
+        ValueError: a bad argument; at setup, a selection that finds no weight, only rank-1 weights, or grouped
+            transposed convolutions.
+        MisconfigurationException: ``minor_training="factorize"`` under any strategy but a single device; at
+            setup, FSDP1 or DeepSpeed (flat shards), with the fix.
+        FloatingPointError: a weight with NaN or Inf at an SVD cycle.
+
     Example:
         >>> switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=100, start_step=200))
         >>> trainer = L.Trainer(max_steps=2000, callbacks=[switch])

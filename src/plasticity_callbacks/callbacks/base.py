@@ -55,9 +55,10 @@ class PlasticityCallback(L.Callback):
     When: ``on_train_start`` (fit start), ``on_train_epoch_start`` (epochs), ``step_hook``
     (steps, task boundaries; ``on_train_batch_start`` unless a subclass names another) and
     ``on_validation_end`` (plateaus) ask the :class:`ScheduleState` whether the schedule is due and,
-    if so, call ``act(trainer, pl_module, reason)``. The metrics ``act`` returns are an event (:meth:`log_event`): one row
-    in every logger, at the step of the action, whatever ``log_every_n_steps``, and the latest
-    value of each in ``trainer.callback_metrics`` (for ``Schedule(monitor=...)``, ``ModelCheckpoint``).
+    if so, call ``act(trainer, pl_module, reason)``. The metrics ``act`` returns are an event
+    (:meth:`log_event`): one row in every logger, at the step of the action, whatever ``log_every_n_steps``,
+    and the latest value of each in ``trainer.callback_metrics`` (for ``Schedule(monitor=...)``,
+    ``ModelCheckpoint``).
     An action at a validation end is written at the next training hook, at the same step, so the
     checkpoint written after that validation keeps it (``pending_logs``) and a resume logs it once.
     A series measured at every step goes through ``pl_module.log`` in the subclass's own hook (Lightning

@@ -164,6 +164,12 @@ class DASHShrink(DirectionalShrink):
         log_per_layer: also log the factors per layer.
         gradient_mode: the gradient pass in ``eval`` mode (the reference code) or ``train`` mode.
 
+    Raises:
+        ValueError: a bad argument; at fit start, a selection that finds no weight (or only Muon's, with
+            ``skip_muon_params``).
+        RuntimeError: a selected weight factorized by ``AdaptiveSVDSwitch(minor_training="factorize")``.
+        MisconfigurationException: at setup, under FSDP1 or DeepSpeed (flat shards), with the fix.
+
     Example:
         >>> dash = DASHShrink(min_factor=0.3, n_batches=None, selection={"include_head": True})
         >>> trainer = L.Trainer(max_steps=10_000, callbacks=[dash])

@@ -52,6 +52,11 @@ class FIREReinit(PlasticityCallback):
         log_per_layer: also log DfI and SFE per weight.
         save_spectra: save a figure of the singular values before/after each application.
 
+    Raises:
+        ValueError: a bad argument (naming it and the allowed values); at setup, a selection that finds no
+            weight, or a fused Q/K/V matrix whose rows the model map cannot read (with the declarations that fit).
+        MisconfigurationException: at setup, under FSDP1 or DeepSpeed (flat shards), with the fix.
+
     Example:
         >>> fire = FIREReinit(options=FIREOptions(method="svd"), selection=Selection(scope="mlp"))
         >>> trainer = L.Trainer(callbacks=[fire], max_steps=1000)

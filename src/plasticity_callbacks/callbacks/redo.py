@@ -89,6 +89,13 @@ class ReDoMonitor(PlasticityCallback):
         plot_scores: save a histogram of the scores per layer at the end of training.
         seed: mixed with the global step and layer into the re-sampling generator.
 
+    Raises:
+        ValueError: a bad argument; at setup, no neuron layer found (pass ``layer_map`` or declare them).
+        RuntimeError: a collecting training step saw no activation (a model compiled before the hooks); a
+            recycle on weights factorized by ``AdaptiveSVDSwitch(minor_training="factorize")``.
+        CheckpointError: a checkpointed state whose tensors do not fit its layers.
+        MisconfigurationException: at setup, under FSDP1 or DeepSpeed (flat shards), with the fix.
+
     Example:
         >>> redo = ReDoMonitor(tau=0.025, schedule=Schedule(every_n_steps=1000))
         >>> trainer = L.Trainer(callbacks=[redo], max_steps=10_000)

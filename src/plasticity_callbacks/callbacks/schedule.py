@@ -191,11 +191,6 @@ class Schedule:
                     or self.at_task_boundaries or self.monitor or self.threshold)
 
     @property
-    def acts_on_steps(self) -> bool:
-        """Whether step-based triggers exist (``steps``, ``every_n_steps``, task boundaries, a threshold)."""
-        return bool(self.steps or self.every_n_steps or self.at_task_boundaries or self.threshold)
-
-    @property
     def acts_on_epochs(self) -> bool:
         return bool(self.epochs or self.every_n_epochs)
 

@@ -48,6 +48,11 @@ class ShrinkPerturb(PlasticityCallback):
         reset_optimizer: also drop the optimizer state of the changed parameters.
         seed: mixed with the global step into the fresh draw.
 
+    Raises:
+        ValueError: a bad argument; at setup, no parameter matches the selection.
+        RuntimeError: a selected parameter that no init code draws (exclude it or give it ``reset_parameters``).
+        MisconfigurationException: at setup, under FSDP1 or DeepSpeed (flat shards), with the fix.
+
     Example:
         >>> sp = ShrinkPerturb(shrink=0.4, perturb=0.1, schedule=Schedule(every_n_epochs=10))
         >>> trainer = L.Trainer(callbacks=[sp], max_epochs=100)

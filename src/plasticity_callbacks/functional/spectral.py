@@ -207,7 +207,6 @@ class PolarInfo:
     error: float = float("nan")  # largest ‖XᵀX − I‖_F/(2√n) over slices when last checked; NaN if never
     fell_back: int = 0  # slices solved by SVD: an iteration missed tol, or eigh found them rank-deficient
     skipped: int = 0  # degenerate slices (zero / NaN / Inf) returned unchanged
-    slices: int = 1
     lower: float = float("nan")  # Polar Express: the smallest σ bound a slice's schedule was built for
     # Singular values of W per slice (float64, ascending) where the method computed them (svd, eigh); None else.
     singular_values: torch.Tensor | None = None
@@ -267,7 +266,7 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
     # overflow (weights of 1e20) nor underflow (1e-25) in float32.
     peak = largest_entry(W.detach()).to(dtype)
     bad = ~torch.isfinite(peak) | (peak == 0)
-    info = PolarInfo(method=method, skipped=int(bad.sum()), slices=max(1, bad.numel()))
+    info = PolarInfo(method=method, skipped=int(bad.sum()))
     if info.skipped:
         what = (f"{info.skipped} of {bad.numel()} slice(s) of shape {tuple(W.shape[-2:])} are all zero or "
                 "contain NaN/Inf")

@@ -11,7 +11,8 @@ from ..distributed.strategy import warn_on_rank_zero
 from ..model_map import fresh_parameters
 
 
-def fresh_values(model: nn.Module, names: Iterable[str], seed: int, owner: str = "fresh_values") -> dict[str, torch.Tensor]:
+def fresh_values(model: nn.Module, names: Iterable[str], seed: int,
+                 owner: str = "fresh_values") -> dict[str, torch.Tensor]:
     """``{name: fresh value}`` for the named parameters of ``model``, drawn by its own init code from ``seed``.
 
     The draw is :func:`~model_map.fresh.fresh_parameters` (Hugging Face ``_init_weights``, ``init_weights``,

@@ -83,9 +83,6 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=False)
         self.position = position
 
-    def projections(self) -> dict[str, nn.Linear]:
-        return {"c_q": self.c_q, "c_k": self.c_k, "c_v": self.c_v, "c_proj": self.c_proj}
-
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)

@@ -116,9 +116,6 @@ class ReciprocalAttention(nn.Module):
         self.skip_std.fill_(2.0)
         self.skip_rec.fill_(-3.0)
 
-    def projections(self) -> dict[str, nn.Linear]:
-        return {"c_q": self.c_q, "c_k": self.c_k, "c_v": self.c_v, "c_proj": self.c_proj}
-
     def gates(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g_std, g_rec)``: soft sigmoid gates; with hard gating in eval, those below threshold are 0."""
         g_std, g_rec = torch.sigmoid(self.skip_std), torch.sigmoid(self.skip_rec)
