@@ -282,9 +282,10 @@ def test_a_compiled_gpt_logs_what_the_eager_one_does():
         torch._dynamo.reset()
         torch.manual_seed(0)
         module = tiny_gpt_module(n_layer=1, compile=compile)
-        monitor = PlasticityMonitor(activations_every_n_steps=2, weights_every_n_steps=2, spectra_every_n_steps=None,
+        # one step, measuring: one compiled graph (the collecting one)
+        monitor = PlasticityMonitor(activations_every_n_steps=1, weights_every_n_steps=1, spectra_every_n_steps=None,
                                     plot=False)
-        cpu_trainer(max_steps=2, callbacks=[monitor]).fit(module, token_loader())
+        cpu_trainer(max_steps=1, callbacks=[monitor]).fit(module, token_loader())
         return monitor.history
 
     eager, compiled = run(False), run(True)
