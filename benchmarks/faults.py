@@ -332,7 +332,7 @@ def hf_faults(root: Path) -> dict:
     from plasticity_callbacks.callbacks.schedule import Schedule
     from plasticity_callbacks.integrations.hf import STATE_FILE
 
-    marker = root / "hf_payload_ran"
+    markers = {}  # one per fault: a payload that ran in one is not counted against another
 
     def callbacks(with_redo: bool = True):
         fire = FIREReinit(schedule=Schedule(steps=[2, 5]), selection={"scope": "attention"})
@@ -345,7 +345,8 @@ def hf_faults(root: Path) -> dict:
 
     def rows(trainer) -> list[dict]:
         return [{k: v for k, v in row.items() if not any(word in k for word in (*VOLATILE, "runtime"))}
-                for row in trainer.state.log_history if row.get("step", 0) > 3]
+                for row in trainer.state.log_history if row.get("step", 0) > 3 and "train_runtime" not in row]
+        # (the Trainer's end-of-training row averages the loss over this process's steps only: not a metric row)
 
     reference: dict = {}
 
@@ -369,18 +370,19 @@ def hf_faults(root: Path) -> dict:
         prepare()
         run = root / f"hf_{name}"
         shutil.copytree(root / "hf_reference", run)
+        markers[run] = run / "payload_ran"
         damage(run / "checkpoint-3" / STATE_FILE)
         try:
             train(run, resume=True, with_redo=with_redo)
         except Exception as err:
             if "\n" in str(err) or STATE_FILE not in str(err):
                 return f"not one line naming the file: {type(err).__name__}"
-            return "the payload ran" if marker.exists() else None
+            return "the payload ran" if markers[run].exists() else None
         return "resumed without a word"
 
     def hostile(path: Path) -> None:
         buffer = io.BytesIO()
-        torch.save({"adapters": [{"payload": Payload(marker)}]}, buffer)
+        torch.save({"adapters": [{"payload": Payload(markers[path.parents[1]])}]}, buffer)
         write_verified(buffer.getvalue(), path)
 
     def flip(path: Path) -> None:
