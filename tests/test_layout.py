@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,46 @@ def test_old_core_imports_name_their_new_module():
         import plasticity_callbacks.core.apply_fire  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.model_map instead"):
         from plasticity_callbacks.core.model_map import select_targets  # noqa: F401
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level names of the packages outside this one that ``path`` imports, at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_checkpoints_and_the_hf_adapter_need_no_app_extra():
+    """The Hugging Face adapter reads and writes its state through app.runs: neither may need Hydra."""
+    needed = {"hydra", "omegaconf", "matplotlib"}
+    graph = import_graph()
+    reached, todo = set(), ["plasticity_callbacks.integrations.hf"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(graph.get(module, ()))
+    assert "plasticity_callbacks.app.runs.checkpoints" in reached
+    for module in reached:
+        path = PACKAGE.parent / Path(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        assert not external_imports(path) & needed, module
+
+
+@pytest.mark.cli
+def test_the_hf_adapter_imports_without_the_app_extra_and_the_app_names_it():
+    """In a child interpreter where Hydra and OmegaConf cannot be imported."""
+    code = ("import sys\n"
+            "for name in ('hydra', 'omegaconf'): sys.modules[name] = None\n"
+            "import plasticity_callbacks.integrations.hf\n"
+            "try:\n"
+            "    import plasticity_callbacks.app.train\n"
+            "except ImportError as error:\n"
+            "    print(type(error).__name__, error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("MissingExtraError") and "[app]" in result.stdout, result.stdout

@@ -48,3 +48,11 @@ def require_module(module: str, extra: str, purpose: str) -> ModuleType:
         if error.name is None or error.name.split(".")[0] != top:
             raise  # the module exists but one of its own imports failed: show that error as it is
         raise MissingExtraError(f"{purpose} needs {top}, which is not installed: {install_command(extra)}") from None
+
+
+def require_app() -> None:
+    """The Hydra app's own packages (the ``[app]`` extra), or a one-line error naming the command that installs
+    them; called by the app's entry points (``app.train``, ``app.report``), so that ``app.runs`` (checkpoints,
+    resume), which the Hugging Face adapter uses, needs none of them."""
+    for module in ("hydra", "omegaconf", "matplotlib"):
+        require_module(module, "app", "the Hydra app (plasticity-train, plasticity-report)")

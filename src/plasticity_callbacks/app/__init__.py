@@ -1,6 +1,4 @@
 """The application: the Hydra entry point (``plasticity-train``), the multi-phase pipeline and
-the sweep report (``plasticity-report``). It needs the ``[app]`` extra (Hydra, OmegaConf, matplotlib)."""
-from ..extras import require_module
-
-for _module in ("hydra", "omegaconf", "matplotlib"):
-    require_module(_module, "app", "the Hydra app (plasticity-train, plasticity-report)")
+the sweep report (``plasticity-report``). Its entry points need the ``[app]`` extra (Hydra, OmegaConf,
+matplotlib) and say so in one line when it is missing; ``app.runs`` (verified checkpoints, resume) needs
+only Lightning."""

@@ -8,6 +8,10 @@ ends by writing its figures (``report/``, see ``report.py``) and printing where 
 """
 from __future__ import annotations
 
+from ..extras import require_app
+
+require_app()  # the [app] extra: one line naming the install, before the imports that need it
+
 import logging
 import sys
 import time

@@ -8,6 +8,10 @@ Example:
 """
 from __future__ import annotations
 
+from ...extras import require_app
+
+require_app()  # the [app] extra: one line naming the install, before the imports that need it
+
 import argparse
 from pathlib import Path
 
