@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from ..functional.isometry import FireRecord, _skip_degenerate, as_matrices, target_scale
 from ..functional.shrink import apply_shrink_
-from ..functional.spectral import (DegenerateMatrixError, RankDeficientError, deviation_from_isometry,
-                                   gram_inverse_sqrt, orthogonalize, polar_from_gram)
+from ..functional.spectral import (DegenerateMatrixError, RankDeficientError, _symmetric_gram,
+                                   deviation_from_isometry, gram_inverse_sqrt, orthogonalize)
 from .strategy import is_dtensor
 
 
@@ -153,7 +153,7 @@ def sharded_fire(targets: list, options, record_spectra: bool = False) -> list[l
             gathered.extend(_gram_round(tall[start:start + size], group, options, record_spectra))
     for block in gathered:  # wide, partial or rank-deficient: the whole block on every rank
         group = block.target.param.device_mesh.get_group()
-        block.record, new = _fire_rows(block.name, block.target.transposed, block.local_rows_raw(), block.positions,
+        block.record, new = _fire_gathered(block.name, block.target.transposed, block.local_rows_raw(), block.positions,
                                        block.rows, options, record_spectra, group)
         if new is not None:
             block.write_raw(new)
@@ -194,7 +194,7 @@ def _gram_round(blocks: list[_Block], group, options, record_spectra: bool) -> l
     owned = None
     for owner, block in enumerate(blocks):  # the Gram matrix of every block, each summed on its owner only
         X64 = block.local_rows()
-        gram = X64.mT @ X64  # (*k, cols, cols)
+        gram = _symmetric_gram(X64)  # (*k, cols, cols)
         dist.reduce(gram, group=group, group_dst=owner)
         if owner == me:
             owned = gram
@@ -280,9 +280,12 @@ def _decompose(block: _Block, gram: torch.Tensor, options, header: torch.Tensor,
     return inverse_sqrt
 
 
-def _fire_rows(name, transposed, X_local, positions, rows, options, record_spectra, group):
-    """FIRE on one block given as ``X`` (the block, or its transpose) of ``rows`` rows, this rank
-    holding rows ``positions``. Returns the record and the new local rows (None when skipped)."""
+def _fire_gathered(name, transposed, X_local, positions, rows, options, record_spectra, group):
+    """FIRE on one block given as ``X`` (the block, or its transpose) of ``rows`` rows, this rank holding rows
+    ``positions``, gathered whole on every rank and solved as on one process: a wide block (its Gram matrix of
+    the larger side would cost more than the block), a rank-deficient one (no full isometry from ``G``), or a
+    fixed number of iterations (the reference's 5 Newton–Schulz steps stop short of the exact factor).
+    Returns the record and the new local rows (None when skipped)."""
     started = time.perf_counter()
     cols = X_local.shape[1]
     view_shape = (cols, rows, *X_local.shape[2:]) if transposed else (rows, cols, *X_local.shape[2:])
@@ -292,10 +295,8 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     if flags.item():
         return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", options.on_degenerate), None
     X64 = as_matrices(X_local).double()  # (*k, local rows, cols): one matrix per conv tap
-    wide = rows < cols  # gathered: G would be larger than the block itself
-    gram = None if wide else _all_reduce(X64.mT @ X64, group)  # (*k, cols, cols): XᵀX of the whole block
-    squared_norm = float(_all_reduce(X64.square().sum().reshape(1), group) if wide
-                         else gram.diagonal(dim1=-2, dim2=-1).sum())
+    full = _gather_rows(X64, positions, rows, group)
+    squared_norm = float(full.square().sum())
     if squared_norm == 0.0:
         return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", options.on_degenerate), None
     taps = math.prod(X_local.shape[2:])
@@ -304,48 +305,23 @@ def _fire_rows(name, transposed, X_local, positions, rows, options, record_spect
     else:
         scale = target_scale(torch.empty(view_shape, device="meta"), options.scale)
     record.scale = scale
-    new = None
-    partial = options.steps is not None  # a fixed count of iterations: not the exact factor, gathered below
-    if not wide and not partial:  # X G^{-1/2}, unless G is singular (X rank-deficient: no full isometry from rows)
-        try:
-            new = polar_from_gram(X64, gram, total_rows=rows).mul_(scale)
-        except RankDeficientError:
-            pass
-    if new is None:
-        # Wide (G of the larger side would cost more than the block), rank-deficient, or a fixed number of
-        # iterations (the reference's 5 Newton–Schulz steps stop short of the polar factor, so the exact one
-        # would differ): this block whole on every rank, orthogonalized as on one process.
-        full = _gather_rows(X64, positions, rows, group)
-        if partial:
-            polar = orthogonalize(full, replace(options, on_degenerate="skip")).mul_(scale)
-        else:
-            U, _, Vh = torch.linalg.svd(full, full_matrices=False)
-            polar = (U @ Vh).mul_(scale)
-        new = polar[..., positions, :]
-        record.dfi_before = float(deviation_from_isometry(full, scale, torch.float64).sum())
-        record.dfi_after = float(deviation_from_isometry(polar, scale, torch.float64).sum())
-        if record_spectra:
-            record.spectrum_before = torch.linalg.svdvals(full).float().cpu()
-            record.spectrum_after = torch.linalg.svdvals(polar).float().cpu()
+    if options.steps is not None:
+        polar = orthogonalize(full, replace(options, on_degenerate="skip")).mul_(scale)
     else:
-        after = _all_reduce(new.mT @ new, group)
-        record.dfi_before = float(_gram_deviation(gram, scale).sum())
-        record.dfi_after = float(_gram_deviation(after, scale).sum())
-        if record_spectra:
-            record.spectrum_before = torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flip(-1).float().cpu()
-            record.spectrum_after = torch.linalg.eigvalsh(after).clamp_min(0).sqrt().flip(-1).float().cpu()
-    record.sfe = float(_all_reduce((X64 - new).square().sum().reshape(1), group))
+        U, _, Vh = torch.linalg.svd(full, full_matrices=False)
+        polar = (U @ Vh).mul_(scale)
+    new = polar[..., positions, :]
+    record.dfi_before = float(deviation_from_isometry(full, scale, torch.float64).sum())
+    record.dfi_after = float(deviation_from_isometry(polar, scale, torch.float64).sum())
+    if record_spectra:
+        record.spectrum_before = torch.linalg.svdvals(full).float().cpu()
+        record.spectrum_after = torch.linalg.svdvals(polar).float().cpu()
+    record.sfe = float((full - polar).square().sum())
     record.sfe_normalized = record.sfe / squared_norm
     record.seconds = time.perf_counter() - started
     # back to (local rows, cols, *k)
     new = new if new.dim() == 2 else new.permute(new.dim() - 2, new.dim() - 1, *range(new.dim() - 2))
     return record, new
-
-
-def _gram_deviation(gram: torch.Tensor, scale: float) -> torch.Tensor:
-    """DfI ``‖G − s²I‖²_F`` of a tall block from its Gram matrix (what ``deviation_from_isometry`` computes)."""
-    return torch.linalg.matrix_norm(gram - scale**2 * torch.eye(gram.shape[-1], dtype=gram.dtype,
-                                                               device=gram.device)).square()
 
 
 def _gather_rows(X64: torch.Tensor, positions: list[int], rows: int, group) -> torch.Tensor:
