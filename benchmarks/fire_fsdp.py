@@ -161,8 +161,10 @@ def project(costs: dict[str, float], model: str, ranks: int) -> dict[str, float]
         gather_s = costs["c"] * m * n * min(m, n) + ring * m * n * 4 / bandwidth
         gather_mem = 8 * m * n * 3 + 8 * min(m, n) ** 2  # float64 matrix, U, U·Vh; Vh
         if m >= n:  # Gram route: all-reduce n² float64 (twice: G and the check of the result)
-            own = costs["a"] * n**3 + costs["b"] * m / ranks * n**2 + 2 * 2 * ring * 8 * n * n / bandwidth
-            mem = 8 * (m / ranks) * n * 2 + 8 * n * n * 4  # local rows and new rows; G, eigenvectors, G^-1/2, after
+            # each eigh on one rank, round robin over the matrices (all of one layer's tall ones share n = d);
+            # a reduce of G to its owner and a broadcast of G^-1/2 (each as much traffic as half an all-reduce)
+            own = costs["a"] * n**3 / ranks + costs["b"] * m / ranks * n**2 + 2 * ring * 8 * n * n / bandwidth
+            mem = 8 * (m / ranks) * n * 2 + 8 * n * n * 4  # local rows and new rows; G, eigenvectors, G^-1/2, received
         else:  # wide: gathered by the sharded path too
             own, mem = gather_s, gather_mem
         seconds += layers * own
@@ -197,8 +199,8 @@ def main() -> None:
     costs = fit_costs(rows, args.ranks)
     print(f"\nfitted on this CPU: eigh {costs['a']:.3g} s/n³, local products {costs['b']:.3g} s/(m/r·n²), "
           f"SVD {costs['c']:.3g} s/(m·n·min)")
-    print("Projection (one FIRE application on q,k,v,o,gate,up,down of every layer; Llama-style shapes; each rank\n"
-          "computes every matrix's eigh itself, at the fitted CPU rate, one thread; communication at the stated\n"
+    print("Projection (one FIRE application on q,k,v,o,gate,up,down of every layer; Llama-style shapes; each tall\n"
+          "matrix's eigh on one rank, round robin, at the fitted CPU rate, one thread; communication at the stated\n"
           "bandwidth per rank, ring collectives; bf16 parameter shards; wide matrices (down, GQA k/v) gathered):")
     print(f"{'model':>6} {'ranks':>6} {'GB/s':>5} {'sharded s':>10} {'gathered s':>11} {'speedup':>8} "
           f"{'shard GiB':>10} {'peak extra GiB':>15} {'gathered GiB':>13}")

@@ -5,10 +5,11 @@ rank ``r`` of ``n`` holds rows ``[r·c, (r+1)·c)`` with ``c = ⌈rows/n⌉`` (t
 
 FIRE's polar factor without gathering: let ``X`` be a weight seen so that its rows are the sharded
 dimension (``W`` for ``nn.Linear``; ``Wᵀ`` for Hugging Face's ``Conv1D``, stored ``(in, out)``).
-``XᵀX = Σ_r X_rᵀX_r``, so one all-reduce of a small Gram matrix gives every rank ``G = XᵀX``, and
-each rank writes its own rows of ``polar(X) = X G^{-1/2}`` (float64 eigendecomposition of ``G``).
+``XᵀX = Σ_r X_rᵀX_r``, so a reduce of each rank's small Gram matrix gives the block's owner ``G = XᵀX``;
+the owner (round robin over the blocks, so each rank decomposes ``1/world`` of them) broadcasts ``G^{-1/2}``
+(float64 eigendecomposition of ``G``) and each rank writes its own rows of ``polar(X) = X G^{-1/2}``.
 ``polar(Wᵀ) = polar(W)ᵀ``, so the transposed layout is the same computation
-(:func:`~functional.spectral.polar_from_gram` does each rank's product). A row
+(:func:`~functional.spectral.gram_inverse_sqrt` is the owner's part). A row
 block of a fused matrix (Q/K/V) is a set of rows: each rank contributes the Gram matrix of the rows of
 the block it holds, whichever shard boundaries fall inside the block. The route is exact when ``X`` is
 tall or square and has full column rank. A wide ``X`` (``m < n``: ``G`` would be ``n × n``, larger
@@ -16,9 +17,10 @@ than the block itself, to send and to decompose) or a rank-deficient one (no ful
 alone: the null directions must be completed from the whole matrix) is gathered, that block alone,
 and its polar factor computed by SVD as on one process. So is every block when the options fix the
 number of iterations (``steps``: a partial orthogonalization, which one process computes from the whole block).
-Extra memory per rank: one float64 copy of the local rows of a block plus ``O(d²)`` for ``G``, its
-eigenvectors and ``G^{-1/2}``, ``d`` the block's smaller dimension; never the whole matrix, except a
-gathered (wide or degenerate) block.
+Extra memory per rank: one float64 copy of the local rows of a block plus ``4·d²`` float64 for its own
+block's ``G``, eigenvectors and ``G^{-1/2}`` and one received ``G^{-1/2}``, ``d`` the block's smaller
+dimension; never the whole matrix, except a gathered (wide or degenerate) block. ``docs/distributed.md``
+says what runs on which rank, with measured costs.
 """
 from __future__ import annotations
 
