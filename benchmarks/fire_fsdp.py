@@ -1,5 +1,11 @@
-"""FIRE under FSDP2, per matrix: the sharded Gram route against gathering the matrix; peak memory per rank;
-and a projection, from the measured costs, of FIRE on 1B, 7B and 70B models with 8 and 64 ranks.
+"""FIRE under FSDP2: a model of equal square layers on 1 process and on 2 ranks (CPU seconds and peak memory
+per rank); per matrix, the sharded Gram route against gathering the matrix; and a projection, from the
+measured costs, of FIRE on 1B, 7B and 70B models with 8 and 64 ranks.
+
+Equal layers: ``apply_fire`` (default options) once on ``--layers`` square ``--width`` Linear layers, in one
+process (plain parameters: LAPACK's fastest exact polar factor) and on ``--ranks`` gloo ranks (``fully_shard``-
+style ``Shard(0)`` DTensors: each layer's ``eigh`` on one rank, round robin), one thread per process; the
+process CPU time of each rank (the slowest is shown) against the one process's.
 
 Each rank holds ``m/r`` rows of an ``m × n`` weight (a ``Shard(0)`` DTensor on a gloo mesh, one thread
 per rank). Sharded: :func:`plasticity_callbacks.distributed.sharding.sharded_fire` (an all-reduce of the
@@ -9,7 +15,7 @@ SVD, this rank's rows kept. Peak memory: the rise of the rank's peak resident se
 ``/proc/self/clear_refs``) above its resident set before the call, so it counts what the call
 allocates, not the shard it already holds.
 
-    python benchmarks/fire_fsdp.py                 # 2 ranks, shapes up to 2048
+    python benchmarks/fire_fsdp.py                 # 8 layers of 768², then 2 ranks per matrix, shapes up to 2048
     python benchmarks/fire_fsdp.py --quick         # small shapes, seconds
 
 Timings on a shared CPU are indicative; nothing asserts them.
@@ -61,7 +67,7 @@ def _worker(rank: int, world: int, port: int, shapes, out: str) -> None:
             holder.weight.to_local().copy_((U[start:stop] @ Vh) * math.sqrt(m / n))
 
         dist.barrier()
-        t_sharded, mib_sharded = measured(lambda: sharded_fire(view, options))
+        t_sharded, mib_sharded = measured(lambda: sharded_fire([view], options))
         dist.barrier()
         t_gathered, mib_gathered = measured(gathered)
         times = torch.tensor([t_sharded, t_gathered, mib_sharded, mib_gathered], dtype=torch.float64)
@@ -76,6 +82,52 @@ def _worker(rank: int, world: int, port: int, shapes, out: str) -> None:
 
 def measure(shapes, world: int) -> list[dict]:
     return run_ranks(_worker, world, shapes)
+
+
+def _layers_worker(rank: int, world: int, port: int, layers: int, width: int, out: str) -> None:
+    """``apply_fire`` once on ``layers`` square Linear layers: one process (``world == 1``, plain parameters) or
+    ``Shard(0)`` DTensors on ``world`` gloo ranks. Rank 0 writes the slowest rank's CPU seconds, the largest
+    peak, and a checksum of the weights (equal results on both sides)."""
+    torch.set_num_threads(1)
+    from plasticity_callbacks.functional.isometry import FIREOptions
+    from plasticity_callbacks.model_map import Selection
+    from plasticity_callbacks.ops.fire import apply_fire
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+        dist.barrier()
+    selection = Selection(include_head=True)
+    seconds, mib = measured(lambda: apply_fire(model, None, FIREOptions(), selection), cpu=True)
+    full = [layer.weight.full_tensor() if world > 1 else layer.weight for layer in model]
+    checksum = float(sum((w.detach().double() * torch.arange(w.numel()).view_as(w).sin()).sum() for w in full))
+    if world > 1:
+        numbers = torch.tensor([seconds, mib], dtype=torch.float64)
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX)  # the slowest rank and the largest peak
+        seconds, mib = numbers.tolist()
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(dict(seconds=seconds, mib=mib, checksum=checksum)))
+
+
+def equal_layers(layers: int, width: int, world: int) -> None:
+    one = run_ranks(_layers_worker, 1, layers, width)
+    many = run_ranks(_layers_worker, world, layers, width)
+    print(f"FIRE once on {layers} square {width}x{width} layers (default options), process CPU seconds, 1 thread each")
+    print(f"{'processes':>9} {'CPU s per rank':>15} {'ratio':>6} {'peak extra MiB per rank':>24} {'weights checksum':>18}")
+    for world_, r in ((1, one), (world, many)):
+        print(f"{world_:>9} {r['seconds']:>15.3f} {r['seconds'] / one['seconds']:>6.2f} {r['mib']:>24.1f} "
+              f"{r['checksum']:>18.9f}")
+    print(f"model weights: {layers * width * width * 4 / 2**20:.1f} MiB (float32); shard per rank: "
+          f"{layers * width * width * 4 / world / 2**20:.1f} MiB\n")
 
 
 # --------------------------------------------------------------------------------- the projection
@@ -109,8 +161,10 @@ def project(costs: dict[str, float], model: str, ranks: int) -> dict[str, float]
         gather_s = costs["c"] * m * n * min(m, n) + ring * m * n * 4 / bandwidth
         gather_mem = 8 * m * n * 3 + 8 * min(m, n) ** 2  # float64 matrix, U, U·Vh; Vh
         if m >= n:  # Gram route: all-reduce n² float64 (twice: G and the check of the result)
-            own = costs["a"] * n**3 + costs["b"] * m / ranks * n**2 + 2 * 2 * ring * 8 * n * n / bandwidth
-            mem = 8 * (m / ranks) * n * 2 + 8 * n * n * 4  # local rows and new rows; G, eigenvectors, G^-1/2, after
+            # each eigh on one rank, round robin over the matrices (all of one layer's tall ones share n = d);
+            # a reduce of G to its owner and a broadcast of G^-1/2 (each as much traffic as half an all-reduce)
+            own = costs["a"] * n**3 / ranks + costs["b"] * m / ranks * n**2 + 2 * ring * 8 * n * n / bandwidth
+            mem = 8 * (m / ranks) * n * 2 + 8 * n * n * 4  # local rows and new rows; G, eigenvectors, G^-1/2, received
         else:  # wide: gathered by the sharded path too
             own, mem = gather_s, gather_mem
         seconds += layers * own
@@ -126,7 +180,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.add_argument("--layers", type=int, default=8, help="equal square layers: how many")
+    parser.add_argument("--width", type=int, default=768, help="equal square layers: their width")
+    parser.add_argument("--layers-only", action="store_true", help="the equal-layers comparison alone")
     args = parser.parse_args()
+    equal_layers(args.layers, args.width, args.ranks)
+    if args.layers_only:
+        return
     shapes = QUICK if args.quick else SHAPES
     rows = measure(shapes, args.ranks)
     print(f"FIRE per matrix under FSDP2, {args.ranks} gloo ranks on CPU, 1 thread each (slowest rank, largest peak)")
@@ -139,8 +199,8 @@ def main() -> None:
     costs = fit_costs(rows, args.ranks)
     print(f"\nfitted on this CPU: eigh {costs['a']:.3g} s/n³, local products {costs['b']:.3g} s/(m/r·n²), "
           f"SVD {costs['c']:.3g} s/(m·n·min)")
-    print("Projection (one FIRE application on q,k,v,o,gate,up,down of every layer; Llama-style shapes; each rank\n"
-          "computes every matrix's eigh itself, at the fitted CPU rate, one thread; communication at the stated\n"
+    print("Projection (one FIRE application on q,k,v,o,gate,up,down of every layer; Llama-style shapes; each tall\n"
+          "matrix's eigh on one rank, round robin, at the fitted CPU rate, one thread; communication at the stated\n"
           "bandwidth per rank, ring collectives; bf16 parameter shards; wide matrices (down, GQA k/v) gathered):")
     print(f"{'model':>6} {'ranks':>6} {'GB/s':>5} {'sharded s':>10} {'gathered s':>11} {'speedup':>8} "
           f"{'shard GiB':>10} {'peak extra GiB':>15} {'gathered GiB':>13}")

@@ -23,13 +23,15 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def measured(fn):
-    """``(seconds, peak extra MiB)`` of ``fn()`` on this rank."""
+def measured(fn, cpu: bool = False):
+    """``(seconds, peak extra MiB)`` of ``fn()`` on this rank: wall seconds, or the process's CPU seconds
+    (``cpu=True``: what the call costs the rank, whatever else shares the machine)."""
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     before = _rss_kib("VmRSS")
-    started = time.perf_counter()
+    clock = time.process_time if cpu else time.perf_counter
+    started = clock()
     fn()
-    seconds = time.perf_counter() - started
+    seconds = clock() - started
     return seconds, max(0, _rss_kib("VmHWM") - before) / 1024
 
 

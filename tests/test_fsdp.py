@@ -11,6 +11,7 @@ the few steps each run trains.
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -492,3 +493,38 @@ def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
     gates = [float(r["gates/model.blocks.1.mlp/gate_rec"]) for r in rows if r.get("gates/model.blocks.1.mlp/gate_rec")]
     assert gates and all(0 < g < 0.5 for g in gates)  # sigmoid(-3) trained a little: logged by every rank alike
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_dir()
+
+
+def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_process(tmp_path):
+    """``apply_fire`` on ``Shard(0)`` DTensors (2 gloo ranks, no Lightning): each Gram-route block's ``eigh`` runs
+    on one rank only (round robin), and weights, records and spectra equal one process's, through every route."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "sharded_fire.pt"
+    worker = Path(__file__).with_name("sharded_fire_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), str(out)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = torch.load(out, weights_only=False)
+    # Gram route in order: 40x24, 40x40 | conv (9 taps, one eigh), 33x7 | 12x12 rank-deficient, 16x16 NaN;
+    # rank 0 decomposes the first of each pair, rank 1 the second; the NaN block is refused before any eigh.
+    assert result["eigh_calls"] == [3, 2]
+    for name, single in result["single"].items():
+        torch.testing.assert_close(result["sharded"][name], single.detach(), rtol=1e-5, atol=2e-6, equal_nan=True,
+                                   msg=name)
+    def numbers(r):  # what every rank must agree on (NaN included); not its own seconds
+        return repr((r.name, r.scale, r.dfi_before, r.dfi_after, r.sfe, r.skipped))
+
+    assert [numbers(r) for r in result["records"][0]] == [numbers(r) for r in result["records"][1]]
+    assert any("6.weight contains NaN/Inf" in w for w in result["warnings"])
+    for one, two in zip(result["records_single"], result["records"][0]):
+        assert (one.name, one.shape, one.skipped) == (two.name, tuple(two.shape), two.skipped)
+        if one.skipped:
+            continue
+        for field in ("scale", "dfi_before", "sfe", "sfe_normalized"):
+            assert math.isclose(getattr(two, field), getattr(one, field), rel_tol=1e-5, abs_tol=1e-9), (one.name, field)
+        assert two.dfi_after < 1e-9 * one.dfi_before
+        torch.testing.assert_close(two.spectrum_before, one.spectrum_before, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(two.spectrum_after, one.spectrum_after, rtol=1e-4, atol=1e-5)

@@ -438,6 +438,22 @@ def polar_from_gram(rows: torch.Tensor, gram: torch.Tensor, total_rows: int | No
         rcond = n * torch.finfo(gram.dtype).eps
     elif not 0 <= rcond < 1:
         raise ValueError(f"rcond={rcond!r} must be in [0, 1)")
+    inverse_sqrt, _ = gram_inverse_sqrt(gram, m, rcond, partial)
+    compute = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    return (rows.detach().to(compute) @ inverse_sqrt.to(compute)).to(rows.dtype)
+
+
+def gram_inverse_sqrt(gram: torch.Tensor, total_rows: int, rcond: float, partial: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G^(-1/2), eigenvalues)`` of ``gram = WᵀW`` (``W`` of ``total_rows`` rows), float64, by ``eigh``: the
+    right factor of :func:`polar_from_gram`, ``polar(W) = W G^(-1/2)``, which one rank can compute and send to
+    the others. ``rcond``, ``partial`` and the errors are :func:`polar_from_gram`'s; eigenvalues ascending.
+
+    Example:
+        >>> inverse_sqrt, eigenvalues = gram_inverse_sqrt(W.double().mT @ W.double(), W.shape[0], 1e-13)
+        >>> torch.allclose(W.double() @ inverse_sqrt, orthogonalize(W.double()))
+    """
+    m, n = total_rows, gram.shape[-1]
     G = gram.detach().to(torch.float64)
     if not bool(torch.isfinite(G).all()) or bool((G.diagonal(dim1=-2, dim2=-1).amax(-1) <= 0).any()):
         raise DegenerateMatrixError("polar_from_gram: a Gram matrix is zero or has NaN/Inf entries; "
@@ -452,9 +468,8 @@ def polar_from_gram(rows: torch.Tensor, gram: torch.Tensor, total_rows: int | No
             "of the largest): no full isometry from rows alone; gather W and use orthogonalize (it completes "
             "the null directions), or pass partial=True for the partial isometry U_r V_rᵀ")
     inverse_root = torch.where(kept, eigenvalues.clamp_min(torch.finfo(torch.float64).tiny).rsqrt(), 0.0)
-    compute = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    inverse_sqrt = (V * inverse_root[..., None, :]) @ V.mT  # V diag(λ^(-1/2)) Vᵀ on the range
-    return (rows.detach().to(compute) @ inverse_sqrt.to(compute)).to(rows.dtype)
+    return (V * inverse_root[..., None, :]) @ V.mT, eigenvalues  # V diag(λ^(-1/2)) Vᵀ on the range
+
 
 
 def _iterate(X, bad, method, options, info):

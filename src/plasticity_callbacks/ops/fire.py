@@ -5,7 +5,8 @@ block at a time, :func:`~functional.isometry.fire_matrix`; a block is any set
 of rows, a grouped conv is treated per group and tap), write them back (a factorized weight
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
 split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
-rows of every polar factor (:func:`~distributed.sharding.sharded_fire`).
+rows of every polar factor, the decompositions spread over the ranks
+(:func:`~distributed.sharding.sharded_fire`).
 
 On CPU with ``torch.get_num_threads() = T > 1`` the weights are solved ``T`` at a time, one thread each:
 LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin against other work on a
@@ -71,11 +72,13 @@ def apply_fire(
     records, fired = [], []
     local = [t for t in targets if not is_dtensor(t.param)]
     workers = min(torch.get_num_threads(), len(local)) if all(t.param.device.type == "cpu" for t in local) else 1
+    sharded = [t for t in targets if is_dtensor(t.param)]  # FSDP2: a collective over all of them at once
+    sharded = dict(zip(map(id, sharded), sharded_fire(sharded, options, record_spectra) if sharded else []))
     with _thread_pool(workers) as pool:
         pending = {id(t): pool.submit(_fire_target, t, options, record_spectra) for t in local} if pool else {}
         for target in targets:
-            if is_dtensor(target.param):  # FSDP2: each rank writes its own rows (collectives: in order, here)
-                done = sharded_fire(target, options, record_spectra)
+            if is_dtensor(target.param):  # FSDP2: each rank wrote its own rows above
+                done = sharded[id(target)]
             elif pool:
                 done = pending[id(target)].result()
             else:

@@ -1,0 +1,79 @@
+"""``python sharded_fire_worker.py out.pt``: ``apply_fire`` on 2 gloo ranks (``Shard(0)`` DTensors, no Lightning)
+beside one process on the same weights; rank 0 saves both results and each rank's count of ``eigh`` calls.
+
+The model mixes every route of :func:`plasticity_callbacks.distributed.sharding.sharded_fire`: tall and square
+blocks (the Gram route, spread over the ranks), a conv (one Gram matrix per tap), a wide matrix and a
+rank-deficient one (gathered), one with a NaN (skipped), more Gram-route blocks than ranks.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 40), nn.Linear(40, 12), nn.Conv2d(6, 10, 3),
+                           nn.Linear(7, 33), nn.Linear(12, 12), nn.Linear(16, 16))
+    with torch.no_grad():
+        layers[5].weight[:, 3] = 0  # rank 11 of 12: no full isometry from its Gram matrix
+        layers[6].weight[2, 5] = math.nan
+    return layers
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from plasticity_callbacks.functional.isometry import FIREOptions
+    from plasticity_callbacks.model_map import Selection
+    from plasticity_callbacks.ops.fire import apply_fire
+
+    sharded, single = model(), model()
+    selection, options = Selection(include_head=True), FIREOptions()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = apply_fire(single, None, options, selection, record_spectra=True)
+    mesh = init_device_mesh("cpu", (2,))
+    for name, param in list(sharded.named_parameters()):
+        module, attr = name.rsplit(".", 1)
+        setattr(sharded.get_submodule(module), attr, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+    eigh, calls = torch.linalg.eigh, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return eigh(*args, **kwargs)
+
+    torch.linalg.eigh = counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        two = apply_fire(sharded, None, options, selection, record_spectra=True)
+    torch.linalg.eigh = eigh
+    records = [None, None]
+    dist.all_gather_object(records, [copy.copy(r) for r in two])
+    counts = [None, None]
+    dist.all_gather_object(counts, calls[0])
+    params = {name: p.full_tensor().detach() for name, p in sharded.named_parameters()}
+    if rank == 0:
+        torch.save({"single": dict(single.named_parameters()), "sharded": params, "records_single": one,
+                    "records": records, "eigh_calls": counts, "warnings": [str(w.message) for w in caught]}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    mp.start_processes(worker, args=(free, sys.argv[1]), nprocs=2, start_method="spawn")
