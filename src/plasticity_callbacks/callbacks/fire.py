@@ -38,8 +38,8 @@ class FIREReinit(PlasticityCallback):
     ``fire/layers``, and per layer with ``log_per_layer``. ``save_spectra`` saves singular-value
     spectra before/after as a figure in the logger's directory.
     Every rank computes the same deterministic result; under FSDP2 (``ModelParallelStrategy``) each rank
-    writes its own rows of the polar factor from an all-reduced Gram matrix
-    (:mod:`~distributed.sharding`).
+    writes its own rows of the polar factor from ``G^{-1/2}``, which the block's owner rank (round robin over
+    the ranks) computes from the Gram matrix summed there (:mod:`~distributed.sharding`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
