@@ -495,6 +495,7 @@ def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_dir()
 
 
+@pytest.mark.multiprocess
 def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_process(tmp_path):
     """``apply_fire`` on ``Shard(0)`` DTensors (2 gloo ranks, no Lightning): each Gram-route block's ``eigh`` runs
     on one rank only (round robin), and weights, records and spectra equal one process's, through every route."""

@@ -253,6 +253,7 @@ DISTRIBUTED = [{"name": "monitor_ddp", "model": "gpt", "ddp": True, "steps": 4,
                {"name": "monitor_fsdp2", "model": "gpt", "steps": 4, "callbacks": [MONITOR, TRIGGERED_FIRE]}]
 
 
+@pytest.mark.multiprocess
 def test_ddp_and_fsdp2_log_the_values_of_one_process(tmp_path):
     """Two gloo ranks, each with half of every global batch, log what one process logs on the whole batch: the
     activation statistics summed over ranks, FSDP2's shard sums over shards; the same rows at the same steps; and

@@ -34,6 +34,7 @@ def _adam_step(model: nn.Module, seed: int) -> torch.optim.Optimizer:
     return optimizer
 
 
+@pytest.mark.cli
 def test_ops_and_the_layers_below_import_and_run_without_lightning():
     """Lightning blocked in a fresh interpreter: the ops, the math, the model map and the distributed helpers
     still import, and every one-call method runs on a plain module."""

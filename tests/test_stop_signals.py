@@ -100,6 +100,7 @@ def test_a_run_stopped_through_one_rank_resumes_to_the_uninterrupted_run(ddp):
     assert metric_rows(ddp["resumed"]) == rows  # every row once, the validation of the stop step included
 
 
+@pytest.mark.multiprocess
 def test_a_signal_to_fsdp2_rank_0_alone_stops_every_rank_with_one_verified_checkpoint_folder(tmp_path):
     run = tmp_path / "run"
     assert_stopped(launch(run, "fsdp2", stop(4, 0)), 4)

@@ -74,6 +74,7 @@ def test_the_load_planner_reads_shard_items_as_data(folder, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess
 def test_the_fsdp2_strategy_refuses_a_planted_item_on_every_rank(folder, tmp_path):
     """Lightning's own resume path under the package's strategy (no check before the fit): both ranks refuse."""
     copy, marker = planted(folder, tmp_path / "planted")
