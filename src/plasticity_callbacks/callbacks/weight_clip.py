@@ -142,8 +142,8 @@ class WeightClip(PlasticityCallback):
             else:
                 left[name] = "excluded by the selection"
         if not self._params:
-            raise ValueError(f"WeightClip found no weight with an init bound matching include={self.selection.include}, "
-                             f"exclude={self.selection.exclude}")
+            raise ValueError(f"WeightClip found no weight with an init bound matching "
+                             f"include={self.selection.include}, exclude={self.selection.exclude}")
         return left
 
     def attach(self, trainer, pl_module) -> None:

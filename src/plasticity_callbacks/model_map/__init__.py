@@ -32,8 +32,9 @@ from .select import (
 from .weights import WeightView, is_conv1d, output_heads
 
 __all__ = [
-    "Declaration", "HeadLayout", "HiddenUnits", "Interleaved", "linear_map", "stacked_matrices", "RowBlock", "SCOPES", "Selection", "WeightView", "coverage_report",
-    "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight", "fresh_parameters", "grouped_heads",
-    "interleaved_heads", "is_conv1d", "output_heads", "refuse_factorized", "refuse_unknown_splits", "require_targets",
-    "select_targets", "validate_patterns",
+    "Declaration", "HeadLayout", "HiddenUnits", "Interleaved", "RowBlock", "SCOPES", "Selection", "WeightView",
+    "coverage_report", "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight",
+    "fresh_parameters", "grouped_heads", "interleaved_heads", "is_conv1d", "linear_map", "output_heads",
+    "refuse_factorized", "refuse_unknown_splits", "require_targets", "select_targets", "stacked_matrices",
+    "validate_patterns",
 ]

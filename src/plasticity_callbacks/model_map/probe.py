@@ -132,7 +132,7 @@ def _run(model: nn.Module, layers: dict[str, nn.Module], offsets: dict[str, int]
     try:
         with in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), recorder:
             warnings.simplefilter("ignore")
-            ran = _forward(model, layers)
+            ran = torch.compiler.disable(_forward)(model, layers)  # eager: no recompilation of a compiled forward
     finally:
         for handle in handles:
             handle.remove()

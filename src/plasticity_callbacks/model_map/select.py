@@ -19,8 +19,8 @@ from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers,
                       state_space_refusals)
 from .probe import probe_fused_layouts
 from .stacks import left_alone, read_layouts
-from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks, module_roles,
-                      named_blocks, output_heads, stored_param, table_blocks, unknown_split)
+from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks,
+                      module_roles, named_blocks, output_heads, stored_param, table_blocks, unknown_split)
 
 SCOPES = ("all", "attention", "mlp")
 

@@ -266,7 +266,7 @@ def named_blocks(module_name: str, blocks: tuple[RowBlock, ...]) -> tuple[RowBlo
     """Read blocks labelled by the name table where it names them (``gate``/``up`` of a ``gate_up_proj``
     whose forward cuts it in two halves, interleaved or not), else kept as read (``part0``, ``part1``, ...)."""
     leaf = module_name.rsplit(".", 1)[-1]
-    if len(blocks) == 2 and (leaf in GATE_UP_NAMES or leaf == "gate_up_proj"):
+    if len(blocks) == 2 and leaf in GATE_UP_NAMES:
         return tuple(RowBlock(label, b.rows) for label, b in zip(("gate", "up"), blocks))
     return blocks
 
