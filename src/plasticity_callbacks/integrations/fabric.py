@@ -183,6 +183,11 @@ class _LoopStrategy:
     def reduce(self, tensor: torch.Tensor, reduce_op: str = "mean") -> torch.Tensor:
         return self.fabric.all_reduce(tensor, reduce_op=reduce_op) if self.fabric.world_size > 1 else tensor
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's: True when every rank (``all``) or any rank decided True (the non-finite rule's skip)."""
+        votes = int(self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum"))
+        return votes == self.fabric.world_size if all else votes > 0
+
     def barrier(self, name: str | None = None) -> None:
         self.fabric.barrier(name)
 
