@@ -531,10 +531,11 @@ def test_declare_plasticity_arguments_of_the_wrong_kind_are_named(kwargs, words)
 def test_a_declared_row_split_that_does_not_fit_names_the_rows(rows, words):
     from plasticity_callbacks import declare_plasticity, select_targets
 
-    model = declare_plasticity(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4)), fused={"0.weight": rows})
-    with pytest.raises(ValueError) as err:
-        select_targets(model, None)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+    with pytest.raises(ValueError) as err:  # when it is made, not at the next selection
+        declare_plasticity(model, fused={"0.weight": rows})
     assert words in str(err.value) and "0.weight" in str(err.value), str(err.value)
+    assert len(select_targets(model, None)) == 1  # nothing stored: the model is as it was (its head is excluded)
 
 
 def test_fire_on_a_weight_with_no_entries_is_skipped_by_name_or_refused():

@@ -46,7 +46,7 @@ CASES = {
     "data_paths_match_nothing": (["data=files", "data.paths=/nonexistent/**/*.txt"], ["data.paths=", "no files"], 1),
     "type_error_in_callback": (["+callbacks=redo", "callbacks.redo.tau=abc"], ["tau='abc'", "[0, 1]"], 1),
     "type_error_in_dash": (["+callbacks=dash_periodic", "+callbacks.dash_periodic.cosine_threshold=abc"], ["cosine_threshold='abc'"], 1),
-    "type_error_in_trainer": (["trainer.max_steps=abc"], ["Trainer"], 1),
+    "type_error_in_trainer": (["trainer.max_steps=abc"], ["trainer.max_steps='abc'", "integer"], 1),
     "seed_not_an_integer": (["seed=abc"], ["seed='abc'", "integer"], 1),
     "lr_not_a_number": (["optimizer.lr=abc"], ["optimizer.lr='abc'", "number"], 1),
     "lr_ignored_by_every_phase": (["experiment=pipeline_smoke", "optimizer.lr=0.01"],

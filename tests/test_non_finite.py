@@ -38,6 +38,9 @@ ACTING = {
     "FullReset": (dict(schedule=AT_LAST_STEP), "on_train_batch_start"),
     "HareTortoise": (dict(), "on_train_batch_end"),  # the tortoise's EMA, every step
     "L2Init": (dict(strength=1e-2), "on_before_optimizer_step"),
+    # the monitor measures at a batch end; every group at every step here
+    "PlasticityMonitor": (dict(activations_every_n_steps=1, weights_every_n_steps=1, spectra_every_n_steps=1),
+                          "on_train_batch_end"),
     # ReDo acts at a batch end, after the optimizer step: the last one's global step is STEPS
     "ReDoMonitor": (dict(schedule={"steps": [STEPS]}, tau=1.0, collect_every_n_steps=1), "on_train_batch_end"),
     "ShrinkPerturb": (dict(schedule=AT_LAST_STEP), "on_train_batch_start"),

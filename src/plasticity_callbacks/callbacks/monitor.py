@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..arguments import check_int, check_number
 from ..distributed.sharded_state import copies_of, state_copy
-from ..distributed.strategy import is_dtensor, rank_identical_generator, require_full_parameters
+from ..distributed.strategy import is_dtensor, rank_identical_generator
 from ..functional import diagnostics as D
 from ..functional.dormancy import dormancy_scores
 from ..functional.isometry import target_scale
@@ -96,6 +96,8 @@ class PlasticityMonitor(PlasticityCallback):
     """
 
     summary_metrics = ("monitor/dormant", "monitor/feature_erank", "monitor/weight_srank", "monitor/grad_norm")
+    supports_fsdp2 = True
+    reads_gradients = True  # the gradient norm: a NaN gradient skips the measurement too (the base's rule)
     default_schedule = None  # the monitor never acts
     step_hook = "on_train_batch_end"
     extra_state_types = {"names": list, "initial": list, "history": list}
@@ -146,7 +148,7 @@ class PlasticityMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ setup
     def check_strategy(self, trainer) -> None:
-        require_full_parameters(trainer, self.owner, fsdp2=True)  # FSDP2: shard sums, reduced
+        super().check_strategy(trainer)  # FSDP2 (supports_fsdp2): shard sums, reduced
         if self.every["curvature"] and "ModelParallel" in type(trainer.strategy).__name__:
             raise ValueError("PlasticityMonitor curvature_every_n_steps: the Hessian-vector products need a "
                              "double backward through the whole model, which FSDP2 does not run; set "
@@ -274,6 +276,10 @@ class PlasticityMonitor(PlasticityCallback):
                 "models/blocks/mlp.py), or set activations_every_n_steps=None.")
         self._collecting = False
         if trainer.global_step == self._step or not any(self._due.values()):  # no optimizer step ended here
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        if self.skip_nonfinite(trainer, pl_module, "the measurement"):  # the base's rule: no NaN metric logged
+            self._due = {}
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
         metrics = {}
