@@ -318,12 +318,12 @@ def test_weight_std_recycling_next_to_a_nan_row_is_finite():
     assert float(up.weight[1].std()) > 0  # re-sampled, not zeroed
 
 
-def test_adaptive_svd_on_non_finite_weights_names_itself_and_the_layer():
+def test_adaptive_svd_on_non_finite_weights_skips_naming_itself_and_the_layer():
     module = TinyMLPModule()
     with torch.no_grad():
         module.net[2].weight[3, 1] = float("inf")
     switch = pc.AdaptiveSVDSwitch(schedule=pc.Schedule(steps=[0]), save_figure=False)
-    with pytest.raises(FloatingPointError, match=r"AdaptiveSVDSwitch: weight 'net\.2\.weight' has NaN or Inf"):
+    with pytest.warns(RuntimeWarning, match=r"AdaptiveSVDSwitch: .* skipped .*net\.2\.weight.*NaN/Inf"):
         cpu_trainer(max_steps=1, callbacks=[switch]).fit(module, regression_loader())
 
 
