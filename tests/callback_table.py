@@ -33,6 +33,7 @@ ACT_SOON = {
     "ContinualBackprop": {"replacement_rate": 0.2, "maturity_threshold": 1},
     "WeightClip": {"kappa": 0.1},
     "GateLogger": {"every_n_steps": 1},
+    "PlasticityMonitor": {"activations_every_n_steps": 2, "weights_every_n_steps": 2, "spectra_every_n_steps": 2},
 }
 
 

@@ -35,6 +35,8 @@ AT_SECOND_VALIDATION = {"monitor": "val/loss", "mode": "max", "min_delta": 1e9, 
 METRICS = {"_target_": "plasticity_callbacks.callbacks.task_metrics.TaskMetrics", "probe_steps": 3, "probe_lr": 1e-2,
            "stability_tasks": 1, "grad_norm_every_n_steps": 1}
 L2_INIT = {"_target_": "plasticity_callbacks.L2Init", "strength": 0.5}
+MONITOR = {"_target_": "plasticity_callbacks.PlasticityMonitor", "activations_every_n_steps": 1,
+           "weights_every_n_steps": 1, "spectra_every_n_steps": 1, "plot": False}
 # η = 0.5: the tortoise moves visibly in a few steps; reset at step 2 with the optimizer state dropped
 HARE_TORTOISE = {"_target_": "plasticity_callbacks.HareTortoise", "decay": 0.5, "schedule": {"steps": [2]},
                  "reset_optimizer": True}
@@ -102,6 +104,7 @@ RUNS = [
     # tortoise) or whole on every rank (CBP's per-unit statistics). GPT-2's Conv1D (stored (in, out)): each rank
     # holds some inputs of every unit of c_fc and some units' outgoing rows of c_proj.
     {"name": "l2_mlp", "model": "mlp", "steps": 3, "callbacks": [L2_INIT]},
+    {"name": "monitor_mlp", "model": "mlp", "steps": 3, "callbacks": [MONITOR]},
     {"name": "l2_gpt2", "model": "gpt2", "optimizer": "sgd", "lr": 0.1, "steps": 3,  # SGD: a strong pull to see
      "callbacks": [dict(L2_INIT, strength=5.0)]},
     {"name": "ht_mlp", "model": "mlp", "steps": 3, "callbacks": [HARE_TORTOISE]},
@@ -286,6 +289,19 @@ def test_stateful_methods_under_fsdp2_equal_one_process(fsdp2_runs, name):
         assert any(bool((stats["age"] < 2).any()) for stats in state["stats"])
     assert_same_as_single(single, sharded, metrics=("val/loss",) if spec.get("val_every") else ())
     assert_close(single["callbacks"], sharded["callbacks"], "callbacks")  # θ₀ / tortoise / utilities, ages, means
+
+
+@pytest.mark.multiprocess
+def test_the_monitor_under_fsdp2_logs_what_one_process_logs(fsdp2_runs):
+    """Shard sums reduced over the ranks: every monitor value equals one process's, and the weights are
+    untouched (the monitor only measures)."""
+    single, sharded = single_and_sharded(fsdp2_runs, "monitor_mlp")
+    logged = {k for k in single["metrics"] if k.startswith("monitor/")}
+    assert {"monitor/dormant", "monitor/weight_srank", "monitor/grad_norm"} <= logged
+    for key in sorted(logged):
+        assert torch.allclose(sharded["metrics"][key].double(), single["metrics"][key].double(), rtol=1e-4,
+                              atol=1e-6), key
+    assert_same_as_single(single, sharded)
 
 
 @pytest.mark.multiprocess

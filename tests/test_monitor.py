@@ -98,7 +98,7 @@ def test_every_metric_equals_a_direct_computation(case, tmp_path):
 
     def check(name, expected, rtol=1e-5):
         if math.isinf(expected):  # a relative change of a weight at 0 (the GPT's zero-initialized projections)
-            assert math.isnan(logged[name]), name
+            assert name not in logged, name  # left out: a gap in the curve, never a NaN
         else:
             assert logged[name] == pytest.approx(expected, rel=rtol, abs=1e-9), name
 

@@ -51,6 +51,7 @@ class PlasticityMonitor(PlasticityCallback):
     - ``monitor/weight_norm``: ``‖θ‖`` (Dohare et al. 2024; Plasticine's weight magnitude);
     - ``monitor/weight_distance``: ``‖θ − θ₀‖ / ‖θ₀‖`` from the weights at the start of the first fit
       (Plasticine's weight drift; Lyle et al. 2023); θ₀ is kept in ``state_dict`` (a copy of the weights);
+      a weight initialized to zero has no relative drift and is not logged (a gap, never a NaN);
     - ``monitor/grad_norm``: ``‖∇θ‖`` before clipping (Plasticine's gradient norm);
     - ``monitor/update_ratio``: ``‖Δθ‖ / ‖θ‖`` of this step's update (a copy of the weights for one step).
 
@@ -295,6 +296,9 @@ class PlasticityMonitor(PlasticityCallback):
         names = list(metrics)
         values = dict(zip(names, torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(())
                                               .to(pl_module.device) for v in metrics.values()]).tolist()))
+        # A ratio over a weight initialized to zero has no value (NaN from norm_ratio): it is left out, a gap in the
+        # curve, so no NaN is ever logged (the base's rule; the weights themselves were checked finite above).
+        values = {name: value for name, value in values.items() if math.isfinite(value)}
         log_at_step(trainer, values)  # measured at this step only: one row, at this step
         self.history.append({"step": trainer.global_step, **values})
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
