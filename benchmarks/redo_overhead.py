@@ -126,9 +126,10 @@ def time_hooks_directly(redo: ReDoMonitor, module, loader, reps: int = 20, clock
     collection (``_collect``) on those tensors."""
     module.train()
     redo.on_fit_start(None, module)  # attaches the collectors
-    collectors = [block.hidden_observer for block in redo._observed_blocks]
+    observed = [block for block in module.modules() if getattr(block, "hidden_observer", None) is not None]
+    collectors = [block.hidden_observer for block in observed]
     inputs = []
-    for block in redo._observed_blocks:
+    for block in observed:
         block.hidden_observer = lambda b, h: inputs.append((b, h))
     module(next(iter(loader))[0].to(module.device))
     result = {}

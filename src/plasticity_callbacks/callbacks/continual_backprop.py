@@ -11,6 +11,7 @@ from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
 from ..model_map.experts import expert_hidden
+from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.neurons import stores_in_out
 from ..ops.neuron_reset import reset_norm_channels, zero_unit_state
 from ..distributed.sharding import local_part
@@ -26,9 +27,10 @@ class ContinualBackprop(PlasticityCallback):
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
     BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, or an explicit ``layer_map``. An
     expert's statistics come from the tokens routed to it; a step that routes none to it leaves its
-    statistics and age as they were (under DDP its ``f̂`` is each rank's own, averaged after the step). **Collects** in a forward pre-hook on each ``down`` layer (training
-    forwards only; with gradient accumulation, the optimizer step's last micro-batch) the batch mean ``E[h_i]`` and
-    ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end`` of each batch whose optimizer stepped, as the reference runs
+    statistics and age as they were (under DDP its ``f̂`` is each rank's own, averaged after the step).
+    **Collects**, from the input of each ``down`` layer (read through the block's ``hidden_observer`` slot where it
+    has a free one, else a forward pre-hook; training forwards only; with gradient accumulation, the optimizer
+    step's last micro-batch), the batch mean ``E[h_i]`` and ``E|h_i - f̂_i|``. **Acts** in ``on_train_batch_end`` of each batch whose optimizer stepped, as the reference runs
     generate-and-test after ``opt.step()``: the statistics of
     :mod:`plasticity_callbacks.functional.continual_backprop` are updated with the weight magnitudes after
     the step, and the chosen units get incoming rows from ``U(±bound(fan_in))`` (``init``; a gate's rows
@@ -109,7 +111,7 @@ class ContinualBackprop(PlasticityCallback):
         self.replaced = 0
         self._batch: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: (E[h], E|h - f̂|) of this step
         self._pending: dict | None = None
-        self._hooks: list = []
+        self._readers = HiddenInputReaders()  # the collectors fed with down's input
         self._last_step = -1
         self._trainer = None
 
@@ -141,15 +143,15 @@ class ContinualBackprop(PlasticityCallback):
             self._restore(self._pending)
         self._batch = [None] * len(self.layers)
         self._remove_hooks()
+        self._readers.reset(pl_module)
         experts: dict[int, tuple[nn.Module, dict[int, int]]] = {}  # id(experts module) -> (module, {expert: index})
         for index, layer in enumerate(self.layers):
             if layer.experts is not None:
                 experts.setdefault(id(layer.experts), (layer.experts, {}))[1][layer.up.expert] = index
             else:
-                self._hooks.append(layer.down.register_forward_pre_hook(_Collector(self, index)))
+                self._readers.read(layer.down, _Collector(self, index))
         for module, indices in experts.values():
-            collector = _ExpertCollector(self, indices)
-            self._hooks.append(module.register_forward_pre_hook(collector, with_kwargs=True))
+            self._readers.pre_hook(module, _ExpertCollector(self, indices), with_kwargs=True)
         self._last_step = trainer.global_step
 
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -161,9 +163,7 @@ class ContinualBackprop(PlasticityCallback):
         self._trainer = None
 
     def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self._readers.remove()
 
     @torch.no_grad()
     def collect(self, index: int, module: nn.Module, h: torch.Tensor) -> None:
@@ -298,11 +298,14 @@ class _ExpertCollector:
 
 
 class _Collector:
+    """Hands the callback one layer's ``down`` input; a plain object kept for the fit (a compiled graph guards on
+    it)."""
+
     def __init__(self, owner: ContinualBackprop, index: int):
         self.owner, self.index = owner, index
 
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.owner.collect(self.index, module, args[0])
+    def __call__(self, module: nn.Module, h: torch.Tensor) -> None:
+        self.owner.collect(self.index, module, h)
 
 
 def _rows(layer: nn.Module) -> torch.Tensor:

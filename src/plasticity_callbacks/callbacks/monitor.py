@@ -19,6 +19,7 @@ from ..functional import diagnostics as D
 from ..functional.dormancy import dormancy_scores
 from ..functional.isometry import target_scale
 from ..model_map import HiddenUnits, Selection, find_neuron_layers
+from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.patterns import matching_parameters, name_selection
 from .base import PlasticityCallback
 from .step_logging import log_at_step
@@ -133,8 +134,7 @@ class PlasticityMonitor(PlasticityCallback):
         self.initial: list[torch.Tensor] = []  # θ₀, placed like the parameters
         self.history: list[dict[str, float]] = []  # {"step": s, metric: value, ...} per measuring step
         self._params: list[torch.Tensor] = []
-        self._hooks: list = []
-        self._observed_blocks: list[nn.Module] = []
+        self._readers = HiddenInputReaders()  # the collectors fed with down's input
         self._step: int | None = None  # the global step at the start of the optimizer step being measured
         self._due: dict[str, bool] = {}
         self._collecting = self._seen = False
@@ -200,30 +200,15 @@ class PlasticityMonitor(PlasticityCallback):
                                                            "PlasticityMonitor initial weights")
 
     def _attach_collectors(self, pl_module) -> None:
-        observers = {}  # id(down) -> a block whose free hidden_observer receives down's input (compiled graphs too)
-        for module in pl_module.modules():
-            if getattr(module, "hidden_observer", 0) is None and callable(getattr(module, "neuron_layouts", None)):
-                observers.update({id(layout.down): module for layout in module.neuron_layouts()})
-        by_down: dict[int, list[int]] = {}
+        by_down: dict[int, list[int]] = {}  # id(down) -> the layers reading slices of its input
         for index, layer in enumerate(self.layers):
             by_down.setdefault(id(layer.down), []).append(index)
+        self._readers.reset(pl_module)
         for indices in by_down.values():
-            collector = _Collector(self, indices)
-            down = self.layers[indices[0]].down
-            block = observers.get(id(down))
-            if block is not None and block.hidden_observer is None:
-                block.hidden_observer = collector
-                self._observed_blocks.append(block)
-            else:
-                self._hooks.append(down.register_forward_pre_hook(collector.pre_hook))
+            self._readers.read(self.layers[indices[0]].down, _Collector(self, indices))
 
     def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for block in self._observed_blocks:
-            block.hidden_observer = None
-        self._observed_blocks.clear()
+        self._readers.remove()
         self._collecting = False
 
     # ------------------------------------------------------------------ measuring
@@ -441,9 +426,6 @@ class _Collector:
 
     def __call__(self, module: nn.Module, h: torch.Tensor) -> None:
         self.monitor._collect(module, h, self.indices)
-
-    def pre_hook(self, module: nn.Module, args: tuple) -> None:
-        self.monitor._collect(module, args[0], self.indices)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
 from ..model_map import HiddenUnits, find_neuron_layers, validate_patterns
 from ..model_map.experts import ExpertMatrix, expert_hidden
+from ..model_map.hidden_inputs import HiddenInputReaders
 from ..ops.redo import recycle_
 from .schedule import Schedule
 from .step_logging import log_at_step
@@ -153,8 +154,7 @@ class ReDoMonitor(PlasticityCallback):
         self._init_std: torch.Tensor | None = None  # (layers, 2): weight std of up and gate at fit start
         self._nonfinite: torch.Tensor | None = None  # per layer: collected batches skipped for NaN/Inf activations
         self._pending_state: dict | None = None
-        self._hooks: list = []
-        self._observed_blocks: list[nn.Module] = []  # blocks whose hidden_observer feeds this monitor
+        self._readers = HiddenInputReaders()  # the collectors fed with down's input
         self._collecting = False
         self._seen = False  # a collector ran in this step (a hook that never runs is an error, not silence)
         self._warned_unobserved = False
@@ -204,10 +204,6 @@ class ReDoMonitor(PlasticityCallback):
     def _attach_collectors(self, pl_module) -> None:
         """One collector per ``down`` layer (several ReDo layers may read slices of one), fed by the
         owning block's ``hidden_observer`` where the block has a free one, else by a pre-hook."""
-        observers = {}  # id(down) -> block whose hidden_observer receives down's input
-        for module in pl_module.modules():
-            if hasattr(module, "hidden_observer") and callable(getattr(module, "neuron_layouts", None)):
-                observers.update({id(layout.down): module for layout in module.neuron_layouts()})
         groups: dict[int, tuple[nn.Module, list]] = {}
         experts: dict[int, tuple[nn.Module, dict]] = {}  # id(experts module) -> (module, {expert: entry})
         offset = 0
@@ -218,25 +214,15 @@ class ReDoMonitor(PlasticityCallback):
             else:
                 groups.setdefault(id(layer.down), (layer.down, []))[1].append(entry)
             offset += layer.width
+        self._readers.reset(pl_module)
         for module, entries in experts.values():
             collector = _ExpertCollector(self, entries, self.layers[next(iter(entries.values()))[0]].up)
-            self._hooks.append(module.register_forward_pre_hook(collector, with_kwargs=True))
-        for key, (down, entries) in groups.items():
-            collector = _HiddenCollector(self, entries)
-            block = observers.get(key)
-            if block is not None and block.hidden_observer is None:
-                block.hidden_observer = collector
-                self._observed_blocks.append(block)
-            else:
-                self._hooks.append(down.register_forward_pre_hook(collector.pre_hook))
+            self._readers.pre_hook(module, collector, with_kwargs=True)
+        for down, entries in groups.values():
+            self._readers.read(down, _HiddenCollector(self, entries))
 
     def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for block in self._observed_blocks:
-            block.hidden_observer = None
-        self._observed_blocks.clear()
+        self._readers.remove()
         self._collecting = False
 
     # ------------------------------------------------------------------ collection (hot path)
@@ -428,9 +414,6 @@ class _HiddenCollector:
 
     def __call__(self, module: nn.Module, h: torch.Tensor) -> None:
         self.monitor._collect(module, h, self.entries)
-
-    def pre_hook(self, module: nn.Module, args: tuple) -> None:
-        self.monitor._collect(module, args[0], self.entries)
 
 
 class _ExpertCollector:
