@@ -18,13 +18,14 @@ Calls (loop → Lightning hooks):
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
+
+from .lightning_hooks import TaskBoundaries, run_hook
 
 
 class FabricPlasticity:
@@ -147,29 +148,7 @@ class FabricPlasticity:
 
     # ------------------------------------------------------------------------------- internals
     def _call(self, hook: str, *args) -> None:
-        with self._as_lightning_module() as module:
-            for callback in self.callbacks:
-                getattr(callback, hook)(self.view, module, *args)
-
-    @contextlib.contextmanager
-    def _as_lightning_module(self):
-        """The model itself as the callbacks' ``pl_module``, with ``log``/``log_dict`` (and what DASH's gradient
-        pass reads) present for the hook's duration."""
-        module, view = self.module, self.view
-        added = {"log": view.log, "log_dict": view.log_dict}
-        for name, value in (("training_step", view.training_step), ("automatic_optimization", True),
-                            ("device", view.device)):
-            if not hasattr(module, name):
-                added[name] = value
-        shadowed = {name: module.__dict__[name] for name in added if name in module.__dict__}
-        for name, value in added.items():
-            object.__setattr__(module, name, value)
-        try:
-            yield module
-        finally:
-            for name in added:
-                module.__dict__.pop(name, None)
-            module.__dict__.update(shadowed)
+        run_hook(self.callbacks, hook, self.view, self.module, *args)
 
 
 class _LoopStrategy:
@@ -227,7 +206,7 @@ class _LoopView:
         self.loggers = list(fabric.loggers)
         self.logger = self.loggers[0] if self.loggers else None
         self.default_root_dir = getattr(self.logger, "log_dir", None) or "."
-        self.datamodule = _TaskBoundaries(task_boundary_steps)
+        self.datamodule = TaskBoundaries(task_boundary_steps)
 
     @property
     def device(self) -> torch.device:
@@ -248,11 +227,3 @@ class _LoopView:
             raise RuntimeError("this callback runs its own gradient pass: pass FabricPlasticity(..., "
                                "training_step=lambda batch, batch_idx: loss, train_dataloader=loader)")
         return self._training_step(batch, batch_idx)
-
-
-class _TaskBoundaries:
-    """``trainer.datamodule`` for ``Schedule(at_task_boundaries=True)``."""
-
-    def __init__(self, steps):
-        if steps is not None:
-            self.task_boundary_steps = list(steps)

@@ -39,6 +39,7 @@ from ..app.runs.verified_files import write_verified
 from ..arguments import sorted_int_list
 from ..errors import CheckpointError, ResumeError
 from ..extras import require_module
+from .lightning_hooks import TaskBoundaries, run_hook
 
 transformers = require_module("transformers", "hf", "plasticity_callbacks.integrations.hf")
 TrainerCallback = transformers.TrainerCallback
@@ -161,29 +162,7 @@ class HFTrainerCallback(TrainerCallback):
     def _call(self, hook: str, model, *args) -> None:
         if self.view is None:
             raise RuntimeError(f"{self!r}: {hook} before on_train_begin; add the adapter before trainer.train()")
-        with self._module(model) as module:
-            for callback in self.callbacks:
-                getattr(callback, hook)(self.view, module, *args)
-
-    @contextlib.contextmanager
-    def _module(self, model):
-        """The model itself as the callback's ``pl_module``: its names, classes and parameters unchanged,
-        with ``log``/``log_dict`` (and what DASH's gradient pass reads) present for the hook's duration."""
-        view = self.view
-        added = {"log": view.log, "log_dict": view.log_dict}
-        for name, value in (("training_step", view.training_step), ("automatic_optimization", True),
-                            ("device", view.device)):
-            if not hasattr(model, name):
-                added[name] = value
-        shadowed = {name: model.__dict__[name] for name in added if name in model.__dict__}
-        for name, value in added.items():
-            object.__setattr__(model, name, value)
-        try:
-            yield model
-        finally:
-            for name in added:
-                model.__dict__.pop(name, None)
-            model.__dict__.update(shadowed)
+        run_hook(self.callbacks, hook, self.view, model, *args)
 
     def _saved_states(self, args, state) -> dict[str, Any]:
         folder = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None
@@ -330,7 +309,7 @@ class _TrainerView:
         steps = adapter.task_boundary_steps
         if steps is None and train_dataloader is not None:
             steps = getattr(getattr(train_dataloader, "dataset", None), "task_boundary_steps", None)
-        self.datamodule = _TaskBoundaries(steps)
+        self.datamodule = TaskBoundaries(steps)
 
     @property
     def global_step(self) -> int:
@@ -365,14 +344,6 @@ class _TrainerView:
         if self.hf_trainer is not None:
             return self.hf_trainer.compute_loss(self.model, batch)
         return self.model(**batch).loss
-
-
-class _TaskBoundaries:
-    """``trainer.datamodule`` for ``Schedule(at_task_boundaries=True)``."""
-
-    def __init__(self, steps):
-        if steps is not None:
-            self.task_boundary_steps = list(steps)
 
 
 def _unwrap(optimizer):
