@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.strategy import is_dtensor
+from .detached_hooks import hooks_detached
 
 # (incoming, outgoing) 3-D parameter names of expert stacks: gated (HF ``has_gate``) or a plain activation.
 _EXPERT_STACKS = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
@@ -121,7 +122,8 @@ def read_unit_pairing(block: nn.Module, up: nn.Module, down: nn.Module) -> str |
     cached = _PAIRINGS.get(up)
     if cached is not None and cached[0] == (up.weight.shape, down.weight.shape):
         return cached[1]
-    pairing = _read_unit_pairing(block, up, down)
+    with hooks_detached(block):  # its own hooks only, also on a half-precision block's float32 copy
+        pairing = _read_unit_pairing(block, up, down)
     _PAIRINGS[up] = ((up.weight.shape, down.weight.shape), pairing)
     return pairing
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .declaration import declarations
+from .detached_hooks import hooks_detached
 from .weights import CONV, CONV_TRANSPOSE, is_conv1d, is_layer
 from .experts import ExpertMatrix, expert_layers, read_unit_pairing
 
@@ -266,7 +267,7 @@ def _trace(module: nn.Module):
     saved = [(m, dict(vars(m)), {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")})
              for m in module.modules()]
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), hooks_detached(module):  # a hook would see proxies, and its effect be traced
             warnings.simplefilter("ignore")
             return torch.fx.Tracer().trace(module)
     except Exception:  # noqa: BLE001 - any untraceable forward just means "look at the children"

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .detached_hooks import hooks_detached
 from .layouts import RowBlock
 from .trace import in_float32, preserved, run_one_token
 
@@ -90,8 +91,9 @@ def probe_fused_layouts(model: nn.Module, layers: dict[str, nn.Module]) -> dict[
     low = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
     base = 16 if low else 2 ** 20
     digits = 1 + int(math.log(max(used.values()), base)) if max(used.values()) > 1 else 1
-    scale = _run(model, pending, offsets, None)
-    numbered = [_run(model, pending, offsets, base ** d, base) for d in range(digits)]
+    with hooks_detached(model):  # before the probe's own hooks are added
+        scale = _run(model, pending, offsets, None)
+        numbered = [_run(model, pending, offsets, base ** d, base) for d in range(digits)]
     for name, layer in pending.items():
         blocks = _decode(name, layer, offsets[name], used[_parent(name)], scale, numbered, base,
                          0.25 if low else 1e-3)

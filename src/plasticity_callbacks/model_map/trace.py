@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .detached_hooks import hooks_detached
 from .layouts import RowBlock
 
 
@@ -232,7 +233,7 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
     if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params.values()):
         return None  # FSDP2: a forward all-gathers on every rank; the layouts were read before sharding (cached)
     tracer = _Tracer({id(p): p for p in params.values()})
-    with in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), tracer:
+    with hooks_detached(model), in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), tracer:
         warnings.simplefilter("ignore")
         ran = torch.compiler.disable(_forward)(model)  # eager: a compiled forward is neither run nor recompiled
     result = None
