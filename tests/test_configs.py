@@ -31,7 +31,7 @@ def test_each_method_instantiates_its_callbacks(name):
 
 
 def test_methods_override_only_what_differs():
-    fire = instantiate(compose_config("+method=fire").method.callbacks.fire)
+    fire = instantiate(compose_config("+method=fire_lm").method.callbacks.fire)
     assert fire.options == FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)
     assert fire.schedule == Schedule(at_fit_start=True) and fire.save_spectra
     exact = instantiate(compose_config("+method=fire_exact").method.callbacks.fire)

@@ -20,7 +20,7 @@ reports. A user's method is one more file in a folder of their own on the config
 
 Example:
     >>> method_names()
-    ['cbp', 'dash', 'fire', 'fire_exact', 'hare_tortoise', 'l2_init', 'redo', 'reset', 'sp', 'sp_soft', 'warm', ...]
+    ['cbp', 'dash', 'fire_continual', 'fire_exact', 'fire_exact_head', 'fire_lm', 'hare_tortoise', ...]
     >>> task_stream_callbacks(compose_method("sp"))  # the specs that act at every task boundary
 """
 from __future__ import annotations

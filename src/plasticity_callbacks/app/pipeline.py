@@ -9,7 +9,7 @@ A phase is a block under ``phases:`` (in order)::
 Each phase gets its own ``Trainer``, optimizer and LR schedule; the weights always carry over,
 the optimizer's moments only with ``carry_optimizer: true``. A phase's ``data`` / ``optimizer``
 / ``trainer`` blocks are merged onto the top-level ones (a ``data`` block naming another
-``_target_`` replaces it). The plasticity *method* (``+method=fire``, else ``default_method``)
+``_target_`` replaces it). The plasticity *method* (``+method=fire_lm``, else ``default_method``)
 acts at every boundary: its callbacks join every phase after the first, and it may reset the
 optimizer or the whole model there. Later phases also validate on earlier phases' validation
 sets, logged as ``retention/<phase>/loss``.
