@@ -12,10 +12,11 @@ tasks of a task stream)::
     sensitivity:             # optional: the main hyperparameter and the values a sweep tries
       key: callbacks.shrink_perturb.shrink
       values: [0.2, 0.4, 0.6, 0.8]
-    model:                   # optional: settings of the run's model, for the whole run (every phase or task)
-      norm: layer            #   merged onto the run's ``model:`` (a task stream's DigitsClassifier: its
-      weight_decay: 1.0e-3   #   norm, and its optimizer's lr and weight_decay)
-    optimizer:               # optional: merged onto the run's ``optimizer:`` (the GPT's, e.g. weight_decay)
+    model:                   # optional: merged onto the run's ``model:``, for the whole run (every phase or
+      norm: layer            #   task); the task streams' DigitsClassifier takes its norm and its Adam's
+      weight_decay: 1.0e-3   #   lr and weight_decay here
+    optimizer:               # optional: merged onto the run's ``optimizer:`` (the GPT pipeline's)
+      weight_decay: 0.1
 
 A ``model:`` or ``optimizer:`` block makes the method a setting of the whole run, not only an action at its
 boundaries (:func:`with_method_settings`): ``l2`` is Adam's weight decay, ``ln_wd`` a layer norm and weight
