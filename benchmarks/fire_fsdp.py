@@ -8,7 +8,7 @@ style ``Shard(0)`` DTensors: each layer's ``eigh`` on one rank, round robin), on
 process CPU time of each rank (the slowest is shown) against the one process's.
 
 Each rank holds ``m/r`` rows of an ``m × n`` weight (a ``Shard(0)`` DTensor on a gloo mesh, one thread
-per rank). Sharded: :func:`plasticity_callbacks.distributed.sharding.sharded_fire` (an all-reduce of the
+per rank). Sharded: :func:`plasticity_callbacks.distributed.sharded_fire.sharded_fire` (an all-reduce of the
 ``n × n`` Gram matrix, a float64 ``eigh``, this rank's rows times ``G^{-1/2}``; a wide matrix is gathered
 by it). Gathered: ``full_tensor()`` (all-gather), the exact polar factor of the whole matrix by float64
 SVD, this rank's rows kept. Peak memory: the rise of the rank's peak resident set (``VmHWM`` after
@@ -46,7 +46,8 @@ def _worker(rank: int, world: int, port: int, shapes, out: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from plasticity_callbacks.model_map import WeightView
-    from plasticity_callbacks.distributed.sharding import local_span, sharded_fire
+    from plasticity_callbacks.distributed.sharded_fire import sharded_fire
+    from plasticity_callbacks.distributed.sharding import local_span
     from plasticity_callbacks.functional.isometry import FIREOptions
 
     mesh = init_device_mesh("cpu", (world,))
