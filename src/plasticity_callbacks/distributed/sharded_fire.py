@@ -202,7 +202,7 @@ def _blocks_of(target, options) -> list[_Block]:
         what = "factorized (W_p + BA)" if target.factorized else f"a grouped conv ({target.groups} groups)"
         raise NotImplementedError(f"FIRE on {target.name} under FSDP2: the weight is {what}, which is not sharded "
                                   "by rows; exclude it from FIRE's selection or train with strategy='ddp'")
-    start, _ = local_span(target.param)
+    start, stop = local_span(target.param)
     spans = _chunks(target.param.shape[0], target.param.device_mesh.size())
     row_blocks = target.block_list()
     out = []
@@ -215,7 +215,7 @@ def _blocks_of(target, options) -> list[_Block]:
             total, cols = target.param.shape[0], len(rows)
         else:  # X = the block: each rank holds those of its rows in its span, in the block's order
             holders = [[p for p, i in enumerate(rows) if a <= i < b] for a, b in spans]
-            index = (_index([i - start for i in rows if start <= i < start + len(target.param.to_local())]),)
+            index = (_index([i - start for i in rows if start <= i < stop]),)
             total, cols = len(rows), target.param.shape[1]
         shape = (total, cols) if not target.transposed else (cols, total)
         method = choose_method(shape, target.param.device, options.torch_dtype) if options.method == "auto" \
