@@ -60,10 +60,19 @@ def worker(rank: int, port: int, out: str) -> None:
         return eigh(matrix, *args, **kwargs)
 
     torch.linalg.eigh = counted
+    import plasticity_callbacks.distributed.sharded_fire as route
+
+    solve_whole, gathered = route._fire_gathered, []
+
+    def gathering(block, *args, **kwargs):
+        gathered.append(block.name)
+        return solve_whole(block, *args, **kwargs)
+
+    route._fire_gathered = gathering
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         two = apply_fire(sharded, None, options, selection, record_spectra=True)
-    torch.linalg.eigh = eigh
+    torch.linalg.eigh, route._fire_gathered = eigh, solve_whole
     records = [None, None]
     dist.all_gather_object(records, [copy.copy(r) for r in two])
     counts = [None, None]
@@ -71,7 +80,8 @@ def worker(rank: int, port: int, out: str) -> None:
     params = {name: p.full_tensor().detach() for name, p in sharded.named_parameters()}
     if rank == 0:
         torch.save({"single": dict(single.named_parameters()), "sharded": params, "records_single": one,
-                    "records": records, "eigh_calls": counts, "warnings": [str(w.message) for w in caught]}, out)
+                    "records": records, "eigh_calls": counts, "gathered": gathered,
+                    "warnings": [str(w.message) for w in caught]}, out)
     dist.destroy_process_group()
 
 
