@@ -5,8 +5,11 @@ on 1B, 7B and 70B models with 8 and 64 ranks.
 Equal layers: ``apply_fire`` (default options) on ``--layers`` square ``--width`` Linear layers, in one process
 (plain parameters: LAPACK's fastest exact polar factor) and on ``--ranks`` gloo ranks (``fully_shard``-style
 ``Shard(0)`` DTensors: each layer's ``eigh`` on one rank, round robin), one thread per process, alternately,
-``--repeats`` times. Each process first runs FIRE once on a copy of the layers (library start-up is not FIRE's
-cost), then the measured call: its process CPU time (the slowest rank's) and the rise of its peak resident set.
+``--repeats`` times under glibc's usual allocator, then once more (``mmap``) with every block of 64 KiB or more a
+fresh mmap, returned when freed, for the rise of the peak resident set (each matrix buffer then costs page faults,
+which the usual allocator's reuse of freed blocks avoids; its ratio is printed too). Each process first runs FIRE
+once untimed on a copy of the layers (library start-up is not FIRE's cost), then the measured call: its process
+CPU time (the slowest rank's).
 
 Per matrix: each rank holds ``m/r`` rows of an ``m × n`` weight (a ``Shard(0)`` DTensor on a gloo mesh, one
 thread per rank). Sharded: :func:`plasticity_callbacks.distributed.sharded_fire.sharded_fire` (tall or square:
@@ -118,6 +121,7 @@ def _layers_worker(rank: int, world: int, port: int, layers: int, width: int, ou
         return model
 
     selection = Selection(include_head=True)
+
     apply_fire(layers_of_width(), None, FIREOptions(), selection)  # warm-up: LAPACK's and gloo's first calls
     model = layers_of_width()
     if world > 1:
@@ -138,19 +142,21 @@ def equal_layers(layers: int, width: int, world: int, repeats: int) -> None:
     print(f"FIRE once on {layers} square {width}x{width} layers (default options), process CPU seconds of the slowest "
           f"rank, 1 thread each;\n1 process and {world} ranks alternately, {repeats} times (load: 1-minute average "
           f"before the pair)")
-    print(f"{'run':>3} {'load':>5} {'1 process s':>12} {f'{world} ranks s':>11} {'ratio':>6} "
+    print(f"{'run':>4} {'load':>5} {'1 process s':>12} {f'{world} ranks s':>11} {'ratio':>6} "
           f"{'peak extra MiB (1 / per rank)':>30} {'checksum rel. diff':>19}")
     ratios = []
-    for run in range(repeats):
+    for run in range(repeats + 1):
+        memory = run == repeats  # the last pair: every block of 64 KiB or more a fresh mmap, for the peak memory
         load = os.getloadavg()[0]
-        one = run_ranks(_layers_worker, 1, layers, width)
-        many = run_ranks(_layers_worker, world, layers, width)
+        one = run_ranks(_layers_worker, 1, layers, width, fixed_mmap_threshold=memory)
+        many = run_ranks(_layers_worker, world, layers, width, fixed_mmap_threshold=memory)
         ratios.append(many["seconds"] / one["seconds"])
         differ = abs(many["checksum"] - one["checksum"]) / abs(one["checksum"])  # float32 rounding: equal results
-        print(f"{run + 1:>3} {load:>5.1f} {one['seconds']:>12.3f} {many['seconds']:>11.3f} {ratios[-1]:>6.2f} "
-              f"{one['mib']:>14.1f} / {many['mib']:<13.1f} {differ:>19.1e}")
-    print(f"median ratio {world} ranks / 1 process: {statistics.median(ratios):.2f} "
-          f"(runs: {', '.join(f'{r:.2f}' for r in ratios)})")
+        peaks = f"{one['mib']:>14.1f} / {many['mib']:<13.1f}" if memory else f"{'':>30}"
+        print(f"{'mmap' if memory else run + 1:>4} {load:>5.1f} {one['seconds']:>12.3f} {many['seconds']:>11.3f} "
+              f"{ratios[-1]:>6.2f} {peaks} {differ:>19.1e}")
+    print(f"median ratio {world} ranks / 1 process: {statistics.median(ratios[:-1]):.2f} "
+          f"(runs 1-{repeats}: {', '.join(f'{r:.2f}' for r in ratios[:-1])}; glibc's usual allocator)")
     print(f"model weights: {layers * width * width * 4 / 2**20:.1f} MiB (float32); shard per rank: "
           f"{layers * width * width * 4 / world / 2**20:.1f} MiB\n")
 
