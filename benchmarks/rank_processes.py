@@ -35,13 +35,20 @@ def measured(fn, cpu: bool = False):
     return seconds, max(0, _rss_kib("VmHWM") - before) / 1024
 
 
-def run_ranks(worker, world: int, *args) -> list[dict]:
+MMAP_THRESHOLD = 1 << 16
+
+
+def run_ranks(worker, world: int, *args, fixed_mmap_threshold: bool = True) -> list[dict]:
     """Start ``world`` processes running ``worker(rank, world, port, *args, out)``; rank 0 writes its rows as
-    JSON to ``out``, returned here."""
+    JSON to ``out``, returned here. ``fixed_mmap_threshold=False``: glibc's usual allocator, for timings (a freed
+    block's memory is reused, without page faults); the peak memory it reports is not the call's own."""
     # glibc serves large blocks from its heap once a big block was freed (its mmap threshold grows), and the
     # heap is not given back: a fixed threshold keeps every matrix-sized block an mmap, returned when freed,
     # so each call's peak resident set is its own.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+    if fixed_mmap_threshold:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

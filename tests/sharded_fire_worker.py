@@ -1,9 +1,10 @@
 """``python sharded_fire_worker.py out.pt``: ``apply_fire`` on 2 gloo ranks (``Shard(0)`` DTensors, no Lightning)
-beside one process on the same weights; rank 0 saves both results and each rank's count of ``eigh`` calls.
+beside one process on the same weights; rank 0 saves both results and each rank's ``eigh`` calls (shape, dtype).
 
-The model mixes every route of :func:`plasticity_callbacks.distributed.sharding.sharded_fire`: tall and square
-blocks (the Gram route, spread over the ranks), a conv (one Gram matrix per tap), a wide matrix and a
-rank-deficient one (gathered), one with a NaN (skipped), more Gram-route blocks than ranks.
+The model mixes every route of :func:`plasticity_callbacks.distributed.sharded_fire.sharded_fire`: tall and square
+blocks (the Gram route, spread over the ranks), a conv (one Gram matrix per tap), wide matrices (redistributed by
+columns: a Linear, a conv, a transposed Conv1D, rows split unevenly), a rank-deficient one (gathered), one with a
+NaN (skipped), more Gram-route blocks than ranks.
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 
 def model() -> nn.Module:
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 40), nn.Linear(40, 12), nn.Conv2d(6, 10, 3),
-                           nn.Linear(7, 33), nn.Linear(12, 12), nn.Linear(16, 16))
+                           nn.Linear(7, 33), nn.Linear(12, 12), nn.Linear(16, 16),
+                           nn.Conv2d(10, 4, 2), Conv1D(40, 11), nn.Linear(50, 7))  # wide: by columns
     with torch.no_grad():
         layers[5].weight[:, 3] = 0  # rank 11 of 12: no full isometry from its Gram matrix
         layers[6].weight[2, 5] = math.nan
@@ -50,25 +53,35 @@ def worker(rank: int, port: int, out: str) -> None:
     for name, param in list(sharded.named_parameters()):
         module, attr = name.rsplit(".", 1)
         setattr(sharded.get_submodule(module), attr, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
-    eigh, calls = torch.linalg.eigh, [0]
+    eigh, calls = torch.linalg.eigh, []
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return eigh(*args, **kwargs)
+    def counted(matrix, *args, **kwargs):
+        calls.append((tuple(matrix.shape), str(matrix.dtype).removeprefix("torch.")))
+        return eigh(matrix, *args, **kwargs)
 
     torch.linalg.eigh = counted
+    import plasticity_callbacks.distributed.sharded_fire as route
+
+    solve_whole, gathered = route._fire_gathered, []
+
+    def gathering(block, *args, **kwargs):
+        gathered.append(block.name)
+        return solve_whole(block, *args, **kwargs)
+
+    route._fire_gathered = gathering
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         two = apply_fire(sharded, None, options, selection, record_spectra=True)
-    torch.linalg.eigh = eigh
+    torch.linalg.eigh, route._fire_gathered = eigh, solve_whole
     records = [None, None]
     dist.all_gather_object(records, [copy.copy(r) for r in two])
     counts = [None, None]
-    dist.all_gather_object(counts, calls[0])
+    dist.all_gather_object(counts, calls)
     params = {name: p.full_tensor().detach() for name, p in sharded.named_parameters()}
     if rank == 0:
         torch.save({"single": dict(single.named_parameters()), "sharded": params, "records_single": one,
-                    "records": records, "eigh_calls": counts, "warnings": [str(w.message) for w in caught]}, out)
+                    "records": records, "eigh_calls": counts, "gathered": gathered,
+                    "warnings": [str(w.message) for w in caught]}, out)
     dist.destroy_process_group()
 
 

@@ -513,8 +513,9 @@ def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
 
 @pytest.mark.multiprocess
 def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_process(tmp_path):
-    """``apply_fire`` on ``Shard(0)`` DTensors (2 gloo ranks, no Lightning): each Gram-route block's ``eigh`` runs
-    on one rank only (round robin), and weights, records and spectra equal one process's, through every route."""
+    """``apply_fire`` on ``Shard(0)`` DTensors (2 gloo ranks, no Lightning): each block's ``eigh`` runs on one rank
+    only (round robin), wide blocks by columns included, in one process's precision, and weights, records and
+    spectra equal one process's, through every route."""
     import subprocess
     import sys
     from pathlib import Path
@@ -525,9 +526,17 @@ def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_proce
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = torch.load(out, weights_only=False)
-    # Gram route in order: 40x24, 40x40 | conv (9 taps, one eigh), 33x7 | 12x12 rank-deficient, 16x16 NaN;
-    # rank 0 decomposes the first of each pair, rank 1 the second; the NaN block is refused before any eigh.
-    assert result["eigh_calls"] == [3, 2]
+    # Every block through the Gram route, world at a time, rank 0 decomposing the first of each pair and rank 1
+    # the second: 40x24 | 40x40, wide 12x40 (by columns: 12x12) | conv 10x6 (9 taps), 33x7 | 12x12 rank-deficient,
+    # 16x16 NaN | wide conv 4x10 (4 taps), wide Conv1D 11x40 | wide 7x50. Oblong blocks (one process's eigh route)
+    # try a float32 Gram matrix, as one process does: 40x24 and the 10x6 conv fail its condition check (no eigh)
+    # and are decomposed again in float64 on the owner of a second pass (24x24; 3x3x6x6); square ones are float64.
+    # The NaN block is refused before any eigh; the rank-deficient one is then gathered.
+    assert result["eigh_calls"] == [[((12, 12), "float32"), ((7, 7), "float32"), ((11, 11), "float32"),
+                                     ((24, 24), "float64")],
+                                    [((40, 40), "float64"), ((12, 12), "float64"), ((2, 2, 4, 4), "float32"),
+                                     ((7, 7), "float32"), ((3, 3, 6, 6), "float64")]]
+    assert result["gathered"] == ["5.weight"]  # only the rank-deficient block is solved whole; wide ones never
     for name, single in result["single"].items():
         torch.testing.assert_close(result["sharded"][name], single.detach(), rtol=1e-5, atol=2e-6, equal_nan=True,
                                    msg=name)

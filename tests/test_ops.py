@@ -46,6 +46,7 @@ def test_ops_and_the_layers_below_import_and_run_without_lightning():
         from torch import nn
         import plasticity_callbacks.functional, plasticity_callbacks.model_map
         import plasticity_callbacks.distributed.strategy, plasticity_callbacks.distributed.sharding
+        import plasticity_callbacks.distributed.sharded_fire
         import plasticity_callbacks.distributed.sharded_state, plasticity_callbacks.distributed.sharded_subspace
         from plasticity_callbacks.ops import ActivationStats, dash_, fire_, redo_, shrink_perturb_
         torch.manual_seed(0)

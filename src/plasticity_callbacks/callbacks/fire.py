@@ -39,7 +39,8 @@ class FIREReinit(PlasticityCallback):
     spectra before/after as a figure in the logger's directory.
     Every rank computes the same deterministic result; under FSDP2 (``ModelParallelStrategy``) each rank
     writes its own rows of the polar factor from ``G^{-1/2}``, which the block's owner rank (round robin over
-    the ranks) computes from the Gram matrix summed there (:mod:`~distributed.sharding`).
+    the ranks) computes from the Gram matrix summed there; a wide block goes there by columns
+    (:mod:`~distributed.sharded_fire`).
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
@@ -63,7 +64,7 @@ class FIREReinit(PlasticityCallback):
         >>> trainer.fit(model, datamodule=next_phase_data)
     """
 
-    supports_fsdp2 = True  # FSDP2 shards: distributed.sharding
+    supports_fsdp2 = True  # FSDP2 shards: distributed.sharded_fire
     summary_metrics = ("fire/dfi_before", "fire/dfi_after")
     extra_state_types = {"history": list, "warmup_start": OPTIONAL_INT}
 

@@ -6,7 +6,7 @@ of rows, a grouped conv is treated per group and tap), write them back (a factor
 through ``W_p + BA``) and drop the optimizer state of exactly those weights. A fused matrix whose
 split is unknown is refused with the declarations that fit it. Under FSDP2 each rank writes its own
 rows of every polar factor, the decompositions spread over the ranks
-(:func:`~distributed.sharding.sharded_fire`).
+(:func:`~distributed.sharded_fire.sharded_fire`).
 
 On CPU with ``torch.get_num_threads() = T > 1`` the weights are solved ``T`` at a time, one thread each:
 LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin against other work on a
@@ -24,7 +24,7 @@ from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
 from ..model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
 from ..distributed.strategy import is_dtensor
 from .optimizer_state import leaf_optimizers, reset_optimizer_state
-from ..distributed.sharding import sharded_fire
+from ..distributed.sharded_fire import sharded_fire
 
 
 def apply_fire(
