@@ -392,8 +392,8 @@ def _float64_inverse_sqrt(gram: torch.Tensor, block: _Block):
 
 def _fire_gathered(block: _Block, options, record_spectra: bool, group):
     """FIRE on one block gathered whole on every rank and solved as on one process: a rank-deficient one (no
-    full isometry from ``G``), or a fixed number of iterations (the FIRE recipes' 5 or 10 Newton–Schulz steps stop
-    short of the exact factor). Returns the record and this rank's new rows of ``X`` (None when skipped)."""
+    full isometry from ``G``), or a fixed number of iterations (the FIRE recipes' 5 or 10 Newton–Schulz
+    steps stop short of the exact factor). Returns the record and this rank's new rows of ``X`` (None when skipped)."""
     started = time.perf_counter()
     record = FireRecord(block.name, block.view_shape())
     X_local = block.local_rows()
