@@ -31,6 +31,9 @@ from ..functional.warm_subspace import warm_minor_triplets
 from .base import PlasticityCallback
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# Below this g the full SVD is cheaper than the warm start's many small LAPACK calls (one CPU thread: at 256×256
+# 4 ms against 7 ms; at 1024×1024 about 350 ms against 60 ms; benchmarks/adaptive_svd_overhead.py --warm-vs-full).
+WARM_MIN_ORDER = 512
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,10 @@ class SVDOptions:
         warm: from the second cycle on, compute a matrix's minor triplets from its previous ones
             (:func:`~functional.warm_subspace.warm_minor_triplets`) rather than its whole SVD, falling back to
             ``method`` where they do not converge (counted in ``adaptive_svd/warm_fallbacks``). For
-            ``method`` ``gram`` or ``full`` and matrices with ``d_out ≤ d_in`` on one process; a tall matrix's
-            principal subspace is not the complement of its minor one in the output space, and under FSDP2 the
-            cycle keeps its full SVD.
+            ``method`` ``gram`` or ``full`` and matrices with ``d_out ≤ d_in`` and ``g ≥ WARM_MIN_ORDER`` (512) on
+            one process: a tall matrix's principal subspace is not the complement of its minor one in the output
+            space (it is within ``range(W)``, whose basis costs as much as the SVD), a smaller one's full SVD is
+            cheaper, and under FSDP2 the rank computing a matrix's SVD broadcasts all ``g`` singular values.
 
     Example:
         >>> AdaptiveSVDSwitch(svd=SVDOptions(method="randomized", niter=4))
@@ -576,7 +580,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         factorize = self.minor_training == "factorize"  # V shapes only a factorized split
         svd = None
         if (warm and self.svd.warm and self.svd.method != "randomized" and U_prev is not None
-                and m.S_prev is not None and W.shape[0] <= W.shape[1]):
+                and m.S_prev is not None and W.shape[0] <= W.shape[1] and m.g >= WARM_MIN_ORDER):
             # the decision reads the r minor triplets, the next phase up to largest_next_rank of them
             count = largest_next_rank(r, m.g, self.r_min)
             svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, seed=step, right_vectors=factorize)

@@ -421,7 +421,7 @@ def decide_mode(
         hint = f" ({mode!r} is now called {RENAMED[mode]!r})" if mode in RENAMED else ""
         raise ValueError(f"mode={mode!r} is not one of {MODES}{hint}")
     U, S, V = svd
-    k = S.numel() - r
+    k = U.shape[1] - r  # S may hold only the trailing values
     angle = subspace_angle(U_prev, U, k, dtype) if U_prev is not None else math.nan
     principal, minor = gradient_alignment(grad, U, r, dtype) if grad is not None else (0.0, 0.0)
     error = reconstruction_error(W, U, S, V, r, dtype, exact=exact)
