@@ -24,7 +24,8 @@ import torch
 
 from .subspace import SVD, as_matrix
 
-WARM_ITERATIONS = 6  # from the last cycle's vectors (minor spans ~1e-2 apart) float32 needs 3–5
+WARM_ITERATIONS = 8  # from the last cycle's vectors (minor spans ~1e-2 apart) float32 needs 3–5 (square), 5–8 (wide)
+SHIFT = 0.9  # a wide W's Gram matrix is shifted by this share of the start's smallest Rayleigh quotient
 
 
 def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype: torch.dtype = torch.float32,
@@ -79,14 +80,14 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
     if block < count + 4:
         return None  # the minor block is near half the space: an SVD costs no more
     tolerance = torch.finfo(dtype).eps ** 0.5 if tolerance is None else tolerance
-    inverse_gram = _inverse_gram(W)
+    U_minor = U_prev[:, g - count:].to(dtype)  # the start's minor span: an unchanged W stops after one step
+    inverse_gram = _inverse_gram(W, U_minor)
     if inverse_gram is None:
         return None
     generator = torch.Generator(device=W.device).manual_seed(seed)
     spare = max(2, (block - count) // 2)
     fresh = torch.randn(g, spare, generator=generator, device=W.device, dtype=dtype)
     X = torch.cat([U_prev[:, g - block + spare:].to(dtype), fresh], 1)  # (g, block)
-    U_minor = U_prev[:, g - count:].to(dtype)  # the start's minor span: an unchanged W stops after one step
     for _ in range(iterations):
         X = inverse_gram(_orthonormal(X))
         if not bool(torch.isfinite(X).all()):
@@ -109,12 +110,15 @@ def _orthonormal(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(X).Q
 
 
-def _inverse_gram(W: torch.Tensor):
-    """``X ↦ (W Wᵀ)⁻¹ X`` (up to a change of basis within the span), or None where ``W Wᵀ`` is singular.
+def _inverse_gram(W: torch.Tensor, U_start: torch.Tensor):
+    """``X ↦ (W Wᵀ − μ I)⁻¹ X`` (up to a change of basis within the span), or None where it cannot be factorized.
 
-    A square ``W`` is factorized itself (LU: ``W⁻ᵀ W⁻¹``, no squared condition number); a wide one through
-    the Cholesky factor of its Gram matrix, whose rounding only slows the iteration (the triplets come from
-    ``W`` itself)."""
+    A square ``W`` is factorized itself (LU: ``W⁻ᵀ W⁻¹``, ``μ = 0``, no squared condition number). A wide one
+    goes through the Cholesky factor of its Gram matrix shifted by ``μ = SHIFT·λ``, ``λ`` the smallest Rayleigh
+    quotient of the start's minor vectors: a wide matrix's smallest ``σ`` sit well above 0 and close together,
+    where the unshifted ratio ``λ_i / λ_{b+1}`` is near 1; moving the origin toward them shrinks it. ``λ`` is at
+    least ``λ_min``, so a shift above ``λ_min`` shows as a failed Cholesky and is retried unshifted. The Gram
+    matrix's rounding only slows the iteration: the triplets come from ``W`` itself."""
     g, n = W.shape
     if g == n:
         LU, pivots, info = torch.linalg.lu_factor_ex(W)
@@ -125,8 +129,13 @@ def _inverse_gram(W: torch.Tensor):
             Y = _orthonormal(torch.linalg.lu_solve(LU, pivots, X))  # W⁻¹ X: rescaled, same span
             return torch.linalg.lu_solve(LU, pivots, Y, adjoint=True)  # W⁻ᵀ
         return apply
-    L, info = torch.linalg.cholesky_ex(W @ W.mT)
-    if int(info) != 0:
+    gram = W @ W.mT
+    quotient = float((torch.linalg.vector_norm(W.mT @ U_start, dim=0) ** 2).min())
+    for shift in (SHIFT * quotient, 0.0):
+        L, info = torch.linalg.cholesky_ex(gram - shift * torch.eye(g, dtype=W.dtype, device=W.device))
+        if int(info) == 0:
+            break
+    else:
         return None
 
     def apply(X):
