@@ -133,7 +133,7 @@ def warm_vs_full(widths: list[int], interval: int, every: int, cycles: int, laye
                  sequence_len: int = 256) -> None:
     """The table of ``--warm-vs-full`` (see the module docstring)."""
     print(f"Cycle cost, full SVD vs warm start, every matrix minor (worst case); share of one step at interval "
-          f"{interval}, projection hooks included; medians over cycles 2..{cycles} (cycle 1 has no previous U)")
+          f"{interval}, projection hooks included; medians over cycles 2..{cycles + 1} (cycle 1 has no previous U)")
     print(f"{'width':>5} {'step 1x256':>10} {'step 16x256':>11} {'full cycle':>10} {'warm cycle':>10} "
           f"{'full %1x':>8} {'warm %1x':>8} {'full %16x':>9} {'warm %16x':>9} {'same':>5} {'fallbacks':>9}")
     for width in widths:

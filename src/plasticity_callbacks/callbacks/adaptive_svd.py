@@ -193,7 +193,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     resume each rank reads its rows back.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
-    effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``.
+    effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``; with warm-started cycles (``SVDOptions.warm``)
+    ``adaptive_svd/warm_fallbacks``, and ``effective_rank`` only where the cycle's trailing spectrum determines it.
 
     Args:
         minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection; DDP and FSDP2)
