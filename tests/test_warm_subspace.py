@@ -101,23 +101,28 @@ def test_tail_energy_rank_matches_the_whole_spectrum_or_says_it_cannot():
 
 def fit_with_switch(monkeypatch, steps, **options):
     monkeypatch.setattr(adaptive_svd, "WARM_MIN_ORDER", 0)  # the tiny model's matrices take the warm path
+    torch.manual_seed(0)  # the same model and data in every fit
     module, loader = build("mlp")
-    options = {"svd": {"dtype": "float64"}, **options}
-    switch = AdaptiveSVDSwitch(minor_training="project", schedule=Schedule(every_n_steps=2, start_step=2), r_min=2,
+    options = {"svd": {"dtype": "float64"}, "minor_training": "project", **options}
+    switch = AdaptiveSVDSwitch(schedule=Schedule(every_n_steps=2, start_step=2), r_min=2,
                                thresholds={"clobber_alignment": 0.0}, save_figure=False, **options)
     trainer = cpu_trainer(max_steps=steps, callbacks=[switch])
     trainer.fit(module, loader)
     return switch, trainer, module
 
 
-def test_the_switch_decides_alike_warm_or_full_and_counts_fallbacks(monkeypatch):
-    warm, trainer, _ = fit_with_switch(monkeypatch, 9)
-    full, *_ = fit_with_switch(monkeypatch, 9, svd={"dtype": "float64", "warm": False})
+@pytest.mark.parametrize("minor_training", ["project", "factorize"])
+def test_the_switch_decides_alike_warm_or_full_and_counts_fallbacks(monkeypatch, minor_training):
+    warm, trainer, _ = fit_with_switch(monkeypatch, 9, minor_training=minor_training)
+    full, *_ = fit_with_switch(monkeypatch, 9, minor_training=minor_training,
+                                svd={"dtype": "float64", "warm": False})
+    for a, b in zip(warm.matrices, full.matrices):  # the same training either way (B, A: up to a sign per triplet)
+        torch.testing.assert_close(a.target.read(), b.target.read(), atol=1e-5, rtol=1e-5)
     assert warm.warm_cycles > warm.warm_fallbacks and full.warm_cycles == 0  # some cycles warm, some may fall back
     assert warm.history == full.history
     assert trainer.callback_metrics["adaptive_svd/warm_fallbacks"] == warm.warm_fallbacks
     monkeypatch.setattr(adaptive_svd, "warm_minor_triplets", lambda *args, **kwargs: None)  # never converges
-    fallen, trainer, _ = fit_with_switch(monkeypatch, 9)
+    fallen, trainer, _ = fit_with_switch(monkeypatch, 9, minor_training=minor_training)
     assert fallen.warm_fallbacks == fallen.warm_cycles > 0
     assert trainer.callback_metrics["adaptive_svd/warm_fallbacks"] == fallen.warm_fallbacks
     assert fallen.history == full.history

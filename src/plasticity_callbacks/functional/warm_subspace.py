@@ -41,8 +41,9 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
     the span of the ``count`` smallest moved by at most ``tolerance`` (the sine of the largest principal angle)
     in the last step, the first step measured from the previous ``U``'s. The iteration shrinks the distance to
     ``W``'s minor subspace by ``ρ = (σ_count / σ_{b+1})²`` per step, so what is left is about
-    ``ρ / (1 − ρ)`` times the last movement: below ``tolerance`` wherever ``ρ < ½``. It gives up as soon as the
-    last step's rate would not reach ``tolerance`` within the steps left (the fallback then costs less).
+    ``ρ / (1 − ρ)`` times the last movement: below ``tolerance`` wherever ``ρ < ½``. From the fourth step on (the
+    first ones still sort the block) it gives up as soon as the last step's rate would not reach ``tolerance``
+    within the steps left: the fallback then costs less.
 
     Args:
         W: the weight as its ``(d_out, d_in)`` matrix, ``d_out ≤ d_in`` (``U`` spans all of ``R^{d_out}``).
@@ -99,7 +100,7 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
         U_minor = U_block[:, -count:]
         if moved <= tolerance:
             break
-        if step > 0 and moved * min(1.0, moved / last) ** (iterations - 1 - step) > tolerance:
+        if step >= 3 and moved * min(1.0, moved / last) ** (iterations - 1 - step) > tolerance:
             return None  # at the rate of the last step it would not converge in the steps left: stop paying
         last = moved
     else:
