@@ -23,6 +23,12 @@ gradient projected after the backward), ``factorize``. The last line compares ea
 weights with the first's. Targets: ≤ 1 % at every width, ≤ 5 % at 1×256.
 
 ``--memory``: AdamW state bytes with every block matrix factorized at rank r against full.
+
+``--warm-vs-full``: per width, one fit (batch 1) whose every cycle first computes each matrix's decision with
+the full SVD on the same weights and gradients (timed, then discarded), then runs the real cycle, warm-started
+from the second cycle on (``SVDOptions.warm``); and a few steps of a switch-free 16×256 fit. One table: the cycle
+with either, as a share of a 1×256 and a 16×256 step at ``--interval`` (per-step projection hooks included),
+whether both gave the same decisions, and how many warm starts fell back to the full SVD.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from tiny import cpu_trainer, token_loader  # noqa: E402
 from plasticity_callbacks import AdaptiveSVDSwitch, GPTLightningModule  # noqa: E402
 from plasticity_callbacks.ops.optimizer_state import leaf_optimizers  # noqa: E402
 from plasticity_callbacks.callbacks.schedule import Schedule  # noqa: E402
+from plasticity_callbacks.functional.subspace import as_matrix  # noqa: E402
 
 
 class TimedSwitch(AdaptiveSVDSwitch):
@@ -87,6 +94,71 @@ class StepClock(L.Callback):
     def on_train_end(self, trainer, pl_module):
         self._close()
         self._open = None
+
+
+class DualSwitch(TimedSwitch):
+    """At each cycle, every matrix's decision by the full SVD (``svd.warm`` off) on the same weights and gradients,
+    timed and kept aside, then the real cycle (warm from the second on), its decisions timed alike."""
+
+    def on_fit_start(self, trainer, pl_module):
+        super().on_fit_start(trainer, pl_module)
+        self.records = []  # per cycle: (full decide s, warm decide s, real cycle s, same decisions)
+
+    def _cycle(self, trainer, pl_module):
+        step, full = trainer.global_step, []
+        started = time.process_time()
+        for m in self.matrices:
+            grad = m.target.param.grad
+            grad = m.target.oriented(grad) if grad is not None else None
+            _, state, r_next, _ = self._decide(m, as_matrix(m.target.read()), grad, m.U_prev, step, warm=False)
+            full.append((state, r_next))
+        full_seconds = time.process_time() - started
+        self.decide_seconds = 0.0
+        started = time.process_time()
+        metrics = super()._cycle(trainer, pl_module)
+        cycle_seconds = time.process_time() - started
+        warm = [(state, r) for _, _, state, r in self.history[-len(self.matrices):]]
+        self.records.append((full_seconds, self.decide_seconds, cycle_seconds, full == warm))
+        return metrics
+
+    def _decide(self, *args, **kwargs):
+        started = time.process_time()
+        out = super()._decide(*args, **kwargs)
+        if kwargs.get("warm"):
+            self.decide_seconds += time.process_time() - started
+        return out
+
+
+def warm_vs_full(widths: list[int], interval: int, every: int, cycles: int, layers: int = 4,
+                 sequence_len: int = 256) -> None:
+    """The table of ``--warm-vs-full`` (see the module docstring)."""
+    print(f"Cycle cost, full SVD vs warm start, every matrix minor (worst case); share of one step at interval "
+          f"{interval}, projection hooks included; medians over cycles 2..{cycles + 1} (cycle 1 has no previous U)")
+    print(f"{'width':>5} {'step 1x256':>10} {'step 16x256':>11} {'full cycle':>10} {'warm cycle':>10} "
+          f"{'full %1x':>8} {'warm %1x':>8} {'full %16x':>9} {'warm %16x':>9} {'same':>5} {'fallbacks':>9}")
+    for width in widths:
+        L.seed_everything(0)
+        module = gpt_module(width, layers, sequence_len)
+        switch = DualSwitch(minor_training="project", schedule=Schedule(every_n_steps=every, start_step=every),
+                            thresholds={"clobber_alignment": 0.0}, save_figure=False, log_per_matrix=False)
+        clock = StepClock(switch)
+        steps = every * (cycles + 1) + 1
+        loader = token_loader(n=steps, sequence_len=sequence_len, vocab=256, batch_size=1)
+        cpu_trainer(max_steps=steps, callbacks=[clock, switch]).fit(module, loader)
+        step1 = statistics.median(t - h for _, t, h, c in clock.steps[1:] if not c)
+        hooks = median_or_nan([h for s, _, h, c in clock.steps if s > every and not c])
+        step16 = baseline_step(width, 16, every=1, cycles=2, layers=layers, sequence_len=sequence_len)
+        later = switch.records[1:]
+        full = statistics.median(f + c - w for f, w, c, _ in later)  # the real cycle with the full SVD's decisions
+        warm = statistics.median(c for *_, c, _ in later)
+        same = all(same for *_, same in later)
+
+        def share(cycle, step):
+            return 100 * (cycle + (interval - 1) * hooks) / (interval * step)
+
+        print(f"{width:5d} {step1:9.3f}s {step16:10.3f}s {full:9.3f}s {warm:9.3f}s {share(full, step1):7.2f}% "
+              f"{share(warm, step1):7.2f}% {share(full, step16):8.3f}% {share(warm, step16):8.3f}% "
+              f"{'yes' if same else 'NO':>5} {switch.warm_fallbacks:4d}/{switch.warm_cycles:<4d}", flush=True)
 
 
 def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule:
@@ -240,8 +312,13 @@ def main() -> None:
                              "project-after (skip_full_gradient=False: the full gradient projected after the backward), "
                              "factorize")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--warm-vs-full", action="store_true",
+                        help="only the table of the cycle with the full SVD vs the warm start (widths from --widths)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # process CPU time on one thread: comparable on a shared machine
+    if args.warm_vs_full:
+        warm_vs_full([int(w) for w in args.widths.split(",")], args.interval, args.every, args.cycles)
+        return
     options = {} if args.svd_method is None else {"svd": {"method": args.svd_method}}
     print(f"AdaptiveSVDSwitch through trainer.fit's hooks, GPT 4 layers x width, sequence 256, every matrix "
           f"projecting (worst case) unless labelled; one thread, process CPU time; share at interval {args.interval}")

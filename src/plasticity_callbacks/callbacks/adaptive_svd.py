@@ -24,10 +24,16 @@ from ..model_map.weights import stored_param
 from ..ops.optimizer_state import reset_optimizer_state
 from .schedule import Schedule
 from ..distributed.sharded_state import load_named
-from ..functional.subspace import SVD_METHODS, as_matrix, decide_mode, next_rank, rank_bounds, svd_triplets
+from ..functional.subspace import (
+    SVD_METHODS, as_matrix, decide_mode, largest_next_rank, next_rank, rank_bounds, svd_triplets,
+)
+from ..functional.warm_subspace import warm_minor_triplets
 from .base import PlasticityCallback
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# Below this g the full SVD is cheaper than the warm start's many small LAPACK calls (one CPU thread: at 256×256
+# 4 ms against 7 ms; at 1024×1024 about 350 ms against 60 ms; benchmarks/adaptive_svd_overhead.py --warm-vs-full).
+WARM_MIN_ORDER = 512
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,13 @@ class SVDOptions:
             ``randomized`` (two ``torch.svd_lowrank`` blocks); see ``functional.subspace.svd_triplets``.
         niter: power iterations of ``method="randomized"``.
         dtype: ``float32`` or ``float64``.
+        warm: from the second cycle on, compute a matrix's minor triplets from its previous ones
+            (:func:`~functional.warm_subspace.warm_minor_triplets`) rather than its whole SVD, falling back to
+            ``method`` where they do not converge (counted in ``adaptive_svd/warm_fallbacks``). For
+            ``method`` ``gram`` or ``full`` and matrices with ``d_out ≤ d_in`` and ``g ≥ WARM_MIN_ORDER`` (512) on
+            one process: a tall matrix's principal subspace is not the complement of its minor one in the output
+            space (it is within ``range(W)``, whose basis costs as much as the SVD), a smaller one's full SVD is
+            cheaper, and under FSDP2 the rank computing a matrix's SVD broadcasts all ``g`` singular values.
 
     Example:
         >>> AdaptiveSVDSwitch(svd=SVDOptions(method="randomized", niter=4))
@@ -73,6 +86,7 @@ class SVDOptions:
     method: str = "gram"
     niter: int = 2
     dtype: str = "float32"
+    warm: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SVD_METHODS:
@@ -80,6 +94,7 @@ class SVDOptions:
         check_int("svd niter", self.niter, minimum=0)
         if self.dtype not in _DTYPES:
             raise ValueError(f"svd dtype={self.dtype!r} is not one of {tuple(_DTYPES)}")
+        check_bool("svd warm", self.warm)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -178,7 +193,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     resume each rank reads its rows back.
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
-    effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``.
+    effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``; with warm-started cycles (``SVDOptions.warm``)
+    ``adaptive_svd/warm_fallbacks``, and ``effective_rank`` only where the cycle's trailing spectrum determines it.
 
     Args:
         minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection; DDP and FSDP2)
@@ -257,6 +273,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self.matrices: list[_Matrix] = []
         self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
         self._pending: dict | None = None  # loaded state, applied once the targets exist
+        self.warm_cycles = self.warm_fallbacks = 0  # this fit's warm-started SVDs, and those that fell back
 
     @property
     def state_key(self) -> str:
@@ -493,8 +510,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             require_finite(W, m.target.name, step)  # one sync per SVD cycle, which syncs anyway
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
             grad = m.target.oriented(grad) if grad is not None else None
-            svd, new_state, r_next, diag = self._decide(m, W, grad, m.U_prev, step)
-            m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, svd.S
+            svd, new_state, r_next, diag = self._decide(m, W, grad, m.U_prev, step, warm=True)
+            m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, padded(svd.S, m.g)
             if self.minor_training == "project":
                 if new_state == "minor":
                     factorization.project_gradient(weight, m.U_minor, m.target.transposed)
@@ -555,13 +572,25 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         return dict(zip(keys, numbers[2:].tolist()))
 
     def _decide(self, m: _Matrix, W: torch.Tensor, grad: torch.Tensor | None, U_prev: torch.Tensor | None,
-                step: int) -> tuple:
+                step: int, warm: bool = False) -> tuple:
         """One matrix's SVD and decision, ``(svd, state, r_next, diagnostics)``: on one process, and on the rank
-        computing it under FSDP2 (``W``, ``grad`` and ``U_prev`` whole, ``(out, in)``)."""
+        computing it under FSDP2 (``W``, ``grad`` and ``U_prev`` whole, ``(out, in)``). ``warm``: this caller
+        stores an ``S`` of any length (the sharded cycle broadcasts ``g`` values)."""
         r = m.r if m.r is not None else self._initial_r(W, m.g)
         dtype = self.svd.torch_dtype
-        svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step,
-                           right_vectors=self.minor_training == "factorize")  # V shapes only a factorized split
+        factorize = self.minor_training == "factorize"  # V shapes only a factorized split
+        svd = None
+        if (warm and self.svd.warm and self.svd.method != "randomized" and U_prev is not None
+                and m.S_prev is not None and W.shape[0] <= W.shape[1] and m.g >= WARM_MIN_ORDER):
+            # the decision reads the r minor triplets, the next phase up to largest_next_rank of them
+            count = largest_next_rank(r, m.g, self.r_min)
+            svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, seed=step, right_vectors=factorize)
+            self.warm_cycles += 1
+            if svd is None:
+                self.warm_fallbacks += 1
+        if svd is None:
+            svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step,
+                               right_vectors=factorize)
         state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min, dtype=dtype,
                                           exact=self.svd.method != "randomized", **asdict(self.thresholds))
         if m.r is None and self.initial_rank is not None:
@@ -618,11 +647,15 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 name = m.target.name
                 if not math.isnan(diag["subspace_angle"]):  # no previous SVD yet: nothing to compare
                     log(f"{name}/angle", diag["subspace_angle"])
-                for key in (*keys, "effective_rank"):
+                for key in keys:
                     log(f"{name}/{key}", diag[key])
+                if not math.isnan(diag["effective_rank"]):  # a warm cycle may not know it (tail_energy_rank)
+                    log(f"{name}/effective_rank", diag["effective_rank"])
                 log(f"{name}/r", m.r)
                 log(f"{name}/minor", m.state == "minor")
         log("n_minor", sum(m.state == "minor" for m, _ in logged))
+        if self.warm_cycles:
+            log("warm_fallbacks", self.warm_fallbacks)  # since the fit began: warm starts that took the full SVD
         for key in keys:
             log(f"mean_{key}", sum(d[key] for _, d in logged) / len(logged))
         angles = [d["subspace_angle"] for _, d in logged if not math.isnan(d["subspace_angle"])]
@@ -638,6 +671,12 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")
         if path is not None:
             rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")
+
+
+def padded(S: torch.Tensor, g: int) -> torch.Tensor:
+    """All ``g`` singular values, NaN in front where a warm cycle computed only the trailing ones: the next cycle
+    compares the bottom ones (``next_rank``), and a stored spectrum keeps its length."""
+    return S if S.numel() == g else torch.cat([S.new_full((g - S.numel(),), math.nan), S])
 
 
 def require_finite(W: torch.Tensor, name: str, step: int) -> None:

@@ -19,9 +19,13 @@ RENAMED = {"lowrank": "minor"}  # old mode name -> new, refused with a hint
 
 
 class SVD(NamedTuple):
+    """Singular triplets, descending ``σ``. A warm cycle (:mod:`~functional.warm_subspace`) holds only the last
+    ``t < g`` values in ``S`` and the last ``t`` right vectors in ``V``; its ``U`` is whole, its leading ``g − t``
+    columns an orthonormal basis of the principal subspace rather than singular vectors."""
+
     U: torch.Tensor  # (d_out, g) left singular vectors, the output-space basis that is tracked
-    S: torch.Tensor  # (g,) singular values, descending
-    V: torch.Tensor | None  # (d_in, g) right singular vectors (columns, not Vᵀ); None where not asked for
+    S: torch.Tensor  # (g,) singular values, descending; or the trailing (t,) of them
+    V: torch.Tensor | None  # (d_in, g) or (d_in, t) right singular vectors (columns, not Vᵀ); None where not asked for
 
 
 def as_matrix(weight: torch.Tensor) -> torch.Tensor:
@@ -216,13 +220,33 @@ def concentration_ratio(S: torch.Tensor, share: float = 0.95) -> float:
     return energy_rank(S, share) / max(1, S.numel())
 
 
+def tail_energy_rank(S_tail: torch.Tensor, total: float, g: int, share: float = 0.95) -> float:
+    """:func:`energy_rank` of a spectrum of ``g`` values of which only the trailing ``S_tail`` and the total
+    ``Σσ² = total`` (``‖W‖_F²``) are known: exact where the cut falls among the known values, NaN where it
+    falls above them (then it is at most ``g − len(S_tail)``).
+
+    Example:
+        >>> tail_energy_rank(torch.tensor([1.0, 1.0]), total=7.0, g=4)   # S = (2, 1, 1, 1): 4.0
+    """
+    t = S_tail.numel()
+    if total <= 0:
+        return 0.0
+    slack = 4 * g * torch.finfo(S_tail.dtype).eps if S_tail.is_floating_point() else 0.0
+    # tails[j] = Σ of the last t − j known σ²; the head before it, total − tails[j], holds g − t + j values
+    tails = torch.cat([(S_tail.double() ** 2).flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
+    reached = (total - tails >= share * total * (1 - slack)).nonzero()
+    j = int(reached[0, 0])
+    return math.nan if j == 0 else float(g - t + j)
+
+
 def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: torch.Tensor, r: int,
                          dtype: torch.dtype = torch.float32, exact: bool = False) -> float:
     """``‖W − W_k‖_F / ‖W‖_F`` for ``W_k`` built from the top ``k = g − r`` triplets (0 for ``W = 0``).
 
     With ``exact`` (the triplets are an SVD of ``W``, not a sketch) it is read from the spectrum,
-    ``√(Σ_{i>k} σ_i²) / √(Σ σ_i²)``, with no ``d_out × d_in`` product; otherwise it is measured on
-    ``W``, so it also counts what an inexact factorization missed.
+    ``√(Σ_{i>k} σ_i²) / √(Σ σ_i²)``, with no ``d_out × d_in`` product (``Σ σ_i² = ‖W‖_F²`` where ``S`` holds only
+    the trailing values); otherwise it is measured on ``W``, so it also counts what an inexact factorization
+    missed.
 
     Args:
         W: the matrix; U, S, V: its triplets (``U (d_out, g)``, ``S (g,)``, ``V (d_in, g)``).
@@ -236,7 +260,7 @@ def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: t
     k = S.numel() - r
     if exact:
         energy = S.double() ** 2
-        total = energy.sum()
+        total = energy.sum() if S.numel() == U.shape[1] else torch.linalg.matrix_norm(as_matrix(W).double()) ** 2
         return float((energy[k:].sum() / total).sqrt()) if total > 0 else 0.0
     W = as_matrix(W).to(dtype)
     U_k, S_k, V_k = U[:, :k].to(dtype), S[:k].to(dtype), V[:, :k].to(dtype)
@@ -288,8 +312,16 @@ def rank_bounds(g: int, r_min: int) -> tuple[int, int]:
     return min(r_min, g - 1), g - 1
 
 
+def largest_next_rank(r: int, g: int, r_min: int = 8, grow: float = 1.2) -> int:
+    """The most minor components :func:`next_rank` can give after a phase with ``r`` (when it compares spectra):
+    how many trailing triplets a cycle needs for the decision and the next phase."""
+    lo, hi = rank_bounds(g, r_min)
+    return max(lo, min(max(r, int(r * grow)), hi))
+
+
 def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int = 8,
-              change_threshold: float = 0.1, grow: float = 1.2, shrink: float = 0.8) -> tuple[int, str]:
+              change_threshold: float = 0.1, grow: float = 1.2, shrink: float = 0.8,
+              g: int | None = None) -> tuple[int, str]:
     """The number of minor components for the next phase, and why.
 
     First call (no comparable ``S_prev``): the smallest of the spectral-gap cut (the components
@@ -297,16 +329,15 @@ def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int =
     bottom ``min(r, g // 4)`` singular values moved by more than ``change_threshold`` (relative
     norm), keep or grow ``r`` by ``grow``, else shrink it by ``shrink``. Bounded by
     :func:`rank_bounds`. The gap cut after index ``i`` is ``g − i − 1``: the ``i + 1`` components
-    above the gap stay principal.
+    above the gap stay principal. ``S`` may hold only trailing values (a warm cycle's, ``g`` then given) as
+    long as it holds the bottom ones compared, and ``S_prev`` NaN in place of the values not computed; the
+    first call needs all of ``S``.
     """
-    g = S.numel()
+    g = S.numel() if g is None else g
     lo, hi = rank_bounds(g, r_min)
     S64 = S.double()
-    ratios = S64[:-1] / S64[1:].clamp_min(torch.finfo(torch.float64).tiny)
-    gap_cut = g - int(torch.argmax(ratios)) - 1 if g > 1 else 0
-    energy_cut = g - energy_rank(S, 0.999)
+    bottom = max(1, min(r, g // 4))
     if S_prev is not None and S_prev.numel() == g:
-        bottom = max(1, min(r, g // 4))
         prev, curr = S_prev.double()[-bottom:], S64[-bottom:]
         denom = torch.linalg.vector_norm(prev)
         change = float(torch.linalg.vector_norm(curr - prev) / denom) if denom > 0 else math.inf
@@ -317,6 +348,11 @@ def next_rank(S: torch.Tensor, S_prev: torch.Tensor | None, r: int, r_min: int =
             r_next = int(r * shrink)
             why = f"minor components stable ({change:.1%} <= {change_threshold:.0%}): shrink r"
     else:
+        if S.numel() != g:
+            raise ValueError(f"next_rank: a first guess of r needs all {g} singular values, not the last {S.numel()}")
+        ratios = S64[:-1] / S64[1:].clamp_min(torch.finfo(torch.float64).tiny)
+        gap_cut = g - int(torch.argmax(ratios)) - 1 if g > 1 else 0
+        energy_cut = g - energy_rank(S, 0.999)
         r_next = min(gap_cut, energy_cut, g // 2)
         why = f"initial r from spectral structure (gap cut {gap_cut}, 99.9% energy cut {energy_cut}, g//2 {g // 2})"
     r_next = max(lo, min(r_next, hi))
@@ -385,17 +421,22 @@ def decide_mode(
         hint = f" ({mode!r} is now called {RENAMED[mode]!r})" if mode in RENAMED else ""
         raise ValueError(f"mode={mode!r} is not one of {MODES}{hint}")
     U, S, V = svd
-    k = S.numel() - r
+    k = U.shape[1] - r  # S may hold only the trailing values
     angle = subspace_angle(U_prev, U, k, dtype) if U_prev is not None else math.nan
     principal, minor = gradient_alignment(grad, U, r, dtype) if grad is not None else (0.0, 0.0)
     error = reconstruction_error(W, U, S, V, r, dtype, exact=exact)
-    r_next, rationale = next_rank(S, S_prev, r, r_min)
+    g = U.shape[1]
+    r_next, rationale = next_rank(S, S_prev, r, r_min, g=g)
+    if S.numel() == g:
+        effective = energy_rank(S, 0.95)
+    else:  # trailing values only: known where the last 5 % of the energy lies among them
+        effective = tail_energy_rank(S, float(torch.linalg.matrix_norm(as_matrix(W).double()) ** 2), g, 0.95)
     new_mode, reason = mode_rule(angle, principal, minor, error, mode, clobber_alignment, stable_angle,
                                  safe_minor_alignment, max_reconstruction_error)
     diagnostics = {
         "subspace_angle": angle, "principal_alignment": principal, "minor_alignment": minor,
-        "reconstruction_error": error, "effective_rank": energy_rank(S, 0.95),
-        "concentration": concentration_ratio(S, 0.95), "r": r, "r_next": r_next,
+        "reconstruction_error": error, "effective_rank": effective,
+        "concentration": effective / g, "r": r, "r_next": r_next,
         "reason": reason, "r_rationale": rationale,
     }
     return new_mode, r_next, diagnostics

@@ -93,10 +93,9 @@ class MinorComponents(nn.Module):
 
 def minor_factors(svd: SVD, r: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """MiLoRA's balanced split of the ``r`` smallest triplets: ``B = U_m √S_m``, ``A = √S_m V_mᵀ``."""
-    U, S, V = svd
-    k = S.numel() - r
-    root = S[k:].clamp_min(0).sqrt()
-    return (U[:, k:] * root).to(dtype).contiguous(), (root[:, None] * V[:, k:].mT).to(dtype).contiguous()
+    U, S, V = svd  # the last r of each (S and V may hold only the trailing triplets)
+    root = S[-r:].clamp_min(0).sqrt()
+    return (U[:, -r:] * root).to(dtype).contiguous(), (root[:, None] * V[:, -r:].mT).to(dtype).contiguous()
 
 
 def is_factorized(module: nn.Module, attr: str) -> bool:
