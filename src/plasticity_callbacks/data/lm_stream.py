@@ -33,7 +33,7 @@ from .tokenizer import IGNORE_INDEX
 DESIGNS = ("random_last_byte", "permuted_vocab", "slices")
 BYTES = 256
 # Separate random streams per purpose (the digits streams use 0-3 for theirs).
-_WINDOWS, _TARGETS, _PERMUTATION, _PROBE = 10, 11, 12, 13
+_WINDOWS, _TARGETS, _PERMUTATION, _PROBE, _HELD_OUT = 10, 11, 12, 13, 14
 
 
 def corpus_bytes(max_bytes: int, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +65,7 @@ class LMTaskStream(DigitsTaskStream):
 
     Args:
         design: ``random_last_byte`` | ``permuted_vocab`` | ``slices``.
-        num_tasks: tasks in the stream (``slices``: follows ``slice_bytes``; leave it or give its length).
+        num_tasks: tasks in the stream; None: 20, or with ``slices`` one per ``slice_bytes``.
         steps_per_task: optimizer steps (batches) on each task.
         batch_size: windows per batch.
         seed: everything random in the stream derives from it.
@@ -81,7 +81,7 @@ class LMTaskStream(DigitsTaskStream):
         2
     """
 
-    def __init__(self, design: str = "random_last_byte", num_tasks: int = 20, steps_per_task: int = 100,
+    def __init__(self, design: str = "random_last_byte", num_tasks: int | None = None, steps_per_task: int = 100,
                  batch_size: int = 64, seed: int = 0, window: int = 32, windows_per_task: int = 256,
                  fresh_windows: bool = True, eval_windows: int = 256, slice_bytes: list[int] | None = None,
                  corpus_max_bytes: int = 4_000_000):
@@ -91,9 +91,12 @@ class LMTaskStream(DigitsTaskStream):
             if not slice_bytes or any(isinstance(b, bool) or not isinstance(b, int) or b <= window for b in slice_bytes):
                 raise ValueError(f"data.slice_bytes={slice_bytes!r}: design=slices needs a list of slice sizes in "
                                  f"bytes, each larger than data.window={window}")
-            if num_tasks not in (None, len(slice_bytes)) and num_tasks != 20:  # 20: the default, left alone
-                raise ValueError(f"data.num_tasks={num_tasks} disagrees with the {len(slice_bytes)} slice_bytes")
+            if num_tasks not in (None, len(slice_bytes)):
+                raise ValueError(f"data.num_tasks={num_tasks} disagrees with the {len(slice_bytes)} slice_bytes "
+                                 "(leave it null: one task per slice)")
             num_tasks = len(slice_bytes)
+        elif num_tasks is None:
+            num_tasks = 20
         super().__init__(num_tasks, steps_per_task, batch_size, seed)
         for name, value in (("window", window), ("windows_per_task", windows_per_task),
                             ("eval_windows", eval_windows), ("corpus_max_bytes", corpus_max_bytes)):
@@ -120,7 +123,11 @@ class LMTaskStream(DigitsTaskStream):
             raise IndexError(f"task {index} is outside the stream's {self.num_tasks} tasks")
         self._load()
         if index not in self._tasks:
-            self._tasks[index] = self.make_task(index)
+            task = self.make_task(index)
+            if len(task.train_y) < self.batch_size:
+                raise ValueError(f"task {index} has {len(task.train_y)} training windows, fewer than "
+                                 f"data.batch_size={self.batch_size}; lower the batch size")
+            self._tasks[index] = task
         return self._tasks[index]
 
     def random_windows(self, data: torch.Tensor, count: int, *keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +143,7 @@ class LMTaskStream(DigitsTaskStream):
             y.fill_(IGNORE_INDEX)
             y[:, -1] = torch.randint(0, BYTES, (len(y),), generator=generator(self.seed, _TARGETS, index))
             return Task(x, y, x, y)
-        held_x, held_y = self.random_windows(self.held_out_bytes, self.eval_windows, _WINDOWS, -1)
+        held_x, held_y = self.random_windows(self.held_out_bytes, self.eval_windows, _HELD_OUT)
         if self.design == "permuted_vocab":
             count = self.steps_per_task * self.batch_size  # every step a fresh batch of windows
             x, y = self.random_windows(self.train_bytes, count, _WINDOWS, index)
@@ -147,9 +154,6 @@ class LMTaskStream(DigitsTaskStream):
         count = min(self.steps_per_task * self.batch_size, len(part) // self.window)
         x, y = self.random_windows(part, max(count, self.batch_size), _WINDOWS, index)
         return Task(x, y, held_x, held_y)
-
-    def setup(self, stage: str | None = None) -> None:
-        super().setup(stage)  # checks accumulation and rank split, builds task 0
 
     def probe_data(self, samples: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed probe task, the same for every method of a seed: ``samples`` training windows whose
