@@ -170,7 +170,7 @@ def test_task_metrics_on_the_lm_stream_equal_direct_scores_of_each_tasks_end():
     steps = 3
     stream = LMTaskStream(design="random_last_byte", num_tasks=3, steps_per_task=steps, windows_per_task=16,
                           seed=1, **SMALL)
-    copies, metrics = EndOfTaskCopies(steps), TaskMetrics(stability_tasks=2)
+    copies, metrics = EndOfTaskCopies(steps), TaskMetrics(stability_tasks=2, probe_steps=3, probe_lr=3e-3)
     L.seed_everything(0)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[copies, metrics])
@@ -192,3 +192,14 @@ def test_task_metrics_on_the_lm_stream_equal_direct_scores_of_each_tasks_end():
                                   .float().mean()) for j in earlier]
             assert row["retained_accuracy"] == pytest.approx(sum(retained) / len(retained))
         assert 0 <= row["online_accuracy"] <= 1  # the module now returns its accuracy
+        probe = copy.deepcopy(model).train()  # the probe by hand: full-batch Adam on the last bytes only
+        px, py = stream.probe_data()
+        optimizer = torch.optim.Adam(probe.parameters(), lr=3e-3)
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.cross_entropy(probe(px)[:, -1], py[:, -1]).backward()
+            optimizer.step()
+        with torch.no_grad():
+            expected = float((probe(px)[:, -1].argmax(-1) == py[:, -1]).float().mean())
+        assert row["probe_accuracy"] == pytest.approx(expected)
+    assert (stream.probe_data()[1][:, :-1] == IGNORE_INDEX).all()
