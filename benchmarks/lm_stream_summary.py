@@ -5,6 +5,9 @@ groups the runs by method, and prints, per method: end-of-task accuracy and loss
 targets over the last ``k`` tasks (mean ± std over seeds, and each seed's value), the first ``k``
 tasks beside them, and the seed-paired difference to warm start and to full reset. The figure
 (``--figure``) shows end-of-task accuracy and online loss against the task index, mean over seeds.
+``--saturation`` reads each run's last checkpoint and prints how far its output head drives the
+logits into the GPT's soft cap ``c·tanh(z/c)`` on the last task's windows (the cap's slope
+``1 − tanh²(z/c)`` is the share of the gradient that passes it).
 
     python benchmarks/lm_stream_summary.py multirun/a multirun/b --k 5 --figure docs/lm_stream.png
 """
@@ -88,17 +91,47 @@ def figure(runs: dict[str, dict[int, list[dict]]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def saturation(folders: list[str]) -> None:
+    """Per run: the head's norm, the share of raw last-position logits beyond ``2c`` and the median cap slope."""
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from plasticity_callbacks.models.gpt import GPT, GPTConfig
+
+    for folder in folders:
+        for info_file in sorted(Path(folder).rglob("stream.json")):
+            run = info_file.parent.parent
+            checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+            fields = dict(checkpoint["hyper_parameters"]["model"])
+            cap = fields["logit_softcap"]
+            model = GPT(GPTConfig(**{**fields, "logit_softcap": 0.0}))  # raw logits, before the cap
+            model.load_state_dict({k.removeprefix("model."): v for k, v in checkpoint["state_dict"].items()})
+            stream = instantiate(OmegaConf.load(run / ".hydra" / "config.yaml").data)
+            x, y = stream.eval_data(stream.num_tasks - 1)
+            with torch.no_grad():
+                raw = model(x)[:, -1]  # (windows, vocab)
+            slope = 1 - torch.tanh(raw / cap) ** 2
+            info = json.loads(info_file.read_text())
+            print(f"{info['method']:10s} seed {info['seed']}: head norm {model.lm_head.weight.norm():6.1f}, "
+                  f"|raw logit| > {2 * cap:g}: {(raw.abs() > 2 * cap).float().mean():.2f}, median cap slope "
+                  f"{slope.median():.3f} (at the target byte {slope.gather(1, y[:, -1:]).median():.3f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--figure", default=None)
+    parser.add_argument("--saturation", action="store_true", help="the head's soft-cap saturation per run")
     args = parser.parse_args()
     runs = read_runs(args.folders)
     print(table(runs, args.k))
     if args.figure:
         figure(runs, Path(args.figure))
         print(f"figure: {args.figure}")
+    if args.saturation:
+        saturation(args.folders)
 
 
 if __name__ == "__main__":
