@@ -2,8 +2,9 @@
 does warm start end the stream below full reset?
 
 Each run trains the package GPT on one :class:`~plasticity_callbacks.data.lm_stream.LMTaskStream`
-with a plain loop (the same batches the Trainer would see), twice: ``warm`` (weights and Adam moments
-carry over) and ``reset`` (a fresh GPT init and a fresh Adam at every boundary). It prints one row per
+with a plain loop (the same batches the Trainer would see), once per arm: ``warm`` (weights and Adam
+moments carry over), ``reset`` (a fresh GPT init and a fresh Adam at every boundary), ``warm_new_head``
+(warm, but the output head back to its init, zero, with its Adam moments dropped, at every boundary). It prints one row per
 arm: the end-of-task accuracy and loss on the task's targets (``eval_data``), first and last ``k``
 tasks, and the CPU seconds the arm took (``time.process_time``, robust to a shared machine).
 
@@ -51,6 +52,10 @@ def run_arm(args, arm: str, seed: int) -> dict:
         if model is None or arm == "reset":
             model = fresh_model(args, seed, task)
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.wd)
+        elif arm == "warm_new_head":
+            with torch.no_grad():
+                model.lm_head.weight.zero_()  # the GPT's init of its head
+            optimizer.state.pop(model.lm_head.weight, None)
         online = []
         for step in range(task * stream.steps_per_task, (task + 1) * stream.steps_per_task):
             x, y = batches[step]
