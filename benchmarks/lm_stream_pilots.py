@@ -4,8 +4,8 @@ does warm start end the stream below full reset?
 Each run trains the package GPT on one :class:`~plasticity_callbacks.data.lm_stream.LMTaskStream`
 with a plain loop (the same batches the Trainer would see), once per arm: ``warm`` (weights and Adam
 moments carry over), ``reset`` (a fresh GPT init and a fresh Adam at every boundary), ``warm_new_head``
-(warm, but the output head back to its init, zero, with its Adam moments dropped, at every boundary). It prints one row per
-arm: the end-of-task accuracy and loss on the task's targets (``eval_data``), first and last ``k``
+(warm, but the output head back to its init, zero, with its Adam moments dropped, at every boundary).
+It prints one row per arm: the end-of-task accuracy and loss on the task's targets (``eval_data``), first and last ``k``
 tasks, and the CPU seconds the arm took (``time.process_time``, robust to a shared machine).
 
     python benchmarks/lm_stream_pilots.py --design random_last_byte --tasks 20 --steps 100 --lr 1e-2

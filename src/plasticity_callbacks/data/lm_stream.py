@@ -88,9 +88,11 @@ class LMTaskStream(DigitsTaskStream):
         if design not in DESIGNS:
             raise ValueError(f"data.design={design!r} is not one of {DESIGNS}")
         if design == "slices":
-            if not slice_bytes or any(isinstance(b, bool) or not isinstance(b, int) or b <= window for b in slice_bytes):
+            sizes_ok = slice_bytes and all(isinstance(b, int) and not isinstance(b, bool) and b > window + 1
+                                           for b in slice_bytes)
+            if not sizes_ok:
                 raise ValueError(f"data.slice_bytes={slice_bytes!r}: design=slices needs a list of slice sizes in "
-                                 f"bytes, each larger than data.window={window}")
+                                 f"bytes, each more than data.window + 1 = {window + 1}")
             if num_tasks not in (None, len(slice_bytes)):
                 raise ValueError(f"data.num_tasks={num_tasks} disagrees with the {len(slice_bytes)} slice_bytes "
                                  "(leave it null: one task per slice)")
@@ -106,7 +108,8 @@ class LMTaskStream(DigitsTaskStream):
             raise ValueError(f"data.slice_bytes add up to {sum(slice_bytes)}, more than data.corpus_max_bytes="
                              f"{corpus_max_bytes}; raise corpus_max_bytes")
         self.design, self.window, self.windows_per_task = design, window, windows_per_task
-        self.fresh_windows, self.eval_windows, self.corpus_max_bytes = bool(fresh_windows), eval_windows, corpus_max_bytes
+        self.fresh_windows, self.eval_windows = bool(fresh_windows), eval_windows
+        self.corpus_max_bytes = corpus_max_bytes
         self.slice_bytes = list(slice_bytes) if slice_bytes else None
         self.sequence_len, self.vocab_size = window, BYTES  # read by the GPT's check_data_fits_model
         self.train_bytes: torch.Tensor | None = None
