@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plasticity_callbacks.callbacks.task_metrics import TaskMetrics, plasticity_metrics, target_scores
-from plasticity_callbacks.data.digits import generator
 from plasticity_callbacks.data.lm_stream import BYTES, LMTaskStream, corpus_bytes
 from plasticity_callbacks.data.tokenizer import IGNORE_INDEX
 from plasticity_callbacks.models.lightning_module import GPTLightningModule
