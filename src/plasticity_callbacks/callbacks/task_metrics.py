@@ -19,13 +19,35 @@ from ..distributed.sharded_state import reshard
 from .step_logging import log_at_step
 from ..functional.diagnostics import abs_activation_sum, feature_gram, gram_ranks, unit_fractions
 from ..functional.dormancy import dormancy_scores
+from ..data.tokenizer import IGNORE_INDEX
 
 COLUMNS = ("task", "step", "accuracy", "loss", "online_accuracy", "online_loss", "retained_accuracy",
            "probe_accuracy", "dormant", "dead", "feature_rank", "stable_rank", "weight_norm", "grad_norm")
 
 
+def target_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accuracy (share of argmax hits) and mean cross-entropy over the targets that count.
+
+    ``logits`` is ``(..., V)`` and ``targets`` ``(...)``: one label per sample (a classifier, ``(M, V)`` and
+    ``(M,)``) or per position (a language model, ``(M, T, V)`` and ``(M, T)``); targets equal to
+    ``IGNORE_INDEX`` (-100) are left out of both, as the training loss leaves them out.
+
+    Example:
+        >>> targets = torch.full((4, 16), -100)
+        >>> targets[:, -1] = 7  # only the last position of each window counts
+        >>> accuracy, loss = target_scores(torch.randn(4, 16, 264), targets)
+    """
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    keep = targets != IGNORE_INDEX
+    if not bool(keep.any()):
+        raise ValueError("target_scores: every target is IGNORE_INDEX (-100); nothing to measure")
+    logits, targets = logits[keep].float(), targets[keep]
+    return (logits.argmax(-1) == targets).float().mean(), F.cross_entropy(logits, targets)
+
+
 def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor, tau: float) -> dict[str, float]:
-    """Accuracy and loss on ``(x, y)``, and what the papers read plasticity from, on the same inputs:
+    """Accuracy and loss on ``(x, y)`` (:func:`target_scores`: per sample or per position, ignored targets left
+    out), and what the papers read plasticity from, on the same inputs:
 
     - ``dormant`` / ``dead``: share of hidden units (all ReLU layers; conv: channels) whose ReDo score
       ``E|h_i| / mean_k E|h_k|`` is ``≤ tau`` / 0 (Sokar et al. 2023);
@@ -33,7 +55,8 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
       (Kumar et al. 2021; Lyle et al. 2023), and ``stable_rank`` ``‖Φ‖²_F / ‖Φ‖²₂`` of the same matrix;
     - ``weight_norm``: the L2 norm of every parameter together (Dohare et al. 2024).
 
-    The module must provide ``hidden_activations(x) -> [(name, tensor), ...]`` (last = final hidden layer).
+    The module must provide ``hidden_activations(x) -> [(name, tensor), ...]`` (last = final hidden layer), each
+    tensor ``(rows, units)`` or ``(rows, channels, ...)`` (a language model gives one row per sample and position).
     Under a distributed strategy every rank passes the same ``(x, y)`` (a forward under FSDP2 is a
     collective), so each computes one process's values; FSDP2 units are left on their shards.
     """
@@ -52,9 +75,10 @@ def plasticity_metrics(pl_module: L.LightningModule, x: torch.Tensor, y: torch.T
                         for h in hidden])
     fractions = unit_fractions(scores, tau)
     ranks = gram_ranks(feature_gram(hidden[-1].flatten(1)))  # features (M, width)
+    accuracy, loss = target_scores(logits, y)
     return {
-        "accuracy": float((logits.argmax(-1) == y).float().mean()),
-        "loss": float(F.cross_entropy(logits, y)),
+        "accuracy": float(accuracy),
+        "loss": float(loss),
         "dormant": float(fractions["dormant"]),
         "dead": float(fractions["dead"]),
         "feature_rank": float(ranks["effective_rank"]),
@@ -73,7 +97,7 @@ def accuracy_on(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor) 
     finally:
         pl_module.train(was_training)
         reshard(pl_module)
-    return float((logits.argmax(-1) == y.to(logits.device)).float().mean())
+    return float(target_scores(logits, y.to(logits.device))[0])
 
 
 def total_norm(tensors: list[torch.Tensor]) -> float:
@@ -116,13 +140,13 @@ def _train_probe(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step
         optimizer = torch.optim.Adam(params, lr=lr)
         with torch.enable_grad():
             for _ in range(steps):
-                loss = F.cross_entropy(module(x), y)
+                loss = target_scores(module(x), y)[1]
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
         with torch.no_grad():
             logits = module(x)
-        return float((logits.argmax(-1) == y).float().mean())
+        return float(target_scores(logits, y)[0])
     finally:
         reshard(module)  # the last forward left the root unit gathered with the probe's weights
         with torch.no_grad():

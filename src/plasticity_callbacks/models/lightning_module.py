@@ -112,12 +112,35 @@ class GPTLightningModule(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
         logits = self.model(x) if self._compiled_forward is None else self._compiled_forward(x)
         loss = self.loss(logits, y)
         self.log("train/loss", loss, prog_bar=True)
-        return loss
+        with torch.no_grad():  # next-byte accuracy on the counted targets: TaskMetrics averages it over a task
+            counted = y != IGNORE_INDEX
+            accuracy = (logits.argmax(-1) == y)[counted].float().mean()
+        return {"loss": loss, "accuracy": accuracy}
+
+    def hidden_activations(self, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Every MLP's hidden units as they enter its ``c_proj``, in layer order, as ``(name, (B·T, hidden))``:
+        one row per sample and position; the last is the final hidden layer (TaskMetrics' dormancy and
+        feature rank). Read through the MLPs' ``hidden_observer`` during one forward; an observer already
+        set (ReDo's) is put back afterwards and does not see this forward."""
+        out: list[tuple[str, torch.Tensor]] = []
+        mlps = [(f"model.blocks.{i}.mlp", block.mlp) for i, block in enumerate(self.model.blocks)
+                if hasattr(block.mlp, "hidden_observer")]
+        if not mlps:
+            raise ValueError(f"hidden_activations: model.mlp={self.config.mlp!r} exposes no hidden_observer")
+        saved = [mlp.hidden_observer for _, mlp in mlps]
+        for name, mlp in mlps:
+            mlp.hidden_observer = lambda _, h, name=name: out.append((name, h.flatten(0, -2)))  # (B·T, hidden)
+        try:
+            self.model(x)
+        finally:
+            for (_, mlp), observer in zip(mlps, saved):
+                mlp.hidden_observer = observer
+        return out
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         elapsed = time.perf_counter() - self._step_started
