@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ STREAMS = (Stream("memorization", "digits_labels", 20, 100, "the task's own rand
 # Only what the ranking uses is measured: the plasticity probe (20 full-batch steps per task) is left out.
 MEASUREMENT = ["callbacks.task_metrics.probe_steps=0"]
 COST_FILE = "benchmark_cost.json"  # the run's CPU seconds, written next to its logs once it finished
+CONFIG_FILE = "benchmark_config.yaml"  # the composed config it ran: an edited method file runs again
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,19 @@ def sweep(method: str, user_config_dir: Path | None) -> tuple[str, list[str], st
 
 
 def run_job(job: Job, out: Path, user_config_dir: Path | None) -> RunResult:
-    """Run ``job`` into its folder (unless it finished there before) and read its per-task accuracies back."""
+    """Run ``job`` into its folder (unless it finished there before with the same composed config) and read its
+    per-task accuracies back."""
     folder = job.folder(out)
-    cost_file = folder / COST_FILE
-    if not cost_file.is_file():
-        (folder / ".hydra").mkdir(parents=True, exist_ok=True)
+    cost_file, config_file = folder / COST_FILE, folder / CONFIG_FILE
+    cfg = compose_run(folder, job.overrides(), user_config_dir)
+    config = OmegaConf.to_yaml(cfg)
+    if not cost_file.is_file() or not config_file.is_file() or config_file.read_text() != config:
+        shutil.rmtree(folder, ignore_errors=True)  # unfinished, or run with another config: from scratch
+        (folder / ".hydra").mkdir(parents=True)
         (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(job.overrides()))
         started = time.process_time()
-        fit(compose_run(folder, job.overrides(), user_config_dir))
+        fit(cfg)
+        config_file.write_text(config)
         cost_file.write_text(json.dumps({"cpu_seconds": time.process_time() - started}) + "\n")
     with (folder / "logs" / "tasks.csv").open(newline="") as f:
         rows = sorted(csv.DictReader(f), key=lambda row: int(row["task"]))
