@@ -101,7 +101,13 @@ def test_ranking_is_ordered_by_late_accuracy_and_every_cell_is_recomputed():
         general = late(label, "generalization")
         assert row[8] == f"{statistics.fmean(general.values()):.3f} ± {statistics.stdev(general.values()):.3f}"
     short = rows_of(short_table(results, k))
-    assert [r[0].strip("`") for r in short] == labels
+    assert [r[0].strip("`") for r in short] == [label for label in labels if "tuned" not in label]
+    reset = late("reset", "generalization")
+    for row in short:
+        general = late(row[0].strip("`"), "generalization")
+        assert row[3] == f"{statistics.fmean(general.values()):.3f}"
+        assert row[4] == ("·" if row[0] == "`reset`" else str(paired_difference(
+            [general[s] for s in SEEDS], [reset[s] for s in SEEDS])))
 
 
 def test_differences_pair_only_the_seeds_both_ran():

@@ -87,15 +87,17 @@ def ranking_table(results: Results, k: int) -> str:
 
 
 def short_table(results: Results, k: int) -> str:
-    """Markdown for the README: late-stream accuracy of each stream and the difference from full reset."""
+    """Markdown for the README: per method file as it is (the tuned rows are in :func:`ranking_table`), the
+    late-stream accuracy of each stream and the difference from full reset."""
     streams = list(results.streams)
     per_stream = {s: by_label(results.ranking_runs(), s, k) for s in streams}
     header = ["method"]
     for stream in streams:
         header += [f"{stream} (last {k})", "vs reset [95 % CI]"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label in ordered_labels(results, k):
-        cells = [f"`{label}`" if "(" not in label else label]
+    tuned = {r.label for r in results.runs if r.setting}
+    for label in [label for label in ordered_labels(results, k) if label not in tuned]:
+        cells = [f"`{label}`"]
         for stream in streams:
             rows = per_stream[stream].get(label, {})
             mean = statistics.fmean(r["late"] for r in rows.values()) if rows else float("nan")
