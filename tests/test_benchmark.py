@@ -6,6 +6,7 @@ import json
 import math
 import random
 import statistics
+import sys
 
 import numpy as np
 import pytest
@@ -222,3 +223,12 @@ def test_a_tiny_benchmark_trains_reports_and_draws(tmp_path):
     assert len(results.runs) == 2 * 2 * 2 and all(len(r.accuracy) == 2 for r in results.runs)
     assert {r.method for r in results.runs} == {"warm", "reset"}
     assert (tmp_path / "ranking.png").stat().st_size > 10_000
+
+
+def test_without_the_digits_extra_the_script_names_the_install(monkeypatch):
+    from plasticity_callbacks import cli
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if scikit-learn were not installed
+    monkeypatch.delitem(sys.modules, "plasticity_callbacks.app.benchmark.main")
+    with pytest.raises(SystemExit, match=r"plasticity-benchmark: .*needs sklearn.*pip install .*\[digits\]"):
+        cli.benchmark()
