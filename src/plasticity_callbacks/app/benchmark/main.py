@@ -6,9 +6,9 @@
     plasticity-benchmark --methods warm fire --seeds 0 1 --tasks 3 --memorization-steps 10 --no-tuning
 
 Runs go through the same Hydra configs as ``plasticity-train experiment=continual_digits``, one after
-the other in this process on one thread; each prints a line (stream, method, seed, CPU seconds) when it
-ends, and a run folder that finished is not run again. The outputs (``--out``): ``results.json`` (per
-run, per task), ``per_seed.csv``, ``ranking.md`` and ``ranking.png``.
+the other in this process on one thread (``--jobs N``: N processes); each prints a line (stream,
+method, seed, CPU seconds) when it ends, and a run folder that finished is not run again. The outputs
+(``--out``): ``results.json`` (per run, per task), ``per_seed.csv``, ``ranking.md`` and ``ranking.png``.
 """
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ for _module in ("sklearn", "scipy", "hydra", "omegaconf", "matplotlib"):  # one 
 
 import argparse
 import logging
+import resource
 import shutil
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ from ..console import configure_run_output
 from ..methods import method_names
 from .figure import plot_ranking
 from .metrics import late_stream_accuracy
-from .results import SHIPPED_RESULTS, Results, check_comparable, load_results, save_results
+from .results import SHIPPED_RESULTS, Results, RunResult, check_comparable, load_results, save_results
 from .runs import STREAMS, Job, run_job, sweep
 from .table import BASELINES, PRIMARY, per_seed_csv, ranking_table, short_table, tuning_table
 
@@ -56,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--last-k", type=int, default=5, help="the late-stream metric averages the last k tasks")
     parser.add_argument("--rerun-baselines", action="store_true",
                         help="with --methods: run warm and reset too instead of reading the shipped results")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one thread each")
     parser.add_argument("--docs", type=Path, default=None, help="also write the tables and the figure here")
     parser.add_argument("--readme", type=Path, default=None,
                         help="replace the short table between the README's plasticity-benchmark markers")
@@ -64,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if set(args.seeds) & set(args.tuning_seeds) and not args.no_tuning:
         parser.error(f"--tuning-seeds {args.tuning_seeds} overlap the ranking --seeds {args.seeds}: a setting "
                      "must be chosen on seeds the ranking does not use")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: at least 1")
     if args.last_k < 1:
         parser.error(f"--last-k {args.last_k}: at least 1")
     return args
@@ -75,14 +81,38 @@ def streams_of(args: argparse.Namespace):
             for s in STREAMS]
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished worker processes."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def quiet() -> None:
+    """One thread and warnings only, in this process and in every worker process."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    configure_run_output()
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "plasticity_callbacks"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class Progress:
-    """Runs jobs and prints one line per finished run."""
+    """Runs jobs, ``workers`` at a time, and prints one line per finished run."""
 
-    def __init__(self, out: Path, config_dir: Path | None, total: int, k: int):
-        self.out, self.config_dir, self.total, self.k, self.done = out, config_dir, total, k, 0
+    def __init__(self, out: Path, config_dir: Path | None, k: int, workers: int):
+        self.out, self.config_dir, self.k, self.workers = out, config_dir, k, workers
+        self.done = self.total = 0
 
-    def __call__(self, job: Job):
-        result = run_job(job, self.out, self.config_dir)
+    def run(self, jobs: list[Job]) -> list[RunResult]:
+        self.total += len(jobs)
+        if self.workers == 1:
+            return [self.report(job, run_job(job, self.out, self.config_dir)) for job in jobs]
+        # spawn: a fresh interpreter per worker, none of this process's threads or Hydra state
+        with ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"), initializer=quiet) as pool:
+            futures = {pool.submit(run_job, job, self.out, self.config_dir): job for job in jobs}
+            return [self.report(futures[f], f.result()) for f in as_completed(futures)]
+
+    def report(self, job: Job, result: RunResult) -> RunResult:
         self.done += 1
         setting = f" {job.setting}" if job.setting else ""
         print(f"[{self.done}/{self.total}] {job.stream.name} {job.method}{setting} seed {job.seed}: "
@@ -91,30 +121,19 @@ class Progress:
         return result
 
 
-def tune(method: str, streams, args, progress: Progress, results: Results) -> None:
-    """Sweep the method's sensitivity values on the tuning seeds (primary stream); record its best setting."""
-    found = sweep(method, args.config_dir)
-    if found is None:
-        return
-    key, values, default = found
-    primary = next(s for s in streams if s.name == PRIMARY)
-    score = {}
-    for value in values:
-        runs = [progress(Job(primary, method, f"{key}={value}", seed)) for seed in args.tuning_seeds]
-        results.runs += runs
-        score[value] = statistics.fmean(late_stream_accuracy(r.accuracy, args.last_k) for r in runs)
-    best = max(values, key=lambda v: score[v])  # the first of equals: the default, listed first
-    if best != default and score[best] > score[default]:
-        results.tuned[method] = f"{key}={best}"
+def best_setting(method: str, key: str, values: list[str], default: str, results: Results, k: int) -> str | None:
+    """The swept value with the highest late-stream accuracy on the primary stream (mean over the tuning seeds)
+    as ``key=value``, or None when the method file's own value is best (ties go to it)."""
+    score = {value: statistics.fmean(late_stream_accuracy(r.accuracy, k) for r in results.tuning_runs()
+                                     if r.method == method and r.stream == PRIMARY and r.setting == f"{key}={value}")
+             for value in values}
+    best = max(values, key=lambda v: score[v])
+    return f"{key}={best}" if score[best] > score[default] else None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    configure_run_output()
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "plasticity_callbacks"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet()
     known = method_names([args.config_dir] if args.config_dir else [])
     unknown = sorted(set(args.methods or []) - set(known))
     if unknown:
@@ -134,19 +153,20 @@ def main(argv: list[str] | None = None) -> None:
         results.tuned = {m: s for m, s in shipped.tuned.items() if m not in methods}
     elif args.methods:
         methods = [*[b for b in BASELINES if b not in methods], *methods]
-    started = time.process_time(), time.perf_counter()
+    started = cpu_seconds(), time.perf_counter()
     jobs = [Job(s, m, "", seed) for seed in args.seeds for m in methods for s in streams]
-    sweeps = 0 if args.no_tuning else sum(len(f[1]) for m in methods if (f := sweep(m, args.config_dir)))
-    progress = Progress(args.out, args.config_dir, len(jobs) + sweeps * len(args.tuning_seeds), args.last_k)
-    results.runs += [progress(job) for job in jobs]
-    if not args.no_tuning:
-        for method in methods:
-            tune(method, streams, args, progress, results)
-    tuned = [Job(s, m, results.tuned[m], seed) for m in methods if m in results.tuned
-             for seed in args.seeds for s in streams]
-    progress.total += len(tuned)
-    results.runs += [progress(job) for job in tuned]
-    cpu_spent = time.process_time() - started[0]
+    sweeps = {} if args.no_tuning else {m: found for m in methods if (found := sweep(m, args.config_dir))}
+    primary = next(s for s in streams if s.name == PRIMARY)
+    jobs += [Job(primary, m, f"{key}={value}", seed) for m, (key, values, _) in sweeps.items()
+             for value in values for seed in args.tuning_seeds]
+    progress = Progress(args.out, args.config_dir, args.last_k, args.jobs)
+    results.runs += progress.run(jobs)
+    for method, (key, values, default) in sweeps.items():
+        if best := best_setting(method, key, values, default, results, args.last_k):
+            results.tuned[method] = best
+    results.runs += progress.run([Job(s, m, results.tuned[m], seed) for m in methods if m in results.tuned
+                                  for seed in args.seeds for s in streams])
+    cpu_spent = cpu_seconds() - started[0]
     write_outputs(results, args, cpu_spent, time.perf_counter() - started[1])
 
 
