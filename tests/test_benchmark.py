@@ -183,7 +183,7 @@ def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeyp
     sweep_values = {job.setting for job in fake_runs if job.seed in (100, 101)}
     assert {s.rsplit("=", 1)[1] for s in sweep_values} == {"0.2", "0.4", "0.6", "0.8"}
     table = (tmp_path / "out" / "ranking.md").read_text()
-    labels = [row[1] for row in rows_of(table.split("\n\n")[0])]
+    labels = [row[1] for row in rows_of(table.split("\n\n")[1])]
     assert labels[0] == "sp (shrink=0.4, tuned)" and set(labels) == {"sp (shrink=0.4, tuned)", "sp", "warm", "reset"}
     assert "[1/" in capsys.readouterr().out  # a progress line per run
     with pytest.raises(SystemExit, match="num_tasks.*--rerun-baselines"):

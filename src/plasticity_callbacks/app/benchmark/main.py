@@ -36,7 +36,7 @@ from .figure import plot_ranking
 from .metrics import late_stream_accuracy
 from .results import SHIPPED_RESULTS, Results, RunResult, check_comparable, load_results, save_results
 from .runs import STREAMS, Job, run_job, sweep
-from .table import BASELINES, PRIMARY, per_seed_csv, ranking_table, short_table, tuning_table
+from .table import BASELINES, PRIMARY, caption, per_seed_csv, ranking_table, short_table, tuning_table
 
 README_MARKERS = ("<!-- plasticity-benchmark: table -->", "<!-- plasticity-benchmark: end -->")
 
@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
             check_comparable(shipped, results.streams, results.seeds, results.tuning_seeds)
         except ValueError as error:
             raise SystemExit(f"plasticity-benchmark: {error}") from None
+        if shipped.version != results.version:
+            print(f"note: the shipped runs were made with plasticity_callbacks {shipped.version}, this is "
+                  f"{results.version}; --rerun-baselines runs them again with this one")
         results.runs = [r for r in shipped.runs if r.method not in methods]
         results.tuned = {m: s for m, s in shipped.tuned.items() if m not in methods}
     elif args.methods:
@@ -176,9 +179,8 @@ def write_outputs(results: Results, args: argparse.Namespace, cpu_spent: float, 
     (out / "per_seed.csv").write_text(per_seed_csv(results, k))
     tuning = tuning_table(results, k)
     cost = sum(r.cpu_seconds for r in results.runs) / 60
-    text = "\n".join([ranking_table(results, k), "", *([tuning, ""] if tuning else []),
-                      f"{len(results.runs)} runs, {cost:.1f} CPU-minutes in all (one thread each; "
-                      f"package {results.version})"])
+    text = "\n".join([caption(results, k), "", ranking_table(results, k), "", *([tuning, ""] if tuning else []),
+                      f"{len(results.runs)} runs, {cost:.1f} CPU-minutes of training in all (one thread each)"])
     (out / "ranking.md").write_text(text + "\n")
     figure = plot_ranking(results, k, out / "ranking.png")
     print(text)

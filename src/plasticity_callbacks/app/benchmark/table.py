@@ -58,6 +58,17 @@ def ordered_labels(results: Results, k: int) -> list[str]:
     return sorted(labels, key=lambda label: -score[label])
 
 
+def caption(results: Results, k: int) -> str:
+    """What the ranking table was measured on, in a paragraph above it."""
+    streams = "; ".join(f"{name}: {s['data']}, {s['num_tasks']} tasks × {s['steps_per_task']} steps"
+                        for name, s in results.streams.items())
+    return (f"Streams: {streams}. Ranking seeds {results.seeds}; mean ± std over them. Ranked by {PRIMARY}'s "
+            f"end-of-task accuracy over the last {k} tasks. vs warm / vs reset: the seed-paired difference of "
+            "that column from warm start's / full reset's, mean [95 % Student-t interval]. Tuned rows: the best "
+            f"value of the method's sensitivity sweep on the {PRIMARY} stream, seeds {results.tuning_seeds}. "
+            f"Package {results.version}.")
+
+
 def ranking_table(results: Results, k: int) -> str:
     """Markdown: one row per method (and tuned setting), ordered by memorization's late-stream accuracy."""
     streams = list(results.streams)
