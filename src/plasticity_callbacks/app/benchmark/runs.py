@@ -72,13 +72,21 @@ def sweep(method: str, user_config_dir: Path | None) -> tuple[str, list[str], st
     return key, strings if str(default) in strings else [str(default), *strings], str(default)
 
 
+def fingerprint(cfg) -> str:
+    """The composed config as text, interpolations unresolved, without ``paths`` (where the run is written is
+    not a setting of it: a folder moved elsewhere is still the same run)."""
+    config = OmegaConf.to_container(cfg, resolve=False)
+    config.pop("paths", None)
+    return yaml.safe_dump(config, sort_keys=True)
+
+
 def run_job(job: Job, out: Path, user_config_dir: Path | None) -> RunResult:
     """Run ``job`` into its folder (unless it finished there before with the same composed config) and read its
     per-task accuracies back."""
     folder = job.folder(out)
     cost_file, config_file = folder / COST_FILE, folder / CONFIG_FILE
     cfg = compose_run(folder, job.overrides(), user_config_dir)
-    config = OmegaConf.to_yaml(cfg)
+    config = fingerprint(cfg)
     if not cost_file.is_file() or not config_file.is_file() or config_file.read_text() != config:
         shutil.rmtree(folder, ignore_errors=True)  # unfinished, or run with another config: from scratch
         (folder / ".hydra").mkdir(parents=True)
