@@ -6,6 +6,7 @@ import json
 import math
 import random
 import statistics
+from dataclasses import replace
 import sys
 
 import numpy as np
@@ -34,7 +35,7 @@ def made_run(stream, method, seed, setting="", tasks=6):
 
 def made_results(methods=("warm", "reset", "fire"), seeds=SEEDS) -> Results:
     runs = [made_run(stream, method, seed) for stream in STREAMS for method in methods for seed in seeds]
-    return Results(STREAMS, list(seeds), [100, 101], runs=runs)
+    return Results(STREAMS, list(seeds), [100, 101], 4, runs=runs)
 
 
 def rows_of(table: str) -> list[list[str]]:
@@ -145,13 +146,13 @@ def test_results_round_trip_and_unlike_settings_are_refused(tmp_path):
     loaded = load_results(save_results(results, tmp_path / "r.json"))
     assert loaded.version == results.version and loaded.tuned == results.tuned
     assert sorted(loaded.runs, key=str) == sorted(results.runs, key=str)
-    check_comparable(loaded, STREAMS, SEEDS, [100, 101])
+    check_comparable(loaded, made_results())
     shorter = json.loads(json.dumps(STREAMS))
     shorter["memorization"]["num_tasks"] = 10
-    for args, what in (((shorter, SEEDS, [100, 101]), "num_tasks"), ((STREAMS, [0, 1], [100, 101]), "seeds: yours"),
-                       ((STREAMS, SEEDS, [7]), "tuning seeds")):
+    for change, what in (({"streams": shorter}, "num_tasks"), ({"seeds": [0, 1]}, "seeds: yours"),
+                         ({"tuning_seeds": [7]}, "tuning_seeds"), ({"tuning_tasks": 20}, "tuning_tasks")):
         with pytest.raises(ValueError, match=what):
-            check_comparable(loaded, *args)
+            check_comparable(loaded, replace(made_results(), **change))
 
 
 @pytest.fixture
@@ -172,6 +173,7 @@ def fake_runs(monkeypatch):
 
 def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeypatch, fake_runs, capsys):
     shipped = made_results(methods=("warm", "reset"))
+    shipped.tuning_tasks = 10
     shipped.streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps}
                        for (name, s), steps in zip(STREAMS.items(), (100, 25))}
     shipped.runs = [RunResult(r.stream, r.method, r.setting, r.seed, [0.5] * 20, [0.5] * 20, 1.0) for r in shipped.runs]
@@ -182,6 +184,7 @@ def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeyp
     assert {job.seed for job in fake_runs if not job.setting} == set(SEEDS)
     sweep_values = {job.setting for job in fake_runs if job.seed in (100, 101)}
     assert {s.rsplit("=", 1)[1] for s in sweep_values} == {"0.2", "0.4", "0.6", "0.8"}
+    assert {job.stream.num_tasks for job in fake_runs if job.seed in (100, 101)} == {10}  # the shorter sweep
     table = (tmp_path / "out" / "ranking.md").read_text()
     labels = [row[1] for row in rows_of(table.split("\n\n")[1])]
     assert labels[0] == "sp (shrink=0.4, tuned)" and set(labels) == {"sp (shrink=0.4, tuned)", "sp", "warm", "reset"}

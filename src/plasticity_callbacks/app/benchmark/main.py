@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[100, 101],
                         help="the sensitivity sweep's seeds (none of the ranking seeds)")
     parser.add_argument("--no-tuning", action="store_true", help="rank each method file as it is, no sweep")
+    parser.add_argument("--tuning-tasks", type=int, default=10,
+                        help="the sweep's memorization stream: its tasks (default 10; steps as the ranking's)")
     parser.add_argument("--tasks", type=int, default=None, help="tasks of every stream (default: 20)")
     parser.add_argument("--memorization-steps", type=int, default=None, help="steps per task (default: 100)")
     parser.add_argument("--generalization-steps", type=int, default=None, help="steps per task (default: 25)")
@@ -68,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if set(args.seeds) & set(args.tuning_seeds) and not args.no_tuning:
         parser.error(f"--tuning-seeds {args.tuning_seeds} overlap the ranking --seeds {args.seeds}: a setting "
                      "must be chosen on seeds the ranking does not use")
+    if args.tuning_tasks < 1:
+        parser.error(f"--tuning-tasks {args.tuning_tasks}: at least 1")
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: at least 1")
     if args.last_k < 1:
@@ -139,14 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"plasticity-benchmark: no method file for {unknown}; known: {known}")
     streams = streams_of(args)
-    results = Results({s.name: s.settings() for s in streams}, args.seeds, args.tuning_seeds)
+    results = Results({s.name: s.settings() for s in streams}, args.seeds, args.tuning_seeds, args.tuning_tasks)
     methods = args.methods or known
     if args.methods and not args.rerun_baselines:
         if not SHIPPED_RESULTS.is_file():
             raise SystemExit(f"plasticity-benchmark: no shipped results at {SHIPPED_RESULTS}; add --rerun-baselines")
         shipped = load_results(SHIPPED_RESULTS)
         try:
-            check_comparable(shipped, results.streams, results.seeds, results.tuning_seeds)
+            check_comparable(shipped, results)
         except ValueError as error:
             raise SystemExit(f"plasticity-benchmark: {error}") from None
         if shipped.version != results.version:
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     started = cpu_seconds(), time.perf_counter()
     jobs = [Job(s, m, "", seed) for seed in args.seeds for m in methods for s in streams]
     sweeps = {} if args.no_tuning else {m: found for m in methods if (found := sweep(m, args.config_dir))}
-    primary = next(s for s in streams if s.name == PRIMARY)
+    primary = replace(next(s for s in streams if s.name == PRIMARY), num_tasks=args.tuning_tasks)
     jobs += [Job(primary, m, f"{key}={value}", seed) for m, (key, values, _) in sweeps.items()
              for value in values for seed in args.tuning_seeds]
     progress = Progress(args.out, args.config_dir, args.last_k, args.jobs)

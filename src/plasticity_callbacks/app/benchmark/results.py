@@ -68,6 +68,7 @@ class Results:
     streams: dict[str, dict]       # stream name -> Stream.settings()
     seeds: list[int]               # the ranking seeds
     tuning_seeds: list[int]        # the seeds of the sensitivity sweep (never ranking seeds)
+    tuning_tasks: int              # the sweep's memorization stream: its tasks (steps as the ranking's)
     tuned: dict[str, str] = field(default_factory=dict)  # method -> its best setting, where not its default
     runs: list[RunResult] = field(default_factory=list)
     version: str = __version__
@@ -93,12 +94,12 @@ def load_results(path: Path) -> Results:
     return Results(**data, runs=runs)
 
 
-def check_comparable(shipped: Results, streams: dict[str, dict], seeds: list[int], tuning_seeds: list[int]) -> None:
-    """Raise ``ValueError`` naming what differs when new runs would be paired with ``shipped`` runs of other
-    settings (stream, tasks, steps, seeds)."""
-    differences = [f"{what}: yours {mine}, shipped {theirs}" for what, mine, theirs in
-                   [("streams", streams, shipped.streams), ("seeds", seeds, shipped.seeds),
-                    ("tuning seeds", tuning_seeds, shipped.tuning_seeds)] if mine != theirs]
+def check_comparable(shipped: Results, mine: Results) -> None:
+    """Raise ``ValueError`` naming what differs when ``mine``'s runs would be paired with ``shipped`` runs of
+    other settings (stream, tasks, steps, seeds, the sweep's seeds and tasks)."""
+    differences = [f"{what}: yours {getattr(mine, what)}, shipped {getattr(shipped, what)}"
+                   for what in ("streams", "seeds", "tuning_seeds", "tuning_tasks")
+                   if getattr(mine, what) != getattr(shipped, what)]
     if differences:
         raise ValueError("the shipped baseline runs were made with other settings, so your runs cannot be paired "
                          f"with them ({'; '.join(differences)}); use the shipped settings (the defaults), or add "

@@ -65,7 +65,8 @@ def caption(results: Results, k: int) -> str:
     return (f"Streams: {streams}. Ranking seeds {results.seeds}; mean ± std over them. Ranked by {PRIMARY}'s "
             f"end-of-task accuracy over the last {k} tasks. vs warm / vs reset: the seed-paired difference of "
             "that column from warm start's / full reset's, mean [95 % Student-t interval]. Tuned rows: the best "
-            f"value of the method's sensitivity sweep on the {PRIMARY} stream, seeds {results.tuning_seeds}. "
+            f"value of the method's sensitivity sweep on the {PRIMARY} stream shortened to {results.tuning_tasks} "
+            f"tasks, seeds {results.tuning_seeds}. "
             f"Package {results.version}.")
 
 
