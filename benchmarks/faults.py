@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from fault_injection import Payload, hostile_checkpoint, hostile_shard_item  # noqa: E402  (the trust tests' faults)
 
-PIPELINE = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
+PIPELINE = ["experiment=pipeline_smoke", "+method=fire_lm", "validate_before_fit=true", "phases.sft.steps=6"]
 SINGLE = ["experiment=smoke", "validate_before_fit=false", "+callbacks=shrink_perturb",
           "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]
 SUMMARY = ("val_loss_before", "summary", "val_loss", "train_loss", "retention_loss")  # summary: fire/dfi_*

@@ -10,12 +10,12 @@ loss-curve figure are also copied there (``--docs docs`` refreshes the README's 
 
     python benchmarks/plasticity_study.py                          # the study; results under outputs/study/
     python benchmarks/plasticity_study.py --docs docs               # ... and replace docs/study.md + figure
-    python benchmarks/plasticity_study.py --name study_long --phase2-steps 1500 --methods warm sp fire fire_exact reset
-    python benchmarks/plasticity_study.py --seeds 0 --methods warm fire --phase1-steps 100 --phase2-steps 50
+    python benchmarks/plasticity_study.py --name study_long --phase2-steps 1500 --methods warm sp fire_lm fire_exact reset
+    python benchmarks/plasticity_study.py --seeds 0 --methods warm fire_lm --phase1-steps 100 --phase2-steps 50
 
 The same runs as a Hydra sweep (one process per run):
     plasticity-train experiment=study_sft +method=warm pipeline.stop_phase=pretrain hydra.run.dir=study/p1
-    plasticity-train -m experiment=study_sft +method=warm,fire seed=0,1,2 pipeline.start_phase=sft \\
+    plasticity-train -m experiment=study_sft +method=warm,fire_lm seed=0,1,2 pipeline.start_phase=sft \\
         pipeline.init_from=study/p1/checkpoints/pretrain/final.ckpt
 """
 from __future__ import annotations

@@ -13,16 +13,16 @@ EXPERIMENTS = ["pretrain_sft", "continual_pretrain", "pipeline_smoke", "smoke", 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_shipped_experiment_passes(experiment, caplog):
-    method = [] if experiment == "smoke" else ["+method=fire"]  # a single fit takes no method (refused below)
+    method = [] if experiment == "smoke" else ["+method=fire_lm"]  # a single fit takes no method (refused below)
     with caplog.at_level(logging.WARNING):
         check_config(compose_config(f"experiment={experiment}", *method), [f"experiment={experiment}"])
     assert not caplog.records
 
 
 def test_a_method_in_a_single_fit_is_refused_not_ignored():
-    with pytest.raises(ConfigError, match=r"\+method=fire has no effect in a single fit.*\+callbacks=<name>"):
-        check_config(compose_config("experiment=smoke", "+method=fire"), ["experiment=smoke", "+method=fire"])
-    check_config(compose_config("experiment=continual_digits", "+method=fire"), [])  # a task stream acts at its boundaries
+    with pytest.raises(ConfigError, match=r"\+method=fire_lm has no effect in a single fit.*\+callbacks=<name>"):
+        check_config(compose_config("experiment=smoke", "+method=fire_lm"), ["experiment=smoke", "+method=fire_lm"])
+    check_config(compose_config("experiment=continual_digits", "+method=fire_lm"), [])  # a task stream acts at its boundaries
 
 
 def test_a_setting_no_phase_uses_is_refused_and_one_some_phases_drop_is_warned(caplog):
@@ -55,9 +55,9 @@ def test_wrong_types_name_the_field(override, message):
 
 def test_command_line_accepts_valid_sweeps_and_refuses_a_bad_option_in_one(tmp_path):
     run_dir = f"hydra.sweep.dir={tmp_path}/sweep"
-    check_command_line(["-m", "+method=warm,fire", "seed=0,1", run_dir], config_dir())
-    with pytest.raises(ConfigError, match=r"method=fier: no such option.*did you mean 'fire'"):
-        check_command_line(["-m", "+method=warm,fier", run_dir], config_dir())
+    check_command_line(["-m", "+method=warm,fire_lm", "seed=0,1", run_dir], config_dir())
+    with pytest.raises(ConfigError, match=r"method=fire_exat: no such option.*did you mean 'fire_exact'"):
+        check_command_line(["-m", "+method=warm,fire_exat", run_dir], config_dir())
 
 
 def test_fsdp2_data_parallel_size_must_be_the_rank_count():
@@ -74,6 +74,6 @@ def test_fsdp2_data_parallel_size_must_be_the_rank_count():
 
 
 def test_a_pipeline_under_fsdp2_is_accepted_with_either_kind_of_checkpoint():
-    pipeline = ["experiment=pipeline_smoke", "+method=fire", "trainer=fsdp2"]
+    pipeline = ["experiment=pipeline_smoke", "+method=fire_lm", "trainer=fsdp2"]
     check_config(compose_config(*pipeline), pipeline)  # folders of shards: final.ckpt is handed on as a folder
     check_config(compose_config(*pipeline, "trainer.strategy.save_distributed_checkpoint=false"), pipeline)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hydra.utils import instantiate
 from hydra_app import compose_config
+from omegaconf import OmegaConf
 
 from plasticity_callbacks.app.train import config_dir
 from plasticity_callbacks.callbacks.schedule import Schedule
@@ -31,13 +32,54 @@ def test_each_method_instantiates_its_callbacks(name):
 
 
 def test_methods_override_only_what_differs():
-    fire = instantiate(compose_config("+method=fire").method.callbacks.fire)
+    fire = instantiate(compose_config("+method=fire_lm").method.callbacks.fire)
     assert fire.options == FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)
     assert fire.schedule == Schedule(at_fit_start=True) and fire.save_spectra
     exact = instantiate(compose_config("+method=fire_exact").method.callbacks.fire)
     assert exact.options == FIREOptions(method="svd")
     redo = instantiate(compose_config("+method=redo").method.callbacks.redo)
     assert redo.schedule == Schedule(every_n_steps=100) and redo.log_every_n_steps == 50 and redo.tau == 0.025
+
+
+def differing_keys(a, b, prefix=""):
+    """The dotted keys at which two nested mappings differ."""
+    keys = set(a) | set(b)
+    out = set()
+    for key in keys:
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out |= differing_keys(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.add(f"{prefix}{key}")
+    return out
+
+
+def method_block(name):
+    block = OmegaConf.to_container(compose_config(f"+method={name}").method, resolve=True)
+    block.pop("name")
+    block.pop("sensitivity", None)
+    return block
+
+
+@pytest.mark.parametrize("method, neighbour, difference", [
+    ("fire_lm", "fire_continual", {"callbacks.fire.options.steps"}),
+    ("fire_exact", "fire_exact_head", {"callbacks.fire.selection.include_head"}),
+    ("fire_exact_head", "fire_continual", {"callbacks.fire.options.method", "callbacks.fire.options.normalize",
+                                           "callbacks.fire.options.steps", "callbacks.fire.options.dtype"}),
+    ("isometric_reset", "fire_exact", {"callbacks.full_reset"}),
+    ("warm_reset", "warm", {"carry_optimizer"}),
+    ("l2", "warm", {"model"}),
+    ("ln_wd", "l2", {"model.norm"}),
+])
+def test_each_method_differs_from_its_neighbour_in_one_setting(method, neighbour, difference):
+    """The solver (method/normalize/steps/dtype of the options) counts as one setting."""
+    assert differing_keys(method_block(method), method_block(neighbour)) == difference
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if "/callbacks/fire@callbacks" in (CONFIGS / "method" / f"{m}.yaml").read_text()])
+def test_every_fire_method_file_states_its_head_treatment(name):
+    fire = OmegaConf.load(CONFIGS / "method" / f"{name}.yaml").callbacks.fire
+    assert isinstance(fire.selection.include_head, bool), name
 
 
 def test_no_callback_target_is_restated_outside_configs_callbacks():

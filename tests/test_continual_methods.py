@@ -71,7 +71,7 @@ def run_stream(callbacks, num_tasks=4):
 
 
 def test_every_declared_method_is_found():
-    assert {"warm", "warm_reset", "reset", "sp", "fire", "fire_exact", "dash", "redo"} <= set(method_names())
+    assert {"warm", "warm_reset", "reset", "sp", "fire_lm", "fire_continual", "fire_exact", "fire_exact_head", "dash", "redo"} <= set(method_names())
 
 
 def at_boundaries(callback) -> bool:

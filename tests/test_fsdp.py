@@ -20,7 +20,7 @@ import torch
 from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_single
 
 FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
-# The reference recipe (method/fire.yaml): 5 Newton–Schulz steps, a partial orthogonalization.
+# The authors' LM recipe (method/fire_lm.yaml): 5 Newton–Schulz steps, a partial orthogonalization.
 FIRE_NS = dict(FIRE, options={"method": "newton_schulz", "normalize": "frobenius", "steps": 5})
 REDO = {"_target_": "plasticity_callbacks.ReDoMonitor", "tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,
         "schedule": {"every_n_steps": 2}}

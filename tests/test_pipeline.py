@@ -128,12 +128,19 @@ def test_missing_checkpoint_for_start_phase_is_a_clear_error(tmp_path):
 def test_every_method_composes_into_boundary_callbacks(tmp_path):
     from pathlib import Path
 
+    refused = []
     for path in sorted(Path(config_dir(), "method").glob("*.yaml")):
         cfg = compose_pipeline(tmp_path, f"+method={path.stem}")
-        pipeline = Pipeline(cfg)
+        try:
+            pipeline = Pipeline(cfg)
+        except ConfigError as err:  # a setting of another model (l2, ln_wd: the digits classifier's), by name
+            assert "which the run's model config does not have" in str(err), path.stem
+            refused.append(path.stem)
+            continue
         first, second = pipeline.phases
         assert set(pipeline.method.callbacks or {}) <= set(second.callbacks)
         assert set(first.callbacks) == set(OmegaConf.to_container(cfg.callbacks))  # the method is not in phase 1
+    assert refused == ["l2", "ln_wd"]
 
 
 @pytest.mark.cli

@@ -1,4 +1,4 @@
-"""Each paper config (configs/method/{fire,dash,redo}.yaml) against the reference's loop on the same model and inputs.
+"""Each paper config (configs/method/{fire_lm,fire_continual,dash,redo}.yaml) against the reference's loop on the same model and inputs.
 
 The reference loops below are re-derived from the papers' math and the facts in ALGORITHMS.md
 (FIRE: isaac7778/FIRE; DASH: baekrok/DASH-Direction-Aware-SHrinking; ReDo: google/dopamine
@@ -76,7 +76,7 @@ def test_fire_config_reproduces_the_reference_gpt_loop(tied):
     linears = [n for n, m in expected.named_modules() if isinstance(m, nn.Linear)]
     assert "model.lm_head" in linears and {"model.blocks.0.attn.c_q", "model.blocks.0.attn.c_k"} <= set(linears)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    params = run_fit_start(module, token_loader(), method_callback("fire", "fire", save_spectra=False))
+    params = run_fit_start(module, token_loader(), method_callback("fire_lm", "fire", save_spectra=False))
     for name, p in expected.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
         treated = name.rsplit(".", 1)[0] in linears or (tied and name == "model.wte.weight")
@@ -117,7 +117,7 @@ def test_fire_config_reproduces_the_reference_on_gpt2_with_fused_qkv_and_tied_he
     reference_fire_gpt2(expected)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     snapshot = Snapshot()
-    cpu_trainer(max_steps=1, callbacks=[method_callback("fire", "fire", save_spectra=False), snapshot]).fit(module)
+    cpu_trainer(max_steps=1, callbacks=[method_callback("fire_lm", "fire", save_spectra=False), snapshot]).fit(module)
     changed = set()
     for name, p in expected.named_parameters():
         torch.testing.assert_close(snapshot.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
@@ -125,6 +125,50 @@ def test_fire_config_reproduces_the_reference_on_gpt2_with_fused_qkv_and_tied_he
             changed.add(name)
     assert "model.transformer.wte.weight" in changed  # orthogonalized through the tied head
     assert {"model.transformer.h.0.attn.c_attn.weight", "model.transformer.h.1.mlp.c_proj.weight"} <= changed
+
+
+def reference_fire_vision(model: nn.Module, iterations: int = 10) -> None:
+    """The authors' continual-classification loop (vision/interventions/fire.py): every nn.Linear and
+    nn.Conv2d, the output head included; a conv kernel one matrix per tap (i, j), each NS^k(W/‖W‖_F) on the
+    tall orientation, all scaled by √(C_out/C_in) / (k_h·k_w)."""
+    def ns(W):
+        X = W.T if W.shape[1] > W.shape[0] else W
+        X = X / X.norm()
+        for _ in range(iterations):
+            X = 1.5 * X - 0.5 * X @ (X.T @ X)
+        return X.T if W.shape[1] > W.shape[0] else X
+
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, (nn.Linear, nn.Conv2d)):
+                continue
+            W = module.weight.detach().clone()
+            taps = W.shape[2] * W.shape[3] if W.dim() == 4 else 1
+            out = torch.zeros_like(W)
+            if W.dim() == 4:
+                for i in range(W.shape[2]):
+                    for j in range(W.shape[3]):
+                        out[:, :, i, j] = ns(W[:, :, i, j])
+            else:
+                out = ns(W)
+            module.weight.copy_(out * math.sqrt(W.shape[0] / W.shape[1]) / taps)
+
+
+def test_fire_continual_config_reproduces_the_authors_vision_loop_on_a_cnn_with_its_head():
+    from plasticity_callbacks.models.classifier import DigitsClassifier
+
+    torch.manual_seed(0)
+    module = DigitsClassifier("cnn", channels=[4, 8], hidden=16)
+    expected = copy.deepcopy(module)
+    reference_fire_vision(expected)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    data = torch.utils.data.TensorDataset(torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    params = run_fit_start(module, torch.utils.data.DataLoader(data, batch_size=8),
+                           method_callback("fire_continual", "fire", save_spectra=False))
+    for name, p in expected.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        assert name.endswith(".weight") != torch.equal(params[name], before[name]), name  # weights only, head too
+    assert "network.9.weight" in [n for n, _ in expected.named_parameters()]  # the output head is among them
 
 
 # --------------------------------------------------------------------------------------- DASH

@@ -286,7 +286,7 @@ def test_the_first_pipeline_json_write_is_atomic_under_sigterm(tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------ 5. SIGTERM / SIGINT
-FIRE_RUN = ["experiment=pipeline_smoke", "+method=fire", "validate_before_fit=true", "phases.sft.steps=6"]
+FIRE_RUN = ["experiment=pipeline_smoke", "+method=fire_lm", "validate_before_fit=true", "phases.sft.steps=6"]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,15 @@ tasks of a task stream)::
     sensitivity:             # optional: the main hyperparameter and the values a sweep tries
       key: callbacks.shrink_perturb.shrink
       values: [0.2, 0.4, 0.6, 0.8]
+    model:                   # optional: merged onto the run's ``model:``, for the whole run (every phase or
+      norm: layer            #   task); the task streams' DigitsClassifier takes its norm and its Adam's
+      weight_decay: 1.0e-3   #   lr and weight_decay here
+    optimizer:               # optional: merged onto the run's ``optimizer:`` (the GPT pipeline's)
+      weight_decay: 0.1
+
+A ``model:`` or ``optimizer:`` block makes the method a setting of the whole run, not only an action at its
+boundaries (:func:`with_method_settings`): ``l2`` is Adam's weight decay, ``ln_wd`` a layer norm and weight
+decay. A key the run's config does not have is refused, naming the keys it has.
 
 Everything that runs methods reads this file: the pipeline (phases), the task streams
 (:func:`task_stream_callbacks`), the benchmarks (:func:`method_names`, :func:`sensitivity`) and the
@@ -20,7 +29,7 @@ reports. A user's method is one more file in a folder of their own on the config
 
 Example:
     >>> method_names()
-    ['cbp', 'dash', 'fire', 'fire_exact', 'hare_tortoise', 'l2_init', 'redo', 'reset', 'sp', 'sp_soft', 'warm', ...]
+    ['cbp', 'dash', 'fire_continual', 'fire_exact', 'fire_exact_head', 'fire_lm', 'hare_tortoise', ...]
     >>> task_stream_callbacks(compose_method("sp"))  # the specs that act at every task boundary
 """
 from __future__ import annotations
@@ -33,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError
 from .config_checks import config_dir
 
-METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity"}
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity", "model", "optimizer"}
 # The schedule of a callback that acts "at the boundary" of a pipeline phase; in a task stream that
 # boundary is every task boundary.
 AT_TASK_BOUNDARIES = {"_target_": "plasticity_callbacks.callbacks.schedule.Schedule", "at_task_boundaries": True}
@@ -109,6 +118,44 @@ def task_stream_callbacks(method: DictConfig) -> DictConfig:
     if not method.get("carry_optimizer", True):  # first: a fresh draw after FullReset's would equal its weights
         callbacks = OmegaConf.merge({"fresh_optimizer_state": FRESH_OPTIMIZER_STATE}, callbacks)
     return callbacks
+
+
+def with_method_settings(cfg: DictConfig, method: DictConfig) -> DictConfig:
+    """``cfg`` with the method's ``model:`` and ``optimizer:`` blocks merged onto ``cfg.model`` and ``cfg.optimizer``.
+
+    A model given by ``_target_`` (the task streams' ``DigitsClassifier``) builds its own optimizer from its
+    own arguments (``lr``, ``weight_decay``), so a method sets those under ``model:``; ``optimizer:`` is for the
+    GPT, whose optimizer ``cfg.optimizer`` configures.
+
+    Args:
+        cfg: the composed run config (not changed).
+        method: its method block (:func:`~app.pipeline.resolve_method`).
+
+    Returns:
+        A copy of ``cfg``; ``cfg`` itself when the method sets neither.
+
+    Raises:
+        ConfigError: a key the run's ``model``/``optimizer`` config does not have, or ``optimizer:`` for a model
+            that builds its own optimizer.
+
+    Example:
+        >>> cfg = with_method_settings(cfg, compose_method("ln_wd"))   # cfg.model.norm == "layer"
+    """
+    check_method(method)
+    blocks = {group: method.get(group) for group in ("model", "optimizer") if method.get(group)}
+    if not blocks:
+        return cfg
+    name = method.get("name")
+    if "optimizer" in blocks and "_target_" in cfg.model:
+        raise ConfigError(f"method {name!r} sets optimizer: {OmegaConf.to_container(blocks['optimizer'])}, but the "
+                          f"model ({cfg.model._target_}) builds its own optimizer from its own arguments: set "
+                          f"them under model: (e.g. model: {{weight_decay: 1.0e-3}})")
+    for group, block in blocks.items():
+        unknown = sorted(set(block) - set(cfg.get(group) or {}))
+        if unknown:
+            raise ConfigError(f"method {name!r} sets {group}.{unknown[0]}, which the run's {group} config does not "
+                              f"have; its keys: {sorted(cfg.get(group) or {})}")
+    return OmegaConf.merge(cfg, {group: OmegaConf.to_container(block) for group, block in blocks.items()})
 
 
 def sensitivity(method: DictConfig) -> tuple[str, list] | None:

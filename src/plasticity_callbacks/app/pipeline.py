@@ -9,7 +9,7 @@ A phase is a block under ``phases:`` (in order)::
 Each phase gets its own ``Trainer``, optimizer and LR schedule; the weights always carry over,
 the optimizer's moments only with ``carry_optimizer: true``. A phase's ``data`` / ``optimizer``
 / ``trainer`` blocks are merged onto the top-level ones (a ``data`` block naming another
-``_target_`` replaces it). The plasticity *method* (``+method=fire``, else ``default_method``)
+``_target_`` replaces it). The plasticity *method* (``+method=fire_lm``, else ``default_method``)
 acts at every boundary: its callbacks join every phase after the first, and it may reset the
 optimizer or the whole model there. Later phases also validate on earlier phases' validation
 sets, logged as ``retention/<phase>/loss``.
@@ -57,7 +57,7 @@ from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..errors import ConfigError
-from .methods import check_method
+from .methods import check_method, with_method_settings
 from .time_estimate import TimeEstimate
 from .runs.resumed_logs import LogPosition, restore_logs
 
@@ -112,7 +112,9 @@ def build_phases(cfg: DictConfig, method: DictConfig) -> list[Phase]:
         retention = earlier if retention is True else [] if not retention else list(retention)
         if set(retention) - set(earlier):
             raise ConfigError(f"phases.{name}.retention={retention} names phases that do not come before it: {earlier}")
-        optimizer = OmegaConf.to_container(OmegaConf.merge(cfg.optimizer, block.get("optimizer") or {}), resolve=True)
+        # the method's optimizer settings last: a method that is a setting (l2's weight decay) holds in every phase
+        optimizer = OmegaConf.to_container(OmegaConf.merge(cfg.optimizer, block.get("optimizer") or {},
+                                                           method.get("optimizer") or {}), resolve=True)
         trainer = OmegaConf.merge(cfg.trainer, block.get("trainer") or {})
         phases.append(Phase(name, index, data, steps, optimizer, trainer, callbacks, carry, retention))
     return phases
@@ -289,8 +291,8 @@ class Pipeline:
     """Runs ``cfg.phases`` in order; see the module docstring."""
 
     def __init__(self, cfg: DictConfig):
-        self.cfg = cfg
         self.method = resolve_method(cfg)
+        self.cfg = cfg = with_method_settings(cfg, self.method)  # its model/optimizer settings: the whole run's
         self.phases = build_phases(cfg, self.method)
         self.run_dir = Path(cfg.paths.output_dir)
         self.options = cfg.get("pipeline") or {}

@@ -36,12 +36,18 @@ from ..errors import ConfigError
 from .callback_checks import check_callbacks
 from .config_checks import check_command_line, check_config, config_dir
 from .console import configure_run_output
-from .methods import task_stream_callbacks
+from .methods import task_stream_callbacks, with_method_settings
 from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
 from .runs.resumed_logs import LogPosition, restore_logs
 from .time_estimate import TimeEstimate
 
 log = logging.getLogger(__name__)
+
+
+def with_stream_method(cfg: DictConfig) -> DictConfig:
+    """A task stream's config with its method's ``model:``/``optimizer:`` settings merged in
+    (:func:`~app.methods.with_method_settings`); any other single fit's as it is (it takes no method)."""
+    return with_method_settings(cfg, resolve_method(cfg)) if cfg.get("method_at_task_boundaries") else cfg
 
 
 def build_module(cfg: DictConfig) -> L.LightningModule:
@@ -62,6 +68,7 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
+    cfg = with_stream_method(cfg)  # l2, ln_wd: the method's model and optimizer settings
     ckpt_path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)  # before anything runs
     L.seed_everything(cfg.seed, workers=True)
     if cfg.get("threads"):
@@ -213,6 +220,7 @@ def refuse_before_start(argv: list[str], configs: str) -> None:
                                   "check hydra.run.dir, or drop pipeline.resume=true to start a new run")
             Pipeline(cfg).check_before_start()
         elif cfg.get("ckpt_path") is not None:
+            cfg = with_stream_method(cfg)  # as fit() sees it
             path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)
             guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
             checkpoint = read_checkpoint(path, mmap=True)

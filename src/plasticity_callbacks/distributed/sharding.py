@@ -286,7 +286,7 @@ def _fire_gathered(name, transposed, X_local, positions, rows, options, record_s
     """FIRE on one block given as ``X`` (the block, or its transpose) of ``rows`` rows, this rank holding rows
     ``positions``, gathered whole on every rank and solved as on one process: a wide block (its Gram matrix of
     the larger side would cost more than the block), a rank-deficient one (no full isometry from ``G``), or a
-    fixed number of iterations (the reference's 5 Newton–Schulz steps stop short of the exact factor).
+    fixed number of iterations (the FIRE recipes' 5 or 10 Newton–Schulz steps stop short of the exact factor).
     Returns the record and the new local rows (None when skipped)."""
     started = time.perf_counter()
     cols = X_local.shape[1]

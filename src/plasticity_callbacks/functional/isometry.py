@@ -97,7 +97,8 @@ class FIREOptions(PolarOptions):
         reset_optimizer: drop the optimizer state of exactly the weights that changed.
 
     Example:
-        >>> options = FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)   # the reference
+        >>> options = FIREOptions(method="newton_schulz", normalize="frobenius", steps=10)  # the authors' continual
+        >>> options = FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)   # ... and LM recipe
         >>> records = apply_fire(model, optimizer, options)
         >>> FIREReinit(options=options)   # the same object configures the callback
     """

@@ -147,7 +147,7 @@ class PolarOptions:
 
     Example:
         >>> Q = orthogonalize(W)                                                   # exact, fastest
-        >>> Q = orthogonalize(W, PolarOptions(method="newton_schulz", steps=5))   # the FIRE reference
+        >>> Q = orthogonalize(W, PolarOptions(method="newton_schulz", steps=5))   # 5 fixed steps: a partial factor
     """
 
     method: str = "auto"

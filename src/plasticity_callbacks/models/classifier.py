@@ -2,10 +2,13 @@
 
 Both networks are one ``nn.Sequential`` ending in the output layer, so the callbacks find
 their weights without help: the last Linear is the output head (``model_map.output_heads``), and every
-``Linear/conv → ReLU → Linear/conv`` run is a layer of neurons for ReDo.
+``Linear/conv → ReLU → Linear/conv`` run is a layer of neurons for ReDo. ``norm="layer"`` adds a layer
+norm before each hidden ReLU, and ``weight_decay`` Adam's L2 penalty: the baselines ``method/ln_wd.yaml``
+and ``method/l2.yaml`` set them.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import lightning as L
@@ -16,26 +19,40 @@ from torch import nn
 from ..data.digits import CLASSES, PIXELS
 
 ARCHITECTURES = ("mlp", "cnn")
+NORMS = ("none", "layer")
 
 
-def mlp(widths: Sequence[int] = (256, 256, 256), in_features: int = PIXELS, classes: int = CLASSES) -> nn.Sequential:
-    """``in → widths[0] → … → widths[-1] → classes``, ReLU between layers."""
+def norm_layer(norm: str, features: int, conv: bool = False) -> list[nn.Module]:
+    """``[]`` for ``none``; for ``layer``: ``LayerNorm(features)`` after a Linear layer, and after a conv layer
+    ``GroupNorm(1, channels)``, the layer norm of a feature map (over each image's channels and positions),
+    both with the usual learned gain and bias."""
+    if norm == "none":
+        return []
+    return [nn.GroupNorm(1, features) if conv else nn.LayerNorm(features)]
+
+
+def mlp(widths: Sequence[int] = (256, 256, 256), in_features: int = PIXELS, classes: int = CLASSES,
+        norm: str = "none") -> nn.Sequential:
+    """``in → widths[0] → … → widths[-1] → classes``, ReLU between layers; ``norm="layer"`` puts a layer
+    norm of the pre-activations before each ReLU (Linear → LayerNorm → ReLU), none on the output."""
     layers, previous = [], in_features
     for width in widths:
-        layers += [nn.Linear(previous, width), nn.ReLU()]
+        layers += [nn.Linear(previous, width), *norm_layer(norm, width), nn.ReLU()]
         previous = width
     return nn.Sequential(*layers, nn.Linear(previous, classes))
 
 
-def small_cnn(channels: Sequence[int] = (16, 32), hidden: int = 128, classes: int = CLASSES) -> nn.Sequential:
-    """Two 3×3 conv layers on the 8×8 image, a 2×2 max-pool, one hidden Linear layer, the output layer."""
+def small_cnn(channels: Sequence[int] = (16, 32), hidden: int = 128, classes: int = CLASSES,
+              norm: str = "none") -> nn.Sequential:
+    """Two 3×3 conv layers on the 8×8 image, a 2×2 max-pool, one hidden Linear layer, the output layer;
+    ``norm="layer"`` puts a layer norm before each ReLU (conv: ``GroupNorm(1, C)``)."""
     c1, c2 = channels
     return nn.Sequential(
         nn.Unflatten(1, (1, 8, 8)),  # (B, 64) -> (B, 1, 8, 8)
-        nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),  # (B, c1, 8, 8)
-        nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),  # (B, c2, 8, 8)
+        nn.Conv2d(1, c1, 3, padding=1), *norm_layer(norm, c1, conv=True), nn.ReLU(),  # (B, c1, 8, 8)
+        nn.Conv2d(c1, c2, 3, padding=1), *norm_layer(norm, c2, conv=True), nn.ReLU(),  # (B, c2, 8, 8)
         nn.MaxPool2d(2), nn.Flatten(),  # (B, c2 * 16)
-        nn.Linear(c2 * 16, hidden), nn.ReLU(),
+        nn.Linear(c2 * 16, hidden), *norm_layer(norm, hidden), nn.ReLU(),
         nn.Linear(hidden, classes),
     )
 
@@ -47,18 +64,27 @@ class DigitsClassifier(L.LightningModule):
         architecture: ``mlp`` (Linear layers of ``widths``) or ``cnn`` (:func:`small_cnn`).
         widths: hidden widths of the MLP.
         channels / hidden: conv channels and hidden width of the CNN.
-        lr: Adam's learning rate (no weight decay, no schedule: the streams' measured setting).
+        lr: Adam's learning rate (constant: no schedule).
+        norm: ``none`` or ``layer`` (a layer norm before every hidden ReLU; :func:`norm_layer`).
+        weight_decay: Adam's ``weight_decay``, an L2 penalty: ``weight_decay · θ`` is added to every
+            parameter's gradient before Adam's moments (``torch.optim.Adam``, not the decoupled AdamW), as
+            Dohare et al. (2024) run L2 regularization with Adam. 0 (the default): none.
 
     Example:
-        >>> module = DigitsClassifier("mlp", widths=[256, 256, 256], lr=1e-3)
+        >>> module = DigitsClassifier("mlp", widths=[256, 256, 256], lr=1e-3, norm="layer", weight_decay=1e-3)
         >>> L.Trainer(max_epochs=1).fit(module, datamodule=RandomLabelDigits())
     """
 
     def __init__(self, architecture: str = "mlp", widths: Sequence[int] = (256, 256, 256),
-                 channels: Sequence[int] = (16, 32), hidden: int = 128, lr: float = 1e-3):
+                 channels: Sequence[int] = (16, 32), hidden: int = 128, lr: float = 1e-3,
+                 norm: str = "none", weight_decay: float = 0.0):
         super().__init__()
         if architecture not in ARCHITECTURES:
             raise ValueError(f"model.architecture={architecture!r} is not one of {ARCHITECTURES}")
+        if norm not in NORMS:
+            raise ValueError(f"model.norm={norm!r} is not one of {NORMS}")
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not 0 <= weight_decay < math.inf:
+            raise ValueError(f"model.weight_decay={weight_decay!r} must be a number >= 0")
         if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
             raise ValueError(f"model.widths={widths!r} must be a non-empty list of positive integers")
         if len(channels) != 2 or any(not isinstance(c, int) or c < 1 for c in channels):
@@ -66,8 +92,9 @@ class DigitsClassifier(L.LightningModule):
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise ValueError(f"model.lr={lr!r} must be a positive number")
         self.save_hyperparameters()
-        self.lr = float(lr)
-        self.network = mlp(list(widths)) if architecture == "mlp" else small_cnn(list(channels), hidden)
+        self.lr, self.weight_decay = float(lr), float(weight_decay)
+        self.network = (mlp(list(widths), norm=norm) if architecture == "mlp"
+                        else small_cnn(list(channels), hidden, norm=norm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)  # (B, 10) logits
@@ -108,4 +135,5 @@ class DigitsClassifier(L.LightningModule):
         return {"loss": loss, "accuracy": accuracy.detach()}  # TaskMetrics averages both over each task
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr, foreach=True)  # one kernel per op for all tensors
+        # one kernel per op for all tensors; weight_decay: the coupled L2 penalty, on every parameter
+        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, foreach=True)
