@@ -173,7 +173,7 @@ def fake_runs(monkeypatch):
 
 def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeypatch, fake_runs, capsys):
     shipped = made_results(methods=("warm", "reset"))
-    shipped.tuning_tasks = 10
+    shipped.tuning_tasks, shipped.tuning_seeds = 10, [100]
     shipped.streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps}
                        for (name, s), steps in zip(STREAMS.items(), (100, 25))}
     shipped.runs = [RunResult(r.stream, r.method, r.setting, r.seed, [0.5] * 20, [0.5] * 20, 1.0) for r in shipped.runs]

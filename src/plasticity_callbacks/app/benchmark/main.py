@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "results fill the table")
     parser.add_argument("--config-dir", type=Path, default=None, help="a config folder with more method/*.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="the ranking seeds")
-    parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[100, 101],
+    parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[100],
                         help="the sensitivity sweep's seeds (none of the ranking seeds)")
     parser.add_argument("--no-tuning", action="store_true", help="rank each method file as it is, no sweep")
     parser.add_argument("--tuning-tasks", type=int, default=10,

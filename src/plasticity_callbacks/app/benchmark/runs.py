@@ -80,6 +80,15 @@ def fingerprint(cfg) -> str:
     return yaml.safe_dump(config, sort_keys=True)
 
 
+def read_tasks(folder: Path) -> list[dict]:
+    """The run's ``logs/tasks.csv`` rows in task order (none when it wrote no file)."""
+    path = folder / "logs" / "tasks.csv"
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return sorted(csv.DictReader(f), key=lambda row: int(row["task"]))
+
+
 def run_job(job: Job, out: Path, user_config_dir: Path | None) -> RunResult:
     """Run ``job`` into its folder (unless it finished there before with the same composed config) and read its
     per-task accuracies back."""
@@ -93,13 +102,12 @@ def run_job(job: Job, out: Path, user_config_dir: Path | None) -> RunResult:
         (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(job.overrides()))
         started = time.process_time()
         fit(cfg)
+        if len(read_tasks(folder)) != job.stream.num_tasks:  # stopped early (a signal): no cost file, runs again
+            raise RuntimeError(f"{folder}: the run stopped after {len(read_tasks(folder))} of "
+                               f"{job.stream.num_tasks} tasks")
         config_file.write_text(config)
         cost_file.write_text(json.dumps({"cpu_seconds": time.process_time() - started}) + "\n")
-    with (folder / "logs" / "tasks.csv").open(newline="") as f:
-        rows = sorted(csv.DictReader(f), key=lambda row: int(row["task"]))
-    if len(rows) != job.stream.num_tasks:
-        raise RuntimeError(f"{folder}: {len(rows)} tasks logged, the stream has {job.stream.num_tasks}; "
-                           "delete the folder to run it again")
+    rows = read_tasks(folder)
     return RunResult(job.stream.name, job.method, job.setting, job.seed,
                      [float(row["accuracy"]) for row in rows], [float(row["online_accuracy"]) for row in rows],
                      json.loads(cost_file.read_text())["cpu_seconds"])
