@@ -96,7 +96,8 @@ def run_job(job: Job, out: Path, user_config_dir: Path | None) -> RunResult:
     cost_file, config_file = folder / COST_FILE, folder / CONFIG_FILE
     cfg = compose_run(folder, job.overrides(), user_config_dir)
     config = fingerprint(cfg)
-    if not cost_file.is_file() or not config_file.is_file() or config_file.read_text() != config:
+    if (not cost_file.is_file() or not config_file.is_file() or config_file.read_text() != config
+            or len(read_tasks(folder)) != job.stream.num_tasks):
         shutil.rmtree(folder, ignore_errors=True)  # unfinished, or run with another config: from scratch
         (folder / ".hydra").mkdir(parents=True)
         (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(job.overrides()))
