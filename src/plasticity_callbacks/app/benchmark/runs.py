@@ -43,7 +43,8 @@ class Job:
     seed: int
 
     def folder(self, out: Path) -> Path:
-        setting = self.setting.rsplit(".", 1)[-1].replace("=", "_") if self.setting else "default"
+        key, _, value = self.setting.partition("=")
+        setting = f"{key.rsplit('.', 1)[-1]}_{value}" if self.setting else "default"  # kappa_2.0
         return out / "runs" / self.stream.name / self.method / setting / f"seed{self.seed}"
 
     def overrides(self) -> list[str]:
