@@ -235,3 +235,12 @@ def test_without_the_digits_extra_the_script_names_the_install(monkeypatch):
     monkeypatch.delitem(sys.modules, "plasticity_callbacks.app.benchmark.main")
     with pytest.raises(SystemExit, match=r"plasticity-benchmark: .*needs sklearn.*pip install .*\[digits\]"):
         cli.benchmark()
+
+
+def test_every_swept_value_has_its_own_run_folder(tmp_path):
+    from plasticity_callbacks.app.benchmark.runs import STREAMS as RUN_STREAMS, Job
+
+    values = ["1.0", "2.0", "4.0", "0.001", "0.01", "1e-05"]
+    folders = {Job(RUN_STREAMS[0], "m", f"callbacks.weight_clip.kappa={v}", 100).folder(tmp_path) for v in values}
+    assert len(folders) == len(values)
+    assert Job(RUN_STREAMS[0], "m", "callbacks.weight_clip.kappa=2.0", 0).folder(tmp_path).parent.name == "kappa_2.0"
