@@ -69,6 +69,7 @@ def test_non_editable_install_finds_configs_from_any_directory(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     assert (site / "plasticity_callbacks" / "configs" / "config.yaml").is_file()
+    assert (site / "plasticity_callbacks" / "app" / "benchmark_results" / "ranking_runs.json").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     code = ("from plasticity_callbacks.app.train import config_dir; import plasticity_callbacks, sys; "

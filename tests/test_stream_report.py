@@ -32,16 +32,18 @@ def test_run_summary_is_the_mean_over_all_and_over_the_last_tasks():
     assert summary["slope"] == pytest.approx(100 * np.polyfit(range(8), acc, 1)[0])
 
 
-def test_ranking_orders_by_online_accuracy_and_one_seed_shows_no_spread():
-    runs = [made_run("low", 0, [0.5] * 4, [0.2] * 4), made_run("high", 0, [0.5] * 4, [0.9] * 4),
-            made_run("high", 1, [0.5] * 4, [0.7] * 4)]
-    rows = [line.split(" | ") for line in ranking_table(runs).splitlines()[2:]]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("| 1", "high", "2"), ("| 2", "low", "1")]
-    assert rows[0][3] == "0.800 ± 0.141" and rows[1][3] == "0.200"
+def test_ranking_orders_by_late_end_of_task_accuracy_and_one_seed_shows_no_spread():
+    # "early" leads on online accuracy over all tasks, "late" on end-of-task accuracy over the last tasks
+    runs = [made_run("early", 0, [0.9, 0.9, 0.2, 0.2], [0.9] * 4), made_run("late", 0, [0.2, 0.2, 0.8, 0.9], [0.2] * 4),
+            made_run("late", 1, [0.2, 0.2, 0.6, 0.7], [0.3] * 4)]
+    rows = [line.split(" | ") for line in ranking_table(runs, k=2).splitlines()[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("| 1", "late", "2"), ("| 2", "early", "1")]
+    assert rows[0][3] == "0.750 ± 0.141" and rows[1][3] == "0.200"
+    assert rows[0][5] == "0.250 ± 0.071" and rows[1][5] == "0.900"  # online accuracy beside it
     assert cell([0.25], 3) == "0.250" and cell([math.nan], 3) == "—"
 
 
 def test_sensitivity_gives_each_methods_best_setting_and_spread():
-    runs = [made_run("sp", 0, [0.5] * 4, [o] * 4, label=f"sp shrink={o}") for o in (0.3, 0.6, 0.4)]
-    [row] = sensitivity_table(runs).splitlines()[2:]
+    runs = [made_run("sp", 0, [0.1, 0.1, a, a], [1 - a] * 4, label=f"sp shrink={a}") for a in (0.3, 0.6, 0.4)]
+    [row] = sensitivity_table(runs, k=2).splitlines()[2:]
     assert row == "| sp | 3 | sp shrink=0.6 | 0.600 | sp shrink=0.3 | 0.300 |"

@@ -1,6 +1,6 @@
 """The console scripts, kept free of the app's optional imports so that a missing extra is one line.
 
-``plasticity-train`` and ``plasticity-report`` import the Hydra app only when run; without the
+``plasticity-train``, ``plasticity-report`` and ``plasticity-benchmark`` import the Hydra app only when run; without the
 ``[app]`` extra they print the install command (for this checkout or for the installed wheel)
 and exit with status 1, instead of a traceback from ``import hydra``.
 
@@ -32,3 +32,8 @@ def train() -> None:
 def report() -> None:
     """``plasticity-report``: :func:`plasticity_callbacks.app.report.main`."""
     _run("plasticity-report", "plasticity_callbacks.app.report")
+
+
+def benchmark() -> None:
+    """``plasticity-benchmark``: :func:`plasticity_callbacks.app.benchmark.main.main`."""
+    _run("plasticity-benchmark", "plasticity_callbacks.app.benchmark.main")

@@ -1,7 +1,7 @@
 """``plasticity-report RUN_DIR``: a sweep's runs as one markdown table and a few figures.
 
 Finds every run under ``RUN_DIR``: pipeline runs (a ``pipeline.json``, e.g. each job of
-``plasticity-train -m experiment=continual_pretrain +method=warm,fire seed=0,1,2``), single
+``plasticity-train -m experiment=continual_pretrain +method=warm,fire_lm seed=0,1,2``), single
 fits (``~experiment``: a ``logs/metrics.csv``, or TensorBoard event files under ``tensorboard/``, next to
 Hydra's ``.hydra/``) and plain Lightning log folders (``lightning_logs/version_0``: CSV or TensorBoard, named
 by their folder; their summary columns are those of the built-in callbacks). Runs that differ only

@@ -5,12 +5,12 @@ Every run's :class:`~callbacks.task_metrics.TaskMetrics` wrote
 ``logs/tasks.csv`` (one row per task) and ``logs/stream.json`` (method, seed, settings). Runs are
 grouped by method (plus any other override but the seed), and the report gives:
 
-- ``report.md``: the ranking table (per group, mean ± std over seeds; ranked by online accuracy):
-  online accuracy over all tasks, and over the last ``k`` tasks end-of-task accuracy, retained
-  accuracy on earlier tasks (stability), probe accuracy, the slope of end-of-task accuracy over the
-  tasks; then a diagnostics table (dormant units, feature rank, weight and gradient norms, first
+- ``report.md``: the ranking table (per group, mean ± std over seeds; ranked by end-of-task accuracy
+  over the last ``k`` tasks): that accuracy, the slope of end-of-task accuracy over the tasks, online
+  accuracy and loss over all tasks, and over the last ``k`` tasks retained accuracy on earlier tasks
+  (stability) and probe accuracy; then a diagnostics table (dormant units, feature rank, weight and gradient norms, first
   versus last ``k`` tasks); where a method ran with several settings of one hyperparameter, its
-  best setting and the spread of online accuracy across the settings.
+  best setting and the spread of late end-of-task accuracy across the settings.
 - ``stream_metrics.png``: one panel per metric against the task index, one line per group (mean over
   seeds, a band of ± one std where two or more seeds ran), the end-of-task error ``1 − accuracy``
   on a log scale, chance level on the accuracy panels.
@@ -119,9 +119,9 @@ def run_summary(run: StreamRun, k: int) -> dict[str, float]:
             "seconds": float(run.info.get("seconds", math.nan))}
 
 
-RANK_COLUMNS = [("online_accuracy", "online acc (all tasks)", 3), ("online_loss", "online loss (all tasks)", 3),
-                ("accuracy", "end-of-task acc (last {k})", 3), ("retained_accuracy", "retained acc (last {k})", 3),
-                ("probe_accuracy", "probe acc (last {k})", 3), ("slope", "acc change per 100 tasks", 3),
+RANK_COLUMNS = [("accuracy", "end-of-task acc (last {k})", 3), ("slope", "acc change per 100 tasks", 3),
+                ("online_accuracy", "online acc (all tasks)", 3), ("online_loss", "online loss (all tasks)", 3),
+                ("retained_accuracy", "retained acc (last {k})", 3), ("probe_accuracy", "probe acc (last {k})", 3),
                 ("seconds", "seconds", 0)]
 
 
@@ -147,10 +147,11 @@ def last_k(runs: list[StreamRun], k: int | None) -> int:
 
 
 def ranking_table(runs: list[StreamRun], k: int | None = None) -> str:
-    """Markdown: one row per group, best online accuracy first."""
+    """Markdown: one row per group, best end-of-task accuracy over the last ``k`` tasks first (what is left
+    late in the stream; the all-task online average beside it rewards the early tasks)."""
     k = last_k(runs, k)
     summaries = {label: [run_summary(r, k) for r in members] for label, members in groups_of(runs).items()}
-    ranked = sorted(summaries, key=lambda g: -finite_mean(s["online_accuracy"] for s in summaries[g]))
+    ranked = sorted(summaries, key=lambda g: -finite_mean(s["accuracy"] for s in summaries[g]))
     header = ["rank", "method", "seeds", *(title.format(k=k) for _, title, _ in RANK_COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for rank, label in enumerate(ranked, 1):
@@ -176,11 +177,13 @@ def diagnostics_table(runs: list[StreamRun], k: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def sensitivity_table(runs: list[StreamRun]) -> str | None:
-    """Markdown: per method run with several settings, its best (by online accuracy) and the spread."""
+def sensitivity_table(runs: list[StreamRun], k: int | None = None) -> str | None:
+    """Markdown: per method run with several settings, its best (by end-of-task accuracy over the last ``k``
+    tasks) and the spread."""
+    k = last_k(runs, k)
     by_method: dict[str, dict[str, list[float]]] = defaultdict(dict)
     for label, members in groups_of(runs).items():
-        by_method[members[0].method][label] = [run_summary(r, 1)["online_accuracy"] for r in members]
+        by_method[members[0].method][label] = [run_summary(r, k)["accuracy"] for r in members]
     lines = []
     for method, settings in sorted(by_method.items()):
         if len(settings) < 2:
@@ -192,7 +195,7 @@ def sensitivity_table(runs: list[StreamRun]) -> str | None:
                      f"{means[best] - means[worst]:.3f} |")
     if not lines:
         return None
-    head = ["| method | settings | best setting | its online acc | worst setting | spread (best − worst) |",
+    head = [f"| method | settings | best setting | its end-of-task acc (last {k}) | worst setting | spread (best − worst) |",
             "|---|---|---|---|---|---|"]
     return "\n".join(head + lines)
 
@@ -253,7 +256,7 @@ def build_stream_report(root: Path, out: Path | None = None, k: int | None = Non
     out.mkdir(parents=True, exist_ok=True)
     figure = plot_stream(runs, out / "stream_metrics.png")
     info, k = runs[0].info, last_k(runs, k)
-    sensitivity = sensitivity_table(runs)
+    sensitivity = sensitivity_table(runs, k)
     text = "\n".join([
         f"# Task stream: {len(runs)} runs under {root}", "",
         f"{info.get('stream')}, {info.get('num_tasks')} tasks × {info.get('steps_per_task')} steps of batch "
@@ -262,9 +265,10 @@ def build_stream_report(root: Path, out: Path | None = None, k: int | None = Non
         f"data at its end; retained = on the previous {info.get('stability_tasks', 3)} tasks' evaluation data; "
         f"probe = a fixed random-label task refit for {info.get('probe_steps', 0)} Adam steps from the task's end "
         "state; acc change per 100 tasks = 100 × the least-squares slope of end-of-task accuracy against the task "
-        "(extrapolated on a shorter stream); seconds = one run's training time. Ranked by online accuracy.", "",
+        "(extrapolated on a shorter stream); seconds = one run's training time. Ranked by end-of-task accuracy over "
+        f"the last {k} tasks; plasticity-benchmark adds seed-paired confidence intervals.", "",
         ranking_table(runs, k), "",
-        *(["## Sensitivity (online accuracy over all tasks)", "", sensitivity, ""] if sensitivity else []),
+        *([f"## Sensitivity (end-of-task accuracy over the last {k} tasks)", "", sensitivity, ""] if sensitivity else []),
         "## Diagnostics", "", diagnostics_table(runs, k), "", f"![{figure.stem}]({figure.name})", "",
     ])
     (out / "report.md").write_text(text)

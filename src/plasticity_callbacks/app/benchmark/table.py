@@ -1,0 +1,149 @@
+"""The benchmark's tables: the ranking (late-stream accuracy first, seed-paired differences against warm
+start and full reset with 95 % intervals), the README's short version, the sensitivity sweep and the
+per-seed rows.
+
+Example:
+    >>> print(ranking_table(load_results(SHIPPED_RESULTS), k=5))
+"""
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections import defaultdict
+
+from .metrics import late_stream_accuracy, online_average, paired_difference, slope_per_100_tasks
+from .results import Results, RunResult
+
+BASELINES = ("warm", "reset")  # every method is compared with these two, seed by seed
+PRIMARY = "memorization"       # the stream whose late-stream accuracy orders the table
+
+
+def summary(run: RunResult, k: int) -> dict[str, float]:
+    """One run's numbers: late-stream end-of-task accuracy, its slope, the all-task online average."""
+    return {"late": late_stream_accuracy(run.accuracy, k), "slope": slope_per_100_tasks(run.accuracy),
+            "online": online_average(run.online_accuracy)}
+
+
+def by_label(runs: list[RunResult], stream: str, k: int) -> dict[str, dict[int, dict[str, float]]]:
+    """label -> seed -> summary, for one stream."""
+    table: dict[str, dict[int, dict[str, float]]] = defaultdict(dict)
+    for run in runs:
+        if run.stream == stream:
+            table[run.label][run.seed] = summary(run, k)
+    return dict(table)
+
+
+def mean_std(values: list[float]) -> str:
+    if not values:
+        return "—"
+    spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+    return f"{statistics.fmean(values):.3f}{spread}"
+
+
+def versus(rows: dict[int, dict[str, float]], baseline: dict[int, dict[str, float]] | None, metric: str = "late") -> str:
+    """The seed-paired difference ``rows − baseline`` on ``metric`` with its 95 % interval, over shared seeds."""
+    seeds = sorted(set(rows) & set(baseline or {}))
+    if not seeds:
+        return "—"
+    return str(paired_difference([rows[s][metric] for s in seeds], [baseline[s][metric] for s in seeds]))
+
+
+def ordered_labels(results: Results, k: int) -> list[str]:
+    """Every row's label, best late-stream accuracy on the primary stream first."""
+    primary = by_label(results.ranking_runs(), PRIMARY, k)
+    labels = sorted({r.label for r in results.ranking_runs()})
+    score = {label: statistics.fmean(s["late"] for s in primary[label].values()) if label in primary else -1.0
+             for label in labels}
+    return sorted(labels, key=lambda label: -score[label])
+
+
+def caption(results: Results, k: int) -> str:
+    """What the ranking table was measured on, in a paragraph above it."""
+    streams = "; ".join(f"{name}: {s['data']}, {s['num_tasks']} tasks × {s['steps_per_task']} steps"
+                        for name, s in results.streams.items())
+    return (f"Streams: {streams}. Ranking seeds {results.seeds}; mean ± std over them. Ranked by {PRIMARY}'s "
+            f"end-of-task accuracy over the last {k} tasks. vs warm / vs reset: the seed-paired difference of "
+            "that column from warm start's / full reset's, mean [95 % Student-t interval]. Tuned rows: the best "
+            f"value of the method's sensitivity sweep on the {PRIMARY} stream shortened to {results.tuning_tasks} "
+            f"tasks, seeds {results.tuning_seeds}. "
+            f"Package {results.version}.")
+
+
+def ranking_table(results: Results, k: int) -> str:
+    """Markdown: one row per method (and tuned setting), ordered by memorization's late-stream accuracy."""
+    streams = list(results.streams)
+    per_stream = {s: by_label(results.ranking_runs(), s, k) for s in streams}
+    header = ["rank", "method", "seeds"]
+    for stream in streams:
+        header += [f"{stream}: end-of-task acc (last {k})", "vs warm", "vs reset"]
+        if stream == PRIMARY:
+            header += ["acc change per 100 tasks", "online acc (all tasks)"]
+    header.append("CPU s per run")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cost = defaultdict(list)
+    for run in results.ranking_runs():
+        cost[run.label].append(run.cpu_seconds)
+    for rank, label in enumerate(ordered_labels(results, k), 1):
+        seeds = {seed for s in streams for seed in per_stream[s].get(label, {})}
+        cells = [str(rank), label, str(len(seeds))]
+        for stream in streams:
+            rows = per_stream[stream].get(label, {})
+            cells += [mean_std([r["late"] for r in rows.values()]),
+                      *(versus(rows, per_stream[stream].get(b)) if label != b else "·" for b in BASELINES)]
+            if stream == PRIMARY:
+                cells += [mean_std([r["slope"] for r in rows.values()]), mean_std([r["online"] for r in rows.values()])]
+        cells.append(f"{statistics.fmean(cost[label]):.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def short_table(results: Results, k: int) -> str:
+    """Markdown for the README: per method file as it is (the tuned rows are in :func:`ranking_table`), the
+    late-stream accuracy of each stream and the difference from full reset."""
+    streams = list(results.streams)
+    per_stream = {s: by_label(results.ranking_runs(), s, k) for s in streams}
+    header = ["method"]
+    for stream in streams:
+        header += [f"{stream} (last {k})", "vs reset [95 % CI]"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    tuned = {r.label for r in results.runs if r.setting}
+    for label in [label for label in ordered_labels(results, k) if label not in tuned]:
+        cells = [f"`{label}`"]
+        for stream in streams:
+            rows = per_stream[stream].get(label, {})
+            mean = statistics.fmean(r["late"] for r in rows.values()) if rows else float("nan")
+            cells += [f"{mean:.3f}", versus(rows, per_stream[stream].get("reset")) if label != "reset" else "·"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tuning_table(results: Results, k: int) -> str | None:
+    """Markdown: per method swept, each value's late-stream accuracy (mean over the tuning seeds), the best."""
+    runs = [r for r in results.tuning_runs() if r.stream == PRIMARY]
+    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs:
+        values[run.method][run.setting].append(late_stream_accuracy(run.accuracy, k))
+    if not values:
+        return None
+    lines = ["| method | setting | " + f"{PRIMARY} end-of-task acc (last {k}) per value | chosen |", "|---|---|---|---|"]
+    for method, settings in sorted(values.items()):
+        key = next(iter(settings)).partition("=")[0]
+        cells = [f"{s.partition('=')[2]}: {statistics.fmean(v):.3f}" for s, v in settings.items()]
+        chosen = results.tuned.get(method)
+        lines.append(f"| {method} | {key} | {', '.join(cells)} | "
+                     f"{chosen.partition('=')[2] + ' (tuned row)' if chosen else 'the default'} |")
+    return "\n".join(lines)
+
+
+def per_seed_csv(results: Results, k: int) -> str:
+    """One row per (stream, method, setting, seed): the numbers each table cell is computed from."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["stream", "label", "method", "setting", "seed", f"end_of_task_acc_last_{k}",
+                     "acc_change_per_100_tasks", "online_acc_all_tasks", "cpu_seconds"])
+    for run in sorted(results.runs, key=lambda r: (r.stream, r.method, r.setting, r.seed)):
+        numbers = summary(run, k)
+        writer.writerow([run.stream, run.label, run.method, run.setting, run.seed, f"{numbers['late']:.4f}",
+                         f"{numbers['slope']:.4f}", f"{numbers['online']:.4f}", f"{run.cpu_seconds:.1f}"])
+    return buffer.getvalue()

@@ -1,0 +1,246 @@
+"""plasticity-benchmark's numbers equal direct computations on hand-made per-seed runs (no training, except
+one tiny end-to-end run), and a user's method is placed against shipped runs only when their settings match."""
+import csv
+import io
+import json
+import math
+import random
+import statistics
+from dataclasses import replace
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats
+
+pytest.importorskip("sklearn")
+
+from plasticity_callbacks.app.benchmark import main as benchmark  # noqa: E402
+from plasticity_callbacks.app.benchmark.metrics import (late_stream_accuracy, online_average,  # noqa: E402
+                                                        paired_difference, slope_per_100_tasks)
+from plasticity_callbacks.app.benchmark.results import (Results, RunResult, check_comparable,  # noqa: E402
+                                                        load_results, save_results)
+from plasticity_callbacks.app.benchmark.table import (per_seed_csv, ranking_table, short_table,  # noqa: E402
+                                                      tuning_table)
+
+STREAMS = {"memorization": {"data": "digits_labels", "num_tasks": 6, "steps_per_task": 10},
+           "generalization": {"data": "digits_permuted", "num_tasks": 6, "steps_per_task": 5}}
+SEEDS = [0, 1, 2, 3, 4]
+
+
+def made_run(stream, method, seed, setting="", tasks=6):
+    return RunResult(stream, method, setting, seed, [random.random() for _ in range(tasks)],
+                     [random.random() for _ in range(tasks)], random.uniform(1, 9))
+
+
+def made_results(methods=("warm", "reset", "fire"), seeds=SEEDS) -> Results:
+    runs = [made_run(stream, method, seed) for stream in STREAMS for method in methods for seed in seeds]
+    return Results(STREAMS, list(seeds), [100, 101], 4, runs=runs)
+
+
+def rows_of(table: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+def test_late_stream_slope_and_online_metrics_are_the_direct_computations():
+    accuracy = [random.random() for _ in range(17)]
+    assert late_stream_accuracy(accuracy, 5) == pytest.approx(np.mean(accuracy[-5:]))
+    assert late_stream_accuracy(accuracy, 40) == pytest.approx(np.mean(accuracy))  # a shorter stream: all tasks
+    assert slope_per_100_tasks(accuracy) == pytest.approx(100 * np.polyfit(range(17), accuracy, 1)[0])
+    assert online_average(accuracy) == pytest.approx(np.mean(accuracy))
+    with pytest.raises(ValueError, match="k >= 1"):
+        late_stream_accuracy(accuracy, 0)
+
+
+def test_paired_interval_is_scipys_paired_t_test_and_the_t_table():
+    a, b = [random.random() for _ in range(5)], [random.random() for _ in range(5)]
+    diff = paired_difference(a, b)
+    expected = stats.ttest_rel(a, b).confidence_interval(0.95)  # scipy's own paired t-test
+    assert (diff.low, diff.high) == pytest.approx((expected.low, expected.high))
+    d = np.subtract(a, b)
+    half = 2.776445105 * d.std(ddof=1) / math.sqrt(5)  # t_{0.975, 4} from a printed t table
+    assert (diff.mean, diff.low, diff.high, diff.seeds) == pytest.approx((d.mean(), d.mean() - half, d.mean() + half, 5))
+    assert paired_difference([0.5, 0.7], [0.1, 0.2], confidence=0.9).high == pytest.approx(
+        0.45 + 6.313751515 * statistics.stdev([0.4, 0.5]) / math.sqrt(2))  # t_{0.95, 1}
+    single = paired_difference([0.5], [0.2])
+    assert single.mean == pytest.approx(0.3) and math.isnan(single.low) and not single.excludes_zero
+    assert str(single) == "+0.300"
+    for bad in (([0.1], []), ([], [])):
+        with pytest.raises(ValueError, match="one value per seed"):
+            paired_difference(*bad)
+
+
+def test_ranking_is_ordered_by_late_accuracy_and_every_cell_is_recomputed():
+    results = made_results()
+    results.runs += [made_run(s, "fire", seed, setting="callbacks.fire.options.steps=10") for s in STREAMS
+                     for seed in SEEDS]
+    k = 3
+    table = ranking_table(results, k)
+    rows = rows_of(table)
+
+    def late(label, stream):
+        return {r.seed: late_stream_accuracy(r.accuracy, k) for r in results.runs
+                if r.label == label and r.stream == stream}
+
+    labels = [row[1] for row in rows]
+    assert "fire (steps=10, tuned)" in labels and len(labels) == 4
+    means = [statistics.fmean(late(label, "memorization").values()) for label in labels]
+    assert means == sorted(means, reverse=True)
+    for row in rows:
+        label = row[1]
+        mine = late(label, "memorization")
+        assert row[3] == f"{statistics.fmean(mine.values()):.3f} ± {statistics.stdev(mine.values()):.3f}"
+        for column, baseline in ((4, "warm"), (5, "reset")):
+            if label == baseline:
+                assert row[column] == "·"
+                continue
+            theirs = late(baseline, "memorization")
+            d = [mine[s] - theirs[s] for s in SEEDS]
+            ci = stats.ttest_rel([mine[s] for s in SEEDS], [theirs[s] for s in SEEDS]).confidence_interval()
+            assert row[column] == f"{np.mean(d):+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
+        slopes = [slope_per_100_tasks(r.accuracy) for r in results.runs if r.label == label and r.stream == "memorization"]
+        assert row[6] == f"{np.mean(slopes):.3f} ± {np.std(slopes, ddof=1):.3f}"
+        general = late(label, "generalization")
+        assert row[8] == f"{statistics.fmean(general.values()):.3f} ± {statistics.stdev(general.values()):.3f}"
+    short = rows_of(short_table(results, k))
+    assert [r[0].strip("`") for r in short] == [label for label in labels if "tuned" not in label]
+    reset = late("reset", "generalization")
+    for row in short:
+        general = late(row[0].strip("`"), "generalization")
+        assert row[3] == f"{statistics.fmean(general.values()):.3f}"
+        assert row[4] == ("·" if row[0] == "`reset`" else str(paired_difference(
+            [general[s] for s in SEEDS], [reset[s] for s in SEEDS])))
+
+
+def test_differences_pair_only_the_seeds_both_ran():
+    results = made_results(seeds=[0, 1, 2])
+    results.runs = [r for r in results.runs if not (r.method == "fire" and r.seed == 0)]
+    k = 2
+    [fire] = [row for row in rows_of(ranking_table(results, k)) if row[1] == "fire"]
+    late = {(r.method, r.seed): late_stream_accuracy(r.accuracy, k) for r in results.runs if r.stream == "memorization"}
+    assert fire[2] == "2"
+    assert fire[5] == str(paired_difference([late["fire", s] for s in (1, 2)], [late["reset", s] for s in (1, 2)]))
+
+
+def test_tuning_table_and_per_seed_csv_hold_the_direct_numbers():
+    results = made_results(methods=("warm",), seeds=[0])
+    tuning = [made_run("memorization", "sp", seed, setting=f"callbacks.sp.shrink={v}") for v in (0.4, 0.8)
+              for seed in (100, 101)]
+    results.runs += tuning
+    results.tuned["sp"] = "callbacks.sp.shrink=0.4"
+    [row] = rows_of(tuning_table(results, 2))
+    means = [statistics.fmean(late_stream_accuracy(r.accuracy, 2) for r in tuning[i:i + 2]) for i in (0, 2)]
+    assert row == ["sp", "callbacks.sp.shrink", f"0.4: {means[0]:.3f}, 0.8: {means[1]:.3f}", "0.4 (tuned row)"]
+    lines = list(csv.DictReader(io.StringIO(per_seed_csv(results, 2))))
+    assert len(lines) == len(results.runs)
+    for line in lines:
+        [run] = [r for r in results.runs if (r.stream, r.method, r.setting, r.seed) ==
+                 (line["stream"], line["method"], line["setting"], int(line["seed"]))]
+        assert float(line["end_of_task_acc_last_2"]) == pytest.approx(np.mean(run.accuracy[-2:]), abs=1e-4)
+        assert float(line["online_acc_all_tasks"]) == pytest.approx(np.mean(run.online_accuracy), abs=1e-4)
+
+
+def test_results_round_trip_and_unlike_settings_are_refused(tmp_path):
+    results = made_results()
+    results.tuned["fire"] = "callbacks.fire.options.steps=10"
+    loaded = load_results(save_results(results, tmp_path / "r.json"))
+    assert loaded.version == results.version and loaded.tuned == results.tuned
+    assert sorted(loaded.runs, key=str) == sorted(results.runs, key=str)
+    check_comparable(loaded, made_results())
+    shorter = json.loads(json.dumps(STREAMS))
+    shorter["memorization"]["num_tasks"] = 10
+    for change, what in (({"streams": shorter}, "num_tasks"), ({"seeds": [0, 1]}, "seeds: yours"),
+                         ({"tuning_seeds": [7]}, "tuning_seeds"), ({"tuning_tasks": 20}, "tuning_tasks")):
+        with pytest.raises(ValueError, match=what):
+            check_comparable(loaded, replace(made_results(), **change))
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """run_job without training: a run's accuracies are a function of its method, setting and seed."""
+    ran = []
+
+    def run_job(job, out, config_dir):
+        ran.append(job)
+        rng = random.Random(f"{job.stream.name}{job.method}{job.setting}{job.seed}")
+        value = 0.9 if job.setting.endswith("=0.4") else rng.random() * 0.5
+        return RunResult(job.stream.name, job.method, job.setting, job.seed, [value] * job.stream.num_tasks,
+                         [value] * job.stream.num_tasks, 1.0)
+
+    monkeypatch.setattr(benchmark, "run_job", run_job)
+    return ran
+
+
+def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeypatch, fake_runs, capsys):
+    shipped = made_results(methods=("warm", "reset"))
+    shipped.tuning_tasks, shipped.tuning_seeds = 10, [100]
+    shipped.streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps}
+                       for (name, s), steps in zip(STREAMS.items(), (100, 25))}
+    shipped.runs = [RunResult(r.stream, r.method, r.setting, r.seed, [0.5] * 20, [0.5] * 20, 1.0) for r in shipped.runs]
+    monkeypatch.setattr(benchmark, "SHIPPED_RESULTS", save_results(shipped, tmp_path / "shipped.json"))
+    benchmark.main(["--out", str(tmp_path / "out"), "--methods", "sp"])
+    # only sp ran: its file on the ranking seeds, then its sweep on the tuning seeds, then the best (0.4) again
+    assert {job.method for job in fake_runs} == {"sp"}
+    assert {job.seed for job in fake_runs if not job.setting} == set(SEEDS)
+    sweep_values = {job.setting for job in fake_runs if job.seed in (100, 101)}
+    assert {s.rsplit("=", 1)[1] for s in sweep_values} == {"0.2", "0.4", "0.6", "0.8"}
+    assert {job.stream.num_tasks for job in fake_runs if job.seed in (100, 101)} == {10}  # the shorter sweep
+    table = (tmp_path / "out" / "ranking.md").read_text()
+    labels = [row[1] for row in rows_of(table.split("\n\n")[1])]
+    assert labels[0] == "sp (shrink=0.4, tuned)" and set(labels) == {"sp (shrink=0.4, tuned)", "sp", "warm", "reset"}
+    assert "[1/" in capsys.readouterr().out  # a progress line per run
+    with pytest.raises(SystemExit, match="num_tasks.*--rerun-baselines"):
+        benchmark.main(["--out", str(tmp_path / "other"), "--methods", "sp", "--tasks", "5"])
+
+
+def test_rerun_baselines_runs_warm_and_reset_with_the_new_method(tmp_path, fake_runs):
+    benchmark.main(["--out", str(tmp_path), "--methods", "warm_reset", "--tasks", "4", "--rerun-baselines",
+                    "--seeds", "0", "1"])
+    assert {job.method for job in fake_runs} == {"warm", "reset", "warm_reset"}
+    assert {job.stream.num_tasks for job in fake_runs} == {4}
+
+
+def test_bad_arguments_are_refused_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="no method file for \\['nope'\\]"):
+        benchmark.main(["--out", str(tmp_path), "--methods", "nope"])
+    with pytest.raises(SystemExit):
+        benchmark.main(["--seeds", "0", "100"])  # a ranking seed among the tuning seeds
+
+
+def test_readme_table_goes_between_its_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    start, end = benchmark.README_MARKERS
+    readme.write_text(f"# x\n{start}\nold\n{end}\ntail\n")
+    benchmark.replace_readme_table(readme, "| new |")
+    assert readme.read_text() == f"# x\n{start}\n| new |\n{end}\ntail\n"
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit, match="needs the lines"):
+        benchmark.replace_readme_table(readme, "| new |")
+
+
+def test_a_tiny_benchmark_trains_reports_and_draws(tmp_path):
+    benchmark.main(["--out", str(tmp_path), "--methods", "warm", "--rerun-baselines", "--seeds", "0", "1",
+                    "--tasks", "2", "--memorization-steps", "3", "--generalization-steps", "3", "--no-tuning",
+                    "--last-k", "1"])
+    results = load_results(tmp_path / "results.json")
+    assert len(results.runs) == 2 * 2 * 2 and all(len(r.accuracy) == 2 for r in results.runs)
+    assert {r.method for r in results.runs} == {"warm", "reset"}
+    assert (tmp_path / "ranking.png").stat().st_size > 10_000
+
+
+def test_without_the_digits_extra_the_script_names_the_install(monkeypatch):
+    from plasticity_callbacks import cli
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if scikit-learn were not installed
+    monkeypatch.delitem(sys.modules, "plasticity_callbacks.app.benchmark.main")
+    with pytest.raises(SystemExit, match=r"plasticity-benchmark: .*needs sklearn.*pip install .*\[digits\]"):
+        cli.benchmark()
+
+
+def test_every_swept_value_has_its_own_run_folder(tmp_path):
+    from plasticity_callbacks.app.benchmark.runs import STREAMS as RUN_STREAMS, Job
+
+    values = ["1.0", "2.0", "4.0", "0.001", "0.01", "1e-05"]
+    folders = {Job(RUN_STREAMS[0], "m", f"callbacks.weight_clip.kappa={v}", 100).folder(tmp_path) for v in values}
+    assert len(folders) == len(values)
+    assert Job(RUN_STREAMS[0], "m", "callbacks.weight_clip.kappa=2.0", 0).folder(tmp_path).parent.name == "kappa_2.0"
