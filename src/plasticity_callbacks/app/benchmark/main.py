@@ -3,7 +3,7 @@
     plasticity-benchmark                                    # every method, 5 seeds, both streams, the sweep
     plasticity-benchmark --methods mine --config-dir ~/mine # only yours, against the shipped baselines
     plasticity-benchmark --methods mine --config-dir ~/mine --tasks 10 --rerun-baselines  # other settings
-    plasticity-benchmark --methods warm fire --seeds 0 1 --tasks 3 --memorization-steps 10 --no-tuning
+    plasticity-benchmark --methods warm fire_lm --seeds 0 1 --tasks 3 --memorization-steps 10 --no-tuning
 
 Runs go through the same Hydra configs as ``plasticity-train experiment=continual_digits``, one after
 the other in this process on one thread (``--jobs N``: N processes); each prints a line (stream,
