@@ -3,11 +3,13 @@ one tiny end-to-end run), and a user's method is placed against shipped runs onl
 import csv
 import io
 import json
+import logging
 import math
 import random
 import statistics
 from dataclasses import replace
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -16,12 +18,34 @@ from scipy import stats
 pytest.importorskip("sklearn")
 
 from plasticity_callbacks.app.benchmark import main as benchmark  # noqa: E402
+from plasticity_callbacks.app.console import LIGHTNING_LOGGERS  # noqa: E402
 from plasticity_callbacks.app.benchmark.metrics import (late_stream_accuracy, online_average,  # noqa: E402
                                                         paired_difference, slope_per_100_tasks)
 from plasticity_callbacks.app.benchmark.results import (Results, RunResult, check_comparable,  # noqa: E402
                                                         load_results, save_results)
 from plasticity_callbacks.app.benchmark.table import (per_seed_csv, ranking_table, short_table,  # noqa: E402
                                                       tuning_table)
+
+@pytest.fixture(autouse=True)
+def logging_restored():
+    """``plasticity-benchmark``'s main quiets logging for the whole process, as a command should; the tests
+    call it in-process, so every logger it touches is put back for the tests that read log records."""
+    names = ["", "lightning", "lightning.pytorch", "lightning.fabric", "plasticity_callbacks", *LIGHTNING_LOGGERS]
+    saved = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate,
+                    list(logging.getLogger(name).handlers)) for name in names}
+    filters = {handler: list(handler.filters) for handler in logging.getLogger().handlers}
+    capturing = logging._warnings_showwarning is not None
+    with warnings.catch_warnings():
+        yield
+    for name, (level, propagate, handlers) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.handlers[:] = handlers
+    for handler, kept in filters.items():
+        handler.filters[:] = kept
+    logging.captureWarnings(capturing)
+
 
 STREAMS = {"memorization": {"data": "digits_labels", "num_tasks": 6, "steps_per_task": 10},
            "generalization": {"data": "digits_permuted", "num_tasks": 6, "steps_per_task": 5}}
