@@ -164,6 +164,15 @@ def test_tuning_table_and_per_seed_csv_hold_the_direct_numbers():
         assert float(line["online_acc_all_tasks"]) == pytest.approx(np.mean(run.online_accuracy), abs=1e-4)
 
 
+def test_swept_values_are_listed_by_size_whatever_order_the_runs_come_in():
+    results = made_results(methods=("warm",), seeds=[0])
+    values = ["0.0001", "0.01", "1e-05", "0.001", "auto"]  # text order would put 1e-05 after 0.01
+    random.shuffle(values)
+    results.runs += [made_run("memorization", "l2", 100, setting=f"model.weight_decay={v}") for v in values]
+    [row] = rows_of(tuning_table(results, 2))
+    assert [cell.split(":")[0] for cell in row[2].split(", ")] == ["1e-05", "0.0001", "0.001", "0.01", "auto"]
+
+
 def test_results_round_trip_and_unlike_settings_are_refused(tmp_path):
     results = made_results()
     results.tuned["fire"] = "callbacks.fire.options.steps=10"

@@ -118,6 +118,15 @@ def short_table(results: Results, k: int) -> str:
     return "\n".join(lines)
 
 
+def swept_value_order(setting: str) -> tuple:
+    """Sort key of ``key=value``: numbers by size (``1e-05`` before ``0.0001``), anything else after, by text."""
+    value = setting.partition("=")[2]
+    try:
+        return (0, float(value), value)
+    except ValueError:
+        return (1, 0.0, value)
+
+
 def tuning_table(results: Results, k: int) -> str | None:
     """Markdown: per method swept, each value's late-stream accuracy (mean over the tuning seeds), the best."""
     runs = [r for r in results.tuning_runs() if r.stream == PRIMARY]
@@ -129,7 +138,8 @@ def tuning_table(results: Results, k: int) -> str | None:
     lines = ["| method | setting | " + f"{PRIMARY} end-of-task acc (last {k}) per value | chosen |", "|---|---|---|---|"]
     for method, settings in sorted(values.items()):
         key = next(iter(settings)).partition("=")[0]
-        cells = [f"{s.partition('=')[2]}: {statistics.fmean(v):.3f}" for s, v in settings.items()]
+        cells = [f"{s.partition('=')[2]}: {statistics.fmean(v):.3f}"
+                 for s, v in sorted(settings.items(), key=lambda item: swept_value_order(item[0]))]
         chosen = results.tuned.get(method)
         lines.append(f"| {method} | {key} | {', '.join(cells)} | "
                      f"{chosen.partition('=')[2] + ' (tuned row)' if chosen else 'the default'} |")
