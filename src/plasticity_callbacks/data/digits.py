@@ -157,6 +157,8 @@ class DigitsTaskStream(L.LightningDataModule):
         seed: everything random in the stream (tasks, splits, batch order) derives from it.
     """
 
+    sample_name = "images"  # what one training example is, in error messages
+
     def __init__(self, num_tasks: int = 20, steps_per_task: int = 300, batch_size: int = 128, seed: int = 0):
         super().__init__()
         for name, value in (("num_tasks", num_tasks), ("steps_per_task", steps_per_task), ("batch_size", batch_size)):
@@ -185,15 +187,19 @@ class DigitsTaskStream(L.LightningDataModule):
     def make_task(self, index: int) -> Task:
         raise NotImplementedError
 
+    def load_data(self) -> None:
+        """Read the data the tasks are cut from, once (subclasses over other data override it)."""
+        if self.images is None:
+            self.images, self.labels = load_digits_tensors()
+
     def task(self, index: int) -> Task:
         if not 0 <= index < self.num_tasks:
             raise IndexError(f"task {index} is outside the stream's {self.num_tasks} tasks")
-        if self.images is None:
-            self.images, self.labels = load_digits_tensors()
+        self.load_data()
         if index not in self._tasks:
             task = self.make_task(index)
             if len(task.train_y) < self.batch_size:
-                raise ValueError(f"task {index} has {len(task.train_y)} training images, fewer than "
+                raise ValueError(f"task {index} has {len(task.train_y)} training {self.sample_name}, fewer than "
                                  f"data.batch_size={self.batch_size}; lower the batch size")
             self._tasks[index] = task
         return self._tasks[index]
@@ -220,8 +226,7 @@ class DigitsTaskStream(L.LightningDataModule):
     def probe_data(self, samples: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed probe task, the same for every method of a seed: ``samples`` images with random
         labels (Lyle et al. 2023 probe plasticity by fitting random labels from a trained network)."""
-        if self.images is None:
-            self.images, self.labels = load_digits_tensors()
+        self.load_data()
         g = generator(self.seed, _PROBE)
         rows = torch.randperm(len(self.labels), generator=g)[:samples]
         return self.images[rows], torch.randint(0, CLASSES, (len(rows),), generator=g)

@@ -81,6 +81,8 @@ class LMTaskStream(DigitsTaskStream):
         2
     """
 
+    sample_name = "windows"
+
     def __init__(self, design: str = "random_last_byte", num_tasks: int | None = None, steps_per_task: int = 100,
                  batch_size: int = 64, seed: int = 0, window: int = 32, windows_per_task: int = 256,
                  fresh_windows: bool = True, eval_windows: int = 256, slice_bytes: list[int] | None = None,
@@ -115,23 +117,11 @@ class LMTaskStream(DigitsTaskStream):
         self.train_bytes: torch.Tensor | None = None
         self.held_out_bytes: torch.Tensor | None = None
 
-    def _load(self) -> None:
+    def load_data(self) -> None:
         if self.train_bytes is None:
             self.train_bytes, self.held_out_bytes = corpus_bytes(self.corpus_max_bytes)
             if len(self.held_out_bytes) <= self.window + 1:
                 raise ValueError(f"data.corpus_max_bytes={self.corpus_max_bytes} leaves too few held-out bytes")
-
-    def task(self, index: int) -> Task:
-        if not 0 <= index < self.num_tasks:
-            raise IndexError(f"task {index} is outside the stream's {self.num_tasks} tasks")
-        self._load()
-        if index not in self._tasks:
-            task = self.make_task(index)
-            if len(task.train_y) < self.batch_size:
-                raise ValueError(f"task {index} has {len(task.train_y)} training windows, fewer than "
-                                 f"data.batch_size={self.batch_size}; lower the batch size")
-            self._tasks[index] = task
-        return self._tasks[index]
 
     def random_windows(self, data: torch.Tensor, count: int, *keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` windows at random offsets of ``data``: inputs and next-byte targets, ``(count, window)`` each."""
@@ -161,7 +151,7 @@ class LMTaskStream(DigitsTaskStream):
     def probe_data(self, samples: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """A fixed probe task, the same for every method of a seed: ``samples`` training windows whose
         last byte is replaced by a random one (the others ignored), as in ``random_last_byte``."""
-        self._load()
+        self.load_data()
         x, y = self.random_windows(self.train_bytes, samples, _PROBE)
         y.fill_(IGNORE_INDEX)
         y[:, -1] = torch.randint(0, BYTES, (samples,), generator=generator(self.seed, _PROBE, 1))
