@@ -16,13 +16,16 @@ Part 1 — per size ``n`` (default 256 … 4096), a square ``n×n`` and a tall `
 
 Each line gives every method's time (median over interleaved rounds), its relative error
 ``‖Q − U Vᵀ‖_F / ‖U Vᵀ‖_F`` against a float64 SVD, and the ratio default / anchor (< 1: the
-default is faster); ``vs fastest`` is default / the fastest anchor (target ≤ 1.0, goal 0.8).
+default is faster); ``vs fastest`` is default / the fastest anchor (target ≤ 1.0, goal 0.8); ``steps`` is the default's
+iteration count (Polar Express, the default on CUDA; ``-`` for the one-shot SVD / ``eigh``).
 
 Part 2 — ``apply_fire`` with default options on a GPT-2-small-sized model (12 layers, width 768,
 vocabulary 50304: 72 target matrices, Q/K/V separate) against one AdamW training step at batch
 1×256, measured in the same rounds at the same thread count, for each count in ``--threads``
-(target: FIRE ≤ 2 training steps). Then the floor of FIRE's design on CPU: the LAPACK calls and the
-matrix products alone (an SVD and its ``U·Vᵀ`` per square weight; per oblong weight its Gram matrix,
+(target: FIRE ≤ 2 training steps). On CUDA, side by side with it: the same solves one weight at a
+time (what ``apply_fire`` batches by shape there), the authors' LM recipe (5 Newton–Schulz steps) and the
+exact solvers (``eigh``, SVD), batched. On CPU: the floor of FIRE's design there: the LAPACK calls and
+the matrix products alone (an SVD and its ``U·Vᵀ`` per square weight; per oblong weight its Gram matrix,
 ``eigh``, and ``X·(V Λ^(-1/2) Vᵀ)``), and the step's FLOPs (``torch.utils.flop_counter``) per second.
 
 CPU timings are process CPU time (``time.process_time``), so other jobs on a shared machine inflate
@@ -41,8 +44,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from plasticity_callbacks.ops.fire import apply_fire
+from plasticity_callbacks.functional.isometry import FIREOptions, fire_matrix
 from plasticity_callbacks.functional.spectral import PolarOptions, orthogonalize
+from plasticity_callbacks.model_map import Selection, select_targets
+from plasticity_callbacks.ops.fire import apply_fire
+from plasticity_callbacks.ops.optimizer_state import reset_optimizer_state
 from plasticity_callbacks.models import GPT, GPTConfig
 
 
@@ -89,7 +95,7 @@ def relative_error(Q: torch.Tensor, exact: torch.Tensor | None) -> float:
 
 def matrix_table(sizes: list[int], rounds: int, device: torch.device, clock: Clock, anchors: dict,
                  exact_max: int) -> None:
-    print(f"{'matrix':>11s} {'default':>22s} " + " ".join(f"{name:>30s}" for name in anchors) + "  vs fastest")
+    print(f"{'matrix':>11s} {'default':>22s} " + " ".join(f"{name:>30s}" for name in anchors) + "  vs fastest  steps")
     generator = torch.Generator().manual_seed(0)
     for n in sizes:
         for m in (n, 4 * n):
@@ -118,7 +124,7 @@ def matrix_table(sizes: list[int], rounds: int, device: torch.device, clock: Clo
             for name in anchors:
                 cells.append(f"{median[name]:8.3f}s {errors[name]:6.1e} ratio {median['default'] / median[name]:5.2f}")
             print(f"{m:>5d}x{n:<5d} " + " ".join(f"{c:>22s}" if i == 0 else f"{c:>30s}" for i, c in enumerate(cells))
-                  + f"  {median['default'] / fastest:5.2f}", flush=True)
+                  + f"  {median['default'] / fastest:10.2f}  {info.iterations or '-':>5}", flush=True)
 
 
 def gpt2_small(device: torch.device) -> GPT:
@@ -163,11 +169,45 @@ def whole_model(rounds: int, device: torch.device, clock: Clock, threads: int) -
           f"largest DfI after {max(r.dfi_after for r in done):.1e}")
     print(f"  one training step (1x{config.sequence_len} tokens, AdamW) {step:.2f} s; apply_fire {fire:.2f} s; "
           f"ratio FIRE / step = {fire / step:.2f} (target <= 2)", flush=True)
-    if threads > 1 or device.type == "cuda":
+    if threads > 1:
         step_wall, fire_wall = statistics.median(step_walls), statistics.median(fire_walls)
         print(f"  wall time: step {step_wall:.2f} s; apply_fire {fire_wall:.2f} s; ratio {fire_wall / step_wall:.2f}")
     if device.type == "cpu":
         floor(model, clock, step, train_step)
+    else:
+        gpu_variants(model, optimizer, rounds, clock, step)
+
+
+def one_weight_at_a_time(model: GPT, optimizer, options: FIREOptions) -> None:
+    """FIRE as a loop of ``fire_matrix`` over every row block (what ``apply_fire`` batches on a GPU)."""
+    targets = select_targets(model, Selection())
+    with torch.no_grad():
+        for target in targets:
+            weight = target.read()
+            for block in target.block_list():
+                rows = block.take(weight)
+                fire_matrix(target.name, rows, options)
+                block.put(weight, rows)
+            target.write(weight)
+    reset_optimizer_state(optimizer, [p for target in targets for p in target.trainable()])
+
+
+def gpu_variants(model: GPT, optimizer, rounds: int, clock: Clock, step: float) -> None:
+    """On a GPU, side by side with apply_fire: the same solves one weight at a time (the unbatched baseline),
+    the authors' LM recipe (5 Newton–Schulz steps, Frobenius normalization), and the exact solvers, batched."""
+    recipe = FIREOptions(method="newton_schulz", normalize="frobenius", steps=5)
+    variants = {"apply_fire (batched by shape)": lambda: apply_fire(model, optimizer),
+                "one weight at a time (fire_matrix loop)": lambda: one_weight_at_a_time(model, optimizer, FIREOptions()),
+                "authors' LM recipe, batched": lambda: apply_fire(model, optimizer, recipe),
+                "exact eigh (float64 Gram), batched": lambda: apply_fire(model, optimizer, FIREOptions(method="eigh")),
+                "exact SVD, batched": lambda: apply_fire(model, optimizer, FIREOptions(method="svd"))}
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            times[name].append(clock(run)[0])
+    for name, values in times.items():
+        seconds = statistics.median(values)
+        print(f"  {name:<42s} {seconds:7.3f} s = {seconds / step:6.2f} steps", flush=True)
 
 
 def floor(model: GPT, clock: Clock, step: float, train_step) -> None:

@@ -14,6 +14,7 @@ compiled step, with Inductor's caches disabled (a warm cache would hide the cost
 
     python benchmarks/throughput.py                       # GPTConfig(), batch 16x256, 2 threads
     python benchmarks/throughput.py --rounds 7 --steps 5 --batch 8 --threads 1 --clock cpu
+    python benchmarks/throughput.py --device cuda --batch 32      # GPU: wall time between synchronizes
 
 Targets: ours/minimal throughput >= 0.97 eager and >= 0.98 compiled; our compile time <= 1.5x
 the minimal model's; Lightning loop overhead <= 5%.
@@ -89,6 +90,14 @@ def batches(n: int, batch: int, seq: int, vocab: int = 256) -> list[tuple[torch.
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time, this process's CPU time
+DEVICE = torch.device("cpu")
+
+
+def now() -> float:
+    """The clock, after the GPU has finished what was queued (kernels run asynchronously)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return CLOCK()
 
 
 class BareTrainer:
@@ -99,13 +108,13 @@ class BareTrainer:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        start = CLOCK()
+        start = now()
         loss = F.cross_entropy(self.forward(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return CLOCK() - start
+        return now() - start
 
 
 class _Timer(L.Callback):
@@ -113,15 +122,15 @@ class _Timer(L.Callback):
         self.times: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = CLOCK()
+        self._start = now()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(CLOCK() - self._start)
+        self.times.append(now() - self._start)
 
 
 def lightning_steps(module: GPTLightningModule, data) -> list[float]:
     timer = _Timer()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="gpu" if DEVICE.type == "cuda" else "cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
                         callbacks=[timer], num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(*map(torch.cat, zip(*data))), batch_size=len(data[0][0])))
@@ -135,7 +144,7 @@ def nonzero_copy(ours: GPT, minimal: MinimalGPT) -> None:
         for p in ours.parameters():
             p.normal_(0.0, 0.05)
         minimal.load_state_dict(ours.state_dict(), strict=True)
-        x = torch.randint(0, 256, (2, ours.config.sequence_len))
+        x = torch.randint(0, 256, (2, ours.config.sequence_len), device=DEVICE)
         torch.testing.assert_close(ours(x), minimal(x), rtol=1e-4, atol=1e-4)
 
 
@@ -145,13 +154,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (GPU timings are wall time between synchronizes)")
     parser.add_argument("--no-lightning", action="store_true", help="skip the Lightning-vs-bare comparison")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="this process's CPU time, robust on shared cores (use --threads 1); Inductor then "
                              "compiles in this process, so compile times are CPU time too")
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, DEVICE
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and args.clock == "cpu":
+        parser.error("--clock cpu measures this process's CPU time, not the GPU's work: use --clock wall with cuda")
     if args.clock == "cpu":
         torch._inductor.config.compile_threads = 1
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -160,22 +173,22 @@ def main() -> None:
     torch._inductor.config.force_disable_caches = True  # measure compilation, not a cache lookup
     torch.manual_seed(0)
     cfg = GPTConfig()
-    data = batches(args.steps, args.batch, cfg.sequence_len)
+    data = [(x.to(DEVICE), y.to(DEVICE)) for x, y in batches(args.steps, args.batch, cfg.sequence_len)]
 
-    ours, minimal = GPT(cfg), MinimalGPT(cfg)
+    ours, minimal = GPT(cfg).to(DEVICE), MinimalGPT(cfg).to(DEVICE)
     nonzero_copy(ours, minimal)
-    ours_c, minimal_c = GPT(cfg), MinimalGPT(cfg)
+    ours_c, minimal_c = GPT(cfg).to(DEVICE), MinimalGPT(cfg).to(DEVICE)
     nonzero_copy(ours_c, minimal_c)
     trainers = {"ours eager": BareTrainer(ours), "minimal eager": BareTrainer(minimal),
                 "ours compiled": BareTrainer(ours_c, torch.compile(ours_c.forward, dynamic=False)),
                 "minimal compiled": BareTrainer(minimal_c, torch.compile(minimal_c.forward, dynamic=False))}
-    torch.compile(lambda t: (t * 2).sum())(torch.ones(3))  # pay Inductor's one-time start-up outside the timings
+    torch.compile(lambda t: (t * 2).sum())(torch.ones(3, device=DEVICE))  # pay Inductor's one-time start-up outside the timings
     first = {name: t.step(*data[0]) for name, t in trainers.items()}  # compiles the two compiled variants
     times: dict[str, list[float]] = {name: [] for name in trainers}
     light, bare = [], []
     if not args.no_lightning:
         module = GPTLightningModule(cfg, optimizer="adamw", lr=1e-4, schedule="constant")
-        bare_model = GPT(cfg)
+        bare_model = GPT(cfg).to(DEVICE)
         bare_model.load_state_dict(module.model.state_dict())
         bare_trainer = BareTrainer(bare_model, lambda x: bare_model(x))
     for r in range(args.rounds):  # interleaved: drifts in machine load hit every variant alike
@@ -188,9 +201,11 @@ def main() -> None:
 
     med = {name: statistics.median(t) for name, t in times.items()}
     tokens = args.batch * cfg.sequence_len
+    where = (f"{torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}, float32" if DEVICE.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
     print(f"GPTConfig() {cfg.n_layer}x{cfg.n_embd} {cfg.mlp}/{cfg.position}, {sum(p.numel() for p in ours.parameters()):,} "
-          f"params, batch {args.batch}x{cfg.sequence_len}, {args.rounds} rounds x {args.steps} steps, "
-          f"{torch.get_num_threads()} threads, {args.clock} clock (logits of ours and minimal checked equal)")
+          f"params, batch {args.batch}x{cfg.sequence_len}, {args.rounds} rounds x {args.steps} steps, {where}, "
+          f"{args.clock} clock (logits of ours and minimal checked equal)")
     print(f"{'variant':<18}{'ms/step':>9}{'tok/s':>10}{'compile s':>11}")
     for name in trainers:
         compile_s = f"{first[name] - med[name]:.1f}" if "compiled" in name else "-"

@@ -6,9 +6,10 @@ conv kernels: one polar factor per spatial tap, as the reference code does, and 
 or depthwise conv, whose operator is block-diagonal over groups; a fused matrix such as Q/K/V, gate/up
 or an LSTM's gates: one polar factor per row block, as the reference code splits GPT-2's ``c_attn``),
 then the optimizer state of exactly those weights is dropped. A factorized weight (``W_p + BA``) is
-treated as its effective weight. Weights are processed one at a time per thread (on CPU, ``apply_fire``
+treated as its effective weight. On CPU weights are processed one at a time per thread (``apply_fire``
 runs one per torch thread), so the extra memory is that of a few matrices' solves (about 3× the largest
-matrix each), not of the model.
+matrix each), not of the model; on a GPU ``apply_fire`` batches the weights of one shape
+(:mod:`~functional.fire_batch`, at most 1 GiB of them at a time).
 
 The diagnostics cost no second factorization: with an exact method (SVD, ``eigh``) DfI before comes
 from the singular values the solver computed, SFE from one pass over the difference, and DfI after

@@ -206,6 +206,7 @@ class PolarInfo:
     matmuls: int = 0  # matrix-matrix products (power-iteration mat-vecs not counted)
     error: float = float("nan")  # largest ‖XᵀX − I‖_F/(2√n) over slices when last checked; NaN if never
     fell_back: int = 0  # slices solved by SVD: an iteration missed tol, or eigh found them rank-deficient
+    fell_back_slices: torch.Tensor | None = None  # which slices those were (bool, the batch's shape); None if none
     skipped: int = 0  # degenerate slices (zero / NaN / Inf) returned unchanged
     lower: float = float("nan")  # Polar Express: the smallest σ bound a slice's schedule was built for
     # Singular values of W per slice (float64, ascending) where the method computed them (svd, eigh); None else.
@@ -292,7 +293,7 @@ def orthogonalize(W: torch.Tensor, options: PolarOptions | None = None, return_i
         Q, converged = _iterate(scaled(), bad, method, options, info)
     missed = ~(converged | bad)
     if bool(missed.any()):  # rank-deficient or extremely ill-conditioned: solve those exactly
-        info.fell_back = int(missed.sum())
+        info.fell_back, info.fell_back_slices = int(missed.sum()), missed
         Q[missed] = _svd_polar(scaled()[missed])[0]
     if info.skipped:
         Q = torch.where(bad[..., None, None], tall.to(dtype), Q)

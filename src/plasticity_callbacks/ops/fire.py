@@ -10,7 +10,9 @@ rows of every polar factor, the decompositions spread over the ranks
 
 On CPU with ``torch.get_num_threads() = T > 1`` the weights are solved ``T`` at a time, one thread each:
 LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin against other work on a
-busy machine), while independent matrices scale with the threads.
+busy machine), while independent matrices scale with the threads. On a GPU the weights of one shape are
+solved as one batch (:func:`~functional.fire_batch.fire_matrices`): small solves there cost their kernel
+launches and synchronizations, which a batch pays once.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..functional.fire_batch import FireItem, fire_matrices
 from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
 from ..model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
 from ..distributed.strategy import is_dtensor
@@ -71,7 +74,10 @@ def apply_fire(
                                   "not follow expert boundaries; exclude them or run FIRE unsharded (DDP)")
     records, fired = [], []
     local = [t for t in targets if not is_dtensor(t.param)]
-    workers = min(torch.get_num_threads(), len(local)) if all(t.param.device.type == "cpu" for t in local) else 1
+    on_cpu = all(t.param.device.type == "cpu" for t in local)
+    workers = min(torch.get_num_threads(), len(local)) if on_cpu else 1
+    # On a GPU, launches and synchronizations, not arithmetic, set the time of small solves: batch them by shape.
+    batched = _fire_batched(local, options, record_spectra) if local and not on_cpu else {}
     sharded = [t for t in targets if is_dtensor(t.param)]  # FSDP2: a collective over all of them at once
     sharded = dict(zip(map(id, sharded), sharded_fire(sharded, options, record_spectra) if sharded else []))
     with _thread_pool(workers) as pool:
@@ -79,6 +85,8 @@ def apply_fire(
         for target in targets:
             if is_dtensor(target.param):  # FSDP2: each rank wrote its own rows above
                 done = sharded[id(target)]
+            elif id(target) in batched:
+                done = batched[id(target)]
             elif pool:
                 done = pending[id(target)].result()
             else:
@@ -104,6 +112,29 @@ def _fire_target(target: WeightView, options: FIREOptions, record_spectra: bool)
             block.put(weight, rows)
         target.write(weight)
     return records
+
+
+def _fire_batched(targets: list[WeightView], options: FIREOptions, record_spectra: bool) -> dict[int, list[FireRecord]]:
+    """FIRE on every row block of ``targets`` in one :func:`fire_matrices` call (batched by shape), written back;
+    the records by ``id`` of the target. Every weight is checked before any changes."""
+    opened, items = [], []
+    with torch.no_grad():
+        for target in targets:
+            weight = target.read()  # (out, in, *k); a view of the parameter unless factorized
+            blocks = target.block_list()
+            rows = [block.take(weight) for block in blocks]  # views for contiguous rows, else copies put back below
+            opened.append((target, weight, blocks, rows))
+            items += [FireItem(target.name if len(blocks) == 1 else f"{target.name}[{block.label}]", part, target.groups)
+                      for block, part in zip(blocks, rows)]
+        records = fire_matrices(items, options, record_spectra)
+        by_target, start = {}, 0
+        for target, weight, blocks, rows in opened:
+            for block, part in zip(blocks, rows):
+                block.put(weight, part)
+            target.write(weight)
+            by_target[id(target)] = records[start:start + len(blocks)]
+            start += len(blocks)
+    return by_target
 
 
 @contextlib.contextmanager
