@@ -93,11 +93,11 @@ class WeightsAtTrainEnd(L.Callback):
 
 
 def test_apply_fire_on_the_gpu_solves_one_batch_per_shape(monkeypatch):
-    from plasticity_callbacks.functional import fire_batch
+    from plasticity_callbacks.functional import isometry
 
     calls = []
-    solve = fire_batch.orthogonalize
-    monkeypatch.setattr(fire_batch, "orthogonalize", lambda X, *a, **k: calls.append(tuple(X.shape)) or solve(X, *a, **k))
+    solve = isometry.orthogonalize
+    monkeypatch.setattr(isometry, "orthogonalize", lambda X, *a, **k: calls.append(tuple(X.shape)) or solve(X, *a, **k))
     _, gpu = gpt_pair()
     records = apply_fire(gpu, None)
     assert len([r for r in records if r.skipped is None]) == 12

@@ -8,8 +8,14 @@ import warnings
 import pytest
 import torch
 
-from plasticity_callbacks.functional.fire_batch import FireItem, fire_matrices
-from plasticity_callbacks.functional.isometry import FIREOptions, as_matrices, fire_matrix, target_scale
+from plasticity_callbacks.functional.isometry import (
+    FireItem,
+    FIREOptions,
+    as_matrices,
+    fire_matrices,
+    fire_matrix,
+    target_scale,
+)
 from plasticity_callbacks.functional.spectral import DegenerateMatrixError
 from plasticity_callbacks.models import GPT, GPTConfig
 from plasticity_callbacks.ops import fire as fire_ops

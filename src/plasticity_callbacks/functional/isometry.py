@@ -1,4 +1,4 @@
-"""FIRE (Han et al., arXiv 2602.08040) on one weight: ``scale · polar(W)``, its options and its record.
+"""FIRE (Han et al., arXiv 2602.08040) on weights: ``scale · polar(W)``, its options and its record.
 
 :func:`plasticity_callbacks.ops.fire.apply_fire` walks a model with it. Each selected weight is
 replaced by ``scale · polar(W)`` in its ``(out, in)`` orientation (HF ``Conv1D`` is transposed first;
@@ -8,8 +8,14 @@ or an LSTM's gates: one polar factor per row block, as the reference code splits
 then the optimizer state of exactly those weights is dropped. A factorized weight (``W_p + BA``) is
 treated as its effective weight. On CPU weights are processed one at a time per thread (``apply_fire``
 runs one per torch thread), so the extra memory is that of a few matrices' solves (about 3× the largest
-matrix each), not of the model; on a GPU ``apply_fire`` batches the weights of one shape
-(:mod:`~functional.fire_batch`, at most 1 GiB of them at a time).
+matrix each), not of the model.
+
+:func:`fire_matrices` solves many weights as one batch per group of equal shape, dtype and scale (what
+``apply_fire`` does on a GPU): a small solve on a GPU costs its kernel launches and host synchronizations,
+not its arithmetic (on an H100 about 14 ms per weight up to 1024², so 1.0 s one weight at a time for the
+72 weights of a GPT-2-small-sized model, 0.15 s batched). Each slice of a batch keeps its own
+normalization, Polar Express schedule, convergence test and SVD fallback; at most ``max_batch_bytes`` of
+weights are stacked at a time.
 
 The diagnostics cost no second factorization: with an exact method (SVD, ``eigh``) DfI before comes
 from the singular values the solver computed, SFE from one pass over the difference, and DfI after
@@ -130,10 +136,65 @@ def _skip_degenerate(record: FireRecord, message: str, reason: str, on_degenerat
     return record
 
 
+@dataclass
+class FireItem:
+    """One weight (or row block of one) for :func:`fire_matrices`: ``param`` in ``(out, in, *k)`` orientation,
+    written in place; ``groups`` of a grouped conv (one polar factor per group and tap)."""
+
+    name: str
+    param: torch.Tensor
+    groups: int = 1
+
+
+def fire_matrices(items: list[FireItem], options: FIREOptions, record_spectra: bool = False,
+                  max_batch_bytes: int = 1 << 30) -> list[FireRecord]:
+    """FIRE on every item, batched by matrix shape, dtype, device and target scale; one record per item, in order.
+
+    Args:
+        items: the weights, each changed in place (a degenerate one is skipped or raises as
+            ``options.on_degenerate`` says, exactly as :func:`~functional.isometry.fire_matrix` does).
+        options: how to orthogonalize and rescale.
+        record_spectra: keep singular values before/after in each record.
+        max_batch_bytes: the most bytes of weights stacked into one batch.
+
+    Example:
+        >>> items = [FireItem(f"w{i}", torch.randn(64, 32)) for i in range(8)]
+        >>> records = fire_matrices(items, FIREOptions(method="polar_express"))   # one batched solve
+    """
+    records = [FireRecord(item.name, tuple(item.param.shape)) for item in items]
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        param, record = item.param, records[i]
+        if param.dim() < 2:
+            record.skipped = f"{param.dim()}-D parameter"
+            continue
+        if param.numel() == 0:
+            records[i] = _skip_degenerate(record, f"FIRE: {item.name} has shape {tuple(param.shape)}, no entries "
+                                          "(no polar factor)", "empty", options.on_degenerate)
+            continue
+        peak = float(largest_entry(param.flatten(1)))  # one pass: NaN/Inf and all-zero alike
+        if not math.isfinite(peak):
+            records[i] = _skip_degenerate(record, f"FIRE: {item.name} contains NaN/Inf", "non-finite",
+                                          options.on_degenerate)
+            continue
+        if peak == 0.0:
+            records[i] = _skip_degenerate(record, f"FIRE: {item.name} is all zero (no polar factor)", "zero",
+                                          options.on_degenerate)
+            continue
+        record.scale = target_scale(param, options.scale, item.groups)
+        matrices = as_matrices(param, item.groups)
+        key = (tuple(matrices.shape[-2:]), param.dtype, param.device, record.scale)
+        groups.setdefault(key, []).append(i)
+    for indices in groups.values():
+        for chunk in _chunks(indices, items, max_batch_bytes):
+            _fire_group([items[i] for i in chunk], [records[i] for i in chunk], options, record_spectra)
+    return records
+
+
 def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spectra: bool = False,
                 groups: int = 1) -> FireRecord:
     """FIRE on one matrix (or conv kernel of ``groups`` groups) ``param`` in ``(out, in, *k)`` orientation,
-    written in place.
+    written in place: :func:`fire_matrices` of that one weight.
 
     Args:
         name: the weight's name, for the record and warnings.
@@ -145,56 +206,76 @@ def fire_matrix(name: str, param: torch.Tensor, options: FIREOptions, record_spe
     Example:
         >>> record = fire_matrix("w", torch.randn(64, 32), FIREOptions(method="svd"))
     """
-    dtype, on_degenerate = options.torch_dtype, options.on_degenerate
-    record = FireRecord(name, tuple(param.shape))
-    if param.dim() < 2:
-        record.skipped = f"{param.dim()}-D parameter"
-        return record
-    if param.numel() == 0:
-        return _skip_degenerate(record, f"FIRE: {name} has shape {tuple(param.shape)}, no entries (no polar factor)",
-                                "empty", on_degenerate)
-    if param.is_cuda:
-        torch.cuda.synchronize(param.device)
+    return fire_matrices([FireItem(name, param, groups)], options, record_spectra)[0]
+
+
+def _chunks(indices: list[int], items: list[FireItem], max_batch_bytes: int):
+    chunk, size = [], 0
+    for i in indices:
+        nbytes = items[i].param.numel() * items[i].param.element_size()
+        if chunk and size + nbytes > max_batch_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(i)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fire_group(items: list[FireItem], records: list[FireRecord], options: FIREOptions, record_spectra: bool) -> None:
+    """One batched solve for weights of one matrix shape, dtype and scale; fills their records."""
+    views = [as_matrices(item.param, item.groups) for item in items]  # views: writing them writes the weights
+    counts = [math.prod(v.shape[:-2]) for v in views]
+    m, n = views[0].shape[-2:]
+    s, dtype, device = records[0].scale, options.torch_dtype, items[0].param.device
+    _synchronize(device)
     started = time.perf_counter()
-    peak = float(largest_entry(param.flatten(1)))  # one pass: NaN/Inf and all-zero alike
-    if not math.isfinite(peak):
-        return _skip_degenerate(record, f"FIRE: {name} contains NaN/Inf", "non-finite", on_degenerate)
-    matrices = as_matrices(param, groups)  # a view: writing into it writes the parameter
-    if peak == 0.0:
-        return _skip_degenerate(record, f"FIRE: {name} is all zero (no polar factor)", "zero", on_degenerate)
-    s = target_scale(param, options.scale, groups)
-    record.scale = s
-    # The whole weight was checked above; an all-zero conv tap inside it stays as it is, without a warning.
-    polar, info = orthogonalize(matrices, replace(options, on_degenerate="skip"), return_info=True,
-                                warn_degenerate=False)
+    # One weight is solved in place of its own view (no extra memory); several are stacked, a (B, m, n) copy.
+    X = views[0] if len(views) == 1 else torch.cat([v.reshape(-1, m, n) for v in views])
+    # An all-zero conv tap inside a weight that is not all zero stays as it is, without a warning.
+    polar, info = orthogonalize(X, replace(options, on_degenerate="skip"), return_info=True, warn_degenerate=False)
     exact = info.singular_values is not None  # svd / eigh: the spectrum came with the polar factor
     if exact:
-        record.dfi_before = float((info.singular_values.square() - s * s).square().sum())
+        dfi_before = (info.singular_values.square() - s * s).square().sum(-1)
+        squared_norm = info.singular_values.square().sum(-1)
     else:
-        record.dfi_before = float(deviation_from_isometry(matrices, s, dtype).sum())
-    if record_spectra:
-        record.spectrum_before = (info.singular_values.flip(-1).float().cpu() if exact
-                                  else singular_values(matrices).cpu())
+        dfi_before = deviation_from_isometry(X, s, dtype)
+    spectra_before = (info.singular_values.flip(-1).float() if exact else singular_values(X)) if record_spectra else None
     polar.mul_(s)
-    # W and sW̃ of one magnitude: their difference in float32 (or float64) is exact to its rounding (Sterbenz
-    # where they are close); the norm accumulates in double on CPU, and squares of entries beyond 1e±15
-    # (outside float32's range) are taken in float64.
-    wide = torch.float64 if matrices.dtype == torch.float64 else torch.float32
+    # As fire_matrix: the difference in float32 (or float64), squares of entries beyond 1e±15 in float64.
+    wide = torch.float64 if X.dtype == torch.float64 else torch.float32
+    peak = float(largest_entry(X.flatten(1)).max())
     norm_dtype = None if 1e-15 < peak < 1e15 else torch.float64
-    record.sfe = float(torch.linalg.vector_norm(matrices.to(wide) - polar.to(wide), dtype=norm_dtype).double()) ** 2
-    squared_norm = (float(info.singular_values.square().sum()) if exact
-                    else float(torch.linalg.vector_norm(matrices.to(wide), dtype=norm_dtype).double()) ** 2)
-    record.sfe_normalized = record.sfe / squared_norm if squared_norm > 0 else float("nan")
-    matrices.copy_(polar)
-    del polar
-    if param.is_cuda:
-        torch.cuda.synchronize(param.device)
-    record.seconds = time.perf_counter() - started
-    # An exact method's result is an isometry by construction: a probe estimate checks it at the cost of a few
-    # matrix-vector products; an iteration's (possibly partial) result is measured exactly.
-    deviation = estimated_deviation_from_isometry(matrices, s) if exact else deviation_from_isometry(matrices, s, dtype)
-    record.dfi_after = float(deviation.sum())
+    sfe = torch.linalg.vector_norm(X.to(wide) - polar.to(wide), dim=(-2, -1), dtype=norm_dtype).double().square()
+    if not exact:
+        squared_norm = torch.linalg.vector_norm(X.to(wide), dim=(-2, -1), dtype=norm_dtype).double().square()
+    del X
+    for view, part in zip(views, polar.reshape(-1, m, n).split(counts)):
+        view.copy_(part.reshape(view.shape))
+    _synchronize(device)
+    seconds = time.perf_counter() - started
+    dfi_after = estimated_deviation_from_isometry(polar, s) if exact else deviation_from_isometry(polar, s, dtype)
+    fell_back = (info.fell_back_slices.double() if info.fell_back_slices is not None
+                 else torch.zeros_like(sfe))
+    per_slice = (dfi_before.double(), sfe, squared_norm.double(), dfi_after.double(), fell_back)
+    table = torch.stack([column.reshape(-1) for column in per_slice], 1).cpu()  # (B, 5): one transfer
     if record_spectra:
-        record.spectrum_after = singular_values(matrices).cpu()
-    record.iterations, record.matmuls, record.fell_back = info.iterations, info.matmuls, info.fell_back
-    return record
+        spectra_before = spectra_before.reshape(-1, spectra_before.shape[-1])
+        spectra_after = singular_values(polar).cpu().reshape(-1, spectra_before.shape[-1])
+    total = sum(counts)
+    start = 0
+    for record, count, view in zip(records, counts, views):
+        before, error, norm, after, missed = table[start:start + count].sum(0).tolist()
+        record.dfi_before, record.sfe, record.dfi_after, record.fell_back = before, error, after, int(missed)
+        record.sfe_normalized = error / norm if norm > 0 else float("nan")
+        record.iterations, record.matmuls = info.iterations, info.matmuls
+        record.seconds = seconds * count / total  # the batch's time, shared by slice count
+        if record_spectra:
+            record.spectrum_before = spectra_before[start:start + count].reshape(*view.shape[:-2], -1).cpu()
+            record.spectrum_after = spectra_after[start:start + count].reshape(*view.shape[:-2], -1)
+        start += count

@@ -11,7 +11,7 @@ rows of every polar factor, the decompositions spread over the ranks
 On CPU with ``torch.get_num_threads() = T > 1`` the weights are solved ``T`` at a time, one thread each:
 LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin against other work on a
 busy machine), while independent matrices scale with the threads. On a GPU the weights of one shape are
-solved as one batch (:func:`~functional.fire_batch.fire_matrices`): small solves there cost their kernel
+solved as one batch (:func:`~functional.isometry.fire_matrices`): small solves there cost their kernel
 launches and synchronizations, which a batch pays once.
 """
 from __future__ import annotations
@@ -22,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..functional.fire_batch import FireItem, fire_matrices
-from ..functional.isometry import FIREOptions, FireRecord, fire_matrix
+from ..functional.isometry import FireItem, FIREOptions, FireRecord, fire_matrices, fire_matrix
 from ..model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
 from ..distributed.strategy import is_dtensor
 from .optimizer_state import leaf_optimizers, reset_optimizer_state
