@@ -75,3 +75,28 @@ def test_checkpoint_resume_restores_combined_optimizer(tmp_path):
     trainer2.fit(resumed, datamodule=dm, ckpt_path=ckpt)
     assert trainer2.global_step == 4
     assert isinstance(trainer2.optimizers[0], CombinedOptimizer)
+
+
+def test_tokens_per_sec_is_logged_from_step_end_to_step_end(tmp_path):
+    """The rate spans whole steps (a clock inside a step would time a GPU's launches): none for an epoch's first
+    step, whose interval has no start; then tokens over the time between two step ends, which a slow callback
+    between them lowers."""
+    import csv
+    import time
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tiny import tiny_gpt_module, token_loader
+
+    class SlowStep(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            time.sleep(0.5 if batch_idx == 2 else 0.0)
+
+    trainer = cpu_trainer(max_steps=4, callbacks=[SlowStep()], log_every_n_steps=1,
+                          logger=CSVLogger(tmp_path, name="", version=""))
+    trainer.fit(tiny_gpt_module(), token_loader(n=16, batch_size=4))
+    with open(tmp_path / "metrics.csv") as rows:
+        rates = [row["train/tokens_per_sec"] for row in csv.DictReader(rows) if row["train/loss"]]
+    assert len(rates) == 4 and rates[0] == "" and all(float(r) > 0 for r in rates[1:])
+    rates = [float(r) for r in rates[1:]]  # steps 1, 2 (waited 0.5 s before its forward), 3
+    assert rates[1] <= 4 * 16 / 0.5 and rates[1] < min(rates[0], rates[2])  # the wait is inside its interval

@@ -66,7 +66,7 @@ class GPTLightningModule(L.LightningModule):
         self._compiled_forward = torch.compile(self.model.forward, dynamic=False) if config.compile else None
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
-        self._step_started = 0.0
+        self._last_step_end: float | None = None  # train/tokens_per_sec's clock
         lr_lambda(schedule, 1, warmup_steps, min_lr_ratio)  # validates the schedule name now, not at fit time
         if optimizer not in ("adamw", "muon"):
             raise ConfigError(f"optimizer.name={optimizer!r} is not one of ('adamw', 'muon')")
@@ -109,9 +109,6 @@ class GPTLightningModule(L.LightningModule):
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
-    def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
-
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
         logits = self.model(x) if self._compiled_forward is None else self._compiled_forward(x)
@@ -143,9 +140,20 @@ class GPTLightningModule(L.LightningModule):
         return out
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._step_started
-        if elapsed > 0:
-            self.log("train/tokens_per_sec", batch[0].numel() / elapsed)
+        # From one step's end to the next: the whole step (data, optimizer, callbacks). On a GPU a clock read
+        # inside a step would time the host's kernel launches; from end to end the host is paced by the GPU
+        # once its queue is full, so the rate is the GPU's with no synchronize. The first step of an epoch
+        # and the first after validation are not logged (the interval would hold the pause).
+        now = time.perf_counter()
+        if self._last_step_end is not None and now > self._last_step_end:
+            self.log("train/tokens_per_sec", batch[0].numel() / (now - self._last_step_end))
+        self._last_step_end = now
+
+    def on_train_epoch_start(self) -> None:
+        self._last_step_end = None
+
+    def on_validation_end(self) -> None:
+        self._last_step_end = None
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y = batch
