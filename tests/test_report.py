@@ -224,3 +224,30 @@ def test_a_pipeline_logged_to_mlflow_is_read_from_its_store(sweep):
         assert all(g[k] == pytest.approx(v) for g, r in zip(got, rows) for k, v in r.items() if k != "epoch")
     text, figures = build_report(sweep)
     assert {"loss_curves.png", "dormant_fraction.png"} <= {p.name for p in figures}
+
+
+def test_a_run_folders_callback_target_is_not_imported(tmp_path, monkeypatch, caplog):
+    """A run folder is data: a ``_target_`` module planted beside it (found first on ``sys.path``) never runs,
+    the summary of a built-in callback is still read, and the skipped one is named with the opt-in."""
+    import sys
+
+    fake_single_fit(tmp_path / "run", seed=0, lr=0.1)
+    (tmp_path / "run" / ".hydra" / "config.yaml").write_text(
+        "seed: 0\ncallbacks:\n  mine: {_target_: planted_callback.Mine}\n"
+        "  fire: {_target_: plasticity_callbacks.FIREReinit}\n")
+    (tmp_path / "planted_callback.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('ran').write_text('code ran')\n"
+        "class Mine:\n    summary_metrics = ('mine/x',)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PLASTICITY_TRUST_CHECKPOINTS", raising=False)
+    from plasticity_callbacks.app.report.runs import summary_names
+
+    assert summary_names(["planted_callback.Mine", "plasticity_callbacks.FIREReinit"]) == ["fire/dfi_before",
+                                                                                           "fire/dfi_after"]
+    build_report(tmp_path / "run")
+    assert not (tmp_path / "ran").exists() and "planted_callback" not in sys.modules
+    assert "planted_callback.Mine's summary metrics are not read" in caplog.text
+    assert "PLASTICITY_TRUST_CHECKPOINTS=1" in caplog.text
+    monkeypatch.setenv("PLASTICITY_TRUST_CHECKPOINTS", "1")  # the user's opt-in: then it is read
+    assert summary_names(["planted_callback.Mine"]) == ["mine/x"] and (tmp_path / "ran").exists()
+    monkeypatch.delitem(sys.modules, "planted_callback")

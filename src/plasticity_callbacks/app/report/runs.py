@@ -25,6 +25,7 @@ Other reports reuse :func:`summarize`/:func:`markdown_table` (the mean ± std ta
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .metric_logs import has_metrics, read_rows
+
+log = logging.getLogger(__name__)
 
 COLUMNS = [("new-phase val loss", "val_loss"), ("retention loss", "retention_loss"),
            ("dormant fraction", "dormant_fraction"), ("minutes", "minutes")]
@@ -131,8 +134,16 @@ def fit_state(run_dir: Path, method: str, seed: int, summaries: list[str]) -> di
 def summary_names(targets: list[str] | None) -> list[str]:
     """The metrics the callbacks ``targets`` (``_target_`` paths) name as their summary (``summary_metrics``);
     ``None`` (a run that does not record its callbacks): those of every built-in callback. A class that cannot
-    be imported here adds none."""
+    be imported here adds none.
+
+    A run folder is data: a ``_target_`` it names is imported only from this package or when its module is
+    already imported, never found afresh (importing a module runs its code, and a planted ``.py`` beside the
+    report would be found first). ``PLASTICITY_TRUST_CHECKPOINTS=1`` lifts that, as for checkpoints."""
     import importlib
+    import os
+    import sys
+
+    from ..runs.verified_files import TRUST_ENV
 
     if targets is None:
         from ... import _LAZY
@@ -140,8 +151,13 @@ def summary_names(targets: list[str] | None) -> list[str]:
         targets = [f"{module}.{name}" for name, module in _LAZY.items()
                    if module.startswith("plasticity_callbacks.callbacks.")]
     names: dict[str, None] = {}
+    trusted = os.environ.get(TRUST_ENV) == "1"
     for target in targets:
         module, _, name = target.rpartition(".")
+        if not (trusted or module.split(".")[0] == __name__.split(".")[0] or module in sys.modules):
+            log.warning("plasticity-report: %s's summary metrics are not read: a run folder's _target_ is not imported "
+                     "(import it first, or set %s=1 if you trust the run folder)", target, TRUST_ENV)
+            continue
         try:
             names.update(dict.fromkeys(getattr(getattr(importlib.import_module(module), name), "summary_metrics", ())))
         except (ImportError, AttributeError, ValueError):
