@@ -8,9 +8,10 @@ of the same size (fused Q/K/V read by the probe), and the frontier ones of issue
 Mixtral-style MoE (8 experts), GPT-OSS (interleaved ``(in, out)`` experts), DeepSeek-V3 (latent attention
 + MoE), Mamba, Mamba-2 and Jamba (hybrid); and this package's GPT at GPT-2's size, dense, hybrid
 (``layer_pattern=[attn, mamba2]``: a fused ``in_proj`` the trace splits) and mixture-of-experts (``mlp=moe``:
-expert stacks the trace reads), each from a random init. Prints milliseconds; asserts nothing. Timings exclude start-up:
-every timed call runs once first, untimed, on a throwaway small model (a process's first ``select_targets``
-imports ``torch._dynamo``, about a second), so ``first`` is the model's own probes and trace.
+expert stacks the trace reads), each from a random init. Prints milliseconds of process CPU time on one
+thread; asserts nothing. Timings exclude start-up: every timed call runs once first, untimed, on a throwaway
+small model (the trace imports ``torch._dynamo``, about a second, unless building a Hugging Face model did), so
+``first`` is the model's own probes and trace, whichever family comes first.
 
 Usage: ``python benchmarks/model_map_cost.py [family ...]``
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -57,12 +59,12 @@ FAMILIES = {
 
 
 def timed(fn, repeat: int = 3) -> tuple[float, float]:
-    """(first call, best later call) in milliseconds."""
+    """(first call, best later call) in milliseconds of process CPU time."""
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((time.process_time() - start) * 1e3)
     return times[0], min(times[1:])
 
 
@@ -96,6 +98,8 @@ def warm_up() -> None:
 
 def main(names: list[str]) -> None:
     transformers.logging.set_verbosity_error()
+    warnings.simplefilter("once")  # the map's notes on a model, once each, not once per timed call
+    torch.set_num_threads(1)  # CPU time of one thread: what a shared machine's other jobs inflate least
     warm_up()
     for label in names or FAMILIES:
         torch.manual_seed(0)
