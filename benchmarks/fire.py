@@ -149,8 +149,8 @@ def whole_model(rounds: int, device: torch.device, clock: Clock, threads: int) -
         optimizer.step()
 
     train_step()  # warm up, and create the optimizer state FIRE resets
-    # untimed, on a throwaway copy: a process's first apply_fire pays library start-up (torch._dynamo's import by
-    # the model map's trace, LAPACK's first calls), several times a later call's cost
+    # untimed, on a throwaway copy: a process's first apply_fire pays library start-up (the model map's trace
+    # imports torch._dynamo, about a second of CPU), several times a small model's FIRE
     apply_fire(copy.deepcopy(model), None)
     step_times, fire_times, step_walls, fire_walls, records = [], [], [], [], []
     for _ in range(rounds):
