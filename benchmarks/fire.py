@@ -28,6 +28,8 @@ exact solvers (``eigh``, SVD), batched. On CPU: the floor of FIRE's design there
 the matrix products alone (an SVD and its ``U·Vᵀ`` per square weight; per oblong weight its Gram matrix,
 ``eigh``, and ``X·(V Λ^(-1/2) Vᵀ)``), and the step's FLOPs (``torch.utils.flop_counter``) per second.
 
+Timings exclude start-up: part 2 applies FIRE once, untimed, to a copy of the model first (a process's first
+``apply_fire`` pays library start-up); part 1's calls show none and are medians over rounds.
 CPU timings are process CPU time (``time.process_time``), so other jobs on a shared machine inflate
 them less; with several threads the wall time is given too (CPU time then sums the threads). CUDA
 timings are wall time between synchronizes. Read the ratios, measured side by side, not the times.
@@ -35,6 +37,7 @@ timings are wall time between synchronizes. Read the ratios, measured side by si
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
@@ -152,6 +155,9 @@ def whole_model(rounds: int, device: torch.device, clock: Clock, threads: int) -
         optimizer.step()
 
     train_step()  # warm up, and create the optimizer state FIRE resets
+    # untimed, on a throwaway copy: a process's first apply_fire pays library start-up (the model map's trace
+    # imports torch._dynamo, about a second of CPU), several times a small model's FIRE
+    apply_fire(copy.deepcopy(model), None)
     step_times, fire_times, step_walls, fire_walls, records = [], [], [], [], []
     for _ in range(rounds):
         wall = time.perf_counter()

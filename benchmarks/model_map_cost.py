@@ -6,7 +6,12 @@ later calls are cached), ``find_neuron_layers`` and ``coverage_report``, and one
 (batch 4 × 128 tokens, forward + backward + step) on the same model. Families: GPT-2 124M, a GPT-NeoX
 of the same size (fused Q/K/V read by the probe), and the frontier ones of issue 32 at about that size:
 Mixtral-style MoE (8 experts), GPT-OSS (interleaved ``(in, out)`` experts), DeepSeek-V3 (latent attention
-+ MoE), Mamba, Mamba-2 and Jamba (hybrid). Prints milliseconds; asserts nothing.
++ MoE), Mamba, Mamba-2 and Jamba (hybrid); and this package's GPT at GPT-2's size, dense, hybrid
+(``layer_pattern=[attn, mamba2]``: a fused ``in_proj`` the trace splits) and mixture-of-experts (``mlp=moe``:
+expert stacks the trace reads), each from a random init. Prints milliseconds of process CPU time on one
+thread; asserts nothing. Timings exclude start-up: every timed call runs once first, untimed, on a throwaway
+small model (the trace imports ``torch._dynamo``, about a second, unless building a Hugging Face model did), so
+``first`` is the model's own probes and trace, whichever family comes first.
 
 Usage: ``python benchmarks/model_map_cost.py [family ...]``
 """
@@ -14,15 +19,19 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from plasticity_callbacks.model_map import coverage_report, find_neuron_layers, select_targets
+from plasticity_callbacks.models import GPT, GPTConfig
 
 VOCAB = 50304
 MOE = dict(hidden_size=768, intermediate_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
            vocab_size=VOCAB)
+GPT_124M = dict(vocab_size=VOCAB, sequence_len=256, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
 FAMILIES = {
     "gpt2-124M": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()),
     "gpt-neox-124M (probed)": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
@@ -43,17 +52,26 @@ FAMILIES = {
     "jamba (8 layers)": lambda: transformers.JambaForCausalLM(transformers.JambaConfig(
         hidden_size=768, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
         num_experts=8, vocab_size=VOCAB, use_mamba_kernels=False)),
+    "package gpt 12x768": lambda: GPT(GPTConfig(**GPT_124M)),
+    "package gpt [attn, mamba2]": lambda: GPT(GPTConfig(**GPT_124M, layer_pattern=["attn", "mamba2"])),
+    "package gpt moe 8x top-2": lambda: GPT(GPTConfig(**GPT_124M, mlp="moe", mlp_options=dict(n_experts=8, top_k=2))),
 }
 
 
 def timed(fn, repeat: int = 3) -> tuple[float, float]:
-    """(first call, best later call) in milliseconds."""
+    """(first call, best later call) in milliseconds of process CPU time."""
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((time.process_time() - start) * 1e3)
     return times[0], min(times[1:])
+
+
+def language_model_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, GPT):  # this package's GPT: (B, T) ids to (B, T, V) logits
+        return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    return model(input_ids=ids, labels=ids).loss
 
 
 def training_step_ms(model: torch.nn.Module) -> float:
@@ -64,15 +82,25 @@ def training_step_ms(model: torch.nn.Module) -> float:
 
     def step():
         optimizer.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
+        language_model_loss(model, ids).backward()
         optimizer.step()
 
     step()
     return timed(step, repeat=3)[1]
 
 
+def warm_up() -> None:
+    """Every timed call once, untimed, on a throwaway two-layer GPT-2: library start-up is not the map's cost."""
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB))
+    select_targets(model), find_neuron_layers(model), coverage_report(model)
+    training_step_ms(model)
+
+
 def main(names: list[str]) -> None:
     transformers.logging.set_verbosity_error()
+    warnings.simplefilter("once")  # the map's notes on a model, once each, not once per timed call
+    torch.set_num_threads(1)  # CPU time of one thread: what a shared machine's other jobs inflate least
+    warm_up()
     for label in names or FAMILIES:
         torch.manual_seed(0)
         model = FAMILIES[label]()

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from plasticity_callbacks import GPTConfig, GPTLightningModule, PlasticityMonitor
-from plasticity_callbacks.callbacks.monitor import _Collector
 
 DEFAULTS = {"activations": 100, "weights": 100, "spectra": 500}
 MODES = ("baseline", "idle", *DEFAULTS)
@@ -58,7 +57,9 @@ class LlamaModule(L.LightningModule):
 
 
 class CycleDriver(L.Callback):
-    """Sets which group the monitor measures in each step (through its own ``every`` and hooks) and times steps."""
+    """Sets which group the monitor measures in each step (its ``every``) and times steps. A baseline step has
+    the monitor's forward hooks removed by its own ``on_fit_end``; the next step puts them back by its
+    ``on_fit_start``."""
 
     def __init__(self, monitor: PlasticityMonitor, clock):
         self.monitor, self.clock = monitor, clock
@@ -68,9 +69,9 @@ class CycleDriver(L.Callback):
         mode = MODES[trainer.global_step % len(MODES)]
         self.monitor.every = {g: (1 if g == mode else None) for g in (*DEFAULTS, "curvature")}
         if mode == "baseline":
-            self.monitor._remove_hooks()
+            self.monitor.on_fit_end(trainer, pl_module)
         elif mode == "idle":
-            self.monitor._attach_collectors(pl_module)
+            self.monitor.on_fit_start(trainer, pl_module)
         _sync(pl_module)
         self._mode, self._start = mode, self.clock()
 
@@ -144,25 +145,35 @@ def measure(name: str, args) -> None:
 
 
 def direct_costs(monitor, trainer, module, batch, clock, reps: int = 7) -> dict[str, float]:
-    """Seconds of the monitor's own work per step: idle (its hooks when nothing is due), and each group when
-    it measures (collection on one step's real activations and its finish; weights; spectra). The minimum
-    over ``reps``."""
+    """Seconds of the monitor's own work per step, through its Lightning hooks, each the minimum over ``reps``.
+
+    ``weights`` / ``spectra``: its three step hooks (``on_train_batch_start``, ``on_before_optimizer_step``,
+    ``on_train_batch_end``) with that group due. ``activations``: the hooks around a training-mode forward of the
+    run's batch (its forward hooks collect), less the same forward without the monitor. ``idle``: the hooks with
+    nothing due, plus its forward hooks when nothing is due: a forward of one token with them less one without,
+    which resolves microseconds (their cost when idle does not depend on the batch). The step hooks see a
+    stand-in trainer whose global step advances by one per step, as a fit's does."""
     from types import SimpleNamespace
 
     module.train()
-    monitor.every = {g: None for g in (*DEFAULTS, "curvature")}
-    monitor._remove_hooks()
-    recorded = {}  # each down layer's input in one training forward
-    hooks = [layer.down.register_forward_pre_hook(lambda m, args, i=i: recorded.setdefault(i, args[0]))
-             for i, layer in enumerate(monitor.layers)]
     x = batch[0].to(module.device)
-    with torch.no_grad():
-        module.model(x) if isinstance(module, GPTLightningModule) else module.model(input_ids=x)
-    for hook in hooks:
-        hook.remove()
-    calls = [(_Collector(monitor, [i]), layer.down, recorded[i]) for i, layer in enumerate(monitor.layers)]
-    one = SimpleNamespace(world_size=1)
-    costs = {}
+    one_token = x[:1, :1]
+    step = SimpleNamespace(global_step=trainer.global_step, world_size=1, strategy=trainer.strategy, loggers=[],
+                           callback_metrics={})
+
+    def forward(tokens):
+        with torch.no_grad():
+            module.model(tokens) if isinstance(module, GPTLightningModule) else module.model(input_ids=tokens)
+
+    def hooks(group, between=None):
+        monitor.every = {g: (1 if g == group else None) for g in (*DEFAULTS, "curvature")}
+        step.global_step += 1  # a new optimizer step: the monitor decides what is due
+        monitor.on_train_batch_start(step, module, batch, 0)
+        if between is not None:
+            between()
+        monitor.on_before_optimizer_step(step, module, None)
+        step.global_step += 1  # the optimizer stepped
+        monitor.on_train_batch_end(step, module, None, batch, 0)
 
     def timed(fn) -> float:
         times = []
@@ -174,31 +185,17 @@ def direct_costs(monitor, trainer, module, batch, clock, reps: int = 7) -> dict[
             times.append(clock() - start)
         return min(times)
 
-    def idle():
-        monitor._collecting = False
-        for collector, m, h in calls:
-            collector(m, h)
-
-    def activations():
-        monitor._due = {"activations": True}
-        monitor._reset_sums(module)
-        monitor._collecting = True
-        for collector, m, h in calls:
-            collector(m, h)
-        monitor._activation_metrics(one)
-
-    def weights():
-        monitor._due = {"weights": True}
-        monitor._grad_squares = None
-        monitor.on_before_optimizer_step(trainer, module, None)
-        monitor._weight_metrics()
-
-    costs["idle"] = timed(idle)
-    costs["activations"] = timed(activations)
-    costs["weights"] = timed(weights)
-    costs["spectra"] = timed(monitor._spectrum_metrics)
+    monitor.on_fit_end(trainer, module)  # forward hooks off
+    bare = {"batch": timed(lambda: forward(x)), "token": timed(lambda: forward(one_token))}
+    monitor.on_fit_start(trainer, module)  # forward hooks on, as in a fit
+    costs = {
+        "idle": timed(lambda: hooks(None)) + max(0.0, timed(lambda: forward(one_token)) - bare["token"]),
+        "activations": max(0.0, timed(lambda: hooks("activations", lambda: forward(x))) - bare["batch"]),
+        "weights": timed(lambda: hooks("weights")),
+        "spectra": timed(lambda: hooks("spectra")),
+    }
+    monitor.on_fit_end(trainer, module)
     return costs
-
 
 
 def draw_figure(path: str) -> None:

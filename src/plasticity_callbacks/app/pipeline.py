@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,7 @@ from ..distributed.strategy import saves_folders
 from ..errors import CheckpointError
 from .runs.checkpoints import (VerifiedCheckpointIO, newest_last_checkpoint, read_checkpoint, stop_signals_deferred,
                                verify_file)
-from .runs.verified_files import hashes_remembered
+from .runs.verified_files import hashes_remembered, replace_synced, write_synced
 from .runs.resume import ResumeError, ResumeGuard, RunLock, changed_keys, refuse_changes, run_fingerprint
 from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
@@ -273,16 +272,8 @@ def write_state(path: Path, state: dict) -> None:
     pending = path.with_name(path.name + ".writing")
     try:
         with stop_signals_deferred():
-            with open(pending, "w") as f:
-                f.write(json.dumps(state, indent=2))
-                f.flush()
-                os.fsync(f.fileno())
-            pending.replace(path)
-            directory = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)  # the rename itself survives a crash
-            finally:
-                os.close(directory)
+            write_synced(pending, json.dumps(state, indent=2).encode())
+            replace_synced(pending, path)
     except OSError as err:
         raise CheckpointError(f"could not write {path}: {err.strerror or err}") from err
 

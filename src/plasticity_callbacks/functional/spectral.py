@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -359,19 +360,36 @@ def _condition_squared_estimate(G: torch.Tensor, bad: torch.Tensor, steps: int =
     """Per slice, ``λ_max/λ_min`` of the symmetric positive semi-definite ``G`` from the extreme Ritz values of
     a short Lanczos run (float64, full re-orthogonalization, a fixed start): an estimate from below, so the
     caller checks the exact eigenvalues after; inf where the smallest Ritz value is not positive, 1 on ``bad``."""
-    n = G.shape[-1]
     G64 = G.to(torch.float64)
-    g = torch.Generator().manual_seed(0)  # every rank, every run: the same route
-    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(G.device).expand(*G.shape[:-2], n, 1)
+    ritz = _lanczos_ritz_values(lambda q: G64 @ q, G, steps, tol=1e-12, every_slice=True)  # ascending
+    ratio = torch.where(ritz[..., 0] > 0, ritz[..., -1] / ritz[..., 0], torch.full_like(ritz[..., 0], math.inf))
+    return torch.where(bad, torch.ones_like(ratio), ratio)
+
+
+def _lanczos_ritz_values(apply: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor, steps: int, tol: float,
+                         every_slice: bool) -> torch.Tensor:
+    """Per slice, the ascending Ritz values of a short Lanczos run on the symmetric operator ``apply``
+    (float64 ``(..., n, 1) -> (..., n, 1)``; ``n`` and the slices are ``like``'s last dimension and batch),
+    from a fixed start (every rank, every run: the same route and schedule), with full re-orthogonalization.
+    The run ends after ``min(steps, n)`` steps, or at an invariant subspace (``β ≤ tol·|α₁|``; in every slice
+    with ``every_slice``, else in any), where the Ritz values are exact.
+
+    Example:
+        >>> _lanczos_ritz_values(lambda q: G @ q, G, steps=24, tol=1e-12, every_slice=True)[..., -1]  # ≈ λ_max(G)
+    """
+    n = like.shape[-1]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(like.device).expand(*like.shape[:-2], n, 1)
     basis, alphas, betas = [q / torch.linalg.vector_norm(q, dim=(-2, -1), keepdim=True)], [], []
     for _ in range(min(steps, n)):
-        w = G64 @ basis[-1]
+        w = apply(basis[-1])
         alphas.append((basis[-1] * w).sum((-2, -1)))
         Qk = torch.cat(basis, dim=-1)
         w = w - Qk @ (Qk.mT @ w)  # twice: Lanczos vectors lose orthogonality as Ritz values converge
         w = w - Qk @ (Qk.mT @ w)
         beta = torch.linalg.vector_norm(w, dim=(-2, -1))
-        if bool((beta <= 1e-12 * alphas[0].abs()).all()):  # an invariant subspace: the Ritz values are exact
+        invariant = beta <= tol * alphas[0].abs()
+        if bool(invariant.all() if every_slice else invariant.any()):
             break
         betas.append(beta)
         basis.append(w / beta.clamp_min(torch.finfo(torch.float64).tiny)[..., None, None])
@@ -380,9 +398,7 @@ def _condition_squared_estimate(G: torch.Tensor, bad: torch.Tensor, steps: int =
     if k > 1:
         off = torch.diag_embed(torch.stack(betas[:k - 1], -1), offset=1)
         T = T + off + off.mT
-    ritz = torch.linalg.eigvalsh(T)  # ascending
-    ratio = torch.where(ritz[..., 0] > 0, ritz[..., -1] / ritz[..., 0], torch.full_like(ritz[..., 0], math.inf))
-    return torch.where(bad, torch.ones_like(ratio), ratio)
+    return torch.linalg.eigvalsh(T)
 
 
 class RankDeficientError(ValueError):
@@ -524,26 +540,11 @@ def _lower_singular_bound(X: torch.Tensor, bad: torch.Tensor, lanczos_steps: int
     A64 = torch.where(bad[..., None, None], eye, X64.mT @ X64 + shift * eye)
     L, failed = torch.linalg.cholesky_ex(A64)
     L = torch.where((failed > 0)[..., None, None], eye, L)
-    g = torch.Generator().manual_seed(0)  # every rank, every run: the same schedule
-    q = torch.randn(n, 1, generator=g, dtype=torch.float64).to(X.device).expand(*X.shape[:-2], n, 1)
-    basis, alphas, betas = [q / torch.linalg.vector_norm(q, dim=(-2, -1), keepdim=True)], [], []
-    for _ in range(min(lanczos_steps, n)):
-        w = torch.cholesky_solve(basis[-1], L)  # (A + δI)⁻¹ q
-        alphas.append((basis[-1] * w).sum((-2, -1)))
-        Qk = torch.cat(basis, dim=-1)
-        w = w - Qk @ (Qk.mT @ w)  # full re-orthogonalization, twice: k is small
-        w = w - Qk @ (Qk.mT @ w)
-        beta = torch.linalg.vector_norm(w, dim=(-2, -1))
-        if bool((beta <= 1e-10 * alphas[0].abs()).any()):  # an invariant subspace: the Ritz values are exact
-            break
-        betas.append(beta)
-        basis.append(w / beta[..., None, None])
-    k = len(alphas)
-    T = torch.diag_embed(torch.stack(alphas, -1))
-    if k > 1:
-        off = torch.diag_embed(torch.stack(betas[:k - 1], -1), offset=1)
-        T = T + off + off.mT
-    smallest = torch.linalg.eigvalsh(T)[..., -1].reciprocal() - shift  # λ_min(A) estimate
+    def solve(q: torch.Tensor) -> torch.Tensor:  # (A + δI)⁻¹ q
+        return torch.cholesky_solve(q, L)
+
+    largest = _lanczos_ritz_values(solve, X, lanczos_steps, tol=1e-10, every_slice=False)[..., -1]
+    smallest = largest.reciprocal() - shift  # λ_min(A) estimate
     smallest = torch.where((failed > 0) | bad, torch.full_like(smallest, shift), smallest)
     estimate = smallest.clamp(shift / 4, 1.0).sqrt()
     return torch.exp2(estimate.clamp(2.0 ** -26, 0.25).log2().floor()).cpu()

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 
 from ...errors import CheckpointError
 from .verified_files import (TRUST_ENV, checksum_path, load_as_data, load_trusted_or_weights_only, pending_path,
-                             sha256_of_file, unreadable, verified_hash, write_synced)
+                             replace_synced, sha256_of_file, unreadable, verified_hash, write_synced)
 
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index of the shards
 REST_FILE = "meta.pt"  # Lightning's checkpoint dict less weights and optimizer states (rank 0)
@@ -87,12 +87,7 @@ def replace_folder(pending: Path, path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
-    os.replace(pending, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a crash
-    finally:
-        os.close(directory)
+    replace_synced(pending, path)
 
 
 def folder_files(folder: Path) -> list[str]:

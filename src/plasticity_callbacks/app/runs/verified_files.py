@@ -79,6 +79,22 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def replace_synced(pending: Path, path: Path) -> None:
+    """Rename ``pending`` (a file or a folder) over ``path`` and sync the folder holding them, so that the rename
+    itself survives a crash or a power cut.
+
+    Example:
+        >>> write_synced(pending_path(path), data)
+        >>> replace_synced(pending_path(path), path)
+    """
+    os.replace(pending, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def recorded_checksum(path: Path) -> tuple[str, int] | None:
     """``(sha256, size)`` from the file beside ``path``, or None when there is none."""
     side = checksum_path(path)
