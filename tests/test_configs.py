@@ -68,6 +68,7 @@ def method_block(name):
                                            "callbacks.fire.options.steps", "callbacks.fire.options.dtype"}),
     ("isometric_reset", "fire_exact", {"callbacks.full_reset"}),
     ("warm_reset", "warm", {"carry_optimizer"}),
+    ("head_reset", "warm", {"callbacks.full_reset"}),
     ("l2", "warm", {"model"}),
     ("ln_wd", "l2", {"model.norm"}),
 ])

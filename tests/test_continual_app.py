@@ -26,6 +26,7 @@ def test_sweep_and_report(tmp_path):
     runs = find_stream_runs(sweep)
     assert sorted((r.label, r.seed) for r in runs) == [("fire_exact", 0), ("fire_exact", 1), ("warm", 0), ("warm", 1)]
     assert all([t["task"] for t in r.tasks] == [0, 1, 2] for r in runs)
+    assert all(r.info["chance"] == r.chance == 1 / 10 for r in runs)  # TaskMetrics records the stream's level
 
     text, figures = build_stream_report(sweep)
     ranked = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]

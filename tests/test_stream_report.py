@@ -1,13 +1,17 @@
 """The stream report's numbers equal direct computations on hand-made runs (no training)."""
+import json
 import math
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from plasticity_callbacks.app.report.streams import (StreamRun, accuracy_slope, cell, ranking_table, run_summary,
-                                                    sensitivity_table)
+from plasticity_callbacks.app.report.streams import (StreamRun, accuracy_slope, cell, find_stream_runs, ranking_table,
+                                                    run_summary, sensitivity_table, shared_chance, stream_figure)
+from plasticity_callbacks.data.digits import PermutedDigits, RandomLabelDigits
+from plasticity_callbacks.data.lm_stream import LMTaskStream
 
 
 def made_run(method: str, seed: int, accuracies: list[float], online: list[float], label: str | None = None):
@@ -47,3 +51,55 @@ def test_sensitivity_gives_each_methods_best_setting_and_spread():
     runs = [made_run("sp", 0, [0.1, 0.1, a, a], [1 - a] * 4, label=f"sp shrink={a}") for a in (0.3, 0.6, 0.4)]
     [row] = sensitivity_table(runs, k=2).splitlines()[2:]
     assert row == "| sp | 3 | sp shrink=0.6 | 0.600 | sp shrink=0.3 | 0.300 |"
+
+
+COLUMNS = "task,step,accuracy,loss,online_accuracy,online_loss,retained_accuracy,probe_accuracy,dormant,dead," \
+          "feature_rank,stable_rank,weight_norm,grad_norm"
+
+
+def written_run(folder: Path, data: dict | None, info: dict) -> Path:
+    """A run folder as ``plasticity-train`` leaves it: ``logs/stream.json``, ``logs/tasks.csv`` and, where
+    ``data`` is given, the stored config ``.hydra/config.yaml`` with that ``data:`` block."""
+    (folder / "logs").mkdir(parents=True)
+    (folder / "logs" / "stream.json").write_text(json.dumps({"method": "warm", "seed": 0, "stream": "s",
+                                                             "num_tasks": 2, "steps_per_task": 1, **info}))
+    rows = [f"{t},{t + 1},0.5,1.0,0.5,1.0,,,0,0,1,1,1,1" for t in range(2)]
+    (folder / "logs" / "tasks.csv").write_text("\n".join([COLUMNS, *rows]) + "\n")
+    if data is not None:
+        (folder / ".hydra").mkdir()
+        (folder / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": 3, "data": data}))
+    return folder
+
+
+LM = "plasticity_callbacks.data.lm_stream.LMTaskStream"
+DIGITS = "plasticity_callbacks.data.digits.RandomLabelDigits"
+
+
+@pytest.mark.parametrize("data, info, chance", [
+    ({"_target_": DIGITS, "seed": "${seed}"}, {}, 1 / 10),  # a run from before stream.json held it: the config
+    ({"_target_": LM, "design": "random_last_byte", "seed": "${seed}"}, {}, 1 / 256),
+    ({"_target_": LM, "design": "permuted_vocab", "seed": "${seed}"}, {}, None),  # next-byte prediction: none
+    (None, {"chance": 1 / 256}, 1 / 256),  # stream.json's own level first
+    (None, {"chance": None}, None),
+    (None, {}, None),  # nothing tells: no line
+])
+def test_each_stream_draws_its_own_chance_level(tmp_path, data, info, chance):
+    written_run(tmp_path / "run", data, info)
+    [run] = find_stream_runs(tmp_path)
+    assert run.chance == chance and shared_chance([run]) == chance
+    fig = stream_figure([run])
+    dotted = {float(line.get_ydata()[0]) for ax in fig.axes for line in ax.get_lines() if line.get_linestyle() == ":"}
+    assert dotted == (set() if chance is None else {chance, 1 - chance})
+    assert ("dotted: chance" in fig._suptitle.get_text()) == (chance is not None)
+
+
+def test_runs_of_streams_with_different_chance_levels_draw_none(tmp_path):
+    written_run(tmp_path / "digits", {"_target_": DIGITS}, {})
+    written_run(tmp_path / "lm", None, {"chance": 1 / 256})
+    assert shared_chance(find_stream_runs(tmp_path)) is None
+
+
+def test_the_streams_record_their_chance_level():
+    assert RandomLabelDigits().chance == PermutedDigits().chance == 1 / 10
+    assert LMTaskStream().chance == 1 / 256
+    assert LMTaskStream(design="permuted_vocab").chance is None

@@ -21,10 +21,13 @@ class FullReset(ShrinkPerturb):
         schedule: when to reset (a :class:`~callbacks.schedule.Schedule` or a mapping).
         seed: mixed with the global step into the fresh draw.
         selection: name patterns (``exclude``: parameters kept as they are, e.g. one that no init code
-            draws; ``include``: only those, frozen ones too); None: every trainable parameter.
+            draws; ``include``: only those, frozen ones too), or ``scope="head"``: the output head alone
+            (its weight and bias drawn afresh, their optimizer state dropped, everything else kept);
+            None: every trainable parameter.
 
     Example:
         >>> reset = FullReset(schedule=Schedule(at_task_boundaries=True))
+        >>> new_head = FullReset(schedule=Schedule(at_task_boundaries=True), selection={"scope": "head"})
         >>> trainer = L.Trainer(max_epochs=1, callbacks=[reset])
         >>> trainer.fit(DigitsClassifier(), datamodule=RandomLabelDigits())
     """

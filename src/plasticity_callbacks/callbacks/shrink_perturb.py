@@ -44,7 +44,9 @@ class ShrinkPerturb(PlasticityCallback):
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
         selection: which parameters, by name: a :class:`~model_map.Selection`
             (or a mapping of its fields) whose ``include``/``exclude`` patterns are matched against
-            parameter names (``model.blocks.*``); None: every parameter, biases, norms and the head too.
+            parameter names (``model.blocks.*``); ``scope="head"``: only the parameters of the output
+            head(s) (:func:`~model_map.output_heads`: weight and bias), then the patterns; None: every
+            parameter, biases, norms and the head too.
         reset_optimizer: also drop the optimizer state of the changed parameters.
         seed: mixed with the global step into the fresh draw.
 
@@ -78,8 +80,9 @@ class ShrinkPerturb(PlasticityCallback):
 
     @property
     def state_key(self) -> str:
+        head = {"scope": "head"} if self.selection.scope == "head" else {}  # keys of earlier runs stay as they were
         return self._generate_state_key(shrink=self.shrink, perturb=self.perturb, include=self.selection.include,
-                                        exclude=self.selection.exclude, schedule=self.schedule.describe())
+                                        exclude=self.selection.exclude, schedule=self.schedule.describe(), **head)
 
     def check_targets(self, trainer, pl_module) -> None:
         selected_parameters(pl_module, self.selection, self.owner)  # an empty selection fails before any training
@@ -102,9 +105,11 @@ class ShrinkPerturb(PlasticityCallback):
 
 
 def _name_patterns(selection: Selection, owner: str) -> Selection:
-    """Shrink & Perturb treats every parameter (biases, norms, the head): only name patterns can narrow it."""
-    if (selection.scope, selection.include_conv, selection.include_head) != ("all", True, False):
-        raise ValueError(f"{owner} selection={selection}: this method selects parameters by name only; set "
-                         "include/exclude patterns (scope, include_conv and include_head do not apply)")
+    """Shrink & Perturb treats every parameter (biases, norms, the head): name patterns narrow it, and
+    ``scope="head"`` to the output head's own parameters, whatever the model calls them."""
+    if selection.scope not in ("all", "head") or (selection.include_conv, selection.include_head) != (True, False):
+        raise ValueError(f"{owner} selection={selection}: this method selects parameters by name, or the output "
+                         "head alone (scope: head); set include/exclude patterns (scope attention/mlp, "
+                         "include_conv and include_head do not apply)")
     return selection
 

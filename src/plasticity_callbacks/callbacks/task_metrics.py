@@ -179,7 +179,7 @@ class TaskMetrics(L.Callback):
     (:func:`~callbacks.step_logging.log_at_step`; the latest task's values stay in ``callback_metrics``),
     kept in ``state_dict`` (a resumed run keeps its earlier tasks) and written at the end of training to
     ``<log dir>/tasks.csv`` (one row per task) and ``<log dir>/stream.json`` (``method``, ``seed``, the
-    stream's settings, training seconds).
+    stream's settings, its ``chance`` accuracy (null where it has none), training seconds).
 
     On several ranks (DDP, or FSDP2: Lightning's ``ModelParallelStrategy``) every number is one process's
     on the same stream: each rank trains on an equal share of every batch, so the online values are
@@ -303,7 +303,7 @@ class TaskMetrics(L.Callback):
         info = {"method": self.method, "seed": stream.seed, "stream": type(stream).__name__,
                 "num_tasks": stream.num_tasks, "steps_per_task": stream.steps_per_task,
                 "batch_size": stream.batch_size, "seconds": self.seconds, "stability_tasks": self.stability_tasks,
-                "probe_steps": self.probe_steps}
+                "probe_steps": self.probe_steps, "chance": getattr(stream, "chance", None)}
         (base / "stream.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def state_dict(self) -> dict:

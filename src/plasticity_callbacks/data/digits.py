@@ -184,6 +184,12 @@ class DigitsTaskStream(L.LightningDataModule):
         """Index of the task that the batch of global step ``step`` belongs to."""
         return min(step // self.steps_per_task, self.num_tasks - 1)
 
+    @property
+    def chance(self) -> float | None:
+        """The accuracy of a uniform guess at the labels (1/10 for the digits), which ``TaskMetrics`` records
+        in ``stream.json`` and ``plasticity-report`` draws; None where a stream has no such level."""
+        return 1 / CLASSES
+
     def make_task(self, index: int) -> Task:
         raise NotImplementedError
 

@@ -117,6 +117,12 @@ class LMTaskStream(DigitsTaskStream):
         self.train_bytes: torch.Tensor | None = None
         self.held_out_bytes: torch.Tensor | None = None
 
+    @property
+    def chance(self) -> float | None:
+        """1/256 for ``random_last_byte`` (the byte to recall is uniform); None for next-byte prediction on
+        text, where guessing the frequent bytes already beats a uniform guess."""
+        return 1 / BYTES if self.design == "random_last_byte" else None
+
     def load_data(self) -> None:
         if self.train_bytes is None:
             self.train_bytes, self.held_out_bytes = corpus_bytes(self.corpus_max_bytes)

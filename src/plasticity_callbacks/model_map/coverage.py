@@ -95,7 +95,7 @@ def _why_not(view, module_name: str, heads: set[str], selection, held: str) -> s
         return f"{held} (requires_grad=False: left alone; an include pattern naming it treats it)"
     if view.left_alone and selection.include is None:
         return view.left_alone
-    if module_name in heads and not selection.include_head:
+    if module_name in heads and not selection.treats_head:
         return "output head (default; include_head=True treats it)"
     if view.kind == "conv" and not selection.include_conv:
         return "conv kernel (include_conv=False)"

@@ -22,7 +22,7 @@ from .stacks import left_alone, read_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks,
                       module_roles, named_blocks, output_heads, stored_param, table_blocks, unknown_split)
 
-SCOPES = ("all", "attention", "mlp")
+SCOPES = ("all", "attention", "mlp", "head")
 
 
 def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str, WeightView]]:
@@ -87,7 +87,8 @@ class Selection:
     """Which weights a callback treats; checked here once, then passed whole to :func:`select_targets`.
 
     Args:
-        scope: ``all`` (every role except positional), ``attention`` or ``mlp``.
+        scope: ``all`` (every role except positional), ``attention``, ``mlp``, or ``head``: only the output
+            head(s) (:func:`~.weights.output_heads`, whatever ``include_head`` says).
         include: ``fnmatch`` patterns on parameter names; when given, only matching weights
             are kept (a pattern can also bring back a positional or a frozen weight).
         exclude: patterns of parameter names to drop.
@@ -123,6 +124,11 @@ class Selection:
         """``value`` as a Selection: a Selection is kept, a mapping of its fields becomes one, None the default."""
         return cls() if value is None else build_options(cls, value, owner, "selection")
 
+    @property
+    def treats_head(self) -> bool:
+        """Whether the output head(s) are among the weights selected (``include_head`` or ``scope="head"``)."""
+        return self.include_head or self.scope == "head"
+
     def matches(self, name: str) -> bool:
         """Whether the parameter ``name`` passes ``include`` and ``exclude`` (the name patterns only)."""
         return ((self.include is None or _matches(name, self.include))
@@ -143,10 +149,12 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
     """
     selection = Selection.build(selection, "select_targets")  # a mapping of its fields works too
     include, exclude = selection.include, selection.exclude
-    heads = set() if selection.include_head else output_heads(model)
+    heads = output_heads(model)
     targets = []
     for module_name, view in weight_views(model, selection.include_conv):
-        if module_name in heads:
+        if module_name in heads and not selection.treats_head:
+            continue
+        if selection.scope == "head" and module_name not in heads:
             continue
         explicitly_included = include is not None and _matches(view.name, include)
         if include is not None and not explicitly_included:
@@ -155,7 +163,7 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
             continue  # the user froze it (requires_grad=False): an include pattern naming it treats it
         if (view.role == "position" or view.left_alone) and not explicitly_included:
             continue
-        if selection.scope != "all" and view.role != selection.scope:
+        if selection.scope not in ("all", "head") and view.role != selection.scope:
             continue
         if exclude is not None and _matches(view.name, exclude):
             continue

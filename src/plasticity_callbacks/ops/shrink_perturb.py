@@ -8,7 +8,7 @@ from torch import nn
 from ..distributed.sharding import local_part
 from ..distributed.strategy import is_dtensor
 from ..functional.shrink import shrink_perturb_ as shrink_perturb_tensors_
-from ..model_map import Selection
+from ..model_map import Selection, output_heads
 from ..model_map.holding import (is_factorization, is_frozen, is_frozen_parameter, parametrization,
                                 weight_in_buffer)
 from . import factorization
@@ -71,16 +71,21 @@ def shrink_perturb_(model: nn.Module, optimizers=None, shrink: float = 0.4, pert
 
 def selected_parameters(model: nn.Module, selection: Selection, owner: str = "shrink_perturb_"
                         ) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` pairs to treat: those whose names ``selection`` matches, minus those the user froze
-    unless an ``include`` pattern names them. A factorized weight (``W_p + BA``) appears once, under its plain
+    """``(name, parameter)`` pairs to treat: those whose names ``selection`` matches (with ``scope="head"``: only
+    the output head's, :func:`~model_map.output_heads`), minus those the user froze unless an ``include``
+    pattern names them. A factorized weight (``W_p + BA``) appears once, under its plain
     name (``layer.weight``) with ``W_p`` as its parameter; its ``B, A`` are part of it. A weight computed by the
     user's parametrization (weight norm, ...) is treated through its ``original`` parameters.
 
     Raises:
         ValueError: nothing matches, or a parametrization keeps the selected weight in a buffer (``orthogonal``).
     """
+    # a head's parameters by their module's prefix ("" when the model itself is the head)
+    heads = tuple(f"{head}." if head else "" for head in output_heads(model)) if selection.scope == "head" else None
     chosen = []
     for name, param in model.named_parameters():
+        if heads is not None and not name.startswith(heads):
+            continue
         frozen = is_frozen_parameter(param)
         if ".parametrizations." in name:
             path, rest = name.split(".parametrizations.", 1)
@@ -98,8 +103,9 @@ def selected_parameters(model: nn.Module, selection: Selection, owner: str = "sh
         if selection.matches(name):
             chosen.append((name, param))
     if not chosen:
-        raise ValueError(f"{owner}: no parameters match include={selection.include}, exclude={selection.exclude} "
-                         "(frozen ones count only where include names them)")
+        within = f" within the output head {sorted(output_heads(model))}" if heads is not None else ""
+        raise ValueError(f"{owner}: no parameters match include={selection.include}, exclude={selection.exclude}"
+                         f"{within} (frozen ones count only where include names them)")
     return chosen
 
 

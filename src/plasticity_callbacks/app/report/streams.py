@@ -13,7 +13,8 @@ grouped by method (plus any other override but the seed), and the report gives:
   best setting and the spread of late end-of-task accuracy across the settings.
 - ``stream_metrics.png``: one panel per metric against the task index, one line per group (mean over
   seeds, a band of ± one std where two or more seeds ran), the end-of-task error ``1 − accuracy``
-  on a log scale, chance level on the accuracy panels.
+  on a log scale, the stream's chance level on the accuracy panels (:func:`chance_level`: 1/10 for the
+  digits, 1/256 for the LM stream's random last byte, no line where a stream has none).
 
 Example:
     >>> text, figures = build_stream_report(Path("multirun/2026-01-01/12-00-00"))
@@ -31,10 +32,8 @@ from pathlib import Path
 from matplotlib.ticker import MaxNLocator
 
 from ...callbacks.figures import plt
-from ...data.digits import CLASSES
 from .runs import LINE_STYLES, MARKERS, mean_std, read_overrides
 
-CHANCE = 1 / CLASSES
 # (column, title, y label): the figure's panels, in reading order
 PANELS = [("online_accuracy", "online accuracy (mean over the task's steps)", "accuracy"),
           ("accuracy", "end-of-task accuracy", "accuracy"),
@@ -56,10 +55,34 @@ class StreamRun:
     info: dict
     tasks: list[dict[str, float]]  # one row per task, in task order
     overrides: dict[str, str] = field(default_factory=dict)  # from .hydra/overrides.yaml, seed left out
+    chance: float | None = None  # a uniform guess's accuracy on the stream's labels (:func:`chance_level`)
 
     @property
     def method(self) -> str:
         return str(self.info.get("method"))
+
+
+def chance_level(run_dir: Path, info: dict) -> float | None:
+    """The accuracy of a uniform guess at the run's labels: ``stream.json``'s ``chance`` (the stream's own,
+    recorded by TaskMetrics), else the ``chance`` of the stream that the run's stored config
+    (``.hydra/config.yaml``, its ``data:``) builds; None when neither tells (no chance line is drawn)."""
+    if "chance" in info:
+        return None if info["chance"] is None else float(info["chance"])
+    config = run_dir / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return None
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.load(config).get("data")
+        stream = instantiate(data) if data is not None and "_target_" in data else None
+    except (InstantiationException, OmegaConfBaseException):  # a config of another version: no level known
+        return None
+    chance = getattr(stream, "chance", None)
+    return None if chance is None else float(chance)
 
 
 def has_stream_runs(root: Path) -> bool:
@@ -82,7 +105,7 @@ def find_stream_runs(root: Path) -> list[StreamRun]:
             row["error"] = 1.0 - row["accuracy"]
         run_dir = next((p for p in info_file.parents if (p / ".hydra").is_dir()), info_file.parent)
         runs.append(StreamRun(run_dir, str(info.get("method")), int(info["seed"]), info, tasks,
-                              read_overrides(run_dir)))
+                              read_overrides(run_dir), chance_level(run_dir, info)))
     # A group is a method plus the overrides that vary across the sweep (not the seed, not the method
     # choice itself): shared ones (data.num_tasks=4 ...) say nothing about a method.
     keys = sorted({k for r in runs for k in r.overrides if k != "method"})
@@ -200,8 +223,23 @@ def sensitivity_table(runs: list[StreamRun], k: int | None = None) -> str | None
     return "\n".join(head + lines)
 
 
+def shared_chance(runs: list[StreamRun]) -> float | None:
+    """The chance level the runs share; None when it is unknown or they differ (no line is drawn)."""
+    levels = {r.chance for r in runs}
+    return levels.pop() if len(levels) == 1 else None
+
+
 def plot_stream(runs: list[StreamRun], path: Path) -> Path:
-    """One panel per metric against the task index; one line per group (mean over seeds)."""
+    """Save :func:`stream_figure` to ``path``."""
+    fig = stream_figure(runs)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def stream_figure(runs: list[StreamRun]):
+    """One panel per metric against the task index; one line per group (mean over seeds); the runs' shared
+    chance level dotted on the accuracy panels (and ``1 − chance`` on the error panel)."""
     groups = groups_of(runs)
     seeds = sorted({len(m) for m in groups.values()})
     panels = [p for p in PANELS if any(math.isfinite(t.get(p[0], math.nan)) for r in runs for t in r.tasks)]
@@ -209,6 +247,7 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
     fig, axes = plt.subplots(math.ceil(len(panels) / columns), columns, figsize=(15, 3.6 * math.ceil(len(panels) / 3)),
                              squeeze=False)
     n_tasks = min(len(r.tasks) for r in runs)
+    chance = shared_chance(runs)
     for ax, (name, title, ylabel) in zip(axes.flat, panels):
         for index, label in enumerate(sorted(groups)):
             members = groups[label]
@@ -225,11 +264,13 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
                 ax.fill_between(tasks, low, [m + s for m, s in zip(mean, std)], color=line.get_color(),
                                 alpha=0.15, linewidth=0)
         if name in ACCURACY_PANELS:
-            ax.axhline(CHANCE, color="grey", linestyle=":", linewidth=1)
+            if chance is not None:
+                ax.axhline(chance, color="grey", linestyle=":", linewidth=1)
             ax.set_ylim(0, 1.02)
         if name == "error":
             ax.set_yscale("log")
-            ax.axhline(1 - CHANCE, color="grey", linestyle=":", linewidth=1)
+            if chance is not None:
+                ax.axhline(1 - chance, color="grey", linestyle=":", linewidth=1)
         ax.set(title=title, xlabel="task", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
@@ -240,11 +281,10 @@ def plot_stream(runs: list[StreamRun], path: Path) -> Path:
     info = runs[0].info
     band = "band ± 1 std over seeds" if seeds[-1] > 1 else "one seed, no band"
     fig.suptitle(f"{info.get('stream')}: {info.get('num_tasks')} tasks × {info.get('steps_per_task')} steps, "
-                 f"mean over n = {'/'.join(map(str, seeds))} seeds ({band}); dotted: chance")
+                 f"mean over n = {'/'.join(map(str, seeds))} seeds ({band})"
+                 + (f"; dotted: chance ({chance:.3g})" if chance is not None else "; no chance level known"))
     fig.tight_layout()
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig
 
 
 def build_stream_report(root: Path, out: Path | None = None, k: int | None = None) -> tuple[str, list[Path]]:
