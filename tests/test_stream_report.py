@@ -103,3 +103,22 @@ def test_the_streams_record_their_chance_level():
     assert RandomLabelDigits().chance == PermutedDigits().chance == 1 / 10
     assert LMTaskStream().chance == 1 / 256
     assert LMTaskStream(design="permuted_vocab").chance is None
+
+
+@pytest.mark.parametrize("data", [
+    {"_target_": "planted_stream.Stream"},                                          # not this package's
+    {"_target_": DIGITS, "seed": {"_target_": "planted_stream.Stream"}},           # ours, naming another below
+    {"_target_": DIGITS, "seed": [{"_target_": "planted_stream.Stream"}]},
+])
+def test_a_run_folders_stream_config_never_runs_code_it_names(tmp_path, monkeypatch, data):
+    """The chance level's fallback builds a stream from the run's stored config: only this package's, with no
+    ``_target_`` below it; a module planted beside the report (first on ``sys.path``) never runs."""
+    import sys
+
+    (tmp_path / "planted_stream.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('ran').write_text('code ran')\n"
+        "class Stream:\n    chance = 0.5\n    def __init__(self, **kwargs): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written_run(tmp_path / "run", data, {})
+    [run] = find_stream_runs(tmp_path)
+    assert run.chance is None and not (tmp_path / "ran").exists() and "planted_stream" not in sys.modules

@@ -65,7 +65,10 @@ class StreamRun:
 def chance_level(run_dir: Path, info: dict) -> float | None:
     """The accuracy of a uniform guess at the run's labels: ``stream.json``'s ``chance`` (the stream's own,
     recorded by TaskMetrics), else the ``chance`` of the stream that the run's stored config
-    (``.hydra/config.yaml``, its ``data:``) builds; None when neither tells (no chance line is drawn)."""
+    (``.hydra/config.yaml``, its ``data:``) builds; None when neither tells (no chance line is drawn).
+
+    A run folder is data: its config builds a stream only when the ``_target_`` is one of this package's and
+    no argument names a ``_target_`` of its own (instantiating a config runs whatever it names)."""
     if "chance" in info:
         return None if info["chance"] is None else float(info["chance"])
     config = run_dir / ".hydra" / "config.yaml"
@@ -78,11 +81,25 @@ def chance_level(run_dir: Path, info: dict) -> float | None:
 
     try:
         data = OmegaConf.load(config).get("data")
-        stream = instantiate(data) if data is not None and "_target_" in data else None
+        if data is None or not _our_target_only(OmegaConf.to_container(data, resolve=True)):
+            return None
+        stream = instantiate(data, _recursive_=False)
     except (InstantiationException, OmegaConfBaseException):  # a config of another version: no level known
         return None
     chance = getattr(stream, "chance", None)
     return None if chance is None else float(chance)
+
+
+def _our_target_only(spec) -> bool:
+    """``spec`` names a ``_target_`` of this package at its top and none below."""
+    def nested_targets(value) -> bool:
+        if isinstance(value, dict):
+            return "_target_" in value or any(nested_targets(v) for v in value.values())
+        return isinstance(value, list) and any(nested_targets(v) for v in value)
+
+    target = spec.get("_target_") if isinstance(spec, dict) else None
+    return (isinstance(target, str) and target.split(".")[0] == __name__.split(".")[0]
+            and not any(nested_targets(v) for k, v in spec.items() if k != "_target_"))
 
 
 def has_stream_runs(root: Path) -> bool:
