@@ -226,6 +226,40 @@ def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeyp
         benchmark.main(["--out", str(tmp_path / "other"), "--methods", "sp", "--tasks", "5"])
 
 
+def test_ship_with_methods_adds_their_runs_and_keeps_every_shipped_entry(tmp_path, monkeypatch, fake_runs):
+    shipped = made_results(methods=("warm", "reset", "fire", "head_reset"))
+    shipped.tuning_tasks, shipped.tuning_seeds = 10, [100]
+    shipped.streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps}
+                       for (name, s), steps in zip(STREAMS.items(), (100, 25))}
+    shipped.runs = [RunResult(r.stream, r.method, r.setting, r.seed, [random.random() for _ in range(20)],
+                              [random.random() for _ in range(20)], random.uniform(1, 9)) for r in shipped.runs]
+    shipped.runs += [made_run("memorization", "fire", 100, "callbacks.fire.options.steps=10", tasks=10)]
+    shipped.tuned = {"fire": "callbacks.fire.options.steps=10", "head_reset": "callbacks.x.y=1"}
+    path = save_results(shipped, tmp_path / "shipped.json")
+    before = json.loads(path.read_text())
+    monkeypatch.setattr(benchmark, "SHIPPED_RESULTS", path)
+    benchmark.main(["--out", str(tmp_path / "out"), "--methods", "head_reset", "--ship"])
+    after = json.loads(path.read_text())
+    key = lambda run: (run["stream"], run["method"], run["setting"], run["seed"])  # noqa: E731
+    kept = {key(run): run for run in before["runs"] if run["method"] != "head_reset"}
+    assert [run for run in after["runs"] if key(run) in kept] == list(kept.values())  # as shipped, in order
+    assert {key(run) for run in after["runs"] if key(run) not in kept} == {
+        (job.stream.name, job.method, job.setting, job.seed) for job in fake_runs}  # head_reset's new runs only
+    assert {job.method for job in fake_runs} == {"head_reset"} and len(fake_runs) == 2 * len(SEEDS)
+    assert after["tuned"] == {"fire": "callbacks.fire.options.steps=10"}  # head_reset's own is its new sweep's
+    assert {k: v for k, v in after.items() if k not in ("runs", "tuned")} == {
+        k: v for k, v in before.items() if k not in ("runs", "tuned")}
+    shipped_now = path.read_text()
+    with pytest.raises(SystemExit):  # would replace every shipped run by warm, reset and the method's
+        benchmark.main(["--out", str(tmp_path / "out"), "--methods", "head_reset", "--ship", "--rerun-baselines"])
+    assert path.read_text() == shipped_now
+    save_results(replace(shipped, version="0.0.0-other"), path)  # runs of another release
+    shipped_now = path.read_text()
+    with pytest.raises(SystemExit, match="made with plasticity_callbacks 0.0.0-other.*--ship adds runs only of"):
+        benchmark.main(["--out", str(tmp_path / "out"), "--methods", "head_reset", "--ship"])
+    assert path.read_text() == shipped_now
+
+
 def test_rerun_baselines_runs_warm_and_reset_with_the_new_method(tmp_path, fake_runs):
     benchmark.main(["--out", str(tmp_path), "--methods", "warm_reset", "--tasks", "4", "--rerun-baselines",
                     "--seeds", "0", "1"])

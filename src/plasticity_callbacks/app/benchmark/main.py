@@ -9,6 +9,8 @@ Runs go through the same Hydra configs as ``plasticity-train experiment=continua
 the other in this process on one thread (``--jobs N``: N processes); each prints a line (stream,
 method, seed, CPU seconds) when it ends, and a run folder that finished is not run again. The outputs
 (``--out``): ``results.json`` (per run, per task), ``per_seed.csv``, ``ranking.md`` and ``ranking.png``.
+``--ship`` writes ``results.json`` into the package's shipped runs: with ``--methods``, every other method's
+shipped runs stay in it as they were and the methods named replace their own.
 """
 from __future__ import annotations
 
@@ -76,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--jobs {args.jobs}: at least 1")
     if args.last_k < 1:
         parser.error(f"--last-k {args.last_k}: at least 1")
+    if args.ship and args.methods and args.rerun_baselines:
+        parser.error("--ship with --methods and --rerun-baselines would replace every shipped run by these methods' "
+                     "and the baselines' alone: ship a full run (no --methods), or drop --rerun-baselines to add "
+                     "these methods' runs to the shipped ones")
     return args
 
 
@@ -153,9 +159,15 @@ def main(argv: list[str] | None = None) -> None:
             check_comparable(shipped, results)
         except ValueError as error:
             raise SystemExit(f"plasticity-benchmark: {error}") from None
+        if shipped.version != results.version and args.ship:
+            # the file names one version for all its runs: the shipped ones would be relabeled as this one's
+            raise SystemExit(f"plasticity-benchmark: the shipped runs were made with plasticity_callbacks "
+                             f"{shipped.version}, this is {results.version}: --ship adds runs only of the same "
+                             "version; ship a full run (no --methods) instead")
         if shipped.version != results.version:
             print(f"note: the shipped runs were made with plasticity_callbacks {shipped.version}, this is "
                   f"{results.version}; --rerun-baselines runs them again with this one")
+        # every other method's runs and tuned setting as shipped, so --ship adds these methods' runs to them
         results.runs = [r for r in shipped.runs if r.method not in methods]
         results.tuned = {m: s for m, s in shipped.tuned.items() if m not in methods}
     elif args.methods:
