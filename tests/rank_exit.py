@@ -3,10 +3,10 @@
 :func:`~plasticity_callbacks.distributed.process_group.end_process_group` (a barrier, then the group destroyed)
 narrows but cannot close the exit race it describes: gloo's worker threads outlive the group, and one that
 releases a collective's tensor while the interpreter finalizes aborts the process (exit -6) after a run that
-succeeded; 2 launches in 40 of the fsdp_worker did so under load. A test's rank has nothing left to do after
-the barrier: its results are on disk and closed, and every other rank has reached the same point. It ends
-there with ``os._exit``, skipping the interpreter's finalization (the only place the race can strike) rather
-than accepting an abort afterwards.
+succeeded. A test's rank has nothing left to do after that barrier: its results are on disk and closed, and
+every other rank has reached the same point. It ends there with ``os._exit``, which skips the interpreter's
+finalization, the only place the race can strike (no atexit handler of a test worker is needed: Lightning's
+loggers and checkpoints are written when the fit ends).
 
     main(spec)               # writes the results
     exit_after_results()     # every rank; the process ends here with status 0

@@ -1,14 +1,15 @@
 """Ending a multi-process run: every rank meets at a barrier, then the process group is destroyed.
 
-Lightning leaves a gloo process group up when a fit ends (it registers an exit hook for NCCL only), so each
-rank used to leave its program straight after its last collective, without waiting for the others. A gloo
-worker thread may still be releasing that collective's tensors; if it releases one that Python created
-while the interpreter is finalizing, taking the GIL ends the thread inside a C++ destructor and the process
-aborts ("terminate called without an active exception", exit status -6) after a run that succeeded.
-Ending with :func:`end_process_group` moves the exit a full barrier away from the last collective and makes
-the launching rank (the one a scheduler waits on) finish only after every rank reached the end of its run.
-It cannot join gloo's threads: ``destroy_process_group`` shuts no gloo thread down, and DTensor's caches keep
-the groups of a device mesh alive until the interpreter ends.
+Lightning leaves a gloo process group up when a fit ends (it registers an exit hook for NCCL only). A rank
+that leaves its program straight after its last collective can abort after a run that succeeded: a gloo
+worker thread may still be releasing that collective's tensors, and if it releases one that Python created
+while the interpreter is finalizing, taking the GIL ends the thread inside a C++ destructor ("terminate
+called without an active exception", exit status -6). Ending with :func:`end_process_group` puts a full
+barrier between the last collective and the exit, and the launching rank (the process a scheduler waits
+on) finishes only after every rank has reached the end of its run. It cannot join gloo's threads:
+``destroy_process_group`` stops none of them, and DTensor's caches keep a device mesh's groups alive until
+the interpreter ends; a program that must rule the race out ends its process once its results are written
+(the test workers: ``tests/rank_exit.py``).
 
 Example:
     >>> trainer.fit(module)
@@ -21,8 +22,8 @@ def end_process_group() -> None:
     """Wait for every rank at a barrier, then destroy the default process group and every group made from it.
 
     Call it on every rank, after the rank's last collective and its last write; a rank that never calls it
-    (it failed) makes the others fail at the barrier when its connections close. Nothing happens when no
-    process group is up (one process).
+    (it failed) makes the others fail at the barrier once its connections close (at the latest, at the
+    group's timeout). Nothing happens when no process group is up (one process).
     """
     import torch.distributed as dist
 
