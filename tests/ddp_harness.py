@@ -32,7 +32,7 @@ def run_ddp(tmp_path: Path, callbacks: list[dict] | dict | None, model: str = "m
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"DDP run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def _assert_equal(a, b, path: str) -> None:

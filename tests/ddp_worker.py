@@ -1,7 +1,8 @@
 """One DDP run on 2 CPU processes (gloo), started by ``ddp_harness.run_ddp``.
 
 Lightning's DDP launcher re-runs this script for rank 1. Each rank saves its parameters,
-optimizer state and logged metrics to ``<out>/rank<r>.pt`` for the test to compare.
+optimizer state and logged metrics to ``<out>/rank<r>.pt`` for the test to compare, then ends through
+:func:`rank_exit.exit_after_results`.
 """
 import json
 import sys
@@ -13,6 +14,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).parent))
+from rank_exit import exit_after_results  # noqa: E402
 from tiny import build  # noqa: E402
 
 
@@ -42,3 +44,4 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_after_results()

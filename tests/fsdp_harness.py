@@ -34,7 +34,7 @@ def run_fsdp2(tmp_path: Path, runs: list[dict], timeout: float = 600, crash: boo
     if proc.returncode != 0:
         raise AssertionError(f"FSDP2 run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
-    return {run["name"]: torch.load(tmp_path / f"{run['name']}.pt", weights_only=False) for run in runs}
+    return {run["name"]: torch.load(tmp_path / f"{run['name']}.pt", weights_only=True) for run in runs}
 
 
 def run_single(tmp_path: Path, run: dict) -> dict:

@@ -1,7 +1,8 @@
 """Runs of a callback under FSDP2 (Lightning's ModelParallelStrategy, 2 CPU ranks, gloo) or on one process.
 
 ``python fsdp_worker.py spec.json`` runs every entry of ``spec["runs"]`` on 2 ranks (Lightning's launcher
-re-runs this script for rank 1); rank 0 saves ``<out>/<name>.pt``. :func:`run` is also called in the test
+re-runs this script for rank 1); rank 0 saves ``<out>/<name>.pt``, then every rank ends through
+:func:`rank_exit.exit_after_results`. :func:`run` is also called in the test
 process with ``devices=1`` for the single-process reference on the same global batch: a rank's batch holds
 ``batch`` samples and the single process's ``2·batch``, and the sampler deals rank
 ``r`` the samples ``r, r+2, ...``, so step ``k`` sees samples ``[2k·batch, 2(k+1)·batch)`` either way.
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Sampler
 sys.path.insert(0, str(Path(__file__).parent))
 import model_zoo  # noqa: E402
 import tiny  # noqa: E402
+from rank_exit import exit_after_results  # noqa: E402
 
 
 class EveryOtherSample(Sampler):
@@ -237,3 +239,4 @@ def main(spec_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_after_results()

@@ -9,6 +9,7 @@ NaN (skipped), more Gram-route blocks than ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import socket
@@ -21,6 +22,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from rank_exit import exit_after_results
+
 
 def model() -> nn.Module:
     torch.manual_seed(0)
@@ -31,6 +34,11 @@ def model() -> nn.Module:
         layers[5].weight[:, 3] = 0  # rank 11 of 12: no full isometry from its Gram matrix
         layers[6].weight[2, 5] = math.nan
     return layers
+
+
+def as_dicts(records) -> list[dict]:
+    """FIRE's records as plain dicts: the test reads the file with ``weights_only=True``."""
+    return [dataclasses.asdict(record) for record in records]
 
 
 def worker(rank: int, port: int, out: str) -> None:
@@ -79,10 +87,10 @@ def worker(rank: int, port: int, out: str) -> None:
     dist.all_gather_object(counts, calls)
     params = {name: p.full_tensor().detach() for name, p in sharded.named_parameters()}
     if rank == 0:
-        torch.save({"single": dict(single.named_parameters()), "sharded": params, "records_single": one,
-                    "records": records, "eigh_calls": counts, "gathered": gathered,
+        torch.save({"single": dict(single.named_parameters()), "sharded": params, "records_single": as_dicts(one),
+                    "records": [as_dicts(r) for r in records], "eigh_calls": counts, "gathered": gathered,
                     "warnings": [str(w.message) for w in caught]}, out)
-    dist.destroy_process_group()
+    exit_after_results()
 
 
 if __name__ == "__main__":

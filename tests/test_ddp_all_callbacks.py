@@ -57,6 +57,7 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from plasticity_callbacks.distributed.process_group import end_process_group
     from plasticity_callbacks.distributed.strategy import full_parameters, gather_full, is_dtensor
     from plasticity_callbacks.functional.spectral import PolarOptions, orthogonalize
 
@@ -98,7 +99,7 @@ def _fsdp_worker(rank: int, port: int, out: str, flavour: str) -> None:
     except Exception as err:  # reported to the test, which decides between failing and skipping
         result["error"] = f"{type(err).__name__}: {err}"
     torch.save(result, f"{out}/{flavour}_rank{rank}.pt")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 @pytest.mark.multiprocess

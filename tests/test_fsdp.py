@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fsdp_harness import assert_close, assert_same_as_single, run_fsdp2, run_single
+from plasticity_callbacks.functional.isometry import FireRecord
 
 FIRE = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"steps": [2]}, "options": {"method": "svd"}}
 # The authors' LM recipe (method/fire_lm.yaml): 5 Newton–Schulz steps, a partial orthogonalization.
@@ -525,7 +526,9 @@ def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_proce
     proc = subprocess.run([sys.executable, str(worker), str(out)], env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = torch.load(out, weights_only=False)
+    result = torch.load(out, weights_only=True)
+    result["records_single"] = [FireRecord(**r) for r in result["records_single"]]
+    result["records"] = [[FireRecord(**r) for r in rank] for rank in result["records"]]
     # Every block through the Gram route, world at a time, rank 0 decomposing the first of each pair and rank 1
     # the second: 40x24 | 40x40, wide 12x40 (by columns: 12x12) | conv 10x6 (9 taps), 33x7 | 12x12 rank-deficient,
     # 16x16 NaN | wide conv 4x10 (4 taps), wide Conv1D 11x40 | wide 7x50. Oblong blocks (one process's eigh route)

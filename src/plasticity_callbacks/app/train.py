@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..distributed.process_group import end_process_group
 from ..errors import CheckpointError
 from .runs.checkpoints import RunInterrupted, VerifiedCheckpointIO, read_checkpoint
 from .runs.verified_files import hashes_remembered
@@ -247,6 +248,7 @@ def main() -> None:
             print(f"plasticity-train: {err}", file=sys.stderr)
             sys.exit(1)
         hydra_main()
+    end_process_group()  # every rank (Lightning launches this program again for each) ends with the others
 
 
 if __name__ == "__main__":
