@@ -264,6 +264,12 @@ def tail_energy_rank(S_tail: torch.Tensor, total: float, g: int, share: float = 
     return math.nan if j == 0 else float(g - t + j)
 
 
+def squared_norm(W: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``‖W‖_F²`` as a float64 scalar, summed in ``dtype`` (a float64 copy of a large ``W`` costs 40× the sum, whose
+    rounding, about ``eps`` relative, is far below what the energies built on it resolve)."""
+    return torch.linalg.vector_norm(as_matrix(W).to(dtype)).double() ** 2
+
+
 def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: torch.Tensor, r: int,
                          dtype: torch.dtype = torch.float32, exact: bool = False) -> float:
     """``‖W − W_k‖_F / ‖W‖_F`` for ``W_k`` built from the top ``k = g − r`` triplets (0 for ``W = 0``).
@@ -285,7 +291,7 @@ def reconstruction_error(W: torch.Tensor, U: torch.Tensor, S: torch.Tensor, V: t
     k = S.numel() - r
     if exact:
         energy = S.double() ** 2
-        total = energy.sum() if S.numel() == U.shape[1] else torch.linalg.matrix_norm(as_matrix(W).double()) ** 2
+        total = energy.sum() if S.numel() == U.shape[1] else squared_norm(W, dtype)
         return float((energy[k:].sum() / total).sqrt()) if total > 0 else 0.0
     W = as_matrix(W).to(dtype)
     U_k, S_k, V_k = U[:, :k].to(dtype), S[:k].to(dtype), V[:, :k].to(dtype)
@@ -455,7 +461,7 @@ def decide_mode(
     if S.numel() == g:
         effective = energy_rank(S, 0.95)
     else:  # trailing values only: known where the last 5 % of the energy lies among them
-        effective = tail_energy_rank(S, float(torch.linalg.matrix_norm(as_matrix(W).double()) ** 2), g, 0.95)
+        effective = tail_energy_rank(S, float(squared_norm(W, dtype)), g, 0.95)
     new_mode, reason = mode_rule(angle, principal, minor, error, mode, clobber_alignment, stable_angle,
                                  safe_minor_alignment, max_reconstruction_error)
     diagnostics = {
