@@ -47,12 +47,11 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
     A block of ``b = min(2·count + 8, d_out // 2)`` vectors (the previous ``U``'s trailing columns and a few
     random ones, for a direction the previous cycle did not have) goes through at most ``iterations`` steps
     of inverse subspace iteration with ``(W Wᵀ)⁻¹`` (an LU of a square ``W``, a Cholesky factor of the Gram
-    matrix of a wide one); after each, a Rayleigh–Ritz step on ``W`` gives the block's triplets. The iteration
-    shrinks the distance to ``W``'s minor subspace by ``ρ = (σ_count / σ_{b+1})²`` per step, so what is left is
-    about ``ρ / (1 − ρ)`` times the last movement of the span of the ``count`` smallest (the sine of the largest
-    principal angle, the first step measured from the previous ``U``'s). Converged when that is at most
-    ``tolerance``, ``ρ`` read as the ratio of the last two movements where it is below ½ (there the tail is at
-    most the movement itself), or when the last movement is. From the fourth step on (the
+    matrix of a wide one); after each, a Rayleigh–Ritz step on ``W`` gives the block's triplets. Converged when
+    the span of the ``count`` smallest moved by at most ``tolerance`` (the sine of the largest principal angle)
+    in the last step, the first step measured from the previous ``U``'s. The iteration shrinks the distance to
+    ``W``'s minor subspace by ``ρ = (σ_count / σ_{b+1})²`` per step, so what is left is about
+    ``ρ / (1 − ρ)`` times the last movement: below ``tolerance`` wherever ``ρ < ½``. From the fourth step on (the
     first ones still sort the block) it gives up as soon as the last step's rate would not reach ``tolerance``
     within the steps left: the fallback then costs less. ``start="spectrum"`` starts instead from the bottom
     ``b = min(4·count, d_out // 2)`` eigenvectors of the Gram matrix ``W Wᵀ`` (one ``eigh``), the first step
@@ -65,8 +64,7 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         count: how many trailing triplets are wanted (the minor ones the decision and the next phase read).
         dtype: the working precision.
         iterations: the most inverse-iteration steps before giving up.
-        tolerance: the largest distance left to the minor span, as estimated from the last steps' movements;
-            None: ``√eps`` of ``dtype``
+        tolerance: the largest movement of the minor span in the last step; None: ``√eps`` of ``dtype``
             (3.5e-4 in float32, 1.5e-8 in float64), well below the decision's angle and alignment thresholds.
         seed: the random columns' seed (a private generator: the training RNG is untouched).
         right_vectors: also return the minor right vectors (a factorized split's ``A``).
@@ -128,9 +126,8 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         U_block, S_block, V_block = _rayleigh_ritz(W, _orthonormal(X))
         moved = float(torch.linalg.matrix_norm(U_block[:, -count:] - U_minor @ (U_minor.mT @ U_block[:, -count:]), 2))
         U_minor = U_block[:, -count:]
-        rate = moved / last if last else 1.0
-        if moved <= tolerance or (rate < 0.5 and moved * rate / (1 - rate) <= tolerance):
-            break  # what is left, at most the tail ρ + ρ² + … of the last movement, is within tolerance
+        if moved <= tolerance:
+            break
         if step >= 3 and moved * min(1.0, moved / last) ** (iterations - 1 - step) > tolerance:
             return None  # at the rate of the last step it would not converge in the steps left: stop paying
         last = moved
