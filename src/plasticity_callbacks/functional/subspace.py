@@ -88,6 +88,27 @@ def svd_triplets(W: torch.Tensor, method: str = "gram", top: int | None = None, 
     return SVD(U, S, V)
 
 
+GRAM_BLOCKS = 4  # block rows of gram_matrix: 10 of 16 block products, ~5/8 of the full product's work
+
+
+def gram_matrix(A: torch.Tensor, blocks: int = GRAM_BLOCKS) -> torch.Tensor:
+    """``A Aᵀ``, symmetric: each block row multiplied only up to the diagonal, the upper blocks mirrored from the
+    lower ones (a plain product computes both halves; LAPACK's ``syrk`` is not exposed).
+
+    Example:
+        >>> torch.testing.assert_close(gram_matrix(A), A @ A.mT)
+    """
+    g = A.shape[0]
+    edges = [g * i // blocks for i in range(blocks + 1)]
+    out = A.new_empty(g, g)
+    for a, b in zip(edges[:-1], edges[1:]):
+        out[a:b, :b] = A[a:b] @ A[:b].mT
+        out[:a, a:b] = out[a:b, :a].mT
+        diagonal = out[a:b, a:b]
+        diagonal.copy_(diagonal.tril() + diagonal.tril(-1).mT)  # exactly symmetric, as a solver may read either half
+    return out
+
+
 GRAM_SEPARATION = 1e4  # in units of eps: λ_{block+1} / λ_max below 1e4·eps (1.2e-3 in float32) is not trusted
 
 
@@ -130,7 +151,7 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None,
     if separation is None:
         separation = GRAM_SEPARATION * torch.finfo(W.dtype).eps
     A = W if W.shape[0] <= W.shape[1] else W.mT  # (g, n), g <= n: A's left vectors are the Gram's eigenvectors
-    lam, Q = torch.linalg.eigh(A @ A.mT)  # ascending
+    lam, Q = torch.linalg.eigh(gram_matrix(A))  # ascending
     top_lam = lam[-1]
     if not bool(torch.isfinite(top_lam)) or not top_lam > 0:
         return None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .subspace import SVD, as_matrix
+from .subspace import SVD, as_matrix, gram_matrix
 
 WARM_ITERATIONS = 8  # from the last cycle's vectors (minor spans ~1e-2 apart) float32 needs 3–5 (square), 5–8 (wide)
 SHIFT = 0.9  # a wide W's Gram matrix is shifted by this share of the start's smallest Rayleigh quotient
@@ -103,7 +103,7 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         return None  # the minor block is near half the space: an SVD costs no more
     tolerance = torch.finfo(dtype).eps ** 0.5 if tolerance is None else tolerance
     if start == "spectrum":
-        gram = W @ W.mT
+        gram = gram_matrix(W)
         lam, Q = torch.linalg.eigh(gram)  # ascending
         if not bool(torch.isfinite(lam).all()) or not lam[0] > 0:
             return None
@@ -164,7 +164,7 @@ def _inverse_gram(W: torch.Tensor, U_start: torch.Tensor):
             return torch.linalg.lu_solve(LU, pivots, Y, adjoint=True)  # W⁻ᵀ
         return apply
     quotient = float((torch.linalg.vector_norm(W.mT @ U_start, dim=0) ** 2).min())
-    return _cholesky_inverse(W @ W.mT, (SHIFT * quotient, 0.0))
+    return _cholesky_inverse(gram_matrix(W), (SHIFT * quotient, 0.0))
 
 
 def _cholesky_inverse(gram: torch.Tensor, shifts: tuple[float, ...]):
