@@ -7,8 +7,7 @@ import torch
 from plasticity_callbacks.ops.factorization import project_onto
 from plasticity_callbacks.functional.subspace import (
     GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_matrix, gram_triplets,
-    mode_rule,
-    next_rank, reconstruction_error, subspace_angle, svd_triplets,
+    mode_rule, next_rank, reconstruction_error, subspace_angle, svd_triplets,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
