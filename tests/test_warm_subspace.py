@@ -153,6 +153,17 @@ def test_a_wide_weight_starts_from_its_spectrum_while_its_minor_span_keeps_turni
     assert starts == ["spectrum"] and again is not None and switch.warm_spectrum_starts == 2
     assert m.warm_start == "previous"  # it barely moved: the cheaper start next time
     starts.clear()
+    # a last spectrum (from a full SVD) whose bottom cluster makes the previous start crawl: spectrum straight away
+    m.S_prev = svd_triplets(W, "full", dtype=torch.float64).S
+    assert adaptive_svd.previous_start_rate(m.S_prev, count - 2) >= 0.5
+    switch._warm_cycle(m, W, again.U, count - 2, torch.float64, step=5, right_vectors=False)
+    assert starts == ["spectrum"]
+    starts.clear()
+    m.warm_start, m.S_prev = "previous", svd_triplets(known_matrix(d_out, d_in, 6, 46), "full", dtype=torch.float64).S
+    assert adaptive_svd.previous_start_rate(m.S_prev, count) < 0.1  # separated minor values: the previous start
+    switch._warm_cycle(m, W, again.U, count, torch.float64, step=5, right_vectors=False)
+    assert starts[0] == "previous"
+    starts.clear()
     square = clustered_wide(d_out, d_in, seed=44)[:, :d_out]  # a square weight never starts from its spectrum
     switch._warm_cycle(m, square, turned, count, torch.float64, step=5, right_vectors=False)
     assert starts == ["previous"]

@@ -27,7 +27,7 @@ from ..distributed.sharded_state import load_named
 from ..functional.subspace import (
     SVD_METHODS, as_matrix, decide_mode, largest_next_rank, next_rank, rank_bounds, subspace_angle, svd_triplets,
 )
-from ..functional.warm_subspace import warm_minor_triplets
+from ..functional.warm_subspace import SHIFT, warm_minor_triplets
 from .base import PlasticityCallback
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -609,11 +609,14 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def _warm_cycle(self, m: _Matrix, W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype: torch.dtype,
                     step: int, right_vectors: bool):
         """The warm minor triplets, or None. A wide weight starts from its previous vectors unless its last warm
-        cycle found its minor span turned farther than ``PREVIOUS_START_DRIFT``; where the previous start gives up,
+        cycle found its minor span turned farther than ``PREVIOUS_START_DRIFT`` or its last spectrum shows them
+        converging at a rate of ½ or slower (:func:`previous_start_rate`); where the previous start gives up,
         it starts again from its spectrum (counted in ``adaptive_svd/warm_spectrum_starts``). A square weight's
         spectrum start would cost its Gram matrix's ``eigh`` on top of the LU, as much as its full SVD."""
         wide = W.shape[0] < W.shape[1]
         start = m.warm_start if wide else "previous"
+        if start == "previous" and wide and previous_start_rate(m.S_prev, count) >= 0.5:
+            start = "spectrum"  # the last spectrum says the previous start would crawl (see previous_start_rate)
         svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, seed=step, right_vectors=right_vectors, start=start)
         if svd is None and wide and start == "previous":
             start = "spectrum"
@@ -699,6 +702,29 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")
         if path is not None:
             rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")
+
+
+def previous_start_rate(S_prev: torch.Tensor | None, count: int) -> float:
+    """The rate per step ``ρ = (λ_count − μ) / (λ_{b+1} − μ)`` at which a wide weight's warm start from its
+    previous vectors would converge, read off its last spectrum (``λ = σ²``, ``b`` the block, ``μ`` the shift
+    at ``SHIFT·λ_min``); 0 where there is no spectrum or it does not reach ``σ_{b+1}`` (a warm cycle's trailing
+    values). At
+    ``ρ ≥ ½`` the stopping test is no longer sure (what is left exceeds the last movement) and the steps needed
+    pass ``WARM_ITERATIONS`` for any start more than ~1e-2 away.
+
+    Example:
+        >>> previous_start_rate(torch.linspace(2.0, 1.0, 256), count=16)   # a flat bottom: 0.50
+    """
+    if S_prev is None:
+        return 0.0
+    g = S_prev.numel()
+    block = min(2 * count + 8, g // 2)
+    lam = S_prev.double() ** 2
+    above, minor, low = float(lam[g - block - 1]), float(lam[g - count]), float(lam[-1])
+    if math.isnan(above) or not above > low:
+        return 0.0
+    shift = SHIFT * low
+    return (minor - shift) / (above - shift)
 
 
 def padded(S: torch.Tensor, g: int) -> torch.Tensor:
