@@ -75,7 +75,7 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         ``SVD(U, S, V)``: ``U (d_out, d_out)`` whose last ``count`` columns are the minor left vectors
         (descending ``σ``) and whose leading columns are an orthonormal basis of their complement, the
         principal subspace (not singular vectors); ``S (count,)`` the minor singular values; ``V (d_in, count)``
-        or None. None: not converged, a singular ``W``, or a block too large to be cheaper than an SVD.
+        or None; a few more than ``count`` where ``σ_count`` all but ties the next one (see the loop). None: not converged, a singular ``W``, or a block too large to be cheaper than an SVD.
 
     Raises:
         ValueError: a tall ``W``, ``U_prev`` of the wrong shape, ``count`` outside ``[1, d_out − 1]``, or an unknown
@@ -107,25 +107,32 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         lam, Q = torch.linalg.eigh(gram)  # ascending
         if not bool(torch.isfinite(lam).all()) or not lam[0] > 0:
             return None
-        U_minor, X = Q[:, :count], Q[:, :block]
+        U_minor, X = Q[:, :block].flip(1), Q[:, :block]  # U_minor: the reference spans, descending σ
         inverse_gram = _cholesky_inverse(gram, (SPECTRUM_SHIFT * float(lam[0]), 0.0))
     else:
-        U_minor = U_prev[:, g - count:].to(dtype)  # the start's minor span: an unchanged W stops after one step
-        inverse_gram = _inverse_gram(W, U_minor)
+        U_minor = U_prev[:, g - block:].to(dtype)  # the start's trailing spans: an unchanged W stops after one step
+        inverse_gram = _inverse_gram(W, U_minor[:, -count:])
         generator = torch.Generator(device=W.device).manual_seed(seed)
         spare = max(2, (block - count) // 2)
         fresh = torch.randn(g, spare, generator=generator, device=W.device, dtype=dtype)
         X = torch.cat([U_prev[:, g - block + spare:].to(dtype), fresh], 1)  # (g, block)
     if inverse_gram is None:
         return None
-    last = None
+    last, eps = None, torch.finfo(dtype).eps
     for step in range(iterations):
         X = inverse_gram(_orthonormal(X))
         if not bool(torch.isfinite(X).all()):
             return None
         U_block, S_block, V_block = _rayleigh_ritz(W, _orthonormal(X))
-        moved = float(torch.linalg.matrix_norm(U_block[:, -count:] - U_minor @ (U_minor.mT @ U_block[:, -count:]), 2))
-        U_minor = U_block[:, -count:]
+        # A near-tie at the split leaves the span of the smallest ``count`` unresolved to ~eps·σ_b / gap by the
+        # Rayleigh–Ritz step (σ_b its block's largest): take the next values in while that is not well below
+        # tolerance, so the test measures a span that can converge (the decision reads fewer, all of them exact).
+        size, floor = count, eps * float(S_block[0]) * 4 / tolerance
+        while size < block - 4 and floor > float(S_block[-size - 1] - S_block[-size]):
+            size += 1
+        new, reference = U_block[:, -size:], U_minor[:, -size:]
+        moved = float(torch.linalg.matrix_norm(new - reference @ (reference.mT @ new), 2))
+        U_minor = U_block
         if moved <= tolerance:
             break
         if step >= 3 and moved * min(1.0, moved / last) ** (iterations - 1 - step) > tolerance:
@@ -133,6 +140,8 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         last = moved
     else:
         return None
+    count = size
+    U_minor = U_block[:, -count:]
     S_minor = S_block[-count:]
     # An orthonormal basis of the complement: the last g − count columns of a complete QR of U_minor.
     complement = torch.linalg.qr(U_minor, mode="complete").Q[:, count:]
