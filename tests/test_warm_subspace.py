@@ -127,6 +127,25 @@ def test_a_spectrum_start_falls_back_where_the_gram_matrix_is_singular():
     assert warm_minor_triplets(W, None, 20, dtype=torch.float64, start="spectrum") is not None
 
 
+def test_a_near_tie_at_the_split_takes_the_next_values_in():
+    """float32: σ_count and σ_count+1 equal to 1e-6 leave the span of the smallest count unresolvable by any
+    float32 method; the warm start returns the smallest count + 1 (a span with a clear gap above), as the SVD has
+    them, rather than giving up."""
+    d_out, d_in, count = 96, 256, 6
+    gen = torch.Generator().manual_seed(70)
+    S = torch.cat([1 + torch.rand(d_out - 12, generator=gen, dtype=torch.float64),
+                   torch.linspace(0.05, 0.03, 5, dtype=torch.float64),  # the 7th smallest, then a clear gap
+                   torch.tensor([0.02 * (1 + 1e-6), 0.02], dtype=torch.float64),  # the 6th and 5th smallest tie
+                   torch.linspace(0.015, 0.01, 5, dtype=torch.float64)])
+    W = frame(d_out, 71)[:, :d_out] * S @ frame(d_in, 72)[:, :d_out].mT
+    full = svd_triplets(W, "full", dtype=torch.float64)
+    warm = warm_minor_triplets(W.float(), None, count, start="spectrum")
+    assert warm is not None and warm.S.numel() == count + 1 and warm.U.shape == (d_out, d_out)
+    torch.testing.assert_close(warm.S.double(), full.S[-count - 1:], atol=1e-6, rtol=0)
+    for k in (count + 1, count - 1):  # the returned span, and the decision's smaller ones below the tie
+        torch.testing.assert_close(projector(warm.U[:, -k:].double()), projector(full.U[:, -k:]), atol=1e-4, rtol=0)
+
+
 def test_a_wide_weight_starts_from_its_spectrum_while_its_minor_span_keeps_turning(monkeypatch):
     """The switch's warm cycle for a wide weight: previous vectors, then the spectrum where they give up (counted),
     the spectrum straight away while the span turns, the previous vectors again once it settles; a spectrum start
