@@ -237,7 +237,7 @@ def subspace_angle(U1: torch.Tensor, U2: torch.Tensor, k: int, dtype: torch.dtyp
         # vectors: ~1e-6, whatever the working dtype), so where sin² ≥ 0.01 the angle is within 5δ of the sine
         # route's; it saves the (d, k) residual and the two d·k² products that form and square it (a tall
         # weight's whole principal subspace).
-        cos2 = float(torch.linalg.eigvalsh(cross.mT @ cross).min().clamp(0, 1))
+        cos2 = float(torch.linalg.eigvalsh(gram_matrix(cross.mT)).min().clamp(0, 1))
         if 1 - cos2 >= COSINE_ROUTE_SINE2:
             return math.atan2(math.sqrt(1 - cos2), math.sqrt(cos2))
     residual = B - A @ cross  # (d, k): the part of span(B) outside span(A)

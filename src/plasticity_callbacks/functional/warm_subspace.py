@@ -118,12 +118,13 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         X = torch.cat([U_prev[:, g - block + spare:].to(dtype), fresh], 1)  # (g, block)
     if inverse_gram is None:
         return None
-    last, eps = None, torch.finfo(dtype).eps
+    last, eps, Q = None, torch.finfo(dtype).eps, _orthonormal(X)
     for step in range(iterations):
-        X = inverse_gram(_orthonormal(X))
+        X = inverse_gram(Q)
         if not bool(torch.isfinite(X).all()):
             return None
-        U_block, S_block, V_block = _rayleigh_ritz(W, _orthonormal(X))
+        Q = _orthonormal(X)  # the Rayleigh–Ritz basis, and the next step's input
+        U_block, S_block, V_block = _rayleigh_ritz(W, Q)
         # A near-tie at the split leaves the span of the smallest ``count`` unresolved to ~eps·σ_b / gap by the
         # Rayleigh–Ritz step (σ_b its block's largest): take the next values in while that is not well below
         # tolerance, so the test measures a span that can converge (the decision reads fewer, all of them exact).
