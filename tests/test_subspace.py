@@ -6,8 +6,8 @@ import torch
 
 from plasticity_callbacks.ops.factorization import project_onto
 from plasticity_callbacks.functional.subspace import (
-    GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_triplets, mode_rule,
-    next_rank, reconstruction_error, subspace_angle, svd_triplets,
+    GRAM_SEPARATION, SVD, concentration_ratio, decide_mode, energy_rank, gradient_alignment, gram_matrix, gram_triplets,
+    mode_rule, next_rank, reconstruction_error, subspace_angle, svd_triplets,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -367,3 +367,11 @@ def test_in_place_projection_in_every_layout(layout):
     project_onto(view, U_minor)
     assert stored.data_ptr() == storage
     assert torch.allclose(view.reshape(12, -1).double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (3, 3), (37, 50), (64, 16)])
+def test_gram_matrix_is_the_symmetric_product(shape):
+    A = torch.randn(*shape, generator=torch.Generator().manual_seed(90), dtype=torch.float64)
+    G = gram_matrix(A)
+    torch.testing.assert_close(G, A @ A.mT, atol=1e-12, rtol=0)
+    assert torch.equal(G, G.mT)

@@ -25,15 +25,19 @@ from ..ops.optimizer_state import reset_optimizer_state
 from .schedule import Schedule
 from ..distributed.sharded_state import load_named
 from ..functional.subspace import (
-    SVD_METHODS, as_matrix, decide_mode, largest_next_rank, next_rank, rank_bounds, svd_triplets,
+    SVD_METHODS, as_matrix, decide_mode, largest_next_rank, next_rank, rank_bounds, subspace_angle, svd_triplets,
 )
-from ..functional.warm_subspace import warm_minor_triplets
+from ..functional.warm_subspace import SHIFT, warm_minor_triplets
 from .base import PlasticityCallback
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Below this g the full SVD is cheaper than the warm start's many small LAPACK calls (one CPU thread: at 256×256
 # 4 ms against 7 ms; at 1024×1024 about 350 ms against 60 ms; benchmarks/adaptive_svd_overhead.py --warm-vs-full).
 WARM_MIN_ORDER = 512
+# A wide weight whose minor span moved at most this far (sine) since the last cycle starts its next warm cycle from
+# its previous vectors again; farther, from its spectrum (the previous start would give up: WARM_ITERATIONS steps at
+# its rate of ~0.6 per step bring a start only about 1e-2 closer).
+PREVIOUS_START_DRIFT = 1e-2
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,9 @@ class SVDOptions:
         dtype: ``float32`` or ``float64``.
         warm: from the second cycle on, compute a matrix's minor triplets from its previous ones
             (:func:`~functional.warm_subspace.warm_minor_triplets`) rather than its whole SVD, falling back to
-            ``method`` where they do not converge (counted in ``adaptive_svd/warm_fallbacks``). For
+            ``method`` where they do not converge (counted in ``adaptive_svd/warm_fallbacks``); a wide matrix whose
+            minor span turned too far for its previous vectors starts from its Gram matrix's spectrum instead
+            (counted in ``adaptive_svd/warm_spectrum_starts``). For
             ``method`` ``gram`` or ``full`` and matrices with ``d_out ≤ d_in`` and ``g ≥ WARM_MIN_ORDER`` (512) on
             one process: a tall matrix's principal subspace is not the complement of its minor one in the output
             space (it is within ``range(W)``, whose basis costs as much as the SVD), a smaller one's full SVD is
@@ -114,6 +120,7 @@ class _Matrix:
     tap: GradientTap | None = None  # single device: the projected gradient computed in the backward
     tap_checked: bool | None = None  # the tap's check: None not yet, True it matched ∇W, False plain projection
     tap_verdict: bool | None = None  # this step's check so far (on_after_backward), applied at its optimizer step
+    warm_start: str = "previous"  # where a wide weight's next warm cycle starts (warm_minor_triplets' start)
 
     _minor: tuple | None = None  # (U_prev, r, contiguous U_m) last built
 
@@ -194,7 +201,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     Logs ``adaptive_svd/<matrix>/{angle,principal_alignment,minor_alignment,reconstruction_error,
     effective_rank,r,minor}`` and ``adaptive_svd/{n_minor,mean_*}``; with warm-started cycles (``SVDOptions.warm``)
-    ``adaptive_svd/warm_fallbacks``, and ``effective_rank`` only where the cycle's trailing spectrum determines it.
+    ``adaptive_svd/{warm_fallbacks,warm_spectrum_starts}``, and ``effective_rank`` only where the cycle's trailing
+    spectrum determines it.
 
     Args:
         minor_training: how a ``"minor"`` matrix trains: ``project`` (gradient projection; DDP and FSDP2)
@@ -274,6 +282,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
         self._pending: dict | None = None  # loaded state, applied once the targets exist
         self.warm_cycles = self.warm_fallbacks = 0  # this fit's warm-started SVDs, and those that fell back
+        self.warm_spectrum_starts = 0  # this fit's warm cycles that started from a wide weight's spectrum
 
     @property
     def state_key(self) -> str:
@@ -584,7 +593,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 and m.S_prev is not None and W.shape[0] <= W.shape[1] and m.g >= WARM_MIN_ORDER):
             # the decision reads the r minor triplets, the next phase up to largest_next_rank of them
             count = largest_next_rank(r, m.g, self.r_min)
-            svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, seed=step, right_vectors=factorize)
+            svd = self._warm_cycle(m, W, U_prev, count, dtype, step, factorize)
             self.warm_cycles += 1
             if svd is None:
                 self.warm_fallbacks += 1
@@ -596,6 +605,27 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         if m.r is None and self.initial_rank is not None:
             r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
         return svd, state, r_next, diag
+
+    def _warm_cycle(self, m: _Matrix, W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype: torch.dtype,
+                    step: int, right_vectors: bool):
+        """The warm minor triplets, or None. A wide weight starts from its previous vectors unless its last warm
+        cycle found its minor span turned farther than ``PREVIOUS_START_DRIFT`` or its last spectrum shows them
+        converging at a rate of ½ or slower (:func:`previous_start_rate`); where the previous start gives up,
+        it starts again from its spectrum (counted in ``adaptive_svd/warm_spectrum_starts``). A square weight's
+        spectrum start would cost its Gram matrix's ``eigh`` on top of the LU, as much as its full SVD."""
+        wide = W.shape[0] < W.shape[1]
+        start = m.warm_start if wide else "previous"
+        if start == "previous" and wide and previous_start_rate(m.S_prev, count) >= 0.5:
+            start = "spectrum"  # the last spectrum says the previous start would crawl (see previous_start_rate)
+        svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, seed=step, right_vectors=right_vectors, start=start)
+        if svd is None and wide and start == "previous":
+            start = "spectrum"
+            svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, right_vectors=right_vectors, start=start)
+        if svd is not None and start == "spectrum":
+            self.warm_spectrum_starts += 1
+            drift = subspace_angle(U_prev, svd.U, m.g - count, dtype)  # between the minor spans: square U
+            m.warm_start = "previous" if math.sin(drift) <= PREVIOUS_START_DRIFT else "spectrum"
+        return svd
 
     def _initial_r(self, W: torch.Tensor, g: int) -> int:
         if self.initial_rank is not None:
@@ -656,6 +686,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         log("n_minor", sum(m.state == "minor" for m, _ in logged))
         if self.warm_cycles:
             log("warm_fallbacks", self.warm_fallbacks)  # since the fit began: warm starts that took the full SVD
+            log("warm_spectrum_starts", self.warm_spectrum_starts)  # and those that started from a spectrum
         for key in keys:
             log(f"mean_{key}", sum(d[key] for _, d in logged) / len(logged))
         angles = [d["subspace_angle"] for _, d in logged if not math.isnan(d["subspace_angle"])]
@@ -673,6 +704,29 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")
 
 
+def previous_start_rate(S_prev: torch.Tensor | None, count: int) -> float:
+    """The rate per step ``ρ = (λ_count − μ) / (λ_{b+1} − μ)`` at which a wide weight's warm start from its
+    previous vectors would converge, read off its last spectrum (``λ = σ²``, ``b`` the block, ``μ`` the shift
+    at ``SHIFT·λ_min``); 0 where there is no spectrum or it does not reach ``σ_{b+1}`` (a warm cycle's trailing
+    values). At
+    ``ρ ≥ ½`` the stopping test is no longer sure (what is left exceeds the last movement) and the steps needed
+    pass ``WARM_ITERATIONS`` for any start more than ~1e-2 away.
+
+    Example:
+        >>> previous_start_rate(torch.linspace(2.0, 1.0, 256), count=16)   # a flat bottom: 0.50
+    """
+    if S_prev is None:
+        return 0.0
+    g = S_prev.numel()
+    block = min(2 * count + 8, g // 2)
+    lam = S_prev.double() ** 2
+    above, minor, low = float(lam[g - block - 1]), float(lam[g - count]), float(lam[-1])
+    if math.isnan(above) or not above > low:
+        return 0.0
+    shift = SHIFT * low
+    return (minor - shift) / (above - shift)
+
+
 def padded(S: torch.Tensor, g: int) -> torch.Tensor:
     """All ``g`` singular values, NaN in front where a warm cycle computed only the trailing ones: the next cycle
     compares the bottom ones (``next_rank``), and a stored spectrum keeps its length."""
@@ -680,7 +734,8 @@ def padded(S: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def require_finite(W: torch.Tensor, name: str, step: int) -> None:
-    if not bool(torch.isfinite(W).all()):
+    low, high = torch.aminmax(W)  # NaN anywhere makes both NaN, an infinity shows in one: a pass without a mask
+    if not bool(torch.isfinite(low) & torch.isfinite(high)):
         raise FloatingPointError(f"AdaptiveSVDSwitch: weight {name!r} has NaN or Inf entries at step {step}; no "
                                  "subspace can be computed from it (lower the learning rate or clip gradients, then "
                                  "resume from an earlier checkpoint)")

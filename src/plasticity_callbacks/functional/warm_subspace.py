@@ -17,20 +17,30 @@ Why the stopping test is the subspace's movement and not the residual ``‖W v �
 vector of a small ``σ`` carries an error of about ``eps·σ_max/σ`` (for any method that reads it off ``Wᵀ u``),
 so that residual stalls near ``eps·σ_max²/σ`` however good ``u`` is, while the left subspace, which the decision
 reads, keeps converging.
+
+Why a second start, from the spectrum: a wide weight's smallest σ sit in a tight cluster (4:1, a few hundred steps
+in: the bottom 40 within 15 % of each other), and while the weight still moves fast its minor span turns within
+that cluster from one cycle to the next, too far for the previous vectors to be a start. The Gram matrix that
+the iteration factorizes anyway then gives one: its ``eigh`` puts the block within about ``eps·σ_max²`` over the
+cluster's spread of the minor span, and its smallest eigenvalue a shift just below the bottom, so two or three
+steps converge, for about a third of the full SVD such a weight needs (its Gram route cannot resolve the bottom).
 """
 from __future__ import annotations
 
 import torch
 
-from .subspace import SVD, as_matrix
+from .subspace import SVD, as_matrix, gram_matrix
 
 WARM_ITERATIONS = 8  # from the last cycle's vectors (minor spans ~1e-2 apart) float32 needs 3–5 (square), 5–8 (wide)
 SHIFT = 0.9  # a wide W's Gram matrix is shifted by this share of the start's smallest Rayleigh quotient
+STARTS = ("previous", "spectrum")
+SPECTRUM_BLOCK = 4  # a spectrum start's block, in units of count: the cluster's next eigenvalues stay out of it
+SPECTRUM_SHIFT = 0.99  # of the Gram's smallest eigenvalue, which eigh gives to about eps·λ_max
 
 
-def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype: torch.dtype = torch.float32,
+def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int, dtype: torch.dtype = torch.float32,
                         iterations: int = WARM_ITERATIONS, tolerance: float | None = None, seed: int = 0,
-                        right_vectors: bool = True) -> SVD | None:
+                        right_vectors: bool = True, start: str = "previous") -> SVD | None:
     """The ``count`` smallest singular triplets of ``W`` and a complete ``U``, from the previous ``U``; None
     where they did not converge (the caller computes a full SVD then).
 
@@ -43,7 +53,10 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
     ``W``'s minor subspace by ``ρ = (σ_count / σ_{b+1})²`` per step, so what is left is about
     ``ρ / (1 − ρ)`` times the last movement: below ``tolerance`` wherever ``ρ < ½``. From the fourth step on (the
     first ones still sort the block) it gives up as soon as the last step's rate would not reach ``tolerance``
-    within the steps left: the fallback then costs less.
+    within the steps left: the fallback then costs less. ``start="spectrum"`` starts instead from the bottom
+    ``b = min(4·count, d_out // 2)`` eigenvectors of the Gram matrix ``W Wᵀ`` (one ``eigh``), the first step
+    measured from its bottom ``count``, the Cholesky factor shifted to 0.99 of its smallest eigenvalue: for a
+    minor span that moved too far since the previous cycle (see the module's docstring).
 
     Args:
         W: the weight as its ``(d_out, d_in)`` matrix, ``d_out ≤ d_in`` (``U`` spans all of ``R^{d_out}``).
@@ -55,15 +68,18 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
             (3.5e-4 in float32, 1.5e-8 in float64), well below the decision's angle and alignment thresholds.
         seed: the random columns' seed (a private generator: the training RNG is untouched).
         right_vectors: also return the minor right vectors (a factorized split's ``A``).
+        start: ``"previous"`` (``U_prev``'s trailing columns) or ``"spectrum"`` (the Gram matrix's bottom
+            eigenvectors; ``U_prev`` is then only checked, and may be None).
 
     Returns:
         ``SVD(U, S, V)``: ``U (d_out, d_out)`` whose last ``count`` columns are the minor left vectors
         (descending ``σ``) and whose leading columns are an orthonormal basis of their complement, the
         principal subspace (not singular vectors); ``S (count,)`` the minor singular values; ``V (d_in, count)``
-        or None. None: not converged, a singular ``W``, or a block too large to be cheaper than an SVD.
+        or None; a few more than ``count`` where ``σ_count`` all but ties the next one (see the loop). None: not converged, a singular ``W``, or a block too large to be cheaper than an SVD.
 
     Raises:
-        ValueError: a tall ``W``, ``U_prev`` of the wrong shape, or ``count`` outside ``[1, d_out − 1]``.
+        ValueError: a tall ``W``, ``U_prev`` of the wrong shape, ``count`` outside ``[1, d_out − 1]``, or an unknown
+            ``start``.
 
     Example:
         >>> svd = warm_minor_triplets(W_now, U_last_cycle, count=16)
@@ -74,30 +90,50 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
     g, n = W.shape
     if g > n:
         raise ValueError(f"warm_minor_triplets needs d_out <= d_in (U spanning the whole output space); got {g}x{n}")
-    if tuple(U_prev.shape) != (g, g):
+    if start not in STARTS:
+        raise ValueError(f"start={start!r} is not one of {STARTS}")
+    if U_prev is None and start == "previous":
+        raise ValueError("start='previous' needs U_prev")
+    if U_prev is not None and tuple(U_prev.shape) != (g, g):
         raise ValueError(f"U_prev has shape {tuple(U_prev.shape)}, expected ({g}, {g})")
     if not 1 <= count <= g - 1:
         raise ValueError(f"count={count} must be in [1, {g - 1}]")
-    block = min(2 * count + 8, g // 2)
+    block = min((2 * count + 8) if start == "previous" else SPECTRUM_BLOCK * count, g // 2)
     if block < count + 4:
         return None  # the minor block is near half the space: an SVD costs no more
     tolerance = torch.finfo(dtype).eps ** 0.5 if tolerance is None else tolerance
-    U_minor = U_prev[:, g - count:].to(dtype)  # the start's minor span: an unchanged W stops after one step
-    inverse_gram = _inverse_gram(W, U_minor)
+    if start == "spectrum":
+        gram = gram_matrix(W)
+        lam, Q = torch.linalg.eigh(gram)  # ascending
+        if not bool(torch.isfinite(lam).all()) or not lam[0] > 0:
+            return None
+        U_minor, X = Q[:, :block].flip(1), Q[:, :block]  # U_minor: the reference spans, descending σ
+        inverse_gram = _cholesky_inverse(gram, (SPECTRUM_SHIFT * float(lam[0]), 0.0))
+    else:
+        U_minor = U_prev[:, g - block:].to(dtype)  # the start's trailing spans: an unchanged W stops after one step
+        inverse_gram = _inverse_gram(W, U_minor[:, -count:])
+        generator = torch.Generator(device=W.device).manual_seed(seed)
+        spare = max(2, (block - count) // 2)
+        fresh = torch.randn(g, spare, generator=generator, device=W.device, dtype=dtype)
+        X = torch.cat([U_prev[:, g - block + spare:].to(dtype), fresh], 1)  # (g, block)
     if inverse_gram is None:
         return None
-    generator = torch.Generator(device=W.device).manual_seed(seed)
-    spare = max(2, (block - count) // 2)
-    fresh = torch.randn(g, spare, generator=generator, device=W.device, dtype=dtype)
-    X = torch.cat([U_prev[:, g - block + spare:].to(dtype), fresh], 1)  # (g, block)
-    last = None
+    last, eps, Q = None, torch.finfo(dtype).eps, _orthonormal(X)
     for step in range(iterations):
-        X = inverse_gram(_orthonormal(X))
+        X = inverse_gram(Q)
         if not bool(torch.isfinite(X).all()):
             return None
-        U_block, S_block, V_block = _rayleigh_ritz(W, _orthonormal(X))
-        moved = float(torch.linalg.matrix_norm(U_block[:, -count:] - U_minor @ (U_minor.mT @ U_block[:, -count:]), 2))
-        U_minor = U_block[:, -count:]
+        Q = _orthonormal(X)  # the Rayleigh–Ritz basis, and the next step's input
+        U_block, S_block, V_block = _rayleigh_ritz(W, Q)
+        # A near-tie at the split leaves the span of the smallest ``count`` unresolved to ~eps·σ_b / gap by the
+        # Rayleigh–Ritz step (σ_b its block's largest): take the next values in while that is not well below
+        # tolerance, so the test measures a span that can converge (the decision reads fewer, all of them exact).
+        size, floor = count, eps * float(S_block[0]) * 4 / tolerance
+        while size < block - 4 and floor > float(S_block[-size - 1] - S_block[-size]):
+            size += 1
+        new, reference = U_block[:, -size:], U_minor[:, -size:]
+        moved = float(torch.linalg.matrix_norm(new - reference @ (reference.mT @ new), 2))
+        U_minor = U_block
         if moved <= tolerance:
             break
         if step >= 3 and moved * min(1.0, moved / last) ** (iterations - 1 - step) > tolerance:
@@ -105,6 +141,8 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype
         last = moved
     else:
         return None
+    count = size
+    U_minor = U_block[:, -count:]
     S_minor = S_block[-count:]
     # An orthonormal basis of the complement: the last g − count columns of a complete QR of U_minor.
     complement = torch.linalg.qr(U_minor, mode="complete").Q[:, count:]
@@ -135,10 +173,16 @@ def _inverse_gram(W: torch.Tensor, U_start: torch.Tensor):
             Y = _orthonormal(torch.linalg.lu_solve(LU, pivots, X))  # W⁻¹ X: rescaled, same span
             return torch.linalg.lu_solve(LU, pivots, Y, adjoint=True)  # W⁻ᵀ
         return apply
-    gram = W @ W.mT
     quotient = float((torch.linalg.vector_norm(W.mT @ U_start, dim=0) ** 2).min())
-    for shift in (SHIFT * quotient, 0.0):
-        L, info = torch.linalg.cholesky_ex(gram - shift * torch.eye(g, dtype=W.dtype, device=W.device))
+    return _cholesky_inverse(gram_matrix(W), (SHIFT * quotient, 0.0))
+
+
+def _cholesky_inverse(gram: torch.Tensor, shifts: tuple[float, ...]):
+    """``X ↦ (gram − μ I)⁻¹ X`` up to a change of basis, with the first shift ``μ`` whose Cholesky factor exists;
+    None where none does."""
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    for shift in shifts:
+        L, info = torch.linalg.cholesky_ex(gram - shift * eye)
         if int(info) == 0:
             break
     else:
