@@ -304,9 +304,13 @@ def test_the_switch_decides_alike_warm_or_full_and_counts_fallbacks(monkeypatch,
 
 def test_resume_carries_the_warm_start(monkeypatch):
     switch, _, module = fit_with_switch(monkeypatch, 5)
+    switch.matrices[0].warm_start = "spectrum"  # a wide weight's hint, and the run's counts so far
+    switch.warm_cycles, switch.warm_fallbacks, switch.warm_spectrum_starts = 7, 2, 3
     resumed = AdaptiveSVDSwitch(minor_training="project", r_min=2, svd={"dtype": "float64"})
     resumed.load_state_dict(switch.state_dict())
     resumed.check_targets(None, module)  # the targets found at setup: the saved U and S apply to them
+    assert [m.warm_start for m in resumed.matrices] == ["spectrum"] + ["previous"] * (len(switch.matrices) - 1)
+    assert (resumed.warm_cycles, resumed.warm_fallbacks, resumed.warm_spectrum_starts) == (7, 2, 3)
     for old, new in zip(switch.matrices, resumed.matrices):
         torch.testing.assert_close(new.U_prev, old.U_prev)
         torch.testing.assert_close(new.S_prev, old.S_prev, equal_nan=True)

@@ -241,7 +241,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     reads_gradients = True  # its alignments read the last step's gradient
     default_schedule = Schedule(every_n_steps=100, start_step=100)
     extra_state_types = {"matrices": dict, "history": list}
-    optional_state_types = {"singular_vectors": list}  # FSDP2: each matrix's U, sharded by rows
+    # FSDP2: each matrix's U, sharded by rows; the warm cycles' counts (absent from runs saved before they were kept)
+    optional_state_types = {"singular_vectors": list, "warm_counts": list}
     parameter_state_keys = ("singular_vectors",)
 
     def __init__(
@@ -281,8 +282,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         self.matrices: list[_Matrix] = []
         self.history: list[tuple[int, str, str, int]] = []  # (step, matrix, state, r) per decision
         self._pending: dict | None = None  # loaded state, applied once the targets exist
-        self.warm_cycles = self.warm_fallbacks = 0  # this fit's warm-started SVDs, and those that fell back
-        self.warm_spectrum_starts = 0  # this fit's warm cycles that started from a wide weight's spectrum
+        self.warm_cycles = self.warm_fallbacks = 0  # the run's warm-started SVDs, and those that fell back
+        self.warm_spectrum_starts = 0  # the run's warm cycles that started from a wide weight's spectrum
 
     @property
     def state_key(self) -> str:
@@ -329,13 +330,15 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         for m in self.matrices:
             # FSDP2: U (each rank's rows) goes to "singular_vectors", which on_save_checkpoint writes shard by shard
             U = None if is_dtensor(m.U_prev) else m.U_prev
-            entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev, "tap_checked": m.tap_checked}
+            entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev, "tap_checked": m.tap_checked,
+                     "warm_start": m.warm_start}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
             matrices[m.target.name] = entry
-        state = {"matrices": matrices, "history": list(self.history)}
+        state = {"matrices": matrices, "history": list(self.history),
+                 "warm_counts": [self.warm_cycles, self.warm_fallbacks, self.warm_spectrum_starts]}
         if any(is_dtensor(m.U_prev) for m in self.matrices):  # replaced, never changed in place: no copy needed
             state["singular_vectors"] = [m.U_prev if is_dtensor(m.U_prev) else None for m in self.matrices]
         return state
@@ -356,7 +359,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 U = entry["U_prev"] if sharded.get(m.target.name) is None else sharded[m.target.name]
                 m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], U, entry["S_prev"]
                 m.tap_checked = entry.get("tap_checked")
+                m.warm_start = entry.get("warm_start", "previous")  # a run saved before the hint existed: the default
         self.history = [tuple(h) for h in self._pending["history"]]
+        # the logged counts run over the whole run, so a resumed run logs what an unbroken one would
+        self.warm_cycles, self.warm_fallbacks, self.warm_spectrum_starts = self._pending.get("warm_counts", (0, 0, 0))
 
     def attach(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._follow_sharded_parameters()
@@ -685,7 +691,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 log(f"{name}/minor", m.state == "minor")
         log("n_minor", sum(m.state == "minor" for m, _ in logged))
         if self.warm_cycles:
-            log("warm_fallbacks", self.warm_fallbacks)  # since the fit began: warm starts that took the full SVD
+            log("warm_fallbacks", self.warm_fallbacks)  # since the run began: warm starts that took the full SVD
             log("warm_spectrum_starts", self.warm_spectrum_starts)  # and those that started from a spectrum
         for key in keys:
             log(f"mean_{key}", sum(d[key] for _, d in logged) / len(logged))
@@ -708,8 +714,7 @@ def previous_start_rate(S_prev: torch.Tensor | None, count: int) -> float:
     """The rate per step ``ρ = (λ_count − μ) / (λ_{b+1} − μ)`` at which a wide weight's warm start from its
     previous vectors would converge, read off its last spectrum (``λ = σ²``, ``b`` the block, ``μ`` the shift
     at ``SHIFT·λ_min``); 0 where there is no spectrum or it does not reach ``σ_{b+1}`` (a warm cycle's trailing
-    values). At
-    ``ρ ≥ ½`` the stopping test is no longer sure (what is left exceeds the last movement) and the steps needed
+    values). At ``ρ ≥ ½`` the stopping test is no longer sure (what is left exceeds the last movement) and the steps needed
     pass ``WARM_ITERATIONS`` for any start more than ~1e-2 away.
 
     Example:
