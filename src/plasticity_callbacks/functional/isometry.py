@@ -151,8 +151,9 @@ def fire_matrices(items: list[FireItem], options: FIREOptions, record_spectra: b
     """FIRE on every item, batched by matrix shape, dtype, device and target scale; one record per item, in order.
 
     Args:
-        items: the weights, each changed in place (a degenerate one is skipped or raises as
-            ``options.on_degenerate`` says, exactly as :func:`~functional.isometry.fire_matrix` does).
+        items: the weights, each changed in place (a degenerate one, empty, all zero or with NaN/Inf, is
+            skipped with a warning or raises as ``options.on_degenerate`` says; all are checked before any
+            is written).
         options: how to orthogonalize and rescale.
         record_spectra: keep singular values before/after in each record.
         max_batch_bytes: the most bytes of weights stacked into one batch.
@@ -247,7 +248,8 @@ def _fire_group(items: list[FireItem], records: list[FireRecord], options: FIREO
         dfi_before = deviation_from_isometry(X, s, dtype)
     spectra_before = (info.singular_values.flip(-1).float() if exact else singular_values(X)) if record_spectra else None
     polar.mul_(s)
-    # As fire_matrix: the difference in float32 (or float64), squares of entries beyond 1e±15 in float64.
+    # W and sW̃ are of one magnitude: their difference in float32 (or float64) is exact to its rounding (Sterbenz
+    # where they are close); squares of entries beyond 1e±15 (outside float32's range) are taken in float64.
     wide = torch.float64 if X.dtype == torch.float64 else torch.float32
     peak = float(largest_entry(X.flatten(1)).max())
     norm_dtype = None if 1e-15 < peak < 1e15 else torch.float64
