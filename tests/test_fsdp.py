@@ -516,7 +516,8 @@ def test_plasticity_train_runs_the_reciprocal_gpt_under_trainer_fsdp2(tmp_path):
 def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_process(tmp_path):
     """``apply_fire`` on ``Shard(0)`` DTensors (2 gloo ranks, no Lightning): each block's ``eigh`` runs on one rank
     only (round robin), wide blocks by columns included, in one process's precision, and weights, records and
-    spectra equal one process's, through every route."""
+    spectra equal one process's, through every route; with each round's matrices batched into one reduce-scatter
+    and one all-gather, and with each block's matrix sent alone (what blocks too large to batch take)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -527,28 +528,40 @@ def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_proce
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = torch.load(out, weights_only=True)
-    result["records_single"] = [FireRecord(**r) for r in result["records_single"]]
-    result["records"] = [[FireRecord(**r) for r in rank] for rank in result["records"]]
+    records_single = [FireRecord(**r) for r in result["records_single"]]
+    # 10 blocks through the Gram route in 5 rounds, then 2 again in float64 in a sixth (below): a Gram matrix per
+    # block (12) and a G^-1/2 per decomposed block (8: not the NaN, rank-deficient or retried ones' first tries).
+    travel = {"batched": {"reduce_scatter_single": 6, "all_gather_single": 6},
+              "per_block": {"reduce": 12, "broadcast": 8}}
+    for route in ("batched", "per_block"):
+        run = result[route]
+        assert run["collectives"] == travel[route], route
+        _check_sharded_fire(run, result["single"], records_single)
+
+
+def _check_sharded_fire(run: dict, single_params: dict, records_single: list) -> None:
+    """One sharded run of ``sharded_fire_worker`` against one process's weights and records."""
+    records = [[FireRecord(**r) for r in rank] for rank in run["records"]]
     # Every block through the Gram route, world at a time, rank 0 decomposing the first of each pair and rank 1
     # the second: 40x24 | 40x40, wide 12x40 (by columns: 12x12) | conv 10x6 (9 taps), 33x7 | 12x12 rank-deficient,
     # 16x16 NaN | wide conv 4x10 (4 taps), wide Conv1D 11x40 | wide 7x50. Oblong blocks (one process's eigh route)
     # try a float32 Gram matrix, as one process does: 40x24 and the 10x6 conv fail its condition check (no eigh)
     # and are decomposed again in float64 on the owner of a second pass (24x24; 3x3x6x6); square ones are float64.
     # The NaN block is refused before any eigh; the rank-deficient one is then gathered.
-    assert result["eigh_calls"] == [[((12, 12), "float32"), ((7, 7), "float32"), ((11, 11), "float32"),
-                                     ((24, 24), "float64")],
-                                    [((40, 40), "float64"), ((12, 12), "float64"), ((2, 2, 4, 4), "float32"),
-                                     ((7, 7), "float32"), ((3, 3, 6, 6), "float64")]]
-    assert result["gathered"] == ["5.weight"]  # only the rank-deficient block is solved whole; wide ones never
-    for name, single in result["single"].items():
-        torch.testing.assert_close(result["sharded"][name], single.detach(), rtol=1e-5, atol=2e-6, equal_nan=True,
+    assert run["eigh_calls"] == [[((12, 12), "float32"), ((7, 7), "float32"), ((11, 11), "float32"),
+                                  ((24, 24), "float64")],
+                                 [((40, 40), "float64"), ((12, 12), "float64"), ((2, 2, 4, 4), "float32"),
+                                  ((7, 7), "float32"), ((3, 3, 6, 6), "float64")]]
+    assert run["gathered"] == ["5.weight"]  # only the rank-deficient block is solved whole; wide ones never
+    for name, single in single_params.items():
+        torch.testing.assert_close(run["sharded"][name], single.detach(), rtol=1e-5, atol=2e-6, equal_nan=True,
                                    msg=name)
     def numbers(r):  # what every rank must agree on (NaN included); not its own seconds
         return repr((r.name, r.scale, r.dfi_before, r.dfi_after, r.sfe, r.skipped))
 
-    assert [numbers(r) for r in result["records"][0]] == [numbers(r) for r in result["records"][1]]
-    assert any("6.weight contains NaN/Inf" in w for w in result["warnings"])
-    for one, two in zip(result["records_single"], result["records"][0]):
+    assert [numbers(r) for r in records[0]] == [numbers(r) for r in records[1]]
+    assert any("6.weight contains NaN/Inf" in w for w in run["warnings"])
+    for one, two in zip(records_single, records[0], strict=True):
         assert (one.name, one.shape, one.skipped) == (two.name, tuple(two.shape), two.skipped)
         if one.skipped:
             continue

@@ -50,6 +50,10 @@ PROBES = 8  # DfI after, as one process estimates it (spectral.estimated_deviati
 # A float32 Gram matrix is trusted only where its entries are far from float32's overflow and underflow
 # (one process divides by the largest entry first; here each rank holds a part of the matrix).
 _FLOAT32_SAFE = (2.0**-100, 2.0**100)
+# A round's Gram matrices go to their owners in one reduce-scatter and come back as G^{-1/2} in one all-gather
+# while ``world`` of them fit in this many bytes per rank; larger ones travel one block at a time (a reduce and a
+# broadcast), so a rank never holds ``world`` matrices of ``n = 8192`` (64 × 512 MiB).
+BATCH_BYTES = 64 << 20
 
 
 def _index(positions: list[int]):
@@ -259,19 +263,16 @@ def _gram_round(blocks: list[_Block], group, options, record_spectra: bool) -> l
     """Up to ``world`` blocks, block ``i`` decomposed on rank ``i``; each block with its owner's finding."""
     started = time.perf_counter()
     me = dist.get_rank(group)
-    owned = None
-    for owner, block in enumerate(blocks):  # the Gram matrix of every block, each summed on its owner only
-        gram = _gram(block.read_tall(group).to(torch.float32 if block.float32_gram else torch.float64))
-        dist.reduce(gram, group=group, group_dst=owner)
-        if owner == me:
-            owned = gram
-    spectrum = max(b.taps * b.tall_shape[1] for b in blocks)
-    header = torch.zeros(len(blocks), HEADER + (spectrum if record_spectra else 0), dtype=torch.float64)
+    tall = [block.read_tall(group) for block in blocks]  # a wide block's columns: fetched once, kept for the products
+    owned = _reduce_to_owners(blocks, tall, group)
+    spectrum = max(b.taps * b.tall_shape[1] for b in blocks) if record_spectra else 0
+    found = torch.zeros(HEADER + spectrum, dtype=torch.float64)  # this rank's finding on its own block
     inverse_sqrt = None
     if owned is not None:
-        inverse_sqrt = _decompose(blocks[me], owned, options, header[me], record_spectra)
+        inverse_sqrt = _decompose(blocks[me], owned, options, found, record_spectra)
         del owned
-    dist.all_reduce(header, group=group)  # each row from its owner: every rank learns every outcome
+    header, inverse_sqrt_of = _share_from_owners(blocks, found, inverse_sqrt, group)
+    del inverse_sqrt
     status = header[:, 0].long().tolist()
     for block, code, (scale, dfi_before) in zip(blocks, status, header[:, 1:3].tolist()):
         block.record = FireRecord(block.name, block.view_shape(), scale=scale, dfi_before=dfi_before)
@@ -279,26 +280,27 @@ def _gram_round(blocks: list[_Block], group, options, record_spectra: bool) -> l
             what = "contains NaN/Inf" if code == NON_FINITE else "is all zero (no polar factor)"
             _skip_degenerate(block.record, f"FIRE: {block.name} {what}", "non-finite" if code == NON_FINITE else "zero",
                              options.on_degenerate)  # raises on every rank before any block of the round changes
-    shares, done = [], []
+    shares, done, probes = [], [], {}
     for owner, block in enumerate(blocks):
         if status[owner] != OK:
             continue
-        m, n = block.tall_shape
+        n = block.tall_shape[1]
         compute = torch.float32 if header[owner, 4] else torch.float64
-        buffer = inverse_sqrt if owner == me else torch.empty(*block.kernel, n, n, dtype=compute)
-        dist.broadcast(buffer, group=group, group_src=owner)
-        Y = block.read_tall(group)
-        new = (Y.to(compute) @ buffer).mul_(block.record.scale).to(block.target.param.dtype)  # as it is stored
-        del buffer
-        new64 = new.double()  # what the SFE and DfI after measure
-        Z = torch.randn(n, PROBES, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        sfe = torch.linalg.vector_norm(Y.to(torch.float64, copy=True).sub_(new64)).square().reshape(1)
+        Y = tall[owner]
+        new = (Y.to(compute) @ inverse_sqrt_of(owner, compute)).mul_(block.record.scale)
+        new = new.to(block.target.param.dtype)  # as it is stored: the SFE and DfI after measure what is written
+        new64 = new.double()
+        if n not in probes:
+            probes[n] = torch.randn(n, PROBES, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        Z = probes[n]
+        sfe = torch.linalg.vector_norm(Y.double().sub_(new64)).square().reshape(1)
         shares += [sfe, (new64.mT @ (new64 @ Z)).reshape(-1)]
         if record_spectra:
             block.record.spectrum_after = new64.mT @ new64  # summed over ranks below
-        del Y, new64
+        del new64
         block.write_tall(new, group)
         done.append((owner, block, Z))
+    del tall
     if shares:  # this rank's share of every SFE and of every (QᵀQ)z, in one all-reduce
         total = _all_reduce(torch.cat(shares), group)
         for owner, block, Z in done:
@@ -317,6 +319,76 @@ def _gram_round(blocks: list[_Block], group, options, record_spectra: bool) -> l
     for block in blocks:
         block.record.seconds = seconds
     return list(zip(blocks, status))
+
+
+def _batched(blocks: list[_Block], extra: int, dtype: torch.dtype, group) -> int | None:
+    """The length of one rank's part of a round's batched collective (``extra`` numbers, then the largest block's
+    ``n × n`` matrices), or None when ``world`` such parts pass ``BATCH_BYTES``: each block then travels alone."""
+    part = extra + max(b.taps * b.tall_shape[1] ** 2 for b in blocks)
+    fits = dist.get_world_size(group) * part * dtype.itemsize <= BATCH_BYTES
+    return part if fits else None
+
+
+def _reduce_to_owners(blocks: list[_Block], tall: list[torch.Tensor], group) -> torch.Tensor | None:
+    """Each block's Gram matrix ``Σ_r Y_rᵀY_r`` on its owner (block ``i`` on rank ``i``; None on a rank that owns
+    none): one reduce-scatter for the round, or a reduce per block where the round's matrices would not fit."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    dtypes = [torch.float32 if b.float32_gram else torch.float64 for b in blocks]
+    wire = torch.float64 if torch.float64 in dtypes else torch.float32  # float32 sums are exact in float64
+    part = _batched(blocks, 0, wire, group)
+    if part is None:  # one n × n matrix at a time
+        owned = None
+        for owner, (Y, dtype) in enumerate(zip(tall, dtypes)):
+            gram = _gram(Y.to(dtype))
+            dist.reduce(gram, group=group, group_dst=owner)
+            if owner == me:
+                owned = gram
+        return owned
+    send = torch.zeros(world, part, dtype=wire)
+    for i, (Y, dtype) in enumerate(zip(tall, dtypes)):
+        gram = _gram(Y.to(dtype)).reshape(-1)
+        send[i, :gram.numel()] = gram
+        del gram
+    mine = send.new_empty(part)
+    dist.reduce_scatter_single(mine, send.view(-1), group=group)
+    if me >= len(blocks):
+        return None
+    n = blocks[me].tall_shape[1]
+    return mine[:blocks[me].taps * n * n].view(*blocks[me].kernel, n, n).to(dtypes[me])
+
+
+def _share_from_owners(blocks: list[_Block], found: torch.Tensor, inverse_sqrt: torch.Tensor | None, group):
+    """Every owner's finding, as the rows of a header identical on every rank, and ``inverse_sqrt_of(owner, dtype)``,
+    that block's ``G^{-1/2}`` (called for every decomposed block, in order, on every rank): one all-gather of
+    findings and matrices for the round, or an all-reduce of the findings and a broadcast per block where the
+    round's matrices would not fit."""
+    me, width = dist.get_rank(group), found.numel()
+    part = _batched(blocks, width, torch.float64, group)
+    if part is None:
+        header = torch.zeros(len(blocks), width, dtype=torch.float64)
+        if me < len(blocks):
+            header[me] = found
+        dist.all_reduce(header, group=group)  # each row from its owner
+
+        def broadcast(owner: int, dtype: torch.dtype) -> torch.Tensor:
+            n = blocks[owner].tall_shape[1]
+            buffer = inverse_sqrt if owner == me else torch.empty(*blocks[owner].kernel, n, n, dtype=dtype)
+            dist.broadcast(buffer, group=group, group_src=owner)
+            return buffer
+
+        return header, broadcast
+    send = torch.zeros(part, dtype=torch.float64)  # float32 matrices travel exactly as float64, beside the finding
+    send[:width] = found
+    if inverse_sqrt is not None:
+        send[width:width + inverse_sqrt.numel()] = inverse_sqrt.reshape(-1)
+    everything = send.new_empty(dist.get_world_size(group), part)
+    dist.all_gather_single(everything.view(-1), send, group=group)
+
+    def gathered(owner: int, dtype: torch.dtype) -> torch.Tensor:
+        n = blocks[owner].tall_shape[1]
+        return everything[owner, width:width + blocks[owner].taps * n * n].view(*blocks[owner].kernel, n, n).to(dtype)
+
+    return everything[:len(blocks), :width], gathered
 
 
 def _decompose(block: _Block, gram: torch.Tensor, options, header: torch.Tensor, record_spectra: bool):
