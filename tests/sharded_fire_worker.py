@@ -1,7 +1,7 @@
 """``python sharded_fire_worker.py out.pt``: ``apply_fire`` on 2 gloo ranks (``Shard(0)`` DTensors, no Lightning)
 beside one process on the same weights; rank 0 saves both results and each rank's ``eigh`` calls (shape, dtype).
-Run twice on the sharded side: each round's matrices in one reduce-scatter and one all-gather (the default), and
-one block at a time (a reduce and a broadcast each, what blocks too large to batch take: ``BATCH_BYTES = 0``).
+Run twice on the sharded side: each round's matrices in one reduce-scatter and one all-gather (NCCL's way), and
+one block at a time (a reduce and a broadcast each: gloo's way, and what blocks too large to batch take).
 
 The model mixes every route of :func:`plasticity_callbacks.distributed.sharded_fire.sharded_fire`: tall and square
 blocks (the Gram route, spread over the ranks), a conv (one Gram matrix per tap), wide matrices (redistributed by
@@ -116,8 +116,8 @@ def worker(rank: int, port: int, out: str) -> None:
     import plasticity_callbacks.distributed.sharded_fire as route
 
     results = {}
-    for name, batch_bytes in (("batched", route.BATCH_BYTES), ("per_block", 0)):
-        route.BATCH_BYTES = batch_bytes
+    for name, batch_bytes in (("batched", route.DEFAULT_BATCH_BYTES), ("per_block", 0)):
+        route.BATCH_BYTES = {"cpu": batch_bytes}
         results[name] = sharded_run(mesh, apply_fire, options, selection, route)
     if rank == 0:
         torch.save({"single": dict(single.named_parameters()), "records_single": as_dicts(one), **results}, out)

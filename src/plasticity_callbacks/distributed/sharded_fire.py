@@ -50,10 +50,14 @@ PROBES = 8  # DfI after, as one process estimates it (spectral.estimated_deviati
 # A float32 Gram matrix is trusted only where its entries are far from float32's overflow and underflow
 # (one process divides by the largest entry first; here each rank holds a part of the matrix).
 _FLOAT32_SAFE = (2.0**-100, 2.0**100)
-# A round's Gram matrices go to their owners in one reduce-scatter and come back as G^{-1/2} in one all-gather
-# while ``world`` of them fit in this many bytes per rank; larger ones travel one block at a time (a reduce and a
-# broadcast), so a rank never holds ``world`` matrices of ``n = 8192`` (64 × 512 MiB).
-BATCH_BYTES = 64 << 20
+# Per device type, the bytes per rank up to which a round's ``world`` Gram matrices go to their owners in one
+# reduce-scatter and come back as G^{-1/2} in one all-gather (3 collectives a round instead of 2·world + 2);
+# larger ones travel one block at a time (a reduce and a broadcast), so a rank never holds ``world`` matrices of
+# n = 8192 (64 × 512 MiB). CPU (gloo): never batched, gloo's reduce-scatter and all-gather cost more CPU than a
+# reduce and a broadcast per block (``benchmarks/fire_fsdp.py`` prints both); on GPUs (NCCL) each collective
+# costs a launch and a wait, so the round is batched there (not measured: no multi-GPU machine here).
+BATCH_BYTES = {"cpu": 0}
+DEFAULT_BATCH_BYTES = 64 << 20
 
 
 def _index(positions: list[int]):
@@ -323,9 +327,11 @@ def _gram_round(blocks: list[_Block], group, options, record_spectra: bool) -> l
 
 def _batched(blocks: list[_Block], extra: int, dtype: torch.dtype, group) -> int | None:
     """The length of one rank's part of a round's batched collective (``extra`` numbers, then the largest block's
-    ``n × n`` matrices), or None when ``world`` such parts pass ``BATCH_BYTES``: each block then travels alone."""
+    ``n × n`` matrices), or None when ``world`` such parts pass ``BATCH_BYTES`` of the device: each block
+    then travels alone."""
     part = extra + max(b.taps * b.tall_shape[1] ** 2 for b in blocks)
-    fits = dist.get_world_size(group) * part * dtype.itemsize <= BATCH_BYTES
+    limit = BATCH_BYTES.get(blocks[0].target.param.device.type, DEFAULT_BATCH_BYTES)
+    fits = dist.get_world_size(group) * part * dtype.itemsize <= limit
     return part if fits else None
 
 
@@ -344,7 +350,7 @@ def _reduce_to_owners(blocks: list[_Block], tall: list[torch.Tensor], group) -> 
             if owner == me:
                 owned = gram
         return owned
-    send = torch.zeros(world, part, dtype=wire)
+    send = torch.zeros(world, part, dtype=wire, device=tall[0].device)
     for i, (Y, dtype) in enumerate(zip(tall, dtypes)):
         gram = _gram(Y.to(dtype)).reshape(-1)
         send[i, :gram.numel()] = gram
@@ -372,12 +378,14 @@ def _share_from_owners(blocks: list[_Block], found: torch.Tensor, inverse_sqrt: 
 
         def broadcast(owner: int, dtype: torch.dtype) -> torch.Tensor:
             n = blocks[owner].tall_shape[1]
-            buffer = inverse_sqrt if owner == me else torch.empty(*blocks[owner].kernel, n, n, dtype=dtype)
+            buffer = inverse_sqrt if owner == me else torch.empty(*blocks[owner].kernel, n, n, dtype=dtype,
+                                                                  device=blocks[owner].target.param.device)
             dist.broadcast(buffer, group=group, group_src=owner)
             return buffer
 
         return header, broadcast
-    send = torch.zeros(part, dtype=torch.float64)  # float32 matrices travel exactly as float64, beside the finding
+    # float32 matrices travel exactly as float64, beside the finding
+    send = torch.zeros(part, dtype=torch.float64, device=blocks[0].target.param.device)
     send[:width] = found
     if inverse_sqrt is not None:
         send[width:width + inverse_sqrt.numel()] = inverse_sqrt.reshape(-1)
