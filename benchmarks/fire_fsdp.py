@@ -1,15 +1,20 @@
-"""FIRE under FSDP2: equal square layers on 1 process and on 2 ranks, repeated (CPU seconds and peak memory per
-rank); per matrix, the sharded route against gathering the matrix; and a projection, from measured rates, of FIRE
-on 1B, 7B and 70B models with 8 and 64 ranks.
+"""FIRE under FSDP2: equal square layers on 1 process and on 2 ranks, interleaved (process CPU seconds of the
+slowest rank, median and spread, peak memory per rank); per matrix, the sharded route against gathering the
+matrix; and a projection, from rates timed here, of FIRE on 1B, 7B and 70B models with 8 and 64 ranks.
 
 Equal layers: ``apply_fire`` (default options) on ``--layers`` square ``--width`` Linear layers, in one process
-(plain parameters: LAPACK's fastest exact polar factor) and on ``--ranks`` gloo ranks (``fully_shard``-style
-``Shard(0)`` DTensors: each layer's ``eigh`` on one rank, round robin), one thread per process, alternately,
-``--repeats`` times under glibc's usual allocator, then once more (``mmap``) with every block of 64 KiB or more a
-fresh mmap, returned when freed, for the rise of the peak resident set (each matrix buffer then costs page faults,
-which the usual allocator's reuse of freed blocks avoids; its ratio is printed too). Each process first runs FIRE
-once untimed on a copy of the layers (library start-up is not FIRE's cost), then the measured call: its process
-CPU time (the slowest rank's).
+(plain parameters: LAPACK's fastest exact polar factor, a float32 SVD) and on ``--ranks`` gloo ranks
+(``fully_shard``-style ``Shard(0)`` DTensors: each layer's ``eigh`` on one rank, round robin), one thread per
+process. One set of ranks does both, ``--repeats`` times, interleaved with the order flipped each repetition so
+that a drift in the machine's load hits both sides: "1 process" is rank 0 alone on plain weights while the other
+ranks wait at a barrier. Each call runs on a fresh copy after one untimed application of each (library start-up
+is not FIRE's cost). The figure is the process CPU time (user + system, every thread: gloo's included) of the
+slowest rank, which a busy machine does not inflate the way it inflates wall time (a collective waits until
+every rank has a CPU); the wall ratio is printed beside it. Printed: each repetition, then the median, IQR and
+min-max of each side and of the per-repetition ratio. Peak memory: one more application with every block of 64
+KiB or more a fresh mmap, returned when freed, so the rise of the peak resident set is the call's own. Then one
+round's collectives at ``n = --width``, per block (reduce + broadcast, what ``sharded_fire`` runs on CPU) and
+batched (reduce-scatter + all-gather): their CPU and wall time, and the bandwidth the projection uses.
 
 Per matrix: each rank holds ``m/r`` rows of an ``m × n`` weight (a ``Shard(0)`` DTensor on a gloo mesh, one
 thread per rank). Sharded: :func:`plasticity_callbacks.distributed.sharded_fire.sharded_fire` (tall or square:
@@ -19,12 +24,14 @@ polar factor of the whole matrix by float64 SVD, this rank's rows kept. Peak mem
 resident set (``VmHWM`` after ``/proc/self/clear_refs``) above its resident set before the call.
 
 Projection: the rates of a float64 ``eigh`` with ``G^{-1/2}`` (``s/n³``) and of a rank's Gram matrix and row
-product (``s/(rows·n²)``), each timed on its own here at ``n`` = 256…1024 and fitted through the origin; the
-blocks of a Llama-shaped model dealt round robin over the ranks (the busiest rank's ``eigh`` work counts).
+product (``s/(rows·n²)``), each timed on its own here at ``n`` = 256…1024 and fitted through the origin, and the
+reduce + broadcast bandwidth measured above; the blocks of a Llama-shaped model dealt round robin over the ranks
+(the busiest rank's ``eigh`` work counts); memory per rank from the matrices each rank holds at once.
 
-    python benchmarks/fire_fsdp.py                 # 5 x (8 layers of 768²), per matrix up to 2048, projection
-    python benchmarks/fire_fsdp.py --layers-only   # the equal-layers comparison alone
-    python benchmarks/fire_fsdp.py --quick         # small shapes, seconds
+    python benchmarks/fire_fsdp.py                  # 7 x (8 layers of 768²), per matrix up to 2048, projection
+    python benchmarks/fire_fsdp.py --layers-only    # the equal-layers comparison alone
+    python benchmarks/fire_fsdp.py --no-per-matrix  # equal layers and the projection
+    python benchmarks/fire_fsdp.py --quick          # small shapes, seconds
 
 Timings on a shared CPU are indicative; nothing asserts them.
 """

@@ -13,7 +13,10 @@ Blocks are taken ``world`` at a time; the ``i``-th of each round is owned by ran
 receives ``G = Σ_r Y_rᵀY_r`` (a reduce), decomposes it (``eigh``) and broadcasts ``G^{-1/2}``; every rank
 writes its rows ``Y_r G^{-1/2}·scale``. The SFE and the 8-probe DfI-after estimate of all blocks of a
 round come from one all-reduce. So each rank runs ``1/world`` of the ``eigh`` calls and ``1/world`` of the
-row products.
+row products. A wide block's columns are fetched once a round and kept until its new columns go back. On GPUs a
+round's Gram matrices travel in one reduce-scatter and its owners' findings and ``G^{-1/2}`` in one all-gather
+while ``world`` of them fit ``BATCH_BYTES``; on CPU (gloo, whose reduce and broadcast cost less than its
+reduce-scatter and all-gather) and above that size, one block at a time.
 
 The arithmetic is one process's (:func:`~functional.spectral.orthogonalize`): where one process would run
 its ``eigh`` route (an oblong block, float32 compute), the Gram matrix is float32 and decomposed in float32
@@ -27,8 +30,9 @@ A rank-deficient block (no full isometry from ``G`` alone: the null directions n
 every block when the options fix the number of iterations (``steps``: a partial orthogonalization of the
 whole block), is gathered whole and solved on every rank as on one process. Extra memory per rank: the
 block's ``n × n`` matrices of the smaller side (its own ``G``, eigenvectors, ``G^{-1/2}`` and a received
-``G^{-1/2}``), a float64 copy of its rows of one block, and for a wide block its column shard (``1/world``
-of the block); the whole block only when gathered. ``docs/distributed.md`` gives measured costs.
+``G^{-1/2}``; ``world`` of them where a round is batched), a float64 copy of its rows of one block, and the
+column shards of the round's wide blocks (``1/world`` of each); the whole block only when gathered.
+``docs/distributed.md`` gives measured costs.
 """
 from __future__ import annotations
 
