@@ -38,8 +38,9 @@ def model() -> nn.Module:
     return layers
 
 
-# How a round's matrices travel: batched (reduce-scatter, all-gather) or one block at a time (reduce, broadcast).
-COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "reduce", "broadcast")
+# How a round's matrices travel: batched (reduce-scatter, all-gather) or one block at a time (reduce, broadcast);
+# a wide block's columns there and back (all-to-all).
+COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "reduce", "broadcast", "all_to_all_single")
 
 
 def as_dicts(records) -> list[dict]:

@@ -517,7 +517,7 @@ def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_proce
     """``apply_fire`` on ``Shard(0)`` DTensors (2 gloo ranks, no Lightning): each block's ``eigh`` runs on one rank
     only (round robin), wide blocks by columns included, in one process's precision, and weights, records and
     spectra equal one process's, through every route; with each round's matrices batched into one reduce-scatter
-    and one all-gather, and with each block's matrix sent alone (what blocks too large to batch take)."""
+    and one all-gather, and with each block's matrix sent alone (on CPU, and where a round is too large to batch)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -530,9 +530,10 @@ def test_sharded_fire_spreads_the_decompositions_over_ranks_and_equals_one_proce
     result = torch.load(out, weights_only=True)
     records_single = [FireRecord(**r) for r in result["records_single"]]
     # 10 blocks through the Gram route in 5 rounds, then 2 again in float64 in a sixth (below): a Gram matrix per
-    # block (12) and a G^-1/2 per decomposed block (8: not the NaN, rank-deficient or retried ones' first tries).
-    travel = {"batched": {"reduce_scatter_single": 6, "all_gather_single": 6},
-              "per_block": {"reduce": 12, "broadcast": 8}}
+    # block (12) and a G^-1/2 per decomposed block (8: not the NaN, rank-deficient or retried ones' first tries);
+    # each of the 4 wide blocks' columns fetched once and sent back once (8 all-to-alls).
+    travel = {"batched": {"reduce_scatter_single": 6, "all_gather_single": 6, "all_to_all_single": 8},
+              "per_block": {"reduce": 12, "broadcast": 8, "all_to_all_single": 8}}
     for route in ("batched", "per_block"):
         run = result[route]
         assert run["collectives"] == travel[route], route
