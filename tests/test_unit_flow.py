@@ -58,17 +58,18 @@ class GatedMLP(nn.Module):
 
 
 class InterleavedMLP(nn.Module):
-    """One fused input layer, unit ``i`` reading rows ``2i`` (gate) and ``2i + 1``, and a tanh-GELU written out."""
+    """One fused input layer, unit ``i`` reading rows ``2i`` (gate) and ``2i + 1``, and a tanh-GELU written out;
+    the layers sit in a ``ModuleDict``, so no block runs them on ``x`` alone: only the whole forward pairs them."""
 
     def __init__(self):
         super().__init__()
-        self.wi, self.wo = nn.Linear(H, 2 * I), nn.Linear(I, H)
+        self.io = nn.ModuleDict({"wi": nn.Linear(H, 2 * I), "wo": nn.Linear(I, H)})
 
     def forward(self, x):
-        z = self.wi(x)
+        z = self.io["wi"](x)
         g, u = z[..., ::2], z[..., 1::2]
         g = 0.5 * g * (1.0 + torch.tanh(0.7978845608 * (g + 0.044715 * torch.pow(g, 3.0))))
-        return x + self.wo(g * u) if _shaped(x) else x
+        return x + self.io["wo"](g * u) if _shaped(x) else x
 
 
 class SquaredMLP(nn.Module):
@@ -92,7 +93,7 @@ class LeakyMLP(nn.Module):
 
     def forward(self, x):
         h = F.relu(self.i(x))
-        return x + h + self.o(h)
+        return x + self.o(h) + h
 
 
 class TokenNet(nn.Module):
@@ -155,7 +156,7 @@ FAMILIES = {
     "relu2": (lambda: TokenNet(Relu2MLP(), Relu2MLP()), tokens,
               [(None, "blocks.0.w_in", "blocks.0.w_out"), (None, "blocks.1.w_in", "blocks.1.w_out")], None),
     "gated": (lambda: TokenNet(GatedMLP()), tokens, [("blocks.0.a", "blocks.0.b", "blocks.0.c")], None),
-    "interleaved": (lambda: TokenNet(InterleavedMLP()), tokens, [(None, "blocks.0.wi", "blocks.0.wo")],
+    "interleaved": (lambda: TokenNet(InterleavedMLP()), tokens, [(None, "blocks.0.io.wi", "blocks.0.io.wo")],
                     "interleaved"),
     "x*x": (lambda: TokenNet(SquaredMLP()), tokens, [(None, "blocks.0.i", "blocks.0.o")], None),
     "cnn": (FunctionalCNN, lambda m: torch.randn(4, 3, 8, 8),

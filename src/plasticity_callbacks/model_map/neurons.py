@@ -434,11 +434,15 @@ def unpaired_units(model: nn.Module, found: list[HiddenUnits]) -> list[Unpaired]
     covered = {id(p) for layer in found for m in (layer.up, layer.gate) if m is not None
                for p in ([m.stack] if isinstance(m, ExpertMatrix) else [m.weight])}
     covered_modules = {id(m) for layer in found for m in (layer.up, layer.gate) if m is not None}
-    if read_unit_flow(model) is None:
+    flow = read_unit_flow(model)
+    if flow is None:
         return structural_candidates(model, found)
     modules = {id(m.weight): m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    seen = {source.param for source in flow.uses}
+    unrun = [u for u in structural_candidates(model, found, "the forward the map could run does not reach it")
+             if not any(p in seen for p in u.params)]  # e.g. Whisper's encoder: only the token decoder ran
     return [u for u in flow_layers(model)[1]
-            if not any(p in covered or id(modules.get(p)) in covered_modules for p in u.params)]
+            if not any(p in covered or id(modules.get(p)) in covered_modules for p in u.params)] + unrun
 
 
 def unpaired_message(unpaired: list[Unpaired], owner: str = "ReDo and ContinualBackprop") -> str:
@@ -581,7 +585,8 @@ def _paired(sources, chain, owners, norms, layer_map) -> tuple[HiddenUnits | Non
         return None, str(err)
 
 
-def structural_candidates(model: nn.Module, found: list[HiddenUnits]) -> list[Unpaired]:
+def structural_candidates(model: nn.Module, found: list[HiddenUnits],
+                          reason: str = "its forward could not be run to check the pairing") -> list[Unpaired]:
     """Sibling layers that could be ``up -> down`` (``up`` writes as many values as ``down`` reads), outside
     attention and the output head, that no found layer covers: named when the forward could not be run."""
     from .weights import is_attention, output_heads
@@ -599,8 +604,9 @@ def structural_candidates(model: nn.Module, found: list[HiddenUnits]) -> list[Un
                 if out_features(up) != in_features(down) or getattr(down, "groups", 1) != 1:
                     continue
                 full = [f"{parent_name}.{n}" if parent_name else n for n in (up_name, down_name)]
-                candidates.append(Unpaired((full[0],), full[1], "its forward could not be run to check the pairing",
-                                           (parent_name or up_name, (full[0], full[1])), (id(up.weight),)))
+                params = (id(up.weight), id(down.weight))
+                candidates.append(Unpaired((full[0],), full[1], reason,
+                                           (parent_name or up_name, (full[0], full[1])), params))
     return candidates
 
 
