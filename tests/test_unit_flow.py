@@ -406,3 +406,44 @@ def test_selection_picks_the_layers_like_every_other_method():
         ReDoMonitor(selection=Selection(scope="attention")).check_targets(None, model)
     with pytest.raises(ValueError, match="scope='bogus' is not one of"):
         ContinualBackprop(selection={"scope": "bogus"})
+
+
+def test_continual_backprop_config_takes_a_selection():
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "callbacks" / "continual_backprop.yaml")
+    cfg.continual_backprop.seed = 3  # ${seed} comes from the experiment
+    cbp = instantiate(cfg.continual_backprop, selection={"scope": "mlp"})
+    assert isinstance(cbp, ContinualBackprop) and cbp.selection == Selection(scope="mlp") and cbp.layer_map is None
+
+
+def test_t5_units_are_read_from_its_forward():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = _quiet(lambda: T5ForConditionalGeneration(T5Config(vocab_size=16, d_model=16, d_ff=24, num_layers=1,
+                                                               num_heads=2, d_kv=8, decoder_start_token_id=0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layers = find_neuron_layers(model)
+    dense = [model.encoder.block[0].layer[1].DenseReluDense, model.decoder.block[0].layer[2].DenseReluDense]
+    assert [(layer.up, layer.down, layer.gate) for layer in layers] == [(d.wi, d.wo, None) for d in dense]
+
+
+def test_whispers_conv_front_end_that_the_map_cannot_run_is_named_with_its_layer_map():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    model = _quiet(lambda: WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=16, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, num_mel_bins=4, max_source_positions=8,
+        max_target_positions=8, pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)))
+    with pytest.warns(UserWarning, match=re.escape("model.encoder.conv1 -> model.encoder.conv2")) as caught:
+        layers = find_neuron_layers(model)
+    assert {layer.up for layer in layers} == {model.model.encoder.layers[0].fc1, model.model.decoder.layers[0].fc1}
+    message = next(str(w.message) for w in caught if "conv1" in str(w.message))
+    layer_map = ast.literal_eval(re.search(r"layer_map=(\{.*?\})", message).group(1))
+    assert layer_map == {"model.encoder": ("model.encoder.conv1", "model.encoder.conv2")}
+    (layer,) = find_neuron_layers(model, layer_map)
+    assert (layer.up, layer.down) == (model.model.encoder.conv1, model.model.encoder.conv2)
