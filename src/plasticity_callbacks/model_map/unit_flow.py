@@ -103,6 +103,8 @@ def _name(func) -> str:
 
 
 class _Flow(TorchFunctionMode):
+    """Tags every layer use's output with its weight rows and follows the tags (see the module docstring)."""
+
     def __init__(self, params: dict[int, nn.Parameter]):
         super().__init__()
         self.params = params
@@ -301,8 +303,7 @@ class _Flow(TorchFunctionMode):
             return None
         if isinstance(dim, int) and (dim - result.dim() if dim >= 0 else dim) == first.dim:
             return None  # along the units: a wider layer made of several
-        self._set(result, _Tag((Source(first.sources[0].param, -1),), first.rows, first.dim,
-                               tuple(any(t.activated) for t in tags[:1]), None))
+        self._set(result, _Tag((Source(first.sources[0].param, -1),), first.rows, first.dim, first.activated, None))
         return True
 
     def _reshaped(self, func, name, args, kwargs, tag: _Tag, result) -> bool | None:
