@@ -27,7 +27,9 @@ class ContinualBackprop(PlasticityCallback):
 
     **Units** are the model map's neuron layers (:func:`~model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
-    BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, or an explicit ``layer_map``. An
+    BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, ``up -> act -> down`` read from the
+    model's own forward under any names (Nemotron, RWKV), or an explicit ``layer_map``; ``selection`` picks among
+    them, as for every method, and what cannot be paired is named in one warning with its ``layer_map``. An
     expert's statistics come from the tokens routed to it; a step that routes none to it leaves its
     statistics and age as they were (under DDP its ``f̂`` is each rank's own, averaged after the step).
     **Collects**, from the input of each ``down`` layer (read through the block's ``hidden_observer`` slot where it

@@ -37,8 +37,12 @@ class ReDoMonitor(PlasticityCallback):
     declared layouts, or an explicit ``layer_map``; and each expert of a mixture-of-experts stack
     (transformers 5.x ``experts.gate_up_proj``/``down_proj``, ``(out, in)`` or ``(in, out)``): one layer per
     expert, named ``<experts>.<e>``, measured on the tokens routed to it and recycled in that expert's slices
-    of the stacks. State-space mixers (Mamba) and recurrent layers are named in a warning as not unit layers.
-    Raises a ValueError in ``setup`` when it finds none.
+    of the stacks; and, for any other names, ``up -> [gate] -> activation -> down`` read from the model's own
+    forward (``F.relu``, ``torch.square``, ``x * x``, ``silu(g) * u``, conv chains: Nemotron, RWKV, T5). What the
+    forward shows but cannot be paired (a unit that also reaches the residual, experts stored another way) is
+    named in one warning with the ``layer_map`` that declares it; state-space mixers (Mamba) and recurrent layers
+    are named as not unit layers. ``selection`` picks among the layers found, as for every method. Raises a
+    ValueError in ``setup`` when it finds none, naming the candidates.
 
     **Collects** in ``on_train_batch_start``/``on_train_batch_end`` of every
     ``collect_every_n_steps``-th training step (never in validation) the neuron values as they
