@@ -318,6 +318,12 @@ def test_experts_in_other_storage_are_named_and_the_error_names_them(moe, stack)
         ReDoMonitor().check_targets(None, model)
     with pytest.raises(ValueError, match=re.escape(stack)):
         ContinualBackprop().check_targets(None, model)
+    with pytest.warns(UserWarning, match=re.escape(stack)) as caught:
+        find_neuron_layers(model)
+    exclude = ast.literal_eval(re.search(r"exclude=(\[.*?\])", str(caught[0].message)).group(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the exclusion it suggests says that leaving them is intended
+        assert find_neuron_layers(model, exclude=exclude) == []
 
 
 def test_no_layers_error_names_the_siblings_when_the_forward_cannot_run():

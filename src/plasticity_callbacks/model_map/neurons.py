@@ -456,6 +456,9 @@ def unpaired_message(unpaired: list[Unpaired], owner: str = "ReDo and ContinualB
     if fixes:
         text += (f". If these are units whose outgoing weights alone carry them, declare them: layer_map={fixes!r} "
                  "(or declare_plasticity(model, neurons=...)); else exclude them")
+    undeclarable = [n for u in unpaired if u.layer_map is None for n in u.names]
+    if undeclarable:
+        text += f". To say that leaving them is intended: exclude={undeclarable!r}"
     return text
 
 
@@ -469,6 +472,7 @@ class Unpaired:
     reason: str
     layer_map: tuple[str, tuple] | None = None
     params: tuple[int, ...] = ()  # ids of the weights the ups read (to drop what another source found)
+    names: tuple[str, ...] = ()  # the parameter names of the ups and down (what ``exclude`` patterns match)
 
     def describe(self) -> str:
         return f"{' and '.join(self.ups)} -> {self.down} ({self.reason})"
@@ -525,7 +529,8 @@ def flow_layers(model: nn.Module) -> tuple[list[HiddenUnits], list[Unpaired]]:
                 layers.append(layer)
                 continue
         if not any(u.ups == ups and u.down == label(down) for u in unpaired):  # one line per stack of experts
-            unpaired.append(Unpaired(ups, label(down), reason, layer_map, params))
+            names = tuple(dict.fromkeys(param_names.get(p, "?") for p in (*params, down.param)))
+            unpaired.append(Unpaired(ups, label(down), reason, layer_map, params, names))
     return layers, unpaired
 
 
@@ -606,7 +611,8 @@ def structural_candidates(model: nn.Module, found: list[HiddenUnits],
                 full = [f"{parent_name}.{n}" if parent_name else n for n in (up_name, down_name)]
                 params = (id(up.weight), id(down.weight))
                 candidates.append(Unpaired((full[0],), full[1], reason,
-                                           (parent_name or up_name, (full[0], full[1])), params))
+                                           (parent_name or up_name, (full[0], full[1])), params,
+                                           (f"{full[0]}.weight", f"{full[1]}.weight")))
     return candidates
 
 

@@ -238,7 +238,7 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                       "them treats frozen ones", stacklevel=2)
 
     unpaired = [u for u in unpaired_units(model, found)
-                if all(selection.matches(n) or selection.matches(f"{n}.weight") for n in u.ups)]
+                if all(selection.matches(n) for n in u.names)]
     if unpaired:
         warnings.warn(unpaired_message(unpaired), stacklevel=2)
 
