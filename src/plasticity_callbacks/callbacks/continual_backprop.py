@@ -9,10 +9,9 @@ from torch import nn
 
 from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
-from ..model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
+from ..model_map import HiddenUnits, Selection, find_neuron_layers, is_conv1d, validate_patterns
 from ..model_map.experts import expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
-from ..model_map import Selection
 from ..model_map.neurons import candidates_hint, stores_in_out
 from ..model_map.select import with_exclude
 from ..ops.neuron_reset import reset_norm_channels, zero_unit_state

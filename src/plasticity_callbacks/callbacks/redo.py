@@ -10,9 +10,8 @@ from torch import nn
 from ..arguments import check_bool, check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
-from ..model_map import HiddenUnits, find_neuron_layers, validate_patterns
+from ..model_map import HiddenUnits, Selection, find_neuron_layers, validate_patterns
 from ..model_map.experts import ExpertMatrix, expert_hidden
-from ..model_map import Selection
 from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.neurons import candidates_hint
 from ..model_map.select import with_exclude
