@@ -14,6 +14,7 @@ from torch import nn
 from ddp_harness import assert_ranks_identical, run_ddp
 from plasticity_callbacks import ReDoMonitor
 from plasticity_callbacks.callbacks.schedule import Schedule
+from plasticity_callbacks.model_map import Selection
 from plasticity_callbacks.functional.dormancy import dormant_mask
 from tiny import OPTIMIZERS, TinyCNNModule, TinyMLPModule, cpu_trainer, image_loader, regression_loader, \
     tiny_gpt_module, token_loader
@@ -333,6 +334,9 @@ def test_hydra_config_instantiates():
     cfg = OmegaConf.load(Path(__file__).parents[1] / "configs" / "callbacks" / "redo.yaml")
     redo = instantiate(cfg.redo)
     assert isinstance(redo, ReDoMonitor) and redo.schedule is None and redo.tau == 0.025
+    assert redo.selection == Selection() and redo.layer_map is None
+    redo = instantiate(cfg.redo, selection={"scope": "mlp", "exclude": ["blocks.0.*"]})
+    assert redo.selection == Selection(scope="mlp", exclude=("blocks.0.*",))
 
 
 @pytest.mark.multiprocess

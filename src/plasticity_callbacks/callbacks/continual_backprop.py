@@ -9,10 +9,11 @@ from torch import nn
 
 from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
-from ..model_map import HiddenUnits, find_neuron_layers, is_conv1d, validate_patterns
+from ..model_map import HiddenUnits, Selection, find_neuron_layers, is_conv1d, validate_patterns
 from ..model_map.experts import expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
-from ..model_map.neurons import stores_in_out
+from ..model_map.neurons import candidates_hint, stores_in_out
+from ..model_map.select import with_exclude
 from ..ops.neuron_reset import reset_norm_channels, zero_unit_state
 from ..distributed.sharding import local_part
 from ..functional import continual_backprop as cbp
@@ -25,7 +26,9 @@ class ContinualBackprop(PlasticityCallback):
 
     **Units** are the model map's neuron layers (:func:`~model_map.find_neuron_layers`,
     the ones ReDo recycles): MLPs, CNN channels, transformer MLPs (our GPT, Hugging Face GPT-2 / Llama /
-    BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, or an explicit ``layer_map``. An
+    BERT / GPT-J, litgpt), each expert of a mixture-of-experts stack, ``up -> act -> down`` read from the
+    model's own forward under any names (Nemotron, RWKV), or an explicit ``layer_map``; ``selection`` picks among
+    them, as for every method, and what cannot be paired is named in one warning with its ``layer_map``. An
     expert's statistics come from the tokens routed to it; a step that routes none to it leaves its
     statistics and age as they were (under DDP its ``f̂`` is each rank's own, averaged after the step).
     **Collects**, from the input of each ``down`` layer (read through the block's ``hidden_observer`` slot where it
@@ -68,7 +71,10 @@ class ContinualBackprop(PlasticityCallback):
             (``√(3/fan_in)``) or ``default`` (``1/√fan_in``, PyTorch's Linear init).
         bias_correction: move a replaced unit's mean contribution into ``down``'s bias.
         layer_map: ``{name: (up | [gate, up], down)}`` by module names; None: found automatically.
-        exclude: ``fnmatch`` patterns on parameter names whose layers are left alone.
+        exclude: shorthand for ``selection.exclude`` (added to it).
+        selection: which layers it acts on (a :class:`~model_map.Selection` or a mapping of its fields, as for
+            every method): a layer whose ``up`` (and gate) weights it selects; ``scope="mlp"``, ``include`` and
+            ``exclude`` patterns on parameter names. ``layer_map`` is the explicit declaration instead.
         seed: mixed with the global step into the re-draw generator.
 
     Example:
@@ -84,7 +90,8 @@ class ContinualBackprop(PlasticityCallback):
 
     def __init__(self, replacement_rate: float = 1e-4, maturity_threshold: int = 100, decay_rate: float = 0.99,
                  utility: str = "adaptable_contribution", init: str = "kaiming", bias_correction: bool = True,
-                 layer_map: Mapping | None = None, exclude: Sequence[str] | None = None, seed: int = 0):
+                 layer_map: Mapping | None = None, exclude: Sequence[str] | None = None, seed: int = 0,
+                 selection: Selection | Mapping | None = None):
         check_number("replacement_rate", replacement_rate, 0.0, 1.0, "(paper: 1e-4)")
         check_int("maturity_threshold", maturity_threshold, 0, hint="(paper: 100)")
         check_number("decay_rate", decay_rate, 0.0, 0.999999, "(paper: 0.99)")
@@ -100,11 +107,11 @@ class ContinualBackprop(PlasticityCallback):
             raise ValueError(f"layer_map={layer_map!r} must be a mapping {{name: (up, down)}} of module names, e.g. "
                              '{"mlp0": ("fc1", "fc2")}, or None to find the layers')
         validate_patterns(exclude=exclude)
-        super().__init__()
+        super().__init__(None, with_exclude(Selection.build(selection, "ContinualBackprop"), exclude))
         self.rate, self.maturity, self.decay = float(replacement_rate), maturity_threshold, float(decay_rate)
         self.utility, self.init, self.bias_correction, self.seed = utility, init, bias_correction, seed
         self.layer_map = None if layer_map is None else {k: v for k, v in layer_map.items()}
-        self.exclude = None if exclude is None else list(exclude)
+        self.exclude = list(self.selection.exclude) if self.selection.exclude else None
         self.layers: list[HiddenUnits] = []
         self.stats: list[dict[str, torch.Tensor]] = []  # per layer: util, mean, age
         self.carry: list[float] = []  # per layer: fractional replacements owed
@@ -119,13 +126,11 @@ class ContinualBackprop(PlasticityCallback):
     def state_key(self) -> str:
         return self._generate_state_key(rate=self.rate, maturity=self.maturity, layers=sorted(self.layer_map or {}))
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
+    def check_targets(self, trainer, pl_module) -> None:
+        self.layers = find_neuron_layers(pl_module, self.layer_map, selection=self.selection)
         if not self.layers:
-            raise ValueError("ContinualBackprop found no hidden-unit layers (Linear/conv → activation → Linear/conv "
-                             "chains or known MLP blocks); pass layer_map={name: (up, down)} or "
-                             "declare_plasticity(model, neurons=...)")
+            raise ValueError(f"ContinualBackprop found no hidden-unit layers: {candidates_hint(pl_module)}. Pass "
+                             "layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...)")
         unbiased = [layer.name for layer in self.layers if getattr(layer.down, "bias", None) is None]
         if self.bias_correction and unbiased:
             rank_zero_warn(f"ContinualBackprop: the down layers of {unbiased} have no bias, so replaced units' mean "

@@ -10,9 +10,11 @@ from torch import nn
 from ..arguments import check_bool, check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
-from ..model_map import HiddenUnits, find_neuron_layers, validate_patterns
+from ..model_map import HiddenUnits, Selection, find_neuron_layers, validate_patterns
 from ..model_map.experts import ExpertMatrix, expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
+from ..model_map.neurons import candidates_hint
+from ..model_map.select import with_exclude
 from ..ops.redo import recycle_
 from .schedule import Schedule
 from .step_logging import log_at_step
@@ -34,8 +36,12 @@ class ReDoMonitor(PlasticityCallback):
     declared layouts, or an explicit ``layer_map``; and each expert of a mixture-of-experts stack
     (transformers 5.x ``experts.gate_up_proj``/``down_proj``, ``(out, in)`` or ``(in, out)``): one layer per
     expert, named ``<experts>.<e>``, measured on the tokens routed to it and recycled in that expert's slices
-    of the stacks. State-space mixers (Mamba) and recurrent layers are named in a warning as not unit layers.
-    Raises a ValueError in ``setup`` when it finds none.
+    of the stacks; and, for any other names, ``up -> [gate] -> activation -> down`` read from the model's own
+    forward (``F.relu``, ``torch.square``, ``x * x``, ``silu(g) * u``, conv chains: Nemotron, RWKV, T5). What the
+    forward shows but cannot be paired (a unit that also reaches the residual, experts stored another way) is
+    named in one warning with the ``layer_map`` that declares it; state-space mixers (Mamba) and recurrent layers
+    are named as not unit layers. ``selection`` picks among the layers found, as for every method. Raises a
+    ValueError in ``setup`` when it finds none, naming the candidates.
 
     **Collects** in ``on_train_batch_start``/``on_train_batch_end`` of every
     ``collect_every_n_steps``-th training step (never in validation) the neuron values as they
@@ -86,7 +92,10 @@ class ReDoMonitor(PlasticityCallback):
             ``model`` (a fresh draw by the model's own init code), ``weight_std`` (σ now), ``default``
             (the layer's ``reset_parameters``) or ``xavier_uniform``.
         layer_map: ``{name: (up | [gate, up], down)}`` by module names; None: found automatically.
-        exclude: ``fnmatch`` patterns on parameter names whose layers are not watched.
+        selection: which layers are watched (a :class:`~model_map.Selection` or a mapping of its fields, as for
+            every method): a layer whose ``up`` (and gate) weights it selects; ``scope="mlp"``, ``include`` and
+            ``exclude`` patterns on parameter names. ``layer_map`` is the explicit declaration instead.
+        exclude: shorthand for ``selection.exclude`` (added to it).
         plot_scores: save a histogram of the scores per layer at the end of training.
         seed: mixed with the global step and layer into the re-sampling generator.
 
@@ -122,6 +131,7 @@ class ReDoMonitor(PlasticityCallback):
         init: str = "init_std",
         layer_map: Mapping | None = None,
         exclude: Sequence[str] | None = None,
+        selection: Selection | Mapping | None = None,
         plot_scores: bool = False,
         seed: int = 0,
     ):
@@ -130,7 +140,8 @@ class ReDoMonitor(PlasticityCallback):
         check_int("log_every_n_steps", log_every_n_steps)
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
             raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1)")
-        super().__init__(schedule)
+        validate_patterns(exclude=exclude)
+        super().__init__(schedule, with_exclude(Selection.build(selection, "ReDoMonitor"), exclude))
         if self.schedule is not None and self.schedule.at_fit_start:
             raise ValueError("ReDoMonitor schedule.at_fit_start=True: recycling needs statistics, and at fit start "
                              "there are none yet; use steps, every_n_steps, epochs, task boundaries or a plateau")
@@ -143,7 +154,8 @@ class ReDoMonitor(PlasticityCallback):
         self.tau, self.ema_decay, self.init = float(tau), float(ema_decay), init
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps
         check_bool("plot_scores", plot_scores)
-        self.exclude, self.plot_scores, self.seed = list(exclude) if exclude else None, plot_scores, seed
+        self.plot_scores, self.seed = plot_scores, seed
+        self.exclude = list(self.selection.exclude) if self.selection.exclude else None
 
         self.layers: list[HiddenUnits] = []
         self.collections = 0  # training batches whose activations entered the EMA
@@ -168,16 +180,10 @@ class ReDoMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ setup and teardown
     def check_targets(self, trainer, pl_module) -> None:
-        self.layers = find_neuron_layers(pl_module, self.layer_map, self.exclude)
+        self.layers = find_neuron_layers(pl_module, self.layer_map, selection=self.selection)
         if not self.layers:
-            raise ValueError(
-                "ReDoMonitor found no neuron layers: it knows neuron_layouts() (our GPT MLPs), Hugging Face / torch / "
-                "litgpt MLP blocks (gate_proj/up_proj/down_proj, c_fc/c_proj, intermediate/output, fc1/fc2, fc_in/fc_out, "
-                "fc_1/fc_2/proj, linear1/linear2), fused inputs its forward pairs (gate_up_proj, Wi), stacks of experts "
-                "(experts.gate_up_proj/down_proj) and Linear/conv → [BatchNorm] → activation → [pool/flatten] → "
-                "Linear/conv chains outside the output head. "
-                "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
-                "for other architectures.")
+            raise ValueError(f"ReDoMonitor found no neuron layers: {candidates_hint(pl_module)}. Pass "
+                             "layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...)")
         rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
 
     def attach(self, trainer, pl_module) -> None:

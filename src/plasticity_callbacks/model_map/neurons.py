@@ -22,7 +22,11 @@ Found, first match wins per ``up`` layer:
 4. a ``torch.fx`` trace of each traceable submodule: Linear/conv -> [BatchNorm] -> activation ->
    [dropout, pooling, flatten] -> Linear/conv where each value has exactly one user (so zeroing the
    outgoing weights removes the unit from the output: a residual ``add`` breaks the chain);
-5. the same pattern among consecutive children of an ``nn.Sequential`` (models fx cannot trace).
+5. the same pattern among consecutive children of an ``nn.Sequential`` (models fx cannot trace);
+6. the model's own forward (:mod:`.unit_flow`): ``up -> [gate] -> activation (module, ``F.*``, ``torch.square``,
+   ``x * x``) -> down`` for any layer names, Hugging Face models included (Nemotron's relu² ``up_proj``/``down_proj``,
+   RWKV's ``key -> relu² -> value``), conv chains whatever the forward's control flow. What it sees but cannot pair
+   (a unit that also reaches a residual, experts stored in another form) is returned by :func:`unpaired_units`.
 """
 from __future__ import annotations
 
@@ -402,8 +406,8 @@ def find_layers(model: nn.Module) -> tuple[list[HiddenUnits], set[int]]:
     seen: set[int] = set()
     described: set[int] = set()  # every layer of a declared/self-described/adapter layout
     mlp_modules: set[int] = set()
-    for source in (declared_layers, layout_layers, adapter_layers, traced_layers, sequential_layers):
-        structural = source in (traced_layers, sequential_layers)
+    for source in (declared_layers, layout_layers, adapter_layers, traced_layers, sequential_layers, _flow_found):
+        structural = source in (traced_layers, sequential_layers, _flow_found)
         for layer in source(model):
             if id(layer.up) in seen or (structural and id(layer.up) in described):
                 continue
@@ -415,3 +419,213 @@ def find_layers(model: nn.Module) -> tuple[list[HiddenUnits], set[int]]:
             if source in (adapter_layers, declared_layers):
                 mlp_modules |= members
     return chosen, mlp_modules
+
+
+def _flow_found(model: nn.Module) -> list[HiddenUnits]:
+    return flow_layers(model)[0]
+
+
+def unpaired_units(model: nn.Module, found: list[HiddenUnits]) -> list[Unpaired]:
+    """What the forward shows as ``up -> act -> down`` but no source of :func:`find_layers` could pair, each with
+    the reason (and the ``layer_map`` entry that declares it, where one can); where the forward could not be run,
+    the sibling layers that fit as ``up -> down`` instead. Layers that ``found`` covers are left out."""
+    from .unit_flow import read_unit_flow
+
+    covered = {id(p) for layer in found for m in (layer.up, layer.gate) if m is not None
+               for p in ([m.stack] if isinstance(m, ExpertMatrix) else [m.weight])}
+    covered_modules = {id(m) for layer in found for m in (layer.up, layer.gate) if m is not None}
+    flow = read_unit_flow(model)
+    if flow is None:
+        return structural_candidates(model, found)
+    modules = {id(m.weight): m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)}
+    seen = {source.param for source in flow.uses}
+    unrun = [u for u in structural_candidates(model, found, "the forward the map could run does not reach it")
+             if not any(p in seen for p in u.params)]  # e.g. Whisper's encoder: only the token decoder ran
+    return [u for u in flow_layers(model)[1]
+            if not any(p in covered or id(modules.get(p)) in covered_modules for p in u.params)] + unrun
+
+
+def unpaired_message(unpaired: list[Unpaired], owner: str = "ReDo and ContinualBackprop") -> str:
+    """One message naming every unpaired layer, with the ``layer_map`` that declares those a declaration fits."""
+    fixes = {}
+    for u in unpaired:
+        if u.layer_map is not None:
+            name = u.layer_map[0] if u.layer_map[0] not in fixes else u.ups[0].removesuffix(".weight")
+            fixes[name] = u.layer_map[1]
+    text = f"{owner} do not recycle the hidden units of " + "; ".join(u.describe() for u in unpaired)
+    if fixes:
+        text += (f". If these are units whose outgoing weights alone carry them, declare them: layer_map={fixes!r} "
+                 "(or declare_plasticity(model, neurons=...)); else exclude them")
+    undeclarable = [n for u in unpaired if u.layer_map is None for n in u.names]
+    if undeclarable:
+        text += f". To say that leaving them is intended: exclude={undeclarable!r}"
+    return text
+
+
+@dataclass(frozen=True)
+class Unpaired:
+    """Hidden units the model map saw but will not recycle: ``ups -> down`` and why. ``layer_map`` is the
+    ``{name: (up | [gate, up], down)}`` entry that declares them (None where no declaration can: expert stacks)."""
+
+    ups: tuple[str, ...]
+    down: str
+    reason: str
+    layer_map: tuple[str, tuple] | None = None
+    params: tuple[int, ...] = ()  # ids of the weights the ups read (to drop what another source found)
+    names: tuple[str, ...] = ()  # the parameter names of the ups and down (what ``exclude`` patterns match)
+
+    def describe(self) -> str:
+        return f"{' and '.join(self.ups)} -> {self.down} ({self.reason})"
+
+
+def _common_name(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for pieces in zip(*parts):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    return ".".join(common)
+
+
+def flow_layers(model: nn.Module) -> tuple[list[HiddenUnits], list[Unpaired]]:
+    """Hidden units read from the forward (:mod:`.unit_flow`): the unit layers, and what it saw but cannot pair."""
+    from .unit_flow import read_unit_flow
+
+    flow = read_unit_flow(model)
+    if flow is None:
+        return [], []
+    owners = {id(m._parameters["weight"]): (n, m) for n, m in model.named_modules()
+              if isinstance(m._parameters.get("weight"), torch.Tensor) and is_unit_layer(m)}
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    norms = {id(m.weight): m for m in model.modules() if isinstance(m, _BATCHNORM) and m.weight is not None}
+    groups: dict[tuple, list] = {}
+    for chain in flow.chains:
+        groups.setdefault(chain.sources, []).append(chain)
+    counts: dict = {}
+    for sources in groups:
+        for source in set(sources):
+            counts[source] = counts.get(source, 0) + 1
+    layers, unpaired = [], []
+    for sources, chains in groups.items():
+        def label(source):
+            name = param_names.get(source.param, "?")
+            return name if source.expert is None else f"{name} (experts)"
+
+        ups = tuple(dict.fromkeys(label(s) for s in sources))
+        down = chains[0].down
+        params = tuple(dict.fromkeys(s.param for s in sources))
+        modules = [owners.get(s.param) for s in dict.fromkeys(sources)]
+        layer_map = None
+        if all(m is not None and s.expert is None for m, s in zip(modules, dict.fromkeys(sources))) \
+                and owners.get(down.param) is not None and down.expert is None and len(modules) <= 2:
+            names = [m[0] for m in modules]
+            entry = names[0] if len(names) == 1 else names
+            layer_map = (_common_name([*names, owners[down.param][0]]) or names[-1], (entry, owners[down.param][0]))
+        reason = _unpairable(flow, sources, chains, counts, owners)
+        if reason is None:
+            layer, reason = _paired(sources, chains[0], owners, norms, layer_map)
+            if layer is not None:
+                layers.append(layer)
+                continue
+        if not any(u.ups == ups and u.down == label(down) for u in unpaired):  # one line per stack of experts
+            names = tuple(dict.fromkeys(param_names.get(p, "?") for p in (*params, down.param)))
+            unpaired.append(Unpaired(ups, label(down), reason, layer_map, params, names))
+    return layers, unpaired
+
+
+def _unpairable(flow, sources, chains, counts, owners) -> str | None:
+    if any(s.expert is not None or s.param not in owners for s in (*sources, chains[0].down)):
+        kind = "a stack of experts" if any(s.expert is not None for s in sources) else "a bare parameter"
+        return (f"{kind}: ReDo recycles rows of nn.Linear/conv layers and the 3-D expert stacks of transformers "
+                "(gate_up_proj/down_proj); exclude it or store the experts that way")
+    if len({(c.down.param, c.down.expert) for c in chains}) > 1:
+        return "its units reach several layers"
+    if any(not torch.equal(c.rows, chains[0].rows) for c in chains):
+        return "the forward pairs its units differently from one call to the next"
+    escaped = [flow.escaped[s] for s in sources if s in flow.escaped]
+    if escaped:
+        return f"its values also leave through {escaped[0]}, so zeroing the outgoing weights does not remove a unit"
+    if any(counts[s] > 1 for s in set(sources)):
+        return "a layer of it also pairs with another"
+    return None
+
+
+def _paired(sources, chain, owners, norms, layer_map) -> tuple[HiddenUnits | None, str]:
+    """The HiddenUnits that ``chain`` shows, or None and why not."""
+    rows = chain.rows
+    first = rows[:, 0]
+    unique = torch.unique_consecutive(first)
+    group = rows.shape[0] // max(len(unique), 1)
+    if group < 1 or not torch.equal(rows, rows[::group].repeat_interleave(group, 0)):
+        return None, "down's inputs do not hold one unit each"
+    rows = rows[::group]
+    width = rows.shape[0]
+    units = torch.arange(width)
+    up_name, up = owners[sources[-1].param]
+    name = layer_map[0] if layer_map else up_name
+    norm = norms.get(chain.norm) if chain.norm is not None else None
+    layer = None
+    if len(sources) == 1 and torch.equal(rows[:, 0], units):
+        layer = HiddenUnits(name, up, owners[chain.down.param][1], group=group, norm=norm)
+    elif len(sources) == 2 and sources[0] == sources[1]:
+        low, high = rows.min(1).values, rows.max(1).values
+        halves = torch.equal(low, units) and torch.equal(high, units + width)
+        interleaved = torch.equal(low, 2 * units) and torch.equal(high, 2 * units + 1)
+        if halves or interleaved:
+            layer = HiddenUnits(name, up, owners[chain.down.param][1], fused_gate=True, interleaved=interleaved,
+                                group=group)
+    elif len(sources) == 2 and torch.equal(rows[:, 0], units) and torch.equal(rows[:, 1], units):
+        gate_first = chain.activated[0] or not chain.activated[1]
+        gate, up = (owners[sources[0].param][1], owners[sources[1].param][1]) if gate_first else \
+            (owners[sources[1].param][1], owners[sources[0].param][1])
+        layer = HiddenUnits(name, up, owners[chain.down.param][1], gate, group=group)
+    if layer is None:
+        return None, f"down's input j is not unit j of {len(sources)} value(s) per unit"
+    if layer.width * group != in_features(layer.down):
+        return None, "down reads more than these units"
+    try:
+        return check_layer(layer), ""
+    except ValueError as err:
+        return None, str(err)
+
+
+def structural_candidates(model: nn.Module, found: list[HiddenUnits],
+                          reason: str = "its forward could not be run to check the pairing") -> list[Unpaired]:
+    """Sibling layers that could be ``up -> down`` (``up`` writes as many values as ``down`` reads), outside
+    attention and the output head, that no found layer covers: named when the forward could not be run."""
+    from .weights import is_attention, output_heads
+
+    covered = {id(m) for layer in found for m in (layer.up, layer.down, layer.gate) if m is not None}
+    heads = output_heads(model)
+    candidates = []
+    for parent_name, parent in model.named_modules():
+        if is_attention(parent):
+            continue
+        children = [(n, c) for n, c in parent.named_children() if is_unit_layer(c) and id(c) not in covered
+                    and (f"{parent_name}.{n}" if parent_name else n) not in heads]
+        for i, (up_name, up) in enumerate(children):
+            for down_name, down in children[i + 1:]:  # model code registers up before down
+                if out_features(up) != in_features(down) or getattr(down, "groups", 1) != 1:
+                    continue
+                full = [f"{parent_name}.{n}" if parent_name else n for n in (up_name, down_name)]
+                params = (id(up.weight), id(down.weight))
+                candidates.append(Unpaired((full[0],), full[1], reason,
+                                           (parent_name or up_name, (full[0], full[1])), params,
+                                           (f"{full[0]}.weight", f"{full[1]}.weight")))
+    return candidates
+
+
+def candidates_hint(model: nn.Module) -> str:
+    """What a "found no neuron layers" error names: the layers found but left out by the selection, else what the
+    forward shows but cannot pair (with the ``layer_map`` that declares it), else the layers that could pair."""
+    found, _ = find_layers(model)
+    if found:
+        return (f"the layers found ({', '.join(layer.name for layer in found[:8])}{', ...' if len(found) > 8 else ''})"
+                " are all left out by the selection (scope/include/exclude), frozen, or the output head")
+    unpaired = unpaired_units(model, []) or structural_candidates(model, [])
+    if not unpaired:
+        return ("the model has no two layers where one writes as many values as the other reads, outside attention "
+                "and the output head")
+    return unpaired_message(unpaired, "candidates seen but not paired:").replace(
+        "candidates seen but not paired: do not recycle the hidden units of ", "candidates seen but not paired: ")

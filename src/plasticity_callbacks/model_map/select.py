@@ -9,14 +9,14 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from ..arguments import build_options
 from .holding import is_frozen, parametrization
 from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals,
-                      state_space_refusals)
+                      state_space_refusals, unpaired_message, unpaired_units)
 from .probe import probe_fused_layouts
 from .stacks import left_alone, read_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks,
@@ -135,6 +135,12 @@ class Selection:
                 and (self.exclude is None or not _matches(name, self.exclude)))
 
 
+def with_exclude(selection: Selection, exclude: Sequence[str] | None) -> Selection:
+    """``selection`` with the ``exclude`` patterns added to its own (ReDo's and ContinualBackprop's shorthand)."""
+    validate_patterns(exclude=exclude)
+    return replace(selection, exclude=(*(selection.exclude or ()), *exclude)) if exclude else selection
+
+
 def select_targets(model: nn.Module, selection: Selection | Mapping | None = None) -> list[WeightView]:
     """The weight views (matrices, conv kernels, fused blocks) of ``model`` a method should treat.
 
@@ -171,18 +177,28 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
     return targets
 
 
-def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None
-                       ) -> list[HiddenUnits]:
-    """The layers of neurons ReDo watches in ``model`` (see :mod:`.neurons` for how they are found).
+def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None,
+                       selection: Selection | Mapping | None = None) -> list[HiddenUnits]:
+    """The layers of neurons ReDo and ContinualBackprop watch in ``model`` (see :mod:`.neurons` for how they are
+    found); what the forward shows as hidden units but cannot be paired is named in one warning, with the
+    ``layer_map`` that declares it.
 
-    ``layer_map`` (``{name: (up | [gate, up], down)}`` by module names) is used as given. Otherwise
-    every layer found whose incoming weights :func:`select_targets` accepts (no positional blocks,
-    no output head, minus ``exclude`` patterns on parameter names). The output layer is never an ``up``.
+    Args:
+        model: any ``nn.Module``.
+        layer_map: ``{name: (up | [gate, up], down)}`` by module names, used as given (the explicit declaration).
+        exclude: ``fnmatch`` patterns on parameter names whose layers are left out (added to ``selection``'s).
+        selection: which layers (:class:`Selection` or a mapping of its fields): a layer is watched when
+            :func:`select_targets` accepts its ``up`` (and gate) weights; a stack of experts when its parameter
+            names pass ``include``/``exclude`` and ``scope`` is ``all`` or ``mlp``. The output layer is never an
+            ``up``, whatever ``include_head`` says.
 
     Example:
         >>> [(layer.name, layer.width, layer.gate is not None) for layer in find_neuron_layers(model)]
+        >>> find_neuron_layers(model, selection=Selection(scope="mlp", exclude=["blocks.0.*"]))
         >>> find_neuron_layers(model, layer_map={"ffn": (["w_gate", "w_up"], "w_down")})
     """
+    selection = with_exclude(Selection.build(selection, "find_neuron_layers"), exclude)
+    exclude = selection.exclude
     heads = output_heads(model)
     names = {id(m): n for n, m in model.named_modules()}
     if layer_map:
@@ -212,7 +228,7 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                       "feeds the scan's input-dependent parameters or a norm over all channels, so cutting its out_proj "
                       "column does not remove it (FIRE, DASH and AdaptiveSVD treat in_proj/out_proj; the MLPs beside "
                       "them are still recycled)", stacklevel=2)
-    allowed = {id(t.module) for t in select_targets(model, Selection(exclude=exclude))}
+    allowed = {id(t.module) for t in select_targets(model, replace(selection, include_head=False))}
     found, _ = find_layers(model)
     held = [layer.name for layer in found if layer.experts is None
             and not all(_plain_trainable(m) for m in (layer.up, layer.gate, layer.down) if m is not None)]
@@ -221,9 +237,14 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
                       "(requires_grad=False) or computed by a parametrization (weight norm, ...); a layer_map naming "
                       "them treats frozen ones", stacklevel=2)
 
+    unpaired = [u for u in unpaired_units(model, found)
+                if all(selection.matches(n) for n in u.names)]
+    if unpaired:
+        warnings.warn(unpaired_message(unpaired), stacklevel=2)
+
     def watched(layer: HiddenUnits) -> bool:
         if layer.experts is not None:  # stacked parameters: excluded by their names, frozen as a whole
-            return (not any(_matches(m.name, exclude or ()) for m in (layer.up, layer.down))
+            return (selection.scope in ("all", "mlp") and all(selection.matches(m.name) for m in (layer.up, layer.down))
                     and all(m.stack.requires_grad for m in (layer.up, layer.down)))
         return (id(layer.up) in allowed and (layer.gate is None or id(layer.gate) in allowed)
                 and names.get(id(layer.up)) not in heads

@@ -14,9 +14,9 @@ from torch.nn.utils import parametrize
 
 from ..distributed.strategy import rank_identical_generator
 from ..functional.dormancy import INITS, Init, dormancy_scores, dormant_mask, mean_abs_activation
-from ..model_map import HiddenUnits, find_neuron_layers, fresh_layer_weight
+from ..model_map import HiddenUnits, Selection, find_neuron_layers, fresh_layer_weight
 from ..model_map.experts import ExpertMatrix, expert_hidden
-from ..model_map.neurons import stores_in_out
+from ..model_map.neurons import candidates_hint, stores_in_out
 from .neuron_reset import reinit_incoming, zero_outgoing
 
 RECYCLE_INITS = ("model", *INITS)  # "model": rows of a fresh draw by the layer's own init code
@@ -35,6 +35,7 @@ class ActivationStats:
         model: the module to watch (not compiled yet: a compiled graph never calls hooks added later).
         layers: the neuron layers; None: found by the model map.
         exclude: ``fnmatch`` patterns on parameter names whose layers are not watched.
+        selection: which layers are watched (a :class:`~model_map.Selection` or a mapping of its fields).
 
     Raises:
         ValueError: the model map finds no neuron layer (pass ``layers`` or declare them).
@@ -47,11 +48,12 @@ class ActivationStats:
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[HiddenUnits] | None = None,
-                 exclude: Sequence[str] | None = None):
-        self.layers = list(layers) if layers is not None else find_neuron_layers(model, None, exclude)
+                 exclude: Sequence[str] | None = None, selection: Selection | Mapping | None = None):
+        self.layers = list(layers) if layers is not None else find_neuron_layers(model, None, exclude, selection)
         if not self.layers:
-            raise ValueError("ActivationStats found no neuron layers; pass layers=find_neuron_layers(model, "
-                             "layer_map={name: (up, down)}) or declare_plasticity(model, neurons=...)")
+            raise ValueError(f"ActivationStats found no neuron layers: {candidates_hint(model)}. Pass "
+                             "layers=find_neuron_layers(model, layer_map={name: (up, down)}) or "
+                             "declare_plasticity(model, neurons=...)")
         self._sums = [torch.zeros(layer.width, device=layer.up.weight.device) for layer in self.layers]
         self._counts = [torch.zeros(layer.width, device=layer.up.weight.device) for layer in self.layers]
         self._hooks: list = []
