@@ -16,7 +16,7 @@ from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor
 from ..ops.minor_gradient import full_gradients
 from ..model_map import Selection
-from ..ops.dash import ShrinkLayer, shrink_layers, shrink_layers_
+from ..ops.dash import DASH_THROUGH, ShrinkLayer, shrink_layers, shrink_layers_
 from .schedule import Schedule
 from ..distributed.sharding import all_finite_on_every_rank
 from ..functional.shrink import dash_shrink_factors
@@ -46,6 +46,7 @@ class DirectionalShrink(PlasticityCallback):
     """
 
     prefix: ClassVar[str] = "dash"
+    acts_through = DASH_THROUGH  # every parametrization refused by name, with why
     extra_state_types = {"shrinks": int, "skipped_nonfinite": int, "last_shrink_step": int}
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | Mapping | None = None,

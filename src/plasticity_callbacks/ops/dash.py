@@ -1,7 +1,8 @@
 """DASH's shrink on a model: each selected weight row scaled by a factor from its direction (no Lightning).
 
 The factor rules are :mod:`plasticity_callbacks.functional.shrink`'s; this module picks the layers through the
-model map and writes the shrink back (a grouped transposed conv's ``(out, in)`` view, FSDP2's rows).
+model map and writes the shrink back (a grouped transposed conv's ``(out, in)`` view, FSDP2's rows). A weight a
+parametrization computes is refused by name (:data:`DASH_THROUGH`), the other layers shrunk.
 """
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ from ..model_map import Selection, WeightView, refuse_factorized, require_target
 from .optimizer_state import owning_optimizer
 
 FactorRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, direction) -> one factor per row
+# Why DASH leaves each parametrization alone: its factors compare a weight row with that row's gradient, and the
+# stored tensors are not the weight the forward uses.
+DASH_THROUGH = {
+    "weight norm": "the forward's weight g·v/‖v‖ has no gradient of its own (g and v have theirs), and shrinking "
+                   "v's rows changes nothing",
+    "spectral norm": "the forward divides the original by its largest singular value, which undoes a shrink",
+    "orthogonal": "an orthogonal weight cannot be shrunk",
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,7 @@ def shrink_layers(model: nn.Module, selection: Selection | None = None, optimize
         ValueError: the selection finds nothing, or only Muon-optimized weights with ``skip_muon_params``.
     """
     selection = selection or Selection()
-    targets = require_targets(select_targets(model, selection), owner, selection)
+    targets = require_targets(select_targets(model, selection), owner, selection, DASH_THROUGH)
     if skip_muon_params and optimizers is not None:
         targets = [t for t in targets if not isinstance(owning_optimizer(optimizers, t.param), torch.optim.Muon)]
         if not targets:
@@ -73,9 +82,14 @@ def shrink_layers_(layers: list[ShrinkLayer], direction_of: Callable[[torch.Tens
         owner: the caller's name, for messages.
 
     Raises:
-        RuntimeError: a layer is factorized (``W_p + BA``), whose effective weight has no gradient of its own.
+        RuntimeError: a layer is factorized (``W_p + BA``) or parametrized (weight norm, ...), whose effective weight
+            has no gradient of its own.
     """
     refuse_factorized([layer.view for layer in layers], owner, "DASH needs the gradient of the effective weight")
+    parametrized = [layer.view.name for layer in layers if layer.view.through is not None]
+    if parametrized:  # shrink_layers leaves them out; a hand-built list must too
+        raise RuntimeError(f"{owner}: {parametrized} are computed by a parametrization, which DASH does not act "
+                           "through (DASH_THROUGH says why); leave them out of the layers")
     stats = []
     for layer in layers:
         direction = direction_of(layer.weight)
