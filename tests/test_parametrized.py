@@ -264,3 +264,14 @@ def test_fire_callback_at_setup_names_only_the_weight_it_skips():
     message = " ".join(str(w.message) for w in caught)
     assert "orth.weight (orthogonal: already an isometry" in message
     assert "wn.weight" not in message and "sn.weight" not in message
+
+
+def test_the_kept_model_map_keeps_no_model_alive():
+    import gc
+    import weakref
+    model = mixed()
+    select_targets(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -46,30 +46,37 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
 
 def _model_map(model: nn.Module, include_conv: bool) -> tuple[set[str], list[tuple[str, WeightView]]]:
     """``(output heads, weight views)`` of ``model``, kept while its structure is unchanged."""
-    structure, alive = _structure(model)
+    structure, objects = _structure(model)
     kept = _MAPS.get(model)
-    if kept is None or kept[0] != structure:
-        kept = (structure, alive, output_heads(model), {})
-        _MAPS[model] = kept
+    if kept is None or kept[0] != structure or any(ref() is None for ref in kept[1]):
+        try:  # weak references: the kept map keeps nothing alive, and an id it names belongs to a live object
+            refs = [weakref.ref(o) for o in objects]
+        except TypeError:  # an object that takes no weak reference: read every time rather than risk a stale map
+            refs = None
+        kept = (structure, refs, output_heads(model), {})
+        if refs is not None:
+            _MAPS[model] = kept
     views = kept[3]
     if include_conv not in views:
         views[include_conv] = _read_weight_views(model, include_conv)
+        if any(view.module is model for _, view in views[include_conv]):
+            _MAPS.pop(model, None)  # a view holding the model itself would keep it alive through its own entry
     return kept[2], views[include_conv]
 
 
 def _structure(model: nn.Module) -> tuple[tuple, list]:
-    """What the map of ``model`` depends on, as a tuple of names, ids, types and shapes, and the objects whose ids
-    it holds (kept alive with it, so no new object can take an id it names)."""
-    parts, alive = [], []
+    """What the map of ``model`` depends on, as a tuple of names, ids, types, shapes and flags, and the objects
+    whose ids it holds (but the model's own, the key of the kept map)."""
+    parts, objects = [], []
     for name, module in model.named_modules(remove_duplicate=False):
         params = tuple((attr, id(p), p.shape, p.requires_grad) for attr, p in module._parameters.items()
-                       if p is not None)
+                       if p is not None)  # a legacy weight_norm / spectral_norm hook renames them (weight_g, ...)
         declared = module.__dict__.get(DECLARATION)
-        hooks = tuple(id(h) for h in module._forward_pre_hooks.values())  # legacy weight_norm / spectral_norm
-        parts.append((name, id(module), type(module), params, id(declared), hooks,
+        parts.append((name, id(module), type(module), params, id(declared),
                       _attribute(module, "plasticity_role"), _attribute(module, "output_head_name")))
-        alive += [module, declared, *module._parameters.values(), *module._forward_pre_hooks.values()]
-    return tuple(parts), alive
+        objects += [p for p in module._parameters.values() if p is not None]
+        objects += [o for o in (module, declared) if o is not None and o is not model]
+    return tuple(parts), objects
 
 
 def _attribute(module: nn.Module, name: str):
