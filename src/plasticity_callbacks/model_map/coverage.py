@@ -59,6 +59,9 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
             held = describe_holding(view.module, view.attribute, lora)
             if id(param) in treated:
                 detail = f"role={view.role} " + _structure(view) + (f", {held}" if held else "")
+                if view.through is not None:  # selected by the weight's name, acted on (or refused) per method
+                    detail += f": computes {view.name}; " + HOW_METHODS_TREAT.get(
+                        view.through.kind, "every method that rewrites a weight refuses it by name")
                 rows.append((name, shape, "treated", detail + fresh))
             else:
                 rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection, held) + fresh))
