@@ -36,7 +36,8 @@ def is_factorization(module: nn.Module, attr: str) -> bool:
 
 
 def parametrization(module: nn.Module, attr: str) -> str:
-    """The user's parametrization computing ``module.<attr>`` (``"weight norm"``, ...; a legacy hook's too), or ``""``."""
+    """The user's parametrization computing ``module.<attr>`` (``"weight norm"``, ...; a legacy hook's too), or
+    ``""``."""
     through = parametrized_weight(module, attr)
     return through.kind if through is not None else ""
 

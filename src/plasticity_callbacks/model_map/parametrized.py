@@ -10,12 +10,14 @@ parametrizations.weight.original0`` ...) and the legacy hooks of ``torch.nn.util
 * **weight norm**: ``W = g · v / ‖v‖``, the norm over every dim but ``dim``. Any ``W`` without a zero slice is
   ``(g, v) = (‖W‖, W)``, so writing ``W`` makes the effective weight exactly ``W``; a zero slice keeps its old
   direction with ``g = 0``.
-* **spectral norm**: ``W = original / σ``, ``σ = uᵀ·original·v`` from the power-iteration buffers. Writing ``W`` sets
-  ``original = W`` and ``u, v`` to ``W``'s top singular pair, so the forward, in training and in eval mode,
-  computes ``W / σ_max(W)``: the value written up to one positive factor, its largest singular value 1.
+* **spectral norm**: ``W = original / σ``, ``σ = uᵀ·original·v`` from the power-iteration buffers. Writing
+  ``W`` sets ``original = W`` and ``u, v`` to ``W``'s top singular pair, so the forward, in training and in
+  eval mode, computes ``W / σ_max(W)``: the value written up to one positive factor, its largest singular
+  value 1.
 * **orthogonal**: the effective weight is an isometry whatever the originals (``base`` holds the matrix, the
   trained ``original`` is an offset); no other value can be written.
-* anything else (a user's own parametrization, a chain of them): not read; every method refuses it by name.
+* anything else (a user's own parametrization, a chain of them): read, never written; every method refuses it
+  by name.
 
 Example:
     >>> through = parametrized_weight(model.fc, "weight")   # None for a plain weight
@@ -114,8 +116,8 @@ class ParametrizedWeight:
             setattr(self.module, self.attr, self.read())
 
     def _exact_singular_pair(self, original: torch.Tensor) -> None:
-        """Spectral norm's ``u, v`` set to ``original``'s top singular pair: ``σ = uᵀ W v`` is then ``σ_max`` exactly,
-        and a training forward's power iteration starts at its fixed point."""
+        """Spectral norm's ``u, v`` set to ``original``'s top singular pair: ``σ = uᵀ W v`` is then ``σ_max``
+        exactly, and a training forward's power iteration starts at its fixed point."""
         if self.legacy:
             hook = _legacy_hook(self.module, self.attr)
             matrix = hook.reshape_weight_to_matrix(original)
