@@ -275,3 +275,24 @@ def test_the_kept_model_map_keeps_no_model_alive():
     del model
     gc.collect()
     assert alive() is None
+
+
+class Symmetric(nn.Module):
+    """A user's own parametrization: no method knows what value of its original gives a wanted weight."""
+
+    def forward(self, weight):
+        return weight.triu() + weight.triu(1).T
+
+
+def test_a_users_own_parametrization_or_a_chain_is_refused_by_name_and_left_as_it_is():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    parametrize.register_parametrization(model[2], "weight", Symmetric())
+    parametrizations.weight_norm(model[0])
+    parametrize.register_parametrization(model[0], "weight", Symmetric())  # a chain: weight norm, then Symmetric
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"0\.weight \(weight norm \+ Symmetric: apply_fire does not act through a "
+                                         r"weight norm \+ Symmetric parametrization.*2\.weight \(Symmetric"):
+        apply_fire(model, None, FIREOptions(method="svd"))
+    for name, value in model.named_parameters():
+        assert torch.equal(value, before[name]), name
