@@ -31,7 +31,7 @@ from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d,
                       module_roles, named_blocks, output_heads, stored_param, table_blocks, unknown_split)
 
 SCOPES = ("all", "attention", "mlp", "head")
-# model -> (structure, objects kept alive so the ids in structure stay theirs, output heads, {include_conv: views})
+# model -> (structure, weak references to the objects whose ids it names, output heads, {include_conv: views})
 _MAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -53,6 +53,7 @@ def _model_map(model: nn.Module, include_conv: bool) -> tuple[set[str], list[tup
             refs = [weakref.ref(o) for o in objects]
         except TypeError:  # an object that takes no weak reference: read every time rather than risk a stale map
             refs = None
+            _MAPS.pop(model, None)
         kept = (structure, refs, output_heads(model), {})
         if refs is not None:
             _MAPS[model] = kept
