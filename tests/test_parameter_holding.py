@@ -224,7 +224,13 @@ def test_parametrized_weight_is_named_in_coverage_with_what_each_method_does(kin
     table = coverage_report(model)  # today: AttributeError
     assert f"fc2.parametrizations.weight.original" in table and f"parametrized ({PARAMETRIZED[kind][1]})" in table
     assert [t.name for t in select_targets(model)] == ["fc1.weight", "fc2.weight", "fc3.weight"]
-    kept = originals(model)  # DASH refuses every kind by name (tests/test_parametrized.py: FIRE, WeightClip, ...)
+    kept = originals(model)  # DASHShrink: weight norm through g, the others refused by name (tests/test_parametrized)
+    if kind == "weight_norm":
+        fit(Lit(model, inputs()), CALLBACKS["dash"]())
+        shrunk = originals(model)["original0"] / kept["original0"]  # each row of g·v/‖v‖ by its factor
+        assert torch.equal(originals(model)["original1"], kept["original1"])
+        assert (shrunk <= 1).all() and (shrunk < 1).any()
+        return
     with pytest.warns(UserWarning, match=rf"leaves alone model.fc2.weight \({PARAMETRIZED[kind][1]}: "):
         fit(Lit(model, inputs()), CALLBACKS["dash"]())
     for name, value in originals(model).items():

@@ -150,22 +150,31 @@ def test_a_model_whose_only_weight_is_orthogonal_is_refused_by_name_not_as_an_em
     assert [r.name for r in apply_fire(only_wn, None, FIREOptions(method="svd"))] == ["0.weight"]
 
 
-def test_dash_refuses_each_parametrized_layer_by_name_and_shrinks_the_plain_ones():
+def test_dash_shrinks_weight_norm_rows_through_g_and_refuses_the_others_by_name():
     model = mixed()
-    model(torch.randn(4, 8)).square().mean().backward()
-    originals = {n: p.detach().clone() for n, p in model.named_parameters() if n != "plain.weight"
-                 and not n.startswith(("plain.", "head."))}
-    plain = model.plain.weight.detach().clone()
+    twin = mixed()  # the same model with the weight-norm weights stored plainly: they get their own gradients
+    parametrize.remove_parametrizations(twin.wn, "weight", leave_parametrized=True)
+    torch.nn.utils.remove_weight_norm(twin.legacy_wn)
+    x = torch.randn(6, 8)
+    for net in (model, twin):
+        net(x).square().mean().backward()
+    kept = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(("sn.", "orth.", "legacy_sn."))}
     with pytest.warns(UserWarning) as caught:
-        factors = dash_(model, min_factor=0.0)
+        factors = dash_(model, min_factor=0.1)
     message = " ".join(str(w.message) for w in caught)
-    for name in ("wn.weight (weight norm:", "sn.weight (spectral norm:", "orth.weight (orthogonal:",
-                 "legacy_wn.weight (weight norm:", "legacy_sn.weight (spectral norm:", "remove_weight_norm"):
+    for name in ("sn.weight (spectral norm:", "orth.weight (orthogonal:", "legacy_sn.weight (spectral norm:",
+                 "remove_spectral_norm"):
         assert name in message, name
-    assert set(factors) == {"plain"}
-    cos = F.cosine_similarity(-model.plain.weight.grad.double(), plain.double(), dim=1).clamp(0, 1)
-    torch.testing.assert_close(model.plain.weight.detach().double(), plain.double() * cos[:, None])
-    for name, value in originals.items():
+    assert "wn.weight" not in message.replace("legacy_sn.weight", "").replace("sn.weight", "")
+    assert set(factors) == {"plain", "wn", "legacy_wn"}
+    for name in ("plain", "wn", "legacy_wn"):  # float64: each row of the forward's weight times clamp(cos(−G, W))
+        weight, grad = getattr(twin, name).weight.detach().double(), getattr(twin, name).weight.grad.double()
+        cos = F.cosine_similarity(-grad, weight, dim=1).clamp(0.1, 1)
+        torch.testing.assert_close(factors[name].double(), cos, atol=1e-5, rtol=0)
+        for train in (False, True):
+            torch.testing.assert_close(effective(getattr(model, name), train).double(), weight * cos[:, None],
+                                       atol=1e-5, rtol=0)
+    for name, value in kept.items():
         assert torch.equal(dict(model.named_parameters())[name], value), name
     only = nn.Sequential(parametrizations.spectral_norm(nn.Linear(6, 6)), nn.ReLU(), nn.Linear(6, 2))
     with pytest.raises(ValueError, match=r"0\.weight \(spectral norm: the forward divides"):

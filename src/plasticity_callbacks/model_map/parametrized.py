@@ -41,8 +41,8 @@ WRITABLE = ("weight norm", "spectral norm")  # kinds whose originals can carry a
 
 # What each method does with a weight computed by each kind: one table, for the coverage table and the docs.
 HOW_METHODS_TREAT = {
-    "weight norm": "FIRE and WeightClip act through it (the effective weight is written as g·v/‖v‖); DASH, "
-                   "AdaptiveSVD, ReDo and ContinualBackprop refuse it",
+    "weight norm": "FIRE and WeightClip act through it (the effective weight is written as g·v/‖v‖), DASH "
+                   "shrinks its rows through g; AdaptiveSVD, ReDo and ContinualBackprop refuse it",
     "spectral norm": "FIRE acts on its original (the effective weight becomes the polar factor, σ_max = 1); DASH, "
                      "WeightClip, AdaptiveSVD, ReDo and ContinualBackprop refuse it",
     "orthogonal": "FIRE skips it (already an isometry); DASH, WeightClip, AdaptiveSVD, ReDo and ContinualBackprop "
@@ -69,6 +69,14 @@ class ParametrizedWeight:
     def stored(self) -> nn.Parameter:
         """The original shaped like the weight: ``v`` of weight norm, else the first (``original``, ``weight_orig``)."""
         return self.originals[-1] if self.kind == "weight norm" else self.originals[0]
+
+    @property
+    def norm_dim(self) -> int | None:
+        """Weight norm's ``dim``: the one dim its norm leaves out (``-1``: the whole tensor); None for other kinds."""
+        if self.kind != "weight norm":
+            return None
+        return _legacy_hook(self.module, self.attr).dim if self.legacy else \
+            getattr(self.module.parametrizations, self.attr)[0].dim
 
     def removal(self) -> str:
         """The call that removes this parametrization (the fix a refusal names)."""
@@ -103,9 +111,7 @@ class ParametrizedWeight:
                                "a new weight")
         if self.kind == "weight norm":
             g, v = self.originals
-            dim = _legacy_hook(self.module, self.attr).dim if self.legacy else \
-                getattr(self.module.parametrizations, self.attr)[0].dim
-            norms = torch.norm_except_dim(value, 2, dim)  # shaped like g
+            norms = torch.norm_except_dim(value, 2, self.norm_dim)  # shaped like g
             v.copy_(torch.where(norms > 0, value.to(v.dtype), v))  # a zero slice keeps a direction: 0·v/‖v‖ = 0
             g.copy_(norms.to(g.dtype))
         else:
