@@ -2,8 +2,12 @@
 
 Times ``select_targets`` (the first call on a model runs the forward probes: the attention probe for
 fused Q/K/V and the trace that reads bare parameters, expert stacks and every layer's output cuts;
-later calls are cached), ``find_neuron_layers`` and ``coverage_report``, and one SGD training step
-(batch 4 × 128 tokens, forward + backward + step) on the same model. Families: GPT-2 124M, a GPT-NeoX
+later calls are served from the map kept per model, one walk over its modules to see that nothing changed),
+``find_neuron_layers`` and ``coverage_report``, and one SGD training step (batch 4 × 128 tokens, forward +
+backward + step) on the same model. Side by side, in the same run: ``re-read``, a call with the kept map
+dropped (probe and trace results still cached), which is what every call after the first cost before the map
+was kept. Tiny models (2 layers, width 64, vocabulary 512) come first: there a training step is cheap, so the
+map's cost relative to it is largest. Families at 124M: GPT-2 124M, a GPT-NeoX
 of the same size (fused Q/K/V read by the probe), and the frontier ones of issue 32 at about that size:
 Mixtral-style MoE (8 experts), GPT-OSS (interleaved ``(in, out)`` experts), DeepSeek-V3 (latent attention
 + MoE), Mamba, Mamba-2 and Jamba (hybrid); and this package's GPT at GPT-2's size, dense, hybrid
@@ -13,7 +17,7 @@ thread; asserts nothing. Timings exclude start-up: every timed call runs once fi
 small model (the trace imports ``torch._dynamo``, about a second, unless building a Hugging Face model did), so
 ``first`` is the model's own probes and trace, whichever family comes first.
 
-Usage: ``python benchmarks/model_map_cost.py [family ...]``
+Usage: ``python benchmarks/model_map_cost.py [family ...]`` (``tiny``: the tiny families only)
 """
 from __future__ import annotations
 
@@ -26,13 +30,33 @@ import torch.nn.functional as F
 import transformers
 
 from plasticity_callbacks.model_map import coverage_report, find_neuron_layers, select_targets
+from plasticity_callbacks.model_map import select as model_map_select
 from plasticity_callbacks.models import GPT, GPTConfig
 
 VOCAB = 50304
+TINY_VOCAB = 512
+TINY_MOE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=TINY_VOCAB)
 MOE = dict(hidden_size=768, intermediate_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
            vocab_size=VOCAB)
 GPT_124M = dict(vocab_size=VOCAB, sequence_len=256, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
+TINY = {
+    "tiny gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=TINY_VOCAB)),
+    "tiny gpt-neox (probed)": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, vocab_size=TINY_VOCAB)),
+    "tiny mixtral-4x": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, **TINY_MOE)),
+    "tiny mamba": lambda: transformers.MambaForCausalLM(transformers.MambaConfig(
+        hidden_size=64, num_hidden_layers=2, vocab_size=TINY_VOCAB, use_mambapy=False)),
+    "tiny package gpt": lambda: GPT(GPTConfig(vocab_size=TINY_VOCAB, sequence_len=256, n_layer=2, n_head=2,
+                                              n_kv_head=2, n_embd=64)),
+    "tiny package gpt moe": lambda: GPT(GPTConfig(vocab_size=TINY_VOCAB, sequence_len=256, n_layer=2, n_head=2,
+                                                  n_kv_head=2, n_embd=64, mlp="moe",
+                                                  mlp_options=dict(n_experts=4, top_k=2))),
+}
 FAMILIES = {
+    **TINY,
     "gpt2-124M": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config()),
     "gpt-neox-124M (probed)": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=VOCAB)),
@@ -68,6 +92,19 @@ def timed(fn, repeat: int = 3) -> tuple[float, float]:
     return times[0], min(times[1:])
 
 
+def vocabulary(model: torch.nn.Module) -> int:
+    """The model's own vocabulary size (token ids are drawn below it)."""
+    if isinstance(model, GPT):
+        return model.config.vocab_size
+    return model.get_input_embeddings().num_embeddings
+
+
+def reread(model: torch.nn.Module) -> None:
+    """``select_targets`` with the kept map dropped: what a later call cost before the map was kept."""
+    getattr(model_map_select, "_MAPS", {}).pop(model, None)  # (a source tree without the kept map: a plain call)
+    select_targets(model)
+
+
 def language_model_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(model, GPT):  # this package's GPT: (B, T) ids to (B, T, V) logits
         return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
@@ -77,7 +114,7 @@ def language_model_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
 def training_step_ms(model: torch.nn.Module) -> float:
     """Best of two SGD steps on 4 × 128 random tokens (the first one warms up), in milliseconds."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    ids = torch.randint(0, VOCAB, (4, 128))
+    ids = torch.randint(0, vocabulary(model), (4, 128))
     model.train()
 
     def step():
@@ -92,7 +129,7 @@ def training_step_ms(model: torch.nn.Module) -> float:
 def warm_up() -> None:
     """Every timed call once, untimed, on a throwaway two-layer GPT-2: library start-up is not the map's cost."""
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB))
-    select_targets(model), find_neuron_layers(model), coverage_report(model)
+    select_targets(model), reread(model), find_neuron_layers(model), coverage_report(model)
     training_step_ms(model)
 
 
@@ -101,18 +138,25 @@ def main(names: list[str]) -> None:
     warnings.simplefilter("once")  # the map's notes on a model, once each, not once per timed call
     torch.set_num_threads(1)  # CPU time of one thread: what a shared machine's other jobs inflate least
     warm_up()
-    for label in names or FAMILIES:
+    names = list(TINY) if names == ["tiny"] else names or list(FAMILIES)
+    print("select_targets in ms (in training steps); find_neuron_layers first / later and coverage_report in ms")
+    print(f"{'family':<28}{'params':>8}{'step ms':>9}{'first':>16}{'kept map':>16}{'re-read':>16}"
+          f"{'neurons':>14}{'coverage':>10}")
+    for label in names:
         torch.manual_seed(0)
         model = FAMILIES[label]()
         params = sum(p.numel() for p in model.parameters()) / 1e6
-        select = timed(lambda: select_targets(model))
+        select = timed(lambda: select_targets(model), repeat=6)
+        again = timed(lambda: reread(model), repeat=4)
         neurons = timed(lambda: find_neuron_layers(model))
         report = timed(lambda: coverage_report(model))
         step = training_step_ms(model)
-        print(f"{label} ({params:.0f}M params): select_targets first {select[0]:.0f} ms "
-              f"({select[0] / step:.2f} training steps), then {select[1]:.1f} ms ({select[1] / step:.3f}); "
-              f"find_neuron_layers {neurons[0]:.0f} / {neurons[1]:.0f} ms; coverage_report {report[1]:.0f} ms; "
-              f"one training step {step:.0f} ms", flush=True)
+
+        def cell(ms: float) -> str:
+            return f"{ms:.1f} ({ms / step:.3f})"
+
+        print(f"{label:<28}{params:>7.1f}M{step:>9.1f}{cell(select[0]):>16}{cell(select[1]):>16}{cell(again[1]):>16}"
+              f"{neurons[0]:>8.0f} / {neurons[1]:<4.0f}{report[1]:>10.0f}", flush=True)
 
 
 if __name__ == "__main__":

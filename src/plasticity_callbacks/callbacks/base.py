@@ -86,6 +86,8 @@ class PlasticityCallback(L.Callback):
         parameter_state_keys: keys of :meth:`extra_state` holding lists of tensors shaped like parameters
             (sharded like them under FSDP2, written by :func:`~distributed.sharded_state.pack_for_checkpoint`).
         reads_gradients: the method's action reads gradients, so a NaN/Inf gradient skips it too.
+        acts_through: ``{parametrization kind: why the method leaves it alone}``, ``""`` for a kind it acts
+            through (:func:`~model_map.refuse_parametrized`); a weight of any other kind is refused by name at setup.
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
@@ -102,12 +104,11 @@ class PlasticityCallback(L.Callback):
         ...         self.halvings = 0
         ...
         ...     def act(self, trainer, pl_module, reason):
-        ...         targets = select_targets(pl_module, self.selection)
-        ...         with torch.no_grad():
-        ...             for t in targets:
-        ...                 t.param.mul_(0.5)
+        ...         targets = require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
+        ...         for t in targets:
+        ...             t.write(0.5 * t.read())  # the effective weight (factorized: W_p + BA)
         ...         self.halvings += 1
-        ...         return {"halve/norm": float(sum(t.param.norm() for t in targets))}
+        ...         return {"halve/norm": float(sum(t.read().norm() for t in targets))}
         ...
         ...     def extra_state(self):
         ...         return {"halvings": self.halvings}
@@ -125,6 +126,7 @@ class PlasticityCallback(L.Callback):
     optional_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
     parameter_state_keys: ClassVar[tuple[str, ...]] = ()
     reads_gradients: ClassVar[bool] = False
+    acts_through: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
         super().__init__()
@@ -168,7 +170,7 @@ class PlasticityCallback(L.Callback):
         """Fail at setup, before any training, when the selection finds no weight; show what it treats and
         why every other weight is left alone (the model map's coverage table)."""
         if self.selection is not None:
-            require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
+            require_targets(select_targets(pl_module, self.selection), self.owner, self.selection, self.acts_through)
             if trainer.is_global_zero:
                 log_coverage(pl_module, self.selection, self.owner)
 

@@ -16,7 +16,7 @@ from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor
 from ..ops.minor_gradient import full_gradients
 from ..model_map import Selection
-from ..ops.dash import ShrinkLayer, shrink_layers, shrink_layers_
+from ..ops.dash import DASH_THROUGH, ShrinkLayer, shrink_layers, shrink_layers_
 from .schedule import Schedule
 from ..distributed.sharding import all_finite_on_every_rank
 from ..functional.shrink import dash_shrink_factors
@@ -46,6 +46,7 @@ class DirectionalShrink(PlasticityCallback):
     """
 
     prefix: ClassVar[str] = "dash"
+    acts_through = DASH_THROUGH  # weight norm shrunk through g; the others refused by name, with why
     extra_state_types = {"shrinks": int, "skipped_nonfinite": int, "last_shrink_step": int}
 
     def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | Mapping | None = None,
@@ -219,7 +220,8 @@ class DASHShrink(DirectionalShrink):
         if isinstance(loader, (Mapping, list, tuple)):
             raise ValueError("DASHShrink needs a single training dataloader, got "
                              f"{type(loader).__name__}")
-        tracked = [p for layer in self._layers for p in (layer.weight, layer.bias) if p is not None]
+        # weight norm: g's and v's directions, from which ops.dash rebuilds the forward weight's
+        tracked = [p for layer in self._layers for p in (*_weights(layer), layer.bias) if p is not None]
         # FSDP2: the EMA of each rank's shard (its gradient is already the mean over ranks: reduce-scattered)
         ema = [torch.zeros_like(_local(p), dtype=torch.promote_types(p.dtype, torch.float32)) for p in tracked]
         # A weight that never got a gradient (frozen, or unused by training_step) has no direction to compare:
@@ -338,3 +340,8 @@ def _muted_logging(pl_module):
     finally:
         del pl_module.log, pl_module.log_dict
         pl_module.__dict__.update(shadowed)
+
+
+def _weights(layer: ShrinkLayer) -> list[torch.Tensor]:
+    """The tensors whose directions DASH reads for a layer's weight: the weight, or its parametrization's originals."""
+    return list(layer.view.through.originals) if layer.view.through is not None else [layer.weight]

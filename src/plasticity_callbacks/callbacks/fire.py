@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ..ops.fire import apply_fire
+from ..ops.fire import FIRE_THROUGH, apply_fire
 from ..arguments import build_options, check_bool, check_int
 from .state import OPTIONAL_INT
 from ..distributed.strategy import all_reduce_mean
@@ -29,7 +29,9 @@ class FIREReinit(PlasticityCallback):
     also across a resume.
 
     What changes: the target weights (see :func:`plasticity_callbacks.ops.fire.apply_fire`) and the
-    optimizer state of exactly those weights (``options.reset_optimizer``). With ``rewarmup_steps = K`` the
+    optimizer state of exactly those weights (``options.reset_optimizer``). A weight under weight norm or spectral
+    norm is orthogonalized as the forward computes it and written through the parametrization; an orthogonal one
+    is skipped, named in a warning (:data:`~plasticity_callbacks.ops.fire.FIRE_THROUGH`). With ``rewarmup_steps = K`` the
     learning rate of the next K optimizer steps is multiplied by ``(i+1)/K``: a pre-step hook on
     each optimizer scales every group's ``lr`` and a post-step hook restores it, before any LR
     scheduler steps, so the user's scheduler is neither replaced nor disturbed.
@@ -65,6 +67,7 @@ class FIREReinit(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # FSDP2 shards: distributed.sharded_fire
+    acts_through = FIRE_THROUGH  # weight norm, spectral norm; orthogonal: already an isometry
     summary_metrics = ("fire/dfi_before", "fire/dfi_after")
     extra_state_types = {"history": list, "warmup_start": OPTIONAL_INT}
 

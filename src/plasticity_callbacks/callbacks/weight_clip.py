@@ -5,18 +5,30 @@ import math
 from collections.abc import Mapping
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..arguments import check_number
 from ..model_map import Selection, is_conv1d
+from ..model_map.parametrized import ParametrizedWeight, parametrized_weight
 from ..model_map.patterns import name_selection
 from ..model_map.select import weight_views
 from ..model_map.stacks import expert_bias_of
 from ..model_map.weights import CONV_TRANSPOSE, is_layer
 from ..distributed.sharding import fraction_over_shards, local_part
+from ..distributed.strategy import is_dtensor
 from ..functional.anchors import clip_to_bounds_, fan_in_bound
 from .base import PlasticityCallback
+
+
+# Why WeightClip leaves a parametrization alone: it clips the weight the forward computes, and only weight norm
+# can carry the clipped weight back (g = row norms, v = the weight); the others would move it off the box again.
+CLIP_THROUGH = {
+    "weight norm": "",
+    "spectral norm": "the forward divides the clipped original by its largest singular value, which moves it off "
+                     "the box again",
+    "orthogonal": "an orthogonal weight's entries are fixed by its isometry and cannot be clipped",
+}
 
 
 def clip_bounds(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, float]], dict[str, str]]:
@@ -32,12 +44,32 @@ def clip_bounds(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, float]]
         >>> left["model.norm.weight"]
         'no fan-in bound (norm, embedding or 1-D parameter)'
     """
+    bounds, _, left = _clip_bounds(model)
+    return bounds, left
+
+
+def parametrized_clip_bounds(model: nn.Module) -> dict[str, tuple[ParametrizedWeight, float]]:
+    """``{name: (its parametrization, init bound)}`` of every weight :func:`clip_bounds` bounds that a
+    parametrization computes (weight norm, spectral norm, ...), by the effective weight's name.
+
+    Example:
+        >>> parametrized_clip_bounds(model)["fc.weight"][0].kind
+        'weight norm'
+    """
+    return _clip_bounds(model)[1]
+
+
+def _clip_bounds(model: nn.Module):
     bounds: dict[str, tuple[nn.Parameter, float]] = {}
+    computed: dict[str, tuple[ParametrizedWeight, float]] = {}
 
     def add(module_name: str, attr: str, bound: float) -> None:
-        param = model.get_submodule(module_name)._parameters.get(attr)
+        module = model.get_submodule(module_name)
+        param, name = module._parameters.get(attr), f"{module_name}.{attr}" if module_name else attr
         if isinstance(param, nn.Parameter):
-            bounds.setdefault(f"{module_name}.{attr}" if module_name else attr, (param, bound))
+            bounds.setdefault(name, (param, bound))
+        elif (through := parametrized_weight(module, attr)) is not None:
+            computed.setdefault(name, (through, bound))
 
     for module_name, module in model.named_modules():
         if is_layer(module) or isinstance(module, CONV_TRANSPOSE):
@@ -55,8 +87,8 @@ def clip_bounds(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, float]]
             for attr, _ in module.named_parameters(recurse=False):
                 add(module_name, attr, 1 / math.sqrt(module.hidden_size))
     for module_name, view in weight_views(model):
-        if view.kind != "matrix" or view.name in bounds:
-            continue
+        if view.kind != "matrix" or view.name in bounds or view.through is not None:
+            continue  # a parametrized matrix: add() above recorded it by its effective weight
         module = view.module
         bound = 1 / math.sqrt(view.shape[1])  # one matrix's fan-in: an expert's own, not the stack's
         bounds[view.name] = (view.param, bound)
@@ -64,13 +96,16 @@ def clip_bounds(model: nn.Module) -> tuple[dict[str, tuple[nn.Parameter, float]]
         for attr, param in module.named_parameters(recurse=False):
             if expert_bias_of(module, param) is view.param:
                 add(module_name, attr, bound)
+    originals = {id(p): name for name, (through, _) in computed.items() for p in through.originals}
     left = {}
     for name, param in model.named_parameters():
+        if id(param) in originals:
+            continue  # WeightClip clips or refuses the weight it computes, by that weight's name
         if name not in bounds and param.requires_grad:
             left[name] = ("no fan-in bound (norm, embedding or 1-D parameter)" if param.dim() < 2 or "norm" in name
                           or _is_embedding(model, name) else "not a linear map the model map knows (see its "
                           "coverage table)")
-    return bounds, left
+    return bounds, computed, left
 
 
 def _is_embedding(model: nn.Module, name: str) -> bool:
@@ -89,7 +124,9 @@ class WeightClip(PlasticityCallback):
     and ``in_proj_bias``; every ``nn.LSTM``/``GRU``/``RNN`` weight and bias (bound ``1/√hidden_size``, their
     init); mixture-of-experts routers and 3-D expert stacks with their biases (the bound from one expert
     matrix's own fan-in), see :func:`clip_bounds`. Norms, embeddings and other parameters have no fan-in
-    bound and are left alone; the fit-start message names them. Acts in ``on_train_batch_end`` of every batch whose
+    bound and are left alone; the fit-start message names them. A weight under weight norm is clipped as the
+    forward computes it (``g·v/‖v‖``) and written back through ``g`` and ``v``; one under spectral norm or
+    orthogonal is refused by name in a warning (:data:`CLIP_THROUGH` says why). Acts in ``on_train_batch_end`` of every batch whose
     optimizer stepped (so once per accumulated step); deterministic, hence identical on every DDP rank (under FSDP2 each rank clips its shard);
     stateless across a resume (the bounds follow from the shapes). Logs ``weight_clip/clipped``, the
     fraction of clipped entries that were outside their box before the step's clip.
@@ -115,6 +152,7 @@ class WeightClip(PlasticityCallback):
         self.kappa = float(kappa)
         self._params: list[torch.nn.Parameter] = []
         self._bounds: list[float] = []
+        self._through: list[tuple[ParametrizedWeight, float]] = []  # weight norm: clipped as the forward uses it
         self._last_step = -1
 
     @property
@@ -123,16 +161,30 @@ class WeightClip(PlasticityCallback):
                                         exclude=self.selection.exclude)
 
     def check_targets(self, trainer, pl_module) -> None:
-        left = self._resolve(pl_module)
+        left, refused = self._resolve(pl_module)
+        if refused:
+            rank_zero_warn("WeightClip leaves alone " + "; ".join(f"{name} ({why})" for name, why in refused.items()))
         others = ", ".join(f"{name} ({why})" for name, why in sorted(left.items()))
         rank_zero_info(f"WeightClip keeps {len(self._params)} weights/biases within ±{self.kappa}·init bound "
                        f"(1/√fan_in); not clipped: {others or 'nothing'}")
 
-    def _resolve(self, pl_module) -> dict[str, str]:
+    def _resolve(self, pl_module) -> tuple[dict[str, str], dict[str, str]]:
         """The clipped parameters and their bounds, as the model holds them now (FSDP2 replaces them in
-        ``configure_model``, after setup); returns the trainable ones left alone, with why."""
-        bounds, left = clip_bounds(pl_module)
-        self._params, self._bounds = [], []
+        ``configure_model``, after setup); returns the trainable ones left alone, with why, and the parametrized
+        weights refused (:data:`CLIP_THROUGH`), with why and the fix."""
+        bounds, computed, left = _clip_bounds(pl_module)
+        self._params, self._bounds, self._through, refused = [], [], [], {}
+        for name, (through, bound) in computed.items():
+            if not any(p.requires_grad for p in through.originals) or not self.selection.matches(name):
+                continue
+            if any(is_dtensor(p) for p in through.originals):
+                raise NotImplementedError(f"WeightClip: {name} is computed by a parametrization ({through.kind}) and "
+                                          "sharded by FSDP2; remove the parametrization or exclude the weight")
+            why = CLIP_THROUGH.get(through.kind, f"WeightClip does not act through a {through.kind} parametrization")
+            if why:
+                refused[name] = f"{through.kind}: {why}; to clip it, {through.removal()} first, or exclude it"
+            else:
+                self._through.append((through, bound))
         for name, (param, bound) in bounds.items():
             if not param.requires_grad:
                 continue
@@ -141,10 +193,11 @@ class WeightClip(PlasticityCallback):
                 self._bounds.append(bound)
             else:
                 left[name] = "excluded by the selection"
-        if not self._params:
+        if not self._params and not self._through:
             raise ValueError(f"WeightClip found no weight with an init bound matching "
-                             f"include={self.selection.include}, exclude={self.selection.exclude}")
-        return left
+                             f"include={self.selection.include}, exclude={self.selection.exclude}"
+                             + (f"; left alone: {refused}" if refused else ""))
+        return left, refused
 
     def attach(self, trainer, pl_module) -> None:
         self._resolve(pl_module)
@@ -159,5 +212,16 @@ class WeightClip(PlasticityCallback):
             return
         shards = [local_part(p)[0] for p in self._params]  # FSDP2: each rank clips the rows it holds
         clipped = fraction_over_shards(clip_to_bounds_(shards, self._bounds, self.kappa), shards, self._params)
+        if self._through:
+            outside, computed = 0, 0
+            for through, bound in self._through:
+                weight = through.read()  # as the forward computes it
+                limit = self.kappa * bound
+                over = int((weight.abs() > limit).sum())
+                if over:  # rewritten only when clipped: a write rescales v, which sets the step size of g·v/‖v‖
+                    through.write(weight.clamp_(-limit, limit))  # weight norm carries it exactly
+                outside, computed = outside + over, computed + weight.numel()
+            plain = sum(p.numel() for p in self._params)
+            clipped = (clipped.double().cpu() * plain + outside) / (plain + computed)
         # measured at every optimizer step: Lightning writes the series at its log_every_n_steps cadence
         pl_module.log("weight_clip/clipped", clipped.float(), on_step=True, on_epoch=False)

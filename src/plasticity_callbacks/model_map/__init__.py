@@ -24,6 +24,7 @@ from .select import (
     Selection,
     find_neuron_layers,
     refuse_factorized,
+    refuse_parametrized,
     refuse_unknown_splits,
     require_targets,
     select_targets,
@@ -35,6 +36,6 @@ __all__ = [
     "Declaration", "HeadLayout", "HiddenUnits", "Interleaved", "RowBlock", "SCOPES", "Selection", "WeightView",
     "coverage_report", "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight",
     "fresh_parameters", "grouped_heads", "interleaved_heads", "is_conv1d", "linear_map", "output_heads",
-    "refuse_factorized", "refuse_unknown_splits", "require_targets", "select_targets", "stacked_matrices",
-    "validate_patterns",
+    "refuse_factorized", "refuse_parametrized", "refuse_unknown_splits", "require_targets", "select_targets",
+    "stacked_matrices", "validate_patterns",
 ]

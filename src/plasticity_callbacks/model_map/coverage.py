@@ -17,7 +17,8 @@ import weakref
 from torch import nn
 
 from .fresh import init_sources
-from .holding import describe_holding, is_frozen, lora_parts, parametrization, weight_in_buffer
+from .holding import describe_holding, is_frozen, lora_parts, weight_in_buffer
+from .parametrized import HOW_METHODS_TREAT, parametrized_weight
 from .select import Selection, find_neuron_layers, select_targets, weight_views
 from .stacks import bare_fix, bare_reason
 from .weights import output_heads
@@ -58,6 +59,9 @@ def coverage(model: nn.Module, selection=None) -> list[tuple[str, tuple[int, ...
             held = describe_holding(view.module, view.attribute, lora)
             if id(param) in treated:
                 detail = f"role={view.role} " + _structure(view) + (f", {held}" if held else "")
+                if view.through is not None:  # selected by the weight's name, acted on (or refused) per method
+                    detail += f": computes {view.name}; " + HOW_METHODS_TREAT.get(
+                        view.through.kind, "every method that rewrites a weight refuses it by name")
                 rows.append((name, shape, "treated", detail + fresh))
             else:
                 rows.append((name, shape, "untreated", _why_not(view, module_name, heads, selection, held) + fresh))
@@ -108,15 +112,14 @@ def _unknown_reason(model: nn.Module, name: str, param, owner: nn.Module | None,
                     modules: dict[str, nn.Module]) -> str:
     if isinstance(owner, nn.Embedding) or isinstance(owner, nn.EmbeddingBag):
         return "embedding (default)"
+    computed = _computed_by(name, owner, modules)
+    if computed is not None:
+        path, through = computed
+        shrink = ("ShrinkPerturb refuses it: the weight is kept in a buffer"
+                  if weight_in_buffer(through.module, through.attr) else "ShrinkPerturb treats this original")
+        how = HOW_METHODS_TREAT.get(through.kind, "every method that rewrites a weight refuses it by name")
+        return f"{PARAMETRIZED} ({through.kind}): computes {path}.{through.attr}; {how}; {shrink}"
     if ".parametrizations." in name:
-        path, attr = name.split(".parametrizations.")[0], name.split(".parametrizations.")[1].split(".")[0]
-        kind = parametrization(modules[path], attr) if path in modules else ""
-        if kind:
-            shrink = ("ShrinkPerturb refuses it: the weight is kept in a buffer"
-                      if weight_in_buffer(modules[path], attr) else "ShrinkPerturb treats this original")
-            return (f"{PARAMETRIZED} ({kind}): computes {path}.{attr}, which FIRE, DASH, ReDo, ContinualBackprop "
-                    f"and AdaptiveSVD leave alone ({shrink}); to treat the weight, "
-                    f"torch.nn.utils.parametrize.remove_parametrizations(model.{path}, {attr!r}) first")
         return "low-rank factor of a factorized weight (AdaptiveSVDSwitch)"
     if owner is not None and "norm" in type(owner).__name__.lower():
         return "normalization (default)"
@@ -126,6 +129,20 @@ def _unknown_reason(model: nn.Module, name: str, param, owner: nn.Module | None,
     kind = type(owner).__name__ if owner is not None else "parameter"
     return (f"{UNKNOWN} ({kind}.{name.rsplit('.', 1)[-1]}: the forward never used it as a linear map that could be "
             f"read); {bare_fix(name, param)}")
+
+
+def _computed_by(name: str, owner: nn.Module | None, modules: dict[str, nn.Module]):
+    """``(module path, ParametrizedWeight)`` when parameter ``name`` is an original of a user's parametrization
+    (``<path>.parametrizations.<attr>.original0``, a legacy hook's ``<path>.<attr>_g``), else None."""
+    if ".parametrizations." in name:
+        path, rest = name.split(".parametrizations.", 1)
+        module, attr = modules.get(path), rest.split(".")[0]
+    else:
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        module, leaf = owner, name.rsplit(".", 1)[-1]
+        attr = next((leaf.removesuffix(s) for s in ("_g", "_v", "_orig") if leaf.endswith(s)), None)
+    through = parametrized_weight(module, attr) if module is not None and attr else None
+    return (path, through) if through is not None else None
 
 
 def coverage_report(model: nn.Module, selection=None) -> str:
@@ -177,12 +194,6 @@ def log_coverage(model: nn.Module, selection=None, owner: str = "plasticity") ->
     if unknown:
         warnings.warn(f"{owner}: no plasticity callback treats {unknown} (the forward never used them as a linear "
                       "map it could read); declare them (see the coverage table) or exclude them explicitly",
-                      stacklevel=3)
-    parametrized = [name for name, _, status, detail in rows if detail.startswith(PARAMETRIZED)]
-    if parametrized:
-        warnings.warn(f"{owner} leaves alone the weights computed from {parametrized} by a parametrization (weight "
-                      "norm, spectral norm, orthogonal): writing the weight would bypass it; remove the "
-                      "parametrization (torch.nn.utils.parametrize.remove_parametrizations) to treat them",
                       stacklevel=3)
 
 

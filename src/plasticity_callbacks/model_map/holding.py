@@ -7,11 +7,12 @@ Every callback reads this one place before it changes a weight:
   gets its gradient from the tap. Frozen weights are left alone unless a selection names them.
 * **adapter**: PEFT LoRA's ``lora_A``/``lora_B`` (ordinary trainable Linear layers, drawn fresh by PEFT's
   own init: ``A`` kaiming, ``B`` zeros) and the ``base_layer`` they sit on (frozen by PEFT).
-* **parametrized**: ``torch.nn.utils.parametrize`` computes the weight from its ``original``\\ (s)
-  (``weight_norm``, ``spectral_norm``, ``orthogonal``, a user's own). Methods that rewrite a matrix
-  (FIRE, DASH, ReDo, ...) leave it alone, named in the coverage table; Shrink & Perturb treats its
-  ``original`` parameters, which any value maps to a valid weight. AdaptiveSVD's factorization is a
-  parametrization too, but one the package owns (``plasticity_factorization = True``): it is not this.
+* **parametrized**: ``torch.nn.utils.parametrize`` (or a legacy ``weight_norm``/``spectral_norm`` hook) computes
+  the weight from its ``original``\\ (s) (``weight_norm``, ``spectral_norm``, ``orthogonal``, a user's own).
+  :mod:`.parametrized` reads and writes it; each method acts through it or refuses it by name
+  (:data:`~.parametrized.HOW_METHODS_TREAT`); Shrink & Perturb treats its ``original`` parameters, which any
+  value maps to a valid weight. AdaptiveSVD's factorization is a parametrization too, but one the package owns
+  (``plasticity_factorization = True``): it is not this.
 
 Example:
     >>> describe_holding(model.layer, "weight")   # "frozen", "adapter (LoRA A)", "parametrized (weight norm)"
@@ -23,8 +24,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-# torch.nn.utils.parametrizations' classes, by the names users know them by.
-PARAMETRIZATION_NAMES = {"_WeightNorm": "weight norm", "_SpectralNorm": "spectral norm", "_Orthogonal": "orthogonal"}
+from .parametrized import parametrized_weight
+
 TAPPED = "_plasticity_gradient_tap"  # set on a weight while a GradientTap owns its requires_grad
 
 
@@ -35,11 +36,10 @@ def is_factorization(module: nn.Module, attr: str) -> bool:
 
 
 def parametrization(module: nn.Module, attr: str) -> str:
-    """The user's parametrization computing ``module.<attr>`` (``"weight norm"``, ...), or ``""``."""
-    if not parametrize.is_parametrized(module, attr) or is_factorization(module, attr):
-        return ""
-    return " + ".join(PARAMETRIZATION_NAMES.get(type(p).__name__, type(p).__name__)
-                      for p in getattr(module.parametrizations, attr))
+    """The user's parametrization computing ``module.<attr>`` (``"weight norm"``, ...; a legacy hook's too), or
+    ``""``."""
+    through = parametrized_weight(module, attr)
+    return through.kind if through is not None else ""
 
 
 def weight_in_buffer(module: nn.Module, attr: str) -> bool:
@@ -54,6 +54,9 @@ def is_frozen(module: nn.Module, attr: str) -> bool:
     """The user froze ``module.<attr>``: nothing that computes it trains (see the module docstring)."""
     if parametrize.is_parametrized(module, attr):
         return not any(p.requires_grad for p in getattr(module.parametrizations, attr).parameters())
+    through = parametrized_weight(module, attr)  # a legacy hook: weight_g/weight_v, weight_orig
+    if through is not None:
+        return not any(p.requires_grad for p in through.originals)
     param = module._parameters.get(attr)
     return param is not None and is_frozen_parameter(param)
 

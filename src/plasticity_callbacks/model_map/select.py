@@ -1,20 +1,28 @@
 """Selection: which weight views and neuron layers a callback treats, with its arguments checked.
 
 Skipped by default: embeddings, the output head(s) (:func:`~.weights.output_heads`, tied or not),
-biases, norms and other 1-D parameters, positional blocks, frozen weights (``requires_grad=False``; an
-``include`` pattern naming one treats it) and weights a parametrization computes (:mod:`.holding`).
+biases, norms and other 1-D parameters, positional blocks and frozen weights (``requires_grad=False``; an
+``include`` pattern naming one treats it). A weight a parametrization computes (weight norm, spectral norm,
+orthogonal, a user's own: :mod:`.parametrized`) is selected like any other, its view reading and writing through
+the parametrization; :func:`require_targets` refuses it by name for a method that cannot act through that kind.
+
+The map of a model is read once and kept (:func:`weight_views`) until the model's structure changes: a module or a
+parameter added, removed or replaced, a shape, a ``requires_grad`` flag, a parametrization, a declaration, a role.
 """
 from __future__ import annotations
 
 import fnmatch
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
 
 from ..arguments import build_options
+from .declaration import ATTRIBUTE as DECLARATION
 from .holding import is_frozen, parametrization
+from .parametrized import parametrized_weight
 from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals,
                       state_space_refusals, unpaired_message, unpaired_units)
 from .probe import probe_fused_layouts
@@ -23,10 +31,61 @@ from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d,
                       module_roles, named_blocks, output_heads, stored_param, table_blocks, unknown_split)
 
 SCOPES = ("all", "attention", "mlp", "head")
+# model -> (structure, weak references to the objects whose ids it names, output heads, {include_conv: views})
+_MAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str, WeightView]]:
-    """``(module_name, view)`` for every treatable weight of ``model``, head and positional blocks included."""
+    """``(module_name, view)`` for every treatable weight of ``model``, head and positional blocks included.
+
+    Read once per model structure (see the module docstring) and kept: a later call costs one walk over the
+    modules. A changed model is read again, never served from the kept map.
+    """
+    return list(_model_map(model, include_conv)[1])
+
+
+def _model_map(model: nn.Module, include_conv: bool) -> tuple[set[str], list[tuple[str, WeightView]]]:
+    """``(output heads, weight views)`` of ``model``, kept while its structure is unchanged."""
+    structure, objects = _structure(model)
+    kept = _MAPS.get(model)
+    if kept is None or kept[0] != structure or any(ref() is None for ref in kept[1]):
+        try:  # weak references: the kept map keeps nothing alive, and an id it names belongs to a live object
+            refs = [weakref.ref(o) for o in objects]
+        except TypeError:  # an object that takes no weak reference: read every time rather than risk a stale map
+            refs = None
+            _MAPS.pop(model, None)
+        kept = (structure, refs, output_heads(model), {})
+        if refs is not None:
+            _MAPS[model] = kept
+    views = kept[3]
+    if include_conv not in views:
+        views[include_conv] = _read_weight_views(model, include_conv)
+        if any(view.module is model for _, view in views[include_conv]):
+            _MAPS.pop(model, None)  # a view holding the model itself would keep it alive through its own entry
+    return kept[2], views[include_conv]
+
+
+def _structure(model: nn.Module) -> tuple[tuple, list]:
+    """What the map of ``model`` depends on, as a tuple of names, ids, types, shapes and flags, and the objects
+    whose ids it holds (but the model's own, the key of the kept map)."""
+    parts, objects = [], []
+    for name, module in model.named_modules(remove_duplicate=False):
+        params = tuple((attr, id(p), p.shape, p.requires_grad) for attr, p in module._parameters.items()
+                       if p is not None)  # a legacy weight_norm / spectral_norm hook renames them (weight_g, ...)
+        declared = module.__dict__.get(DECLARATION)
+        parts.append((name, id(module), type(module), params, id(declared),
+                      _attribute(module, "plasticity_role"), _attribute(module, "output_head_name")))
+        objects += [p for p in module._parameters.values() if p is not None]
+        objects += [o for o in (module, declared) if o is not None and o is not model]
+    return tuple(parts), objects
+
+
+def _attribute(module: nn.Module, name: str):
+    """``getattr(module, name, None)`` without ``nn.Module.__getattr__``'s search of parameters and submodules."""
+    return module.__dict__.get(name, getattr(type(module), name, None))
+
+
+def _read_weight_views(model: nn.Module, include_conv: bool) -> list[tuple[str, WeightView]]:
     mlp_modules = {id(m) for layer in (*declared_layers(model), *adapter_layers(model))
                    for m in (layer.up, layer.down, layer.gate) if m is not None}
     roles = module_roles(model, dict.fromkeys(mlp_modules, "mlp"))
@@ -36,7 +95,9 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
         if isinstance(module, nn.Embedding):
             continue
         for attr, kind in _weight_attributes(module, include_conv):
-            param = stored_param(module, attr)
+            param, through = stored_param(module, attr), None
+            if param is None and (through := parametrized_weight(module, attr)) is not None:
+                param = through.stored  # weight norm's v, spectral norm's original: shaped like the weight
             if param is None or id(param) in seen or param.dim() < 2:
                 continue
             seen.add(id(param))
@@ -44,12 +105,13 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
             groups = getattr(module, "groups", 1) if kind == "conv" else 1
             rows = param.shape[1] * groups if transposed else param.shape[0]  # of the (out, in) view
             found.append((module_name, module, attr, kind, param, transposed, groups,
-                          known_blocks(model, module_name, module, attr, rows), rows))
-    attention = {n: m for n, m, attr, *_, blocks, _ in found if blocks is None and in_attention(model, n, m, attr)}
+                          known_blocks(model, module_name, module, attr, rows), rows, through))
+    attention = {n: m for n, m, attr, *_, blocks, _, _ in found
+                 if blocks is None and in_attention(model, n, m, attr)}
     probed = probe_fused_layouts(model, attention)
     layouts = read_layouts(model, seen)
     views = []
-    for module_name, module, attr, kind, param, transposed, groups, blocks, rows in found:
+    for module_name, module, attr, kind, param, transposed, groups, blocks, rows, through in found:
         unknown = ""
         name = f"{module_name}.{attr}" if module_name else attr
         if blocks is None and module_name in attention:
@@ -62,8 +124,8 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
             blocks = named_blocks(module_name, read.blocks) if read is not None else table_blocks(module_name, rows)
         views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
                                               transposed=transposed, blocks=blocks, groups=groups,
-                                              split_unknown=unknown, left_alone=left_alone(model, module_name,
-                                                                                           module))))
+                                              split_unknown=unknown, through=through,
+                                              left_alone=left_alone(model, module_name, module))))
     views += layouts.views(roles)
     return views
 
@@ -155,9 +217,9 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
     """
     selection = Selection.build(selection, "select_targets")  # a mapping of its fields works too
     include, exclude = selection.include, selection.exclude
-    heads = output_heads(model)
+    heads, views = _model_map(model, selection.include_conv)
     targets = []
-    for module_name, view in weight_views(model, selection.include_conv):
+    for module_name, view in views:
         if module_name in heads and not selection.treats_head:
             continue
         if selection.scope == "head" and module_name not in heads:
@@ -279,8 +341,55 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def require_targets(targets: list[WeightView], owner: str, selection: Selection) -> list[WeightView]:
-    """Raise a clear error when a selection came back empty (a callback that silently does nothing is a bug)."""
+def refuse_parametrized(targets: Iterable[WeightView], owner: str, through: Mapping[str, str] | None = None
+                        ) -> list[WeightView]:
+    """``targets`` without the weights computed by a parametrization ``owner`` does not act through, each named in
+    one warning with why and the fix.
+
+    Args:
+        targets: the selected views.
+        owner: the method, for the message.
+        through: ``{kind: why it is left alone}`` (``""``: the method acts through that kind, see
+            :mod:`.parametrized`); a kind not listed (a user's own parametrization, a chain) is refused.
+
+    Example:
+        >>> refuse_parametrized(select_targets(model), "FIRE", {"weight norm": "", "orthogonal": "already an isometry"})
+    """
+    kept, refused = _split_parametrized(targets, owner, through or {})
+    if refused:
+        warnings.warn(f"{owner} leaves alone " + "; ".join(refused), stacklevel=3)
+    return kept
+
+
+def _split_parametrized(targets: Iterable[WeightView], owner: str, through: Mapping[str, str]
+                        ) -> tuple[list[WeightView], list[str]]:
+    kept, refused = [], []
+    for view in targets:
+        kind = view.through.kind if view.through is not None else None
+        if kind is None or through.get(kind) == "":
+            kept.append(view)
+            continue
+        why = through.get(kind) or f"{owner} does not act through a {kind} parametrization"
+        refused.append(f"{view.name} ({kind}: {why}; to treat it, {view.through.removal()} first, or exclude it)")
+    return kept, refused
+
+
+def require_targets(targets: list[WeightView], owner: str, selection: Selection,
+                    through: Mapping[str, str] | None = None) -> list[WeightView]:
+    """The targets ``owner`` acts on, parametrized weights it cannot act through refused by name
+    (:func:`refuse_parametrized`, ``through`` as there); raise a clear error when nothing is left (a callback
+    that silently does nothing is a bug).
+
+    Example:
+        >>> targets = require_targets(select_targets(model, selection), "DASHShrink", selection)
+    """
+    kept, refused = _split_parametrized(targets, owner, through or {})
+    if targets and not kept:
+        raise ValueError(f"{owner}: every selected weight is computed by a parametrization it does not act "
+                         "through: " + "; ".join(refused))
+    if refused:
+        warnings.warn(f"{owner} leaves alone " + "; ".join(refused), stacklevel=2)
+    targets = kept
     if not targets:
         raise ValueError(
             f"{owner}: no weights selected (scope={selection.scope!r}, include={selection.include}, "

@@ -13,7 +13,9 @@ A :class:`WeightView` hides how a layer stores its weight:
   could not be read has ``split_unknown`` set (callbacks that need the split refuse it);
 * factorization: under ``AdaptiveSVDSwitch(minor_training="factorize")`` the stored parameter is the frozen
   ``W_p`` and the layer computes ``W_p + BA``; :meth:`WeightView.read` returns that effective
-  weight and :meth:`WeightView.write` sets it (by writing ``W_p``).
+  weight and :meth:`WeightView.write` sets it (by writing ``W_p``);
+* the user's parametrization (weight norm, spectral norm, orthogonal, legacy hooks): ``through`` reads and
+  writes the effective weight through it (:mod:`.parametrized`), ``param`` is its original shaped like the weight.
 
 Roles come from the model's structure: a module's ``plasticity_role`` class attribute, a
 declaration (:func:`~model_map.declare_plasticity`), attention modules
@@ -32,6 +34,7 @@ from torch.nn.utils import parametrize
 
 from .declaration import declarations
 from .holding import is_factorization
+from .parametrized import ParametrizedWeight
 from .layouts import RowBlock, contiguous, declared_blocks, head_counts, suggested_declarations
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -62,6 +65,7 @@ class WeightView:
     left_alone: str = ""  # why callbacks leave it alone unless a name pattern includes it (an SSM's conv1d)
     per_matrix: tuple[RowBlock, ...] = ()  # a stack's blocks within one of its matrices (for the coverage table)
     stack: int = 0  # a stack of this many matrices (experts) along dim 0, viewed as their rows one after another
+    through: ParametrizedWeight | None = None  # the user's parametrization computing the weight (None: stored)
 
     @property
     def attribute(self) -> str:
@@ -69,7 +73,7 @@ class WeightView:
 
     @property
     def factorized(self) -> bool:
-        return parametrize.is_parametrized(self.module, self.attribute)
+        return is_factorization(self.module, self.attribute)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +101,9 @@ class WeightView:
         return self.oriented(oriented)
 
     def read(self) -> torch.Tensor:
-        """The effective weight as ``(out, in, *k)``, detached. Not factorized: a view of the parameter."""
+        """The effective weight as ``(out, in, *k)``, detached. Stored plainly: a view of the parameter."""
+        if self.through is not None:
+            return self.oriented(self.through.read())
         if self.factorized:
             return self.oriented(getattr(self.module, self.attribute).detach())
         return self.oriented(self.param.detach())
@@ -106,7 +112,9 @@ class WeightView:
     def write(self, value: torch.Tensor) -> None:
         """Set the effective weight to ``value`` (``(out, in, *k)``); factorized: ``W_p = value − BA``."""
         stored = self.stored(value)
-        if self.factorized:
+        if self.through is not None:  # weight norm, spectral norm: see ParametrizedWeight.write
+            self.through.write(stored)
+        elif self.factorized:
             parts = getattr(self.module.parametrizations, self.attribute)[0]
             delta = parts.delta(self.param)
             self.param.copy_(stored.to(self.param.dtype) - delta.to(self.param.dtype))
@@ -118,7 +126,10 @@ class WeightView:
         return self.blocks or (RowBlock("all", range(self.shape[0])),)
 
     def trainable(self) -> list[nn.Parameter]:
-        """The parameters an optimizer updates for this weight: the weight, or ``B, A`` when factorized."""
+        """The parameters an optimizer updates for this weight: the weight, the originals of a parametrization,
+        or ``B, A`` when factorized."""
+        if self.through is not None:
+            return list(self.through.originals)
         if self.factorized:
             parts = getattr(self.module.parametrizations, self.attribute)[0]
             return [p for p in parts.parameters()]

@@ -110,7 +110,9 @@ def build_optimizer(
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
-    matrices = [t.param for t in select_targets(model, Selection(include_conv=False)) if t.param.dim() == 2]
+    # a weight a parametrization computes (weight norm, ...) keeps its originals with AdamW, as before
+    matrices = [t.param for t in select_targets(model, Selection(include_conv=False))
+                if t.param.dim() == 2 and t.through is None]
     matrix_ids = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in matrix_ids]
     muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay)

@@ -1,10 +1,13 @@
 """DASH's shrink on a model: each selected weight row scaled by a factor from its direction (no Lightning).
 
 The factor rules are :mod:`plasticity_callbacks.functional.shrink`'s; this module picks the layers through the
-model map and writes the shrink back (a grouped transposed conv's ``(out, in)`` view, FSDP2's rows).
+model map and writes the shrink back (a grouped transposed conv's ``(out, in)`` view, FSDP2's rows). A weight a
+parametrization computes is shrunk through weight norm's ``g`` (each output row of ``g·v/‖v‖`` by its factor, from
+the forward's weight and its descent direction) and refused by name under any other (:data:`DASH_THROUGH`).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -18,6 +21,13 @@ from ..model_map import Selection, WeightView, refuse_factorized, require_target
 from .optimizer_state import owning_optimizer
 
 FactorRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, direction) -> one factor per row
+# How DASH meets each parametrization: "" acts through it, else why it is left alone. Its factors compare a row of
+# the forward's weight with that row's descent direction, and the shrink must reach the forward's weight.
+DASH_THROUGH = {
+    "weight norm": "",  # g scales each row; the weight's direction is rebuilt from g's and v's (_weight_norm_shrink_)
+    "spectral norm": "the forward divides the original by its largest singular value, which undoes a shrink",
+    "orthogonal": "an orthogonal weight cannot be shrunk",
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,15 @@ def shrink_layers(model: nn.Module, selection: Selection | None = None, optimize
         ValueError: the selection finds nothing, or only Muon-optimized weights with ``skip_muon_params``.
     """
     selection = selection or Selection()
-    targets = require_targets(select_targets(model, selection), owner, selection)
+    targets = require_targets(select_targets(model, selection), owner, selection, DASH_THROUGH)
+    rowless = [t for t in targets if t.through is not None and (t.transposed or t.through.norm_dim != 0)]
+    if rowless:  # weight norm over another dim (an (in, out) layer, dim=1, dim=None): g scales no output row
+        warnings.warn(f"{owner} leaves alone " + "; ".join(
+            f"{t.name} (weight norm over dim {t.through.norm_dim}: its g scales no output row; to treat it, "
+            f"{t.through.removal()} first, or exclude it)" for t in rowless), stacklevel=2)
+        targets = [t for t in targets if t not in rowless]
+        if not targets:
+            raise ValueError(f"{owner}: every selected weight is left alone (see the warning above)")
     if skip_muon_params and optimizers is not None:
         targets = [t for t in targets if not isinstance(owning_optimizer(optimizers, t.param), torch.optim.Muon)]
         if not targets:
@@ -73,15 +91,26 @@ def shrink_layers_(layers: list[ShrinkLayer], direction_of: Callable[[torch.Tens
         owner: the caller's name, for messages.
 
     Raises:
-        RuntimeError: a layer is factorized (``W_p + BA``), whose effective weight has no gradient of its own.
+        RuntimeError: a layer is factorized (``W_p + BA``) or parametrized (weight norm, ...), whose effective weight
+            has no gradient of its own.
     """
     refuse_factorized([layer.view for layer in layers], owner, "DASH needs the gradient of the effective weight")
+    refused = [layer.view.name for layer in layers if layer.view.through is not None and (
+        DASH_THROUGH.get(layer.view.through.kind) != "" or layer.view.transposed or layer.view.through.norm_dim != 0
+        or is_dtensor(layer.weight))]
+    if refused:  # shrink_layers leaves them out; a hand-built list must too
+        raise RuntimeError(f"{owner}: {refused} are computed by a parametrization DASH does not act through here "
+                           "(DASH_THROUGH; weight norm over dim 0 of an (out, in) weight, unsharded, is shrunk)")
     stats = []
     for layer in layers:
         direction = direction_of(layer.weight)
         if direction is None:
             continue
-        if is_dtensor(layer.weight):  # FSDP2: each rank scales the rows it holds
+        if layer.view.through is not None:  # weight norm: through g
+            weight_factors = _weight_norm_shrink_(layer.view, direction_of, factor_rule)
+            if weight_factors is None:
+                continue
+        elif is_dtensor(layer.weight):  # FSDP2: each rank scales the rows it holds
             weight_factors = sharded_shrink_(layer.view, direction, factor_rule)
         else:
             weight = layer.view.read()  # a view: shrinking it shrinks the parameter
@@ -95,6 +124,27 @@ def shrink_layers_(layers: list[ShrinkLayer], direction_of: Callable[[torch.Tens
                 apply_shrink_(layer.bias, factor_rule(layer.bias, bias_direction))
         stats.append((layer.name, weight_factors.detach().flatten()))
     return stats
+
+
+def _weight_norm_shrink_(view: WeightView, direction_of: Callable[[torch.Tensor], torch.Tensor | None],
+                         factor_rule: FactorRule) -> torch.Tensor | None:
+    """Shrink each row of ``W = g·v/‖v‖`` (norm per output row) by its factor, through ``g``; None without directions.
+
+    ``W``'s own direction is rebuilt from ``g``'s and ``v``'s by the chain rule through ``W_i = g_i·v_i/‖v_i‖``:
+    ``∂L/∂g_i = ⟨G_i, v̂_i⟩`` and ``∂L/∂v_i = (g_i/‖v_i‖)·(G_i − ⟨G_i, v̂_i⟩·v̂_i)`` give
+    ``G_i = (‖v_i‖/g_i)·∂L/∂v_i + ∂L/∂g_i·v̂_i`` (a row with ``g_i = 0`` is zero: its factor changes nothing). A
+    direction is linear in the gradients, so an EMA of them rebuilds the EMA of ``G`` while ``g, v`` stay fixed.
+    """
+    g, v = view.through.originals
+    g_direction, v_direction = direction_of(g), direction_of(v)
+    if g_direction is None or v_direction is None:
+        return None
+    norms = torch.norm_except_dim(v, 2, 0)  # (out, 1, ...), shaped like g
+    scale = torch.where(g == 0, torch.zeros_like(g), norms / torch.where(g == 0, torch.ones_like(g), g))
+    direction = v_direction * scale + g_direction * (v / norms)
+    factors = factor_rule(view.read(), direction)  # one per output row; (out, in) is the stored orientation here
+    g.mul_(factors.reshape(g.shape).to(g.dtype))
+    return factors
 
 
 def dash_(model: nn.Module, optimizers=None, min_factor: float = 0.3, selection: Selection | None = None,

@@ -13,6 +13,13 @@ LAPACK's SVD and ``eigh`` gain little from threads inside one matrix (and spin a
 busy machine), while independent matrices scale with the threads. On a GPU the weights of one shape are
 solved as one batch (:func:`~functional.isometry.fire_matrices`): small solves there cost their kernel
 launches and synchronizations, which a batch pays once.
+
+A weight a parametrization computes (:mod:`~model_map.parametrized`) is orthogonalized as the forward uses it
+and written back through the parametrization (:data:`FIRE_THROUGH`): under weight norm the effective weight
+becomes exactly FIRE's result (``v`` its direction, ``g`` its row norms); under spectral norm the original takes
+it and the forward divides by its largest singular value, so the effective weight is the polar factor itself
+(σ_max = 1 is what spectral norm allows, whatever ``scale`` says); an orthogonal one is already an isometry and
+is skipped, named in a warning. The optimizer state dropped is the originals' (``g``, ``v``, ``original``).
 """
 from __future__ import annotations
 
@@ -23,10 +30,15 @@ import torch
 from torch import nn
 
 from ..functional.isometry import FireItem, FIREOptions, FireRecord, fire_matrices, fire_matrix
-from ..model_map import Selection, WeightView, refuse_unknown_splits, require_targets, select_targets
+from ..model_map import (Selection, WeightView, refuse_parametrized, refuse_unknown_splits, require_targets,
+                         select_targets)
 from ..distributed.strategy import is_dtensor
 from .optimizer_state import leaf_optimizers, reset_optimizer_state
 from ..distributed.sharded_fire import sharded_fire
+
+# How FIRE meets each parametrization (see the module docstring): "" acts through it, else why it is left alone.
+FIRE_THROUGH = {"weight norm": "", "spectral norm": "",
+                "orthogonal": "already an isometry by construction, which is what FIRE would make of it"}
 
 
 def apply_fire(
@@ -65,8 +77,15 @@ def apply_fire(
                         f"{foreign[0]}")
     if targets is None:  # an empty selection (a pattern that matches nothing) is an error, not a silent no-op
         selection = Selection() if selection is None else selection
-        targets = require_targets(select_targets(module, selection), "apply_fire", selection)
+        targets = require_targets(select_targets(module, selection), "apply_fire", selection, FIRE_THROUGH)
+    else:
+        targets = refuse_parametrized(targets, "apply_fire", FIRE_THROUGH)
     refuse_unknown_splits(targets, "FIRE")
+    sharded_through = [t.name for t in targets if t.through is not None and is_dtensor(t.param)]
+    if sharded_through:
+        raise NotImplementedError(f"FIRE: {sharded_through} are computed by a parametrization and sharded by FSDP2, "
+                                  "whose rows per rank are not the effective weight's; remove the parametrization, "
+                                  "exclude them or run FIRE unsharded (DDP)")
     sharded_stacks = [t.name for t in targets if t.stack and is_dtensor(t.param)]
     if sharded_stacks:
         raise NotImplementedError(f"FIRE: {sharded_stacks} are expert stacks sharded by FSDP2, whose rows per rank do "
