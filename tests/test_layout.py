@@ -93,13 +93,6 @@ def test_lower_layers_do_not_import_higher_ones(layer):
             assert not [t for t in targets if t.startswith(higher)], module
 
 
-def test_old_core_imports_name_their_new_module():
-    with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.ops\.fire instead"):
-        import plasticity_callbacks.core.apply_fire  # noqa: F401
-    with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.model_map instead"):
-        from plasticity_callbacks.core.model_map import select_targets  # noqa: F401
-
-
 def external_imports(path: Path) -> set[str]:
     """The top-level names of the packages outside this one that ``path`` imports, at any depth."""
     found = set()

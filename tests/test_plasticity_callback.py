@@ -118,11 +118,12 @@ def test_step_hook_chooses_where_step_triggers_act(hook):
 
 
 def test_a_bad_step_hook_and_a_bad_selection_are_named():
-    class Wrong(PlasticityCallback):
-        step_hook = "on_step"
-
-    with pytest.raises(TypeError, match="step_hook='on_step'"):
-        Wrong()
+    with pytest.raises(TypeError, match="Wrong.step_hook='on_step'"):  # where the class is written, not at use
+        class Wrong(PlasticityCallback):
+            step_hook = "on_step"
+    with pytest.raises(TypeError, match="Late.every_step_hook='after'"):
+        class Late(PlasticityCallback):
+            every_step_hook = "after"
     with pytest.raises(ValueError, match="HalveWeights selection"):
         HalveWeights(selection="mlp")
 
