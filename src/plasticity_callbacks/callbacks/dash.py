@@ -177,6 +177,7 @@ class DASHShrink(DirectionalShrink):
     """
 
     supports_fsdp2 = True  # FSDP2: each rank's rows (distributed.sharding.sharded_shrink_)
+    quick_settings = {"n_batches": 2, "skip_muon_params": False}
     prefix = "dash"
     summary_metrics = ("dash/shrunk_fraction",)
 

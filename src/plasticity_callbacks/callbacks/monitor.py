@@ -99,6 +99,8 @@ class PlasticityMonitor(PlasticityCallback):
 
     summary_metrics = ("monitor/dormant", "monitor/feature_erank", "monitor/weight_srank", "monitor/grad_norm")
     supports_fsdp2 = True
+    every_step_hook = "on_train_batch_end"  # measures at batch ends
+    quick_settings = {"activations_every_n_steps": 1, "weights_every_n_steps": 1, "spectra_every_n_steps": 1}
     reads_gradients = True  # the gradient norm: a NaN gradient skips the measurement too (the base's rule)
     default_schedule = None  # the monitor never acts
     step_hook = "on_train_batch_end"
