@@ -174,7 +174,7 @@ def test_task_metrics_on_the_lm_stream_equal_direct_scores_of_each_tasks_end():
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[copies, metrics])
     module = GPTLightningModule({"n_layer": 1, "n_embd": 32, "n_head": 2, "n_kv_head": 2, "sequence_len": 16},
-                                schedule="constant")
+                                {"schedule": "constant"})
     trainer.fit(module, datamodule=stream)
     assert [row["task"] for row in metrics.history] == [0, 1, 2]
     for row, model in zip(metrics.history, copies.ends):

@@ -15,6 +15,7 @@ _LAZY = {
     "GPT": "plasticity_callbacks.models",
     "GPTConfig": "plasticity_callbacks.models",
     "GPTLightningModule": "plasticity_callbacks.models",
+    "OptimizerSettings": "plasticity_callbacks.models",
     "CodeCorpusDataModule": "plasticity_callbacks.data",
     "ByteTokenizer": "plasticity_callbacks.data",
     "select_targets": "plasticity_callbacks.model_map",
