@@ -110,7 +110,7 @@ class PlasticityCallback(L.Callback):
         ...         self.halvings = 0
         ...
         ...     def act(self, trainer, pl_module, reason):
-        ...         targets = self.targets(pl_module)
+        ...         targets = select_targets(pl_module, self.selection)
         ...         with torch.no_grad():
         ...             for t in targets:
         ...                 t.param.mul_(0.5)
