@@ -164,7 +164,7 @@ def warm_vs_full(widths: list[int], interval: int, every: int, cycles: int, laye
 def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule:
     config = dict(n_embd=width, n_head=max(1, width // 64), n_kv_head=max(1, width // 64), n_layer=layers,
                   sequence_len=sequence_len)
-    return GPTLightningModule(config, lr=1e-3, schedule="constant")
+    return GPTLightningModule(config, {"lr": 1e-3, "schedule": "constant"})
 
 
 def measure(width: int = 128, batch_size: int = 1, interval: int = 100, every: int = 4, cycles: int = 3,
@@ -241,7 +241,7 @@ def memory(ranks: list[int]) -> None:
     full_total = None
     for r in ["full", *ranks]:
         L.seed_everything(0)
-        module = GPTLightningModule({}, lr=1e-3, schedule="constant")
+        module = GPTLightningModule({}, {"lr": 1e-3, "schedule": "constant"})
         callbacks = []
         if r != "full":  # split once at step 3 (the zero-initialized projections have gradients by then)
             callbacks = [AdaptiveSVDSwitch(minor_training="factorize", schedule=Schedule(steps=[3]),

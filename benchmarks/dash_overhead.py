@@ -58,7 +58,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
 
     config = GPTConfig()
-    module = GPTLightningModule(config, optimizer="adamw", schedule="constant")
+    module = GPTLightningModule(config, {"schedule": "constant"})
     n = args.batch_size * (args.steps + args.warmup)
     tokens = torch.randint(0, 256, (n, config.sequence_len + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)

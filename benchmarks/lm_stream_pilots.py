@@ -41,10 +41,10 @@ def fresh_model(args, seed: int, task: int) -> GPT:
 
 
 def run_arm(args, arm: str, seed: int) -> dict:
-    stream = LMTaskStream(design=args.design, num_tasks=args.tasks, steps_per_task=args.steps,
-                          batch_size=args.batch, seed=seed, window=args.window, windows_per_task=args.windows,
-                          fresh_windows=not args.fixed_windows, slice_bytes=args.slice_bytes,
-                          corpus_max_bytes=args.corpus_bytes)
+    design = {"name": args.design, "windows_per_task": args.windows, "fresh_windows": not args.fixed_windows,
+              "slice_bytes": args.slice_bytes}
+    stream = LMTaskStream(design=design, num_tasks=args.tasks, steps_per_task=args.steps, batch_size=args.batch,
+                          seed=seed, window=args.window, corpus_max_bytes=args.corpus_bytes)
     batches = StreamBatches(stream)
     started = time.process_time()
     model, optimizer, rows = None, None, []

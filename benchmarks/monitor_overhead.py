@@ -99,7 +99,7 @@ def _sync(module) -> None:
 def build(name: str, batch: int, sequence: int, steps: int):
     if name == "gpt":
         config = GPTConfig()
-        module = GPTLightningModule(config, optimizer="adamw", schedule="constant")
+        module = GPTLightningModule(config, {"schedule": "constant"})
         vocab, sequence = 256, config.sequence_len
         label = f"GPT {config.n_layer}x{config.n_embd} {config.mlp}"
     else:

@@ -47,7 +47,7 @@ class StepTimer(L.Callback):
 def time_steps(method: str, args, clock) -> list[float]:
     L.seed_everything(0, verbose=False)
     config = GPTConfig()
-    module = GPTLightningModule(config, optimizer="adamw", schedule="constant")
+    module = GPTLightningModule(config, {"schedule": "constant"})
     steps = args.warmup + args.steps
     tokens = torch.randint(0, 256, (args.batch_size * steps, config.sequence_len + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)

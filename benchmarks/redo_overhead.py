@@ -81,7 +81,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     L.seed_everything(0, verbose=False)
     config = GPTConfig()
-    module = GPTLightningModule(config, optimizer="adamw", schedule="constant")
+    module = GPTLightningModule(config, {"schedule": "constant"})
     steps = WARMUP + 3 * args.cycles
     tokens = torch.randint(0, 256, (args.batch_size * steps, config.sequence_len + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size)

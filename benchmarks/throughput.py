@@ -187,7 +187,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in trainers}
     light, bare = [], []
     if not args.no_lightning:
-        module = GPTLightningModule(cfg, optimizer="adamw", lr=1e-4, schedule="constant")
+        module = GPTLightningModule(cfg, {"lr": 1e-4, "schedule": "constant"})
         bare_model = GPT(cfg).to(DEVICE)
         bare_model.load_state_dict(module.model.state_dict())
         bare_trainer = BareTrainer(bare_model, lambda x: bare_model(x))

@@ -34,11 +34,11 @@ def main() -> None:
     (pretrain_steps, sft_steps), val_batches = options.steps, options.val_batches
     L.seed_everything(0)
     code = CodeCorpusDataModule(packages=["json", "csv", "textwrap"], sequence_len=192, batch_size=8)
-    pretrain = PhaseModule(MODEL, lr=3e-3, warmup_steps=20)
+    pretrain = PhaseModule(MODEL, {"lr": 3e-3, "warmup_steps": 20})
     trainer(pretrain_steps, val_batches).fit(pretrain, datamodule=code)
 
     # Phase 2: a new module (fresh optimizer and schedule) with phase 1's weights; retention on code.
-    sft = PhaseModule(MODEL, lr=1.5e-3, warmup_steps=20, retention_names=["code"])
+    sft = PhaseModule(MODEL, {"lr": 1.5e-3, "warmup_steps": 20}, retention_names=["code"])
     sft.load_state_dict(pretrain.state_dict())
     data = MultiValidationDataModule(SFTDataModule(packages=["operator", "numbers", "stat", "asyncio"],
                                                    sequence_len=192, batch_size=8, val_fraction=0.2), {"code": code})

@@ -162,7 +162,7 @@ def build(spec: dict, devices: int):
         from plasticity_callbacks.models import GPTLightningModule
 
         config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16) | spec.get("gpt", {})
-        return (GPTLightningModule(config, lr=lr, schedule="constant"),
+        return (GPTLightningModule(config, {"lr": lr, "schedule": "constant"}),
                 loader(tiny.token_loader(n=samples).dataset, batch, devices))
     if model == "digits":
         from plasticity_callbacks.data.digits import RandomLabelDigits

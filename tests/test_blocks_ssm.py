@@ -155,7 +155,7 @@ def _scaled_isometry(M, msg):
 def hybrid_module() -> GPTLightningModule:
     """The hybrid at learning rate 0 (every change is a callback's), its SSM output projection made non-zero."""
     torch.manual_seed(0)
-    module = GPTLightningModule(HYBRID, lr=0.0, schedule="constant")
+    module = GPTLightningModule(HYBRID, {"lr": 0.0, "schedule": "constant"})
     with torch.no_grad():
         module.model.blocks[1].attn.out_proj.weight.normal_()
     return module

@@ -1,6 +1,8 @@
 """The compiled GPT and the callbacks under torch.compile: graphs, graph breaks, and that compiled
 training sees what the callbacks write. One compiling test (tiny model, several fits in one
 process, as a pretrain → SFT pipeline does); the rest check the compile-friendly mechanisms eagerly."""
+from dataclasses import replace
+
 import torch
 import torch._dynamo
 from torch import nn
@@ -28,7 +30,7 @@ def test_compiled_gpt_across_fits_with_every_callback():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    module = GPTLightningModule(TINY, lr=1e-3)
+    module = GPTLightningModule(TINY, {"lr": 1e-3})
 
     def fit(callbacks, steps=6):
         before = graphs()
@@ -50,7 +52,7 @@ def test_compiled_gpt_across_fits_with_every_callback():
 
     # ReDo attaches after the graph was traced: it still sees every MLP's hidden units. lr=0 and
     # ema_decay=0 make the statistics those of one forward pass, recomputed eagerly below.
-    module.hparams.lr = 0.0
+    module.optimizer_settings = replace(module.optimizer_settings, lr=0.0)
     redo = ReDoMonitor(collect_every_n_steps=2, log_every_n_steps=2, ema_decay=0.0)
     assert fit([redo]) == 2  # one graph for collecting steps, one for idle steps
     assert redo.collections == 3 and bool(redo._observed.all())
@@ -66,7 +68,7 @@ def test_compiled_gpt_across_fits_with_every_callback():
 
     # AdaptiveSVD's factorize mode: one graph for the new structure, one for its gradient-capture
     # steps; the second cycle at the same rank re-splits in place and re-traces nothing.
-    module.hparams.lr = 1e-3
+    module.optimizer_settings = replace(module.optimizer_settings, lr=1e-3)
     switch = AdaptiveSVDSwitch(minor_training="factorize", schedule={"every_n_steps": 3, "start_step": 3},
                                thresholds={"clobber_alignment": 0.0},
                                initial_rank=4, r_min=4, save_figure=False)

@@ -578,7 +578,7 @@ def test_redo_recycles_a_dead_unit_of_the_package_gpts_own_moe_in_its_expert():
 
     torch.manual_seed(0)
     module = GPTLightningModule(dict(n_layer=1, n_head=2, n_kv_head=2, n_embd=32, sequence_len=12, vocab_size=VOCAB,
-                                     mlp="moe", mlp_options={"n_experts": 4, "top_k": 2}), lr=0.0, schedule="constant")
+                                     mlp="moe", mlp_options={"n_experts": 4, "top_k": 2}), {"lr": 0.0, "schedule": "constant"})
     experts = module.model.blocks[0].mlp.experts
     width = experts.down_proj.shape[2]
     with torch.no_grad():

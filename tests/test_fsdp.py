@@ -458,23 +458,27 @@ def test_flat_parameter_strategies_are_refused_with_the_fsdp2_fix(strategy):
 
 
 def test_fsdp2_is_accepted_by_the_callbacks_that_act_on_shards_and_refused_with_the_fix_by_the_others():
-    """Every exported callback that declares ``supports_fsdp2`` passes the check; one that does not is refused
-    with a message listing exactly the declared ones (generated, so a new method is listed without an edit)."""
-    import plasticity_callbacks
+    """Every registered method passes the check when it declares ``supports_fsdp2`` and is refused at setup with
+    the fix when it does not (a method that needs a whole weight, a full Gram, may refuse); the message lists
+    exactly the declared ones, read off the registry, so a new method is checked and listed without an edit."""
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from plasticity_callbacks import AdaptiveSVDSwitch, PlasticityCallback, ReDoMonitor
-    from plasticity_callbacks.callbacks.base import fsdp2_callbacks
+    from plasticity_callbacks import AdaptiveSVDSwitch, ReDoMonitor
+    from plasticity_callbacks.callbacks.base import callback_classes, fsdp2_callbacks, plasticity_methods
 
     trainer = SimpleNamespace(strategy=type("ModelParallelStrategy", (), {})())
-    exported = [getattr(plasticity_callbacks, name) for name in plasticity_callbacks.__all__]
-    methods = [cls for cls in exported if isinstance(cls, type) and issubclass(cls, PlasticityCallback)
-               and cls is not PlasticityCallback]
-    assert len(methods) >= 11 and all(cls.supports_fsdp2 for cls in methods)
-    for cls in methods:
-        (cls(minor_training="project") if cls is AdaptiveSVDSwitch else cls()).check_strategy(trainer)
+    methods = plasticity_methods()
+    assert len(methods) >= 12
     listed = fsdp2_callbacks()
-    assert {cls.__name__ for cls in methods} | {"TaskMetrics", "GateLogger"} == set(listed)
+    for name, cls in methods.items():
+        method = cls(minor_training="project") if cls is AdaptiveSVDSwitch else cls()  # "factorize": see below
+        if cls.supports_fsdp2:
+            method.check_strategy(trainer)
+        else:
+            with pytest.raises(MisconfigurationException, match=f"{name} does not act on FSDP2's sharded weights"):
+                method.check_strategy(trainer)
+    assert set(listed) == {name for name, cls in callback_classes().items() if cls.supports_fsdp2}
+    assert {"FIREReinit", "TaskMetrics", "GateLogger"} <= set(listed)
 
     class ActsOnWholeWeights(ReDoMonitor):
         supports_fsdp2 = False

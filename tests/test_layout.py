@@ -93,13 +93,6 @@ def test_lower_layers_do_not_import_higher_ones(layer):
             assert not [t for t in targets if t.startswith(higher)], module
 
 
-def test_old_core_imports_name_their_new_module():
-    with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.ops\.fire instead"):
-        import plasticity_callbacks.core.apply_fire  # noqa: F401
-    with pytest.raises(ModuleNotFoundError, match=r"import plasticity_callbacks\.model_map instead"):
-        from plasticity_callbacks.core.model_map import select_targets  # noqa: F401
-
-
 def external_imports(path: Path) -> set[str]:
     """The top-level names of the packages outside this one that ``path`` imports, at any depth."""
     found = set()
@@ -141,3 +134,33 @@ def test_the_hf_adapter_imports_without_the_app_extra_and_the_app_names_it():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("MissingExtraError") and "[app]" in result.stdout, result.stdout
+
+
+def test_no_constructor_takes_more_than_ten_arguments():
+    """A long constructor is a sign that several concerns share one object: options travel whole as one
+    dataclass (OptimizerSettings, LMDesign, the monitor's Curvature), checked once in __post_init__."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import plasticity_callbacks
+
+    long = []
+    for info in pkgutil.walk_packages(plasticity_callbacks.__path__, "plasticity_callbacks."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra
+            continue
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__ or "__dataclass_fields__" in vars(cls):
+                continue
+            try:
+                signature = inspect.signature(cls)
+            except ValueError:  # a builtin's (an exception's) constructor
+                continue
+            parameters = [p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            if len(parameters) > 10:
+                long.append(f"{info.name}.{name} ({len(parameters)})")
+    assert not long, long

@@ -75,9 +75,8 @@ def test_plasticity_metrics_on_hand_made_logits_and_a_known_rank_feature_matrix(
 def test_random_last_byte_tasks_recall_a_random_byte_after_corpus_windows():
     train, _ = corpus_bytes(SMALL["corpus_max_bytes"])
     text = bytes(train.tolist())
-    fresh = LMTaskStream(design="random_last_byte", num_tasks=3, windows_per_task=32, seed=5, **SMALL)
-    fixed = LMTaskStream(design="random_last_byte", num_tasks=3, windows_per_task=32, seed=5, fresh_windows=False,
-                         **SMALL)
+    fresh = LMTaskStream(design={"windows_per_task": 32}, num_tasks=3, seed=5, **SMALL)
+    fixed = LMTaskStream(design={"windows_per_task": 32, "fresh_windows": False}, num_tasks=3, seed=5, **SMALL)
     for stream in (fresh, fixed):
         stream.setup()
         for t in range(3):
@@ -94,8 +93,8 @@ def test_random_last_byte_tasks_recall_a_random_byte_after_corpus_windows():
 
 
 def test_permuted_vocab_relabels_every_byte_of_the_same_held_out_windows():
-    stream = LMTaskStream(design="permuted_vocab", num_tasks=2, steps_per_task=3, eval_windows=20, seed=2, **SMALL)
-    plain = LMTaskStream(design="slices", slice_bytes=[1000], eval_windows=20, seed=2, **SMALL)  # same windows
+    stream = LMTaskStream(design={"name": "permuted_vocab", "eval_windows": 20}, num_tasks=2, steps_per_task=3, seed=2, **SMALL)
+    plain = LMTaskStream(design={"name": "slices", "slice_bytes": [1000], "eval_windows": 20}, seed=2, **SMALL)  # same windows
     stream.setup(), plain.setup()
     unpermuted = plain.task(0).eval_x.flatten().tolist()
     relabellings = []
@@ -111,7 +110,7 @@ def test_permuted_vocab_relabels_every_byte_of_the_same_held_out_windows():
 
 
 def test_slices_are_disjoint_consecutive_parts_of_the_training_bytes():
-    stream = LMTaskStream(design="slices", slice_bytes=[1000, 50_000], steps_per_task=4, seed=0, **SMALL)
+    stream = LMTaskStream(design={"name": "slices", "slice_bytes": [1000, 50_000]}, steps_per_task=4, seed=0, **SMALL)
     assert stream.num_tasks == 2 and stream.task_boundary_steps == [4]
     stream.setup()
     text = bytes(stream.train_bytes.tolist())
@@ -124,10 +123,13 @@ def test_slices_are_disjoint_consecutive_parts_of_the_training_bytes():
 @pytest.mark.parametrize("bad, match", [
     (dict(design="shuffled"), "design"),
     (dict(design="slices"), "slice_bytes"),
-    (dict(design="slices", slice_bytes=[1000, 2000], num_tasks=3), "disagrees"),
-    (dict(design="slices", slice_bytes=[10**6, 10**6], corpus_max_bytes=10**6), "corpus_max_bytes"),
+    (dict(design={"name": "slices", "slice_bytes": [1000, 2000]}, num_tasks=3), "disagrees"),
+    (dict(design={"name": "slices", "slice_bytes": [10**6, 10**6]}, corpus_max_bytes=10**6), "corpus_max_bytes"),
     (dict(window=1), "window"),
-    (dict(windows_per_task=4, batch_size=8), "fewer than"),
+    (dict(design={"windows_per_task": 4}, batch_size=8), "fewer than"),
+    (dict(design={"eval_windows": 1}), "data.design.eval_windows=1"),
+    (dict(design={"fresh_windows": "no"}), "data.design.fresh_windows='no'"),
+    (dict(design={"name": "slices", "slices": [1000]}), r"design: unknown field\(s\) \['slices'\]"),
 ])
 def test_bad_settings_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -167,14 +169,13 @@ class EndOfTaskCopies(L.Callback):
 
 def test_task_metrics_on_the_lm_stream_equal_direct_scores_of_each_tasks_end():
     steps = 3
-    stream = LMTaskStream(design="random_last_byte", num_tasks=3, steps_per_task=steps, windows_per_task=16,
-                          seed=1, **SMALL)
+    stream = LMTaskStream(design={"windows_per_task": 16}, num_tasks=3, steps_per_task=steps, seed=1, **SMALL)
     copies, metrics = EndOfTaskCopies(steps), TaskMetrics(stability_tasks=2, probe_steps=3, probe_lr=3e-3)
     L.seed_everything(0)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[copies, metrics])
     module = GPTLightningModule({"n_layer": 1, "n_embd": 32, "n_head": 2, "n_kv_head": 2, "sequence_len": 16},
-                                schedule="constant")
+                                {"schedule": "constant"})
     trainer.fit(module, datamodule=stream)
     assert [row["task"] for row in metrics.history] == [0, 1, 2]
     for row, model in zip(metrics.history, copies.ends):

@@ -150,7 +150,7 @@ def test_curvature_is_the_top_eigenvalue_of_the_explicit_hessian(case):
     torch.manual_seed(0)
     module, loader, _, _ = CASES[case]()
     monitor = PlasticityMonitor(activations_every_n_steps=None, weights_every_n_steps=None, spectra_every_n_steps=None,
-                                curvature_every_n_steps=3, curvature_iterations=300, plot=False)
+                                curvature={"every_n_steps": 3, "iterations": 300}, plot=False)
     trainer = cpu_trainer(max_steps=3, callbacks=[monitor])
     trainer.fit(module, loader)
     x, y = next(iter(loader))  # the held batch: the fit's first
@@ -219,6 +219,9 @@ def test_resume_keeps_the_initial_weights_and_the_history(tmp_path):
     (dict(tau=2.0), "tau=2.0"),
     (dict(feature_layers="last"), "feature_layers='last'"),
     (dict(per_layer="yes"), "per_layer='yes'"),
+    (dict(curvature={"iterations": 0}), "curvature iterations=0"),
+    (dict(curvature={"every_n_steps": 10, "loss": "mse"}), "curvature loss='mse'"),
+    (dict(curvature={"steps": 10}), r"curvature: unknown field\(s\) \['steps'\]"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -249,7 +252,7 @@ MONITOR = {"_target_": "plasticity_callbacks.PlasticityMonitor", "activations_ev
 TRIGGERED_FIRE = {"_target_": "plasticity_callbacks.FIREReinit",
                   "schedule": {"threshold": {"metric": "monitor/weight_dfi", "above": 0.0, "max_actions": 1}}}
 DISTRIBUTED = [{"name": "monitor_ddp", "model": "gpt", "ddp": True, "steps": 4,
-                "callbacks": [MONITOR | {"curvature_every_n_steps": 4, "curvature_iterations": 5}, TRIGGERED_FIRE]},
+                "callbacks": [MONITOR | {"curvature": {"every_n_steps": 4, "iterations": 5}}, TRIGGERED_FIRE]},
                {"name": "monitor_fsdp2", "model": "gpt", "steps": 4, "callbacks": [MONITOR, TRIGGERED_FIRE]}]
 
 

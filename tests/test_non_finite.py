@@ -1,4 +1,4 @@
-"""One rule for non-finite values, checked on every method the package exports (discovered, not listed):
+"""One rule for non-finite values, checked on every method the package registers (discovered, not listed):
 acting on a NaN/Inf weight (or, for a method that reads them, a NaN/Inf gradient) is skipped with a warning
 naming the parameter. Right after the method's hook, no other parameter has turned non-finite (nothing was
 folded into a bias or a fresh draw), the method's own state (EMAs, statistics, the tortoise) is finite, and
@@ -13,39 +13,26 @@ import lightning as L
 import pytest
 import torch
 
-import plasticity_callbacks
-from plasticity_callbacks.callbacks.base import PlasticityCallback
+from plasticity_callbacks.callbacks.base import PlasticityCallback, plasticity_methods
 
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
 POISONED = "net.2.weight"  # a hidden layer every method treats (not the head)
 STEPS = 3  # the poison lands in the last step's hook, just before the method's own
 
-METHODS = sorted(name for name in plasticity_callbacks.__all__
-                 if isinstance(getattr(plasticity_callbacks, name), type)
-                 and issubclass(getattr(plasticity_callbacks, name), PlasticityCallback)
-                 and getattr(plasticity_callbacks, name) is not PlasticityCallback)
+METHODS = sorted(plasticity_methods())
 
-AT_LAST_STEP = {"steps": [STEPS - 1]}
-# How each method acts in the last step, and the hook it acts in (its scheduled step hook, or the hook of what
-# it does every step).
-ACTING = {
-    "AdaptiveSVDSwitch": (dict(schedule=AT_LAST_STEP, r_min=2, save_figure=False), "on_train_batch_start"),
-    "ContinualBackprop": (dict(replacement_rate=0.5, maturity_threshold=0), "on_train_batch_end"),
-    "DASHPeriodic": (dict(schedule=AT_LAST_STEP, cosine_threshold=-1.0), "on_before_optimizer_step"),
-    "DASHShrink": (dict(schedule=AT_LAST_STEP), "on_train_batch_start"),
-    "FIREReinit": (dict(schedule=AT_LAST_STEP), "on_train_batch_start"),
-    "FullReset": (dict(schedule=AT_LAST_STEP), "on_train_batch_start"),
-    "HareTortoise": (dict(), "on_train_batch_end"),  # the tortoise's EMA, every step
-    "L2Init": (dict(strength=1e-2), "on_before_optimizer_step"),
-    # the monitor measures at a batch end; every group at every step here
-    "PlasticityMonitor": (dict(activations_every_n_steps=1, weights_every_n_steps=1, spectra_every_n_steps=1),
-                          "on_train_batch_end"),
-    # ReDo acts at a batch end, after the optimizer step: the last one's global step is STEPS
-    "ReDoMonitor": (dict(schedule={"steps": [STEPS]}, tau=1.0, collect_every_n_steps=1), "on_train_batch_end"),
-    "ShrinkPerturb": (dict(schedule=AT_LAST_STEP), "on_train_batch_start"),
-    "WeightClip": (dict(), "on_train_batch_end"),
-}
+
+def acting_in_the_last_step(cls: type[PlasticityCallback]) -> tuple[dict, str]:
+    """The arguments under which ``cls`` acts in the last step, and the hook it acts in, read off the class's
+    declarations: its ``quick_settings``; its ``every_step_hook`` (the EMA, the pull, the clip of every step)
+    or, for a scheduled method, a schedule at the last step's global step as its ``step_hook`` sees it (after
+    the optimizer step at a batch end)."""
+    kwargs = dict(cls.quick_settings)
+    if cls.every_step_hook is not None:
+        return kwargs, cls.every_step_hook
+    last = STEPS if cls.step_hook == "on_train_batch_end" else STEPS - 1
+    return {**kwargs, "schedule": {"steps": [last]}}, cls.step_hook
 
 
 class Poison(L.Callback):
@@ -88,15 +75,15 @@ def tensors(tree):
             yield from tensors(value)
 
 
-def test_every_exported_method_has_a_case_here():
-    assert sorted(ACTING) == METHODS, "add the new method's arguments and hook to ACTING"
+def test_the_methods_are_found_in_the_registry():
+    assert len(METHODS) >= 12 and {"FIREReinit", "WeightClip", "PlasticityMonitor"} <= set(METHODS)
 
 
 @pytest.mark.parametrize("name, gradient", [(name, False) for name in METHODS] + [
-    (name, True) for name in METHODS if getattr(plasticity_callbacks, name).reads_gradients])
+    (name, True) for name in METHODS if plasticity_methods()[name].reads_gradients])
 def test_a_method_skips_a_nan_weight_or_gradient_with_a_warning_naming_it(name, gradient):
-    kwargs, hook = ACTING[name]
-    method = getattr(plasticity_callbacks, name)(**kwargs)
+    kwargs, hook = acting_in_the_last_step(plasticity_methods()[name])
+    method = plasticity_methods()[name](**kwargs)
     snapshot = Snapshot(hook)
     trainer = cpu_trainer(max_steps=STEPS, callbacks=[Poison(hook, gradient), method, snapshot])
     with warnings.catch_warnings(record=True) as caught:

@@ -118,11 +118,12 @@ def test_step_hook_chooses_where_step_triggers_act(hook):
 
 
 def test_a_bad_step_hook_and_a_bad_selection_are_named():
-    class Wrong(PlasticityCallback):
-        step_hook = "on_step"
-
-    with pytest.raises(TypeError, match="step_hook='on_step'"):
-        Wrong()
+    with pytest.raises(TypeError, match="Wrong.step_hook='on_step'"):  # where the class is written, not at use
+        class Wrong(PlasticityCallback):
+            step_hook = "on_step"
+    with pytest.raises(TypeError, match="Late.every_step_hook='after'"):
+        class Late(PlasticityCallback):
+            every_step_hook = "after"
     with pytest.raises(ValueError, match="HalveWeights selection"):
         HalveWeights(selection="mlp")
 
@@ -140,3 +141,58 @@ def test_pipeline_summary_reads_each_methods_own_summary_metrics():
     assert header.split() == ["phase", "steps", "train", "loss", "val", "loss", "retention", "halve/norm",
                               "fire/dfi_before", "fire/dfi_after", "minutes"]
     assert row.split()[:2] == ["a", "4"] and "1.5" in row and "0.25" in row
+
+
+def test_an_every_step_schedule_is_a_series_written_at_log_every_n_steps_and_other_actions_are_events():
+    """every_n_steps=1 acts at every step (step 0 included) and keeps each value in callback_metrics, but writes a
+    logger row only at multiples of log_every_n_steps; an action for another reason (a listed step, off the
+    cadence) is an event, written at its step."""
+    from lightning.pytorch.loggers import Logger
+
+    class Recording(Logger):
+        name, version, rows = "recording", 0, []
+
+        @property
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            if "halve/norm" in metrics:
+                self.rows.append(step)
+
+    class Every(HalveWeights):
+        def act(self, trainer, pl_module, reason):
+            self.seen = [*getattr(self, "seen", []), float(trainer.callback_metrics.get("halve/norm", -1.0))]
+            metrics = super().act(trainer, pl_module, reason)
+            self.returned = [*getattr(self, "returned", []), metrics["halve/norm"]]
+            return metrics
+
+    every, recording = Every(Schedule(every_n_steps=1), Selection(include=["net.0.*"])), Recording()
+    trainer = cpu_trainer(max_steps=7, callbacks=[every], logger=recording, log_every_n_steps=3)
+    trainer.fit(TinyMLPModule(), regression_loader())
+    assert [step for step, _ in every.steps_seen] == list(range(7))
+    assert recording.rows == [0, 3, 6]
+    # the series' latest value is in callback_metrics at every step (a threshold or a checkpoint monitor reads it)
+    assert every.seen[1:] == pytest.approx(every.returned[:-1])
+    event, recording.rows = Every(Schedule(steps=[4]), Selection(include=["net.0.*"])), []
+    cpu_trainer(max_steps=7, callbacks=[event], logger=recording, log_every_n_steps=3).fit(TinyMLPModule(),
+                                                                                           regression_loader())
+    assert recording.rows == [4]
+
+
+def test_the_base_builds_a_selection_mapping_and_targets_needs_one():
+    class Plain(PlasticityCallback):
+        def __init__(self, selection=None):
+            super().__init__(selection=selection)
+
+        def act(self, trainer, pl_module, reason):
+            return {}
+
+    module = TinyMLPModule()
+    assert Plain({"include": ["net.0.*"]}).selection == Selection(include=["net.0.*"])
+    assert [t.name for t in Plain({"include": ["net.0.*"]}).targets(module)] == ["net.0.weight"]
+    with pytest.raises(TypeError, match="Plain calls self.targets\\(\\) but passed no selection"):
+        Plain().targets(module)

@@ -89,6 +89,15 @@ def test_step_triggers_are_read_off_global_step_in_any_hook(step_hook, first_see
     assert [step for step, _ in events] == [first_seen, 3, 5, 10]
 
 
+@pytest.mark.parametrize("step_hook, seen", [("batch_start", [0, 1, 2, 3]), ("before_optimizer_step", [0, 1, 2, 3]),
+                                             ("batch_end", [1, 2, 3, 4])])
+def test_every_step_acts_at_every_optimizer_step_of_the_fit_step_0_included(step_hook, seen):
+    """every_n_steps=1 is every step: before (or, at a batch end, after) each of the fit's optimizer steps; n > 1
+    counts its multiples from the fit's start, which is not one of them."""
+    assert [step for step, _ in fit(Schedule(every_n_steps=1), max_steps=4, step_hook=step_hook)] == seen
+    assert [step for step, _ in fit(Schedule(every_n_steps=2), max_steps=5)] == [2, 4]
+
+
 def test_gradient_accumulation_counts_optimizer_steps_and_fires_once():
     events = fit(Schedule(steps=[2], every_n_steps=3), max_steps=7, accumulate_grad_batches=4, max_epochs=-1)
     assert events == [(2, "step 2"), (3, "step 3"), (6, "step 6")]

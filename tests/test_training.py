@@ -14,7 +14,7 @@ TINY = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=64, sequence_len=64)
 def test_loss_falls_on_a_small_slice_of_the_corpus(optimizer):
     L.seed_everything(0)
     dm = CodeCorpusDataModule(packages=["json"], sequence_len=64, batch_size=8, val_fraction=0.2)
-    module = GPTLightningModule(TINY, optimizer=optimizer, lr=3e-3, warmup_steps=5)
+    module = GPTLightningModule(TINY, {"name": optimizer, "lr": 3e-3, "warmup_steps": 5})
     trainer = cpu_trainer(max_steps=40, limit_val_batches=4, val_check_interval=40, check_val_every_n_epoch=None,
                           inference_mode=False)
     before = trainer.validate(module, datamodule=dm, verbose=False)[0]["val/loss"]
@@ -25,8 +25,8 @@ def test_loss_falls_on_a_small_slice_of_the_corpus(optimizer):
 
 
 def test_muon_groups_block_matrices_and_adamw_the_rest():
-    module = GPTLightningModule(TINY, optimizer="muon")
-    opt = build_optimizer(module.model, "muon")
+    module = GPTLightningModule(TINY, {"name": "muon"})
+    opt = build_optimizer(module.model, {"name": "muon"})
     muon, adamw = opt.optimizers
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
     muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
@@ -37,7 +37,7 @@ def test_muon_groups_block_matrices_and_adamw_the_rest():
 
 def test_combined_optimizer_steps_schedules_and_round_trips_its_state():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    opt = build_optimizer(model, "muon")
+    opt = build_optimizer(model, {"name": "muon"})
     # no block roles in a plain Sequential: the matrices count as "other" and still go to Muon
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda("linear", 10, 2, 0.0))
     for _ in range(3):
@@ -47,7 +47,7 @@ def test_combined_optimizer_steps_schedules_and_round_trips_its_state():
         sched.step()
     assert opt.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.02 * lr_lambda("linear", 10, 2, 0.0)(3))
     assert len(opt.state) == 4 and all(p in opt.state for p in model.parameters())
-    restored = build_optimizer(model, "muon")
+    restored = build_optimizer(model, {"name": "muon"})
     restored.load_state_dict(opt.state_dict())
     for p in model.parameters():
         for key, value in opt.state[p].items():
@@ -65,12 +65,12 @@ def test_lr_schedule_shapes():
 def test_checkpoint_resume_restores_combined_optimizer(tmp_path):
     L.seed_everything(0)
     dm = CodeCorpusDataModule(packages=["json"], sequence_len=32, batch_size=4, val_fraction=0.2)
-    module = GPTLightningModule({**TINY, "sequence_len": 32}, optimizer="muon")
+    module = GPTLightningModule({**TINY, "sequence_len": 32}, {"name": "muon"})
     trainer = cpu_trainer(max_steps=3, default_root_dir=tmp_path, limit_val_batches=0)
     trainer.fit(module, datamodule=dm)
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
-    resumed = GPTLightningModule({**TINY, "sequence_len": 32}, optimizer="muon")
+    resumed = GPTLightningModule({**TINY, "sequence_len": 32}, {"name": "muon"})
     trainer2 = cpu_trainer(max_steps=4, default_root_dir=tmp_path, limit_val_batches=0)
     trainer2.fit(resumed, datamodule=dm, ckpt_path=ckpt)
     assert trainer2.global_step == 4
@@ -100,3 +100,32 @@ def test_tokens_per_sec_is_logged_from_step_end_to_step_end(tmp_path):
     assert len(rates) == 4 and rates[0] == "" and all(float(r) > 0 for r in rates[1:])
     rates = [float(r) for r in rates[1:]]  # steps 1, 2 (waited 0.5 s before its forward), 3
     assert rates[1] <= 4 * 16 / 0.5 and rates[1] < min(rates[0], rates[2])  # the wait is inside its interval
+
+
+def test_the_optimizer_settings_travel_whole_and_a_bad_one_is_named():
+    """One settings object from the config to build_optimizer: the module restates none of its fields, every
+    field of configs/optimizer/*.yaml is one of them, and a bad value is one line naming optimizer.<field>."""
+    import dataclasses
+    import inspect
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from plasticity_callbacks.errors import ConfigError
+    from plasticity_callbacks.models.optimizers import OptimizerSettings
+
+    assert list(inspect.signature(GPTLightningModule.__init__).parameters) == ["self", "model", "optimizer"]
+    fields = {f.name for f in dataclasses.fields(OptimizerSettings)}
+    for path in (Path(__file__).resolve().parents[1] / "configs" / "optimizer").glob("*.yaml"):
+        settings = OptimizerSettings.build(OmegaConf.to_container(OmegaConf.load(path)))
+        assert set(OmegaConf.load(path)) <= fields and settings.name == path.stem
+    module = GPTLightningModule(TINY, {"name": "muon", "lr": 1e-3, "betas": [0.8, 0.95]})
+    assert module.hparams["optimizer"] == dataclasses.asdict(module.optimizer_settings)
+    assert module.optimizer_settings.betas == (0.8, 0.95)
+    [muon, adamw] = module.configure_optimizers()["optimizer"].optimizers
+    assert muon.defaults["lr"] == 0.02 and adamw.defaults["lr"] == 1e-3 and adamw.defaults["betas"] == (0.8, 0.95)
+    for bad, named in (({"lr": -1.0}, "optimizer.lr=-1.0"), ({"name": "sgd"}, "optimizer.name='sgd'"),
+                       ({"betas": [0.9]}, "optimizer.betas"), ({"warmup_steps": 1.5}, "optimizer.warmup_steps"),
+                       ({"momentum": 0.9}, r"unknown field\(s\) \['momentum'\]")):
+        with pytest.raises(ConfigError, match=named):
+            GPTLightningModule(TINY, bad)

@@ -98,7 +98,7 @@ class TinyCNNModule(L.LightningModule):
 def tiny_gpt_module(optimizer: str = "adamw", **model_overrides) -> GPTLightningModule:
     config = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=32, sequence_len=16)
     config.update(model_overrides)
-    return GPTLightningModule(config, optimizer=optimizer, lr=1e-2, schedule="constant")
+    return GPTLightningModule(config, {"name": optimizer, "lr": 1e-2, "schedule": "constant"})
 
 
 def regression_loader(n: int = 64, d_in: int = 8, d_out: int = 4, batch_size: int = 8, seed: int = 0) -> DataLoader:

@@ -20,8 +20,8 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import inspect
 import logging
 import math
 import tempfile
@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..models.lightning_module import GPTLightningModule
+from ..models.optimizers import OptimizerSettings
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -263,13 +263,13 @@ def check_trainer_counts(trainer: DictConfig | None) -> None:
             raise ConfigError(f"trainer.{key}={value!r} must be an integer >= {low}, e.g. trainer.{key}={example}")
 
 
-def optimizer_arguments() -> dict[str, inspect.Parameter]:
-    parameters = inspect.signature(GPTLightningModule.__init__).parameters
-    return {name: p for name, p in parameters.items() if name not in ("self", "model", "optimizer")}
+def optimizer_arguments() -> dict[str, Any]:
+    """``{setting: default}`` of every optimizer setting but ``name`` (:class:`OptimizerSettings`'s fields)."""
+    return {f.name: f.default for f in dataclasses.fields(OptimizerSettings) if f.name != "name"}
 
 
 def check_optimizer(prefix: str, block: DictConfig | None, only: set[str] | None = None) -> None:
-    """Every optimizer setting is a known argument of :class:`GPTLightningModule`, of its default's type."""
+    """Every optimizer setting is a field of :class:`OptimizerSettings`, of its default's type."""
     if block is None:
         return
     allowed = optimizer_arguments()
@@ -279,7 +279,7 @@ def check_optimizer(prefix: str, block: DictConfig | None, only: set[str] | None
             continue
         if key not in allowed:
             raise ConfigError(f"{prefix}.{key} is not an optimizer setting; choose from name, {', '.join(allowed)}")
-        default = allowed[key].default
+        default = allowed[key]
         if not same_kind(value, default):
             raise ConfigError(f"{prefix}.{key}={value!r} must be {kind_name(default)}")
         numbers = value if isinstance(value, (tuple, list)) else [value]

@@ -404,10 +404,8 @@ class Pipeline:
                                                 for name in phase.retention})
 
     def build_module(self, phase: Phase) -> PhaseModule:
-        optimizer = dict(phase.optimizer)
-        name = optimizer.pop("name")
         model = OmegaConf.to_container(self.cfg.model, resolve=True)
-        return PhaseModule(model, optimizer=name, retention_names=phase.retention, **optimizer)
+        return PhaseModule(model, optimizer=dict(phase.optimizer), retention_names=phase.retention)
 
     def run_phase(self, phase: Phase, previous: Path | str | None, offset: int,
                   previous_phase: str | None = None) -> dict[str, Any]:

@@ -54,9 +54,8 @@ def with_stream_method(cfg: DictConfig) -> DictConfig:
 def build_module(cfg: DictConfig) -> L.LightningModule:
     if "_target_" in cfg.model:  # any other LightningModule, e.g. model=digits_mlp for the task streams
         return instantiate(cfg.model, _convert_="all")
-    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    name = optimizer.pop("name")
-    return GPTLightningModule(OmegaConf.to_container(cfg.model, resolve=True), optimizer=name, **optimizer)
+    return GPTLightningModule(OmegaConf.to_container(cfg.model, resolve=True),
+                              optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True))
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:

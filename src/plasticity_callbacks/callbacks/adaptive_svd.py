@@ -237,6 +237,8 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # minor_training="project": distributed.sharded_subspace
+    quick_settings = {"schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2,  # act within 4 steps
+                      "thresholds": {"clobber_alignment": 0.0}, "save_figure": False}
     summary_metrics = ("adaptive_svd/n_minor",)
     reads_gradients = True  # its alignments read the last step's gradient
     default_schedule = Schedule(every_n_steps=100, start_step=100)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import pkgutil
 import warnings
 from collections.abc import Iterable, Mapping
@@ -61,13 +60,15 @@ class PlasticityCallback(L.Callback):
     ``ModelCheckpoint``).
     An action at a validation end is written at the next training hook, at the same step, so the
     checkpoint written after that validation keeps it (``pending_logs``) and a resume logs it once.
+    An action of an every-step schedule (``every_n_steps=1``) is a series, not an event: its metrics are written
+    at the steps that are multiples of ``log_every_n_steps`` (and kept in ``callback_metrics`` at every step).
     A series measured at every step goes through ``pl_module.log`` in the subclass's own hook (Lightning
     writes it at ``log_every_n_steps``); one measured only at some steps goes through
     :func:`~callbacks.step_logging.log_at_step`, which writes it at those steps only.
     ``state_dict`` holds the schedule's state plus :meth:`extra_state`, checked on load with
     ``check_state`` against ``extra_state_types``. A subclass that needs more hooks overrides them
     and calls ``super()``. :meth:`fresh_values` (a fresh draw by the model's own init code) and
-    :meth:`reset_optimizer_state` are shared helpers for ``act``.
+    :meth:`reset_optimizer_state` are shared helpers for ``act``; :meth:`targets` gives the selected weights.
 
     Non-finite values, one rule for every method: a method never acts on a model whose trainable weights
     (or, for a method that reads them, ``reads_gradients``, their gradients) hold NaN or Inf. The action is
@@ -79,6 +80,12 @@ class PlasticityCallback(L.Callback):
         supports_fsdp2: ``act`` works on FSDP2's sharded ``DTensor`` parameters (each rank its own rows);
             False: ``ModelParallelStrategy`` is refused at setup with the fix.
         summary_metrics: logged names a pipeline or report summarizes for this method.
+        every_step_hook: the hook in which the method also works at every step outside its schedule (an EMA, a
+            pull towards the initial weights, a clip); None: it works only in ``act``. The cross-cutting tests
+            read it to know where the method acts.
+        quick_settings: arguments under which the method acts within the first few steps of a small model, where
+            its defaults wait longer (every 1000 steps, a threshold no unit reaches); the cross-cutting tests
+            (resume, DDP, FSDP2, NaN) build the method with them.
         default_schedule: the schedule when none is given (None: the method needs no schedule).
         step_hook: the hook whose step triggers call ``act`` (one of ``STEP_HOOKS``).
         extra_state_types: ``{key: type}`` of :meth:`extra_state`, checked on load.
@@ -91,16 +98,17 @@ class PlasticityCallback(L.Callback):
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``default_schedule``.
-        selection: which weights (a :class:`Selection`; a subclass builds it from a mapping with
-            ``Selection.build``); None: the method does not select weights (no target check at setup).
+        selection: which weights (a :class:`Selection` or a mapping of its fields), checked at setup (fit start,
+            before any step: a selection that finds no weight fails there) and read in ``act`` with
+            :meth:`targets`; None: the method does not select weights.
 
     Example:
         >>> class HalveWeights(PlasticityCallback):
         ...     summary_metrics = ("halve/norm",)
         ...     extra_state_types = {"halvings": int}
         ...
-        ...     def __init__(self, schedule=None, selection=None):
-        ...         super().__init__(schedule, Selection.build(selection, "HalveWeights"))
+        ...     def __init__(self, schedule=None, selection=Selection()):
+        ...         super().__init__(schedule, selection)
         ...         self.halvings = 0
         ...
         ...     def act(self, trainer, pl_module, reason):
@@ -120,6 +128,8 @@ class PlasticityCallback(L.Callback):
 
     supports_fsdp2: ClassVar[bool] = False
     summary_metrics: ClassVar[tuple[str, ...]] = ()
+    every_step_hook: ClassVar[str | None] = None
+    quick_settings: ClassVar[Mapping[str, Any]] = {}
     default_schedule: ClassVar[Schedule | None] = Schedule(at_fit_start=True)
     step_hook: ClassVar[str] = "on_train_batch_start"
     extra_state_types: ClassVar[Mapping[str, type | tuple[type, ...]]] = {}
@@ -128,12 +138,22 @@ class PlasticityCallback(L.Callback):
     reads_gradients: ClassVar[bool] = False
     acts_through: ClassVar[Mapping[str, str]] = {}
 
-    def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | None = None):
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        """Check the class's declarations once, where it is defined, and register it (:func:`callback_classes`):
+        a public subclass in a module of ``plasticity_callbacks.callbacks`` is exported by the package and found
+        by every cross-cutting test. ``abstract=True`` (``class DirectionalShrink(PlasticityCallback,
+        abstract=True)``) marks a shared base that is not a method of its own."""
+        super().__init_subclass__(**kwargs)
+        for name, value in (("step_hook", cls.step_hook), ("every_step_hook", cls.every_step_hook)):
+            if value not in STEP_HOOKS and not (name == "every_step_hook" and value is None):
+                raise TypeError(f"{cls.__name__}.{name}={value!r} is not one of {STEP_HOOKS}")
+        if not abstract:
+            register(cls)
+
+    def __init__(self, schedule: Schedule | Mapping | None = None, selection: Selection | Mapping | None = None):
         super().__init__()
-        if self.step_hook not in STEP_HOOKS:
-            raise TypeError(f"{self.owner}.step_hook={self.step_hook!r} is not one of {STEP_HOOKS}")
         self.schedule = self.default_schedule if schedule is None else Schedule.build(schedule, self.owner)
-        self.selection = selection
+        self.selection = None if selection is None else Selection.build(selection, self.owner)
         self.firing = None if self.schedule is None else ScheduleState(self.schedule, self.owner)
         self._pending_logs: dict[str, float] = {}
 
@@ -225,6 +245,18 @@ class PlasticityCallback(L.Callback):
         self.load_extra_state({k: v for k, v in state_dict.items() if k not in ("schedule", "pending_logs")})
 
     # ------------------------------------------------------------------ helpers for act
+    def targets(self, pl_module: nn.Module) -> list:
+        """The weights ``selection`` picks in ``pl_module`` (weight views: ``.name``, ``.param``, ``.shape``); the
+        base checked at setup that there is at least one, so a bad selection fails before the first step.
+
+        Raises:
+            TypeError: the method passed no selection to ``PlasticityCallback.__init__``.
+        """
+        if self.selection is None:
+            raise TypeError(f"{self.owner} calls self.targets() but passed no selection to PlasticityCallback.__init__: "
+                            "pass one (Selection() is every weight but the head), so that setup checks it")
+        return select_targets(pl_module, self.selection)
+
     def fresh_values(self, pl_module: nn.Module, names: Iterable[str], seed: int) -> dict[str, torch.Tensor]:
         """``{name: fresh value}`` of the named parameters, drawn by the model's own init code (Hugging Face
         ``_init_weights``, ``init_weights``, each layer's ``reset_parameters``) from ``seed``; the same values on
@@ -263,7 +295,11 @@ class PlasticityCallback(L.Callback):
             # FSDP2 keeps the root unit gathered after an evaluation forward (a validation just ran); the next
             # forward would use that copy and the write to the shards would be lost. No-op without FSDP2.
             reshard(pl_module)
-            self.log_event(trainer, self.act(trainer, pl_module, reason) or {}, defer)
+            metrics = self.act(trainer, pl_module, reason) or {}
+            if self._every_step_off_cadence(trainer, reason):  # a per-step series: kept, written at the cadence
+                log_at_step(trainer, metrics, write=False)
+            else:
+                self.log_event(trainer, metrics, defer)
 
     def log_event(self, trainer: L.Trainer, metrics: Mapping[str, Any], defer: bool = False) -> None:
         """Write ``metrics`` once to every logger at ``trainer.global_step`` and keep each in ``callback_metrics``
@@ -287,21 +323,62 @@ class PlasticityCallback(L.Callback):
         values, self._pending_logs = self._pending_logs, {}
         write_to_loggers(trainer, values)
 
+    def _every_step_off_cadence(self, trainer: L.Trainer, reason: str) -> bool:
+        """Whether this action is one of an every-step schedule (``every_n_steps=1``) at a step where Lightning
+        writes no row (not a multiple of ``log_every_n_steps``): its metrics are then a per-step series, kept in
+        ``callback_metrics`` but written only every ``log_every_n_steps`` steps, as ``pl_module.log`` would.
+        An action for another reason (fit start, a task boundary) is an event and always written."""
+        cadence = getattr(trainer, "log_every_n_steps", 1) or 1
+        return (self.schedule is not None and self.schedule.every_n_steps == 1 and cadence > 1
+                and reason == f"step {trainer.global_step}" and trainer.global_step % cadence != 0)
+
     def _step_trigger(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if hook == self.step_hook and self.firing is not None:
             self.act_if(self.firing.due_at_step(trainer), trainer, pl_module)
         self.write_pending_logs(trainer)  # those of a validation end: no optimizer step since, the same global step
 
 
-def fsdp2_callbacks() -> list[str]:
-    """The names of this package's callbacks that act under FSDP2 (``supports_fsdp2 = True``), found in the
-    modules of :mod:`plasticity_callbacks.callbacks` (each imported by name, so a new one is listed without an
-    edit)."""
-    names = set()
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        module = importlib.import_module(f"{__package__}.{info.name}")
-        names.update(name for name, cls in inspect.getmembers(module, inspect.isclass)
-                     if cls.__module__ == module.__name__ and issubclass(cls, L.Callback)
-                     and getattr(cls, "supports_fsdp2", False))
-    return sorted(names)
+# ---------------------------------------------------------------------- the registry
+_REGISTERED: dict[str, type] = {}
 
+
+def register(cls: type) -> type:
+    """Put a callback class of this package in the registry (:func:`callback_classes`). ``PlasticityCallback``
+    subclasses register themselves; an observer that is a plain ``L.Callback`` (``GateLogger``) uses this as a
+    class decorator. A class outside ``plasticity_callbacks.callbacks`` (a user's, a test's) or with a leading
+    underscore is left out: it is not the package's to export.
+
+    Raises:
+        TypeError: another class of the package already registered the same name.
+    """
+    if not cls.__module__.startswith(f"{__package__}.") or cls.__name__.startswith("_"):
+        return cls
+    known = _REGISTERED.get(cls.__name__, cls)
+    if (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(f"two callbacks are named {cls.__name__}: {known.__module__} and {cls.__module__}; rename one")
+    _REGISTERED[cls.__name__] = cls  # a module imported again (importlib.reload) replaces its classes
+    return cls
+
+
+def callback_classes() -> dict[str, type]:
+    """``{name: class}`` of every callback of this package, from the registry: the one list the package's exports,
+    :func:`fsdp2_callbacks`, the report and the cross-cutting tests read. Its modules (every file of
+    :mod:`plasticity_callbacks.callbacks`) are imported here, once, so a new file is found without an edit.
+
+    Example:
+        >>> sorted(callback_classes())[:3]
+        ['AdaptiveSVDSwitch', 'ContinualBackprop', 'DASHPeriodic']
+    """
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{__package__}.{info.name}")
+    return dict(sorted(_REGISTERED.items()))
+
+
+def plasticity_methods() -> dict[str, type]:
+    """``{name: class}`` of the registered :class:`PlasticityCallback` subclasses: the package's methods."""
+    return {name: cls for name, cls in callback_classes().items() if issubclass(cls, PlasticityCallback)}
+
+
+def fsdp2_callbacks() -> list[str]:
+    """The names of the registered callbacks that act under FSDP2 (``supports_fsdp2 = True``)."""
+    return sorted(name for name, cls in callback_classes().items() if getattr(cls, "supports_fsdp2", False))

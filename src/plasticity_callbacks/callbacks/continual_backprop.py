@@ -84,6 +84,8 @@ class ContinualBackprop(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # FSDP2: rows and columns of shards
+    every_step_hook = "on_train_batch_end"  # generate-and-test after every optimizer step
+    quick_settings = {"replacement_rate": 0.2, "maturity_threshold": 1}  # replace from step 1
     summary_metrics = ("cbp/replaced",)
     default_schedule = None  # generate-and-test runs every step
     extra_state_types = {"layers": list, "stats": list, "carry": list, "replaced": int}

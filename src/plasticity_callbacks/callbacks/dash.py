@@ -25,7 +25,7 @@ from .base import PlasticityCallback
 GRADIENT_MODES = ("eval", "train")  # the mode of the paper rule's gradient pass
 
 
-class DirectionalShrink(PlasticityCallback):
+class DirectionalShrink(PlasticityCallback, abstract=True):
     """What both DASH rules share: the selected layers, the shrink itself, its metrics and counters.
 
     A rule subclasses it, names its log ``prefix`` and writes ``act``, which calls :meth:`shrink`
@@ -178,6 +178,7 @@ class DASHShrink(DirectionalShrink):
     """
 
     supports_fsdp2 = True  # FSDP2: each rank's rows (distributed.sharding.sharded_shrink_)
+    quick_settings = {"n_batches": 2, "skip_muon_params": False}
     prefix = "dash"
     summary_metrics = ("dash/shrunk_fraction",)
 

@@ -57,6 +57,8 @@ class DASHPeriodic(DirectionalShrink):
     """
 
     supports_fsdp2 = True  # FSDP2: each rank's rows from its shard of .grad
+    quick_settings = {"schedule": {"every_n_steps": 2}, "cosine_threshold": -1.0, "shrink_rate": 0.2,
+                      "skip_muon_params": False}  # every row shrinks, every 2 steps
     prefix = "dash_periodic"
     summary_metrics = ("dash_periodic/shrunk_fraction",)
     default_schedule = Schedule(every_n_steps=2000)

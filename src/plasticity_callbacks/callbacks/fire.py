@@ -68,6 +68,7 @@ class FIREReinit(PlasticityCallback):
 
     supports_fsdp2 = True  # FSDP2 shards: distributed.sharded_fire
     acts_through = FIRE_THROUGH  # weight norm, spectral norm; orthogonal: already an isometry
+    quick_settings = {"schedule": {"at_fit_start": True, "steps": [2]}, "selection": {"include_conv": True}}
     summary_metrics = ("fire/dfi_before", "fire/dfi_after")
     extra_state_types = {"history": list, "warmup_start": OPTIONAL_INT}
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..arguments import check_int
 from ..distributed.strategy import gather_full, require_full_parameters
+from .base import register
 from .step_logging import log_at_step
 
 
@@ -17,6 +18,7 @@ def gated_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if callable(getattr(m, "gate_values", None))]
 
 
+@register
 class GateLogger(L.Callback):
     """Logs each gated block's ``sigmoid(skip)`` gates, pathway weights and ``α`` as
     ``gates/<module>/<name>`` (e.g. ``gates/model.blocks.0.attn/gate_rec``), plus the binary

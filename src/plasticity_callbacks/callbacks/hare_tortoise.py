@@ -48,6 +48,8 @@ class HareTortoise(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # FSDP2: the tortoise is sharded like the hare
+    every_step_hook = "on_train_batch_end"  # the tortoise's EMA, after every optimizer step
+    quick_settings = {"decay": 0.5, "schedule": {"every_n_steps": 2}}
     summary_metrics = ("hare_tortoise/distance",)
     default_schedule = Schedule(every_n_steps=1000)
     extra_state_types = {"names": list, "tortoise": list, "resets": int}

@@ -46,6 +46,7 @@ class L2Init(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # FSDP2: θ₀ is sharded like its parameter
+    every_step_hook = "on_before_optimizer_step"  # the pull, added to every step's gradient
     summary_metrics = ("l2_init/distance",)
     default_schedule = None  # the pull acts at every optimizer step
     extra_state_types = {"names": list, "anchors": list}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Any
 
@@ -12,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..arguments import check_int, check_number
+from ..arguments import build_options, check_int, check_number
 from ..distributed.sharded_state import copies_of, state_copy
 from ..distributed.strategy import is_dtensor, rank_identical_generator
 from ..functional import diagnostics as D
@@ -25,6 +26,27 @@ from .base import PlasticityCallback
 from .step_logging import log_at_step
 
 GROUPS = ("activations", "weights", "spectra", "curvature")
+
+
+@dataclass(frozen=True)
+class Curvature:
+    """The monitor's curvature group: the top Hessian eigenvalue of the loss on a held batch (Lyle et al. 2023),
+    by power iteration; about ``2 + 2·iterations`` backward passes each time it is measured.
+
+    Example:
+        >>> PlasticityMonitor(curvature=Curvature(every_n_steps=1000, iterations=20))
+        >>> PlasticityMonitor(curvature={"every_n_steps": 1000})   # a config's mapping
+    """
+
+    every_n_steps: int = 1000  # optimizer steps between two measurements
+    iterations: int = 10  # power-iteration steps
+    loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # f(pl_module, batch); None: training_step's
+
+    def __post_init__(self) -> None:
+        check_int("PlasticityMonitor curvature every_n_steps", self.every_n_steps)
+        check_int("PlasticityMonitor curvature iterations", self.iterations)
+        if self.loss is not None and not callable(self.loss):
+            raise ValueError(f"PlasticityMonitor curvature loss={self.loss!r} must be f(pl_module, batch) -> loss")
 
 
 class PlasticityMonitor(PlasticityCallback):
@@ -61,10 +83,10 @@ class PlasticityMonitor(PlasticityCallback):
     (FIRE's deviation from isometry ``‖WᵀW − s²I‖²_F`` at ``s = √(d_out/d_in)``, Chung et al. 2025), from one
     Gram matrix each: ``O(m·n·min(m, n))``.
 
-    **curvature** (``curvature_every_n_steps``, off by default): ``monitor/curvature``, the top Hessian
+    **curvature** (``curvature``, a :class:`Curvature`; off by default): ``monitor/curvature``, the top Hessian
     eigenvalue (Lyle et al. 2023) of the loss on a held batch (the fit's first training batch), by
-    ``curvature_iterations`` power-iteration steps; costs about ``2 + 2·curvature_iterations`` backward
-    passes (a double-backward graph kept meanwhile). The loss is ``curvature_loss(pl_module, batch)``, or
+    ``curvature.iterations`` power-iteration steps; costs about ``2 + 2·iterations`` backward
+    passes (a double-backward graph kept meanwhile). The loss is ``curvature.loss(pl_module, batch)``, or
     ``training_step``'s ``loss`` with its own ``self.log`` calls muted. Runs eagerly under ``torch.compile``.
 
     **Distributed**: DDP and FSDP2 (``ModelParallelStrategy``) log one process's values on the union of the
@@ -79,7 +101,8 @@ class PlasticityMonitor(PlasticityCallback):
         activations_every_n_steps: interval of the activation group (None: off).
         weights_every_n_steps: interval of the weight group (None: off).
         spectra_every_n_steps: interval of the weight-spectrum group (None: off).
-        curvature_every_n_steps: interval of the curvature (None: off).
+        curvature: the curvature group's interval, iterations and loss (a :class:`Curvature` or a mapping of its
+            fields); None: off.
         tau: dormancy threshold (ReDo: 0.025).
         feature_layers: ``fnmatch`` patterns on neuron-layer names whose feature rank is measured;
             ``("last",)``: the last layer found (the penultimate features of Kumar et al.).
@@ -87,8 +110,6 @@ class PlasticityMonitor(PlasticityCallback):
             mapping with ``include``/``exclude``); None: every trainable parameter.
         per_layer: also log each layer's / matrix's value (the summaries always).
         layer_map: neuron layers by module names, as ``ReDoMonitor``'s; None: found by the model map.
-        curvature_iterations: power-iteration steps of the curvature.
-        curvature_loss: ``f(pl_module, batch) -> scalar loss``; None: ``training_step``'s loss.
         plot: draw the figure at the end of training.
 
     Example:
@@ -99,6 +120,8 @@ class PlasticityMonitor(PlasticityCallback):
 
     summary_metrics = ("monitor/dormant", "monitor/feature_erank", "monitor/weight_srank", "monitor/grad_norm")
     supports_fsdp2 = True
+    every_step_hook = "on_train_batch_end"  # measures at batch ends
+    quick_settings = {"activations_every_n_steps": 1, "weights_every_n_steps": 1, "spectra_every_n_steps": 1}
     reads_gradients = True  # the gradient norm: a NaN gradient skips the measurement too (the base's rule)
     default_schedule = None  # the monitor never acts
     step_hook = "on_train_batch_end"
@@ -106,21 +129,23 @@ class PlasticityMonitor(PlasticityCallback):
     parameter_state_keys = ("initial",)
 
     def __init__(self, activations_every_n_steps: int | None = 100, weights_every_n_steps: int | None = 100,
-                 spectra_every_n_steps: int | None = 500, curvature_every_n_steps: int | None = None,
+                 spectra_every_n_steps: int | None = 500, curvature: Curvature | Mapping | None = None,
                  tau: float = 0.025, feature_layers: Sequence[str] = ("last",),
                  selection: Selection | Mapping | None = None, per_layer: bool = True,
-                 layer_map: Mapping | None = None, curvature_iterations: int = 10,
-                 curvature_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None, plot: bool = True):
+                 layer_map: Mapping | None = None, plot: bool = True):
+        if curvature is not None:
+            curvature = build_options(Curvature, curvature, "PlasticityMonitor", "curvature")
+        curvature_every_n_steps = None if curvature is None else curvature.every_n_steps
+        curvature_iterations, curvature_loss = (10, None) if curvature is None else (curvature.iterations, curvature.loss)
         intervals = (activations_every_n_steps, weights_every_n_steps, spectra_every_n_steps, curvature_every_n_steps)
         for group, every in zip(GROUPS, intervals):
             check_int(f"PlasticityMonitor {group}_every_n_steps", every, optional=True)
         if all(every is None for every in intervals):
-            raise ValueError("PlasticityMonitor measures nothing: every *_every_n_steps is None; set one")
+            raise ValueError("PlasticityMonitor measures nothing: every *_every_n_steps and curvature are None; set one")
         check_number("PlasticityMonitor tau", tau, 0.0, 1.0, "(ReDo: 0.025)")
         if isinstance(feature_layers, str) or not all(isinstance(p, str) for p in feature_layers):
             raise ValueError(f"PlasticityMonitor feature_layers={feature_layers!r} must be a list of patterns, "
                              "e.g. ['last'] or ['*mlp*']")
-        check_int("PlasticityMonitor curvature_iterations", curvature_iterations)
         for name, flag in (("per_layer", per_layer), ("plot", plot)):
             if not isinstance(flag, bool):
                 raise ValueError(f"PlasticityMonitor {name}={flag!r} must be true or false")
@@ -151,9 +176,9 @@ class PlasticityMonitor(PlasticityCallback):
     def check_strategy(self, trainer) -> None:
         super().check_strategy(trainer)  # FSDP2 (supports_fsdp2): shard sums, reduced
         if self.every["curvature"] and "ModelParallel" in type(trainer.strategy).__name__:
-            raise ValueError("PlasticityMonitor curvature_every_n_steps: the Hessian-vector products need a "
+            raise ValueError("PlasticityMonitor curvature: the Hessian-vector products need a "
                              "double backward through the whole model, which FSDP2 does not run; set "
-                             "curvature_every_n_steps=None under FSDP2 or measure it with strategy='ddp'")
+                             "curvature=None under FSDP2 or measure it with strategy='ddp'")
 
     def check_targets(self, trainer, pl_module) -> None:
         matching_parameters(pl_module, self.selection, self.owner)  # none: fails before any training

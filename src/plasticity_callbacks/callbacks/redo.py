@@ -113,6 +113,8 @@ class ReDoMonitor(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # FSDP2: rows, columns of shards (distributed.sharding)
+    quick_settings = {"tau": 1.0, "collect_every_n_steps": 1, "log_every_n_steps": 1,  # every unit is dormant
+                      "schedule": {"every_n_steps": 2}}
     summary_metrics = ("redo/dormant",)
     default_schedule = None  # monitor only
     step_hook = "on_train_batch_end"  # after the step whose statistics it uses

@@ -122,7 +122,10 @@ class Schedule:
         epochs: act at the start of these epochs (0-based).
         every_n_epochs: act at the start of epochs ``n, 2n, …`` (not epoch 0).
         steps: act once ``trainer.global_step`` (optimizer steps taken) reaches each of these.
-        every_n_steps: act at global steps ``n, 2n, …`` (not step 0).
+        every_n_steps: act at global steps ``n, 2n, …``; ``1``: at every step, step 0 included, so a method that
+            must act at every optimizer step acts before (or after, with a batch-end hook) each one of the fit.
+            For ``n > 1`` step 0 is not a multiple that counts: it is the fit's start, before anything was
+            measured (use ``at_fit_start`` to act there too).
         at_task_boundaries: act when ``global_step`` reaches one of the data module's
             ``task_boundary_steps``.
         monitor: act when this logged metric (mean over ranks) has not improved by ``min_delta``
@@ -306,7 +309,8 @@ class ScheduleState:
             task = sum(b <= step for b in self._boundaries)
             return self._fire(trainer, f"task {task} starts (step {step})")
         n = self.schedule.every_n_steps
-        if any(last < s <= step for s in self.schedule.steps) or (n is not None and _multiple_in(last, step, n)):
+        every = n is not None and (n == 1 or _multiple_in(last, step, n))  # n == 1: every step, step 0 too
+        if every or any(last < s <= step for s in self.schedule.steps):
             return self._fire(trainer, f"step {step}")
         return self._threshold_due(trainer, step) if self.schedule.threshold is not None else None
 

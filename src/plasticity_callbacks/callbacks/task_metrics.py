@@ -16,6 +16,7 @@ from ..distributed.strategy import all_reduce_mean, is_dtensor, require_full_par
 from .figures import run_output_dir
 from ..ops.minor_gradient import full_gradients
 from ..distributed.sharded_state import reshard
+from .base import register
 from .step_logging import log_at_step
 from ..functional.diagnostics import abs_activation_sum, feature_gram, gram_ranks, unit_fractions
 from ..functional.dormancy import dormancy_scores
@@ -157,6 +158,7 @@ def _train_probe(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step
                 b.copy_(saved)
 
 
+@register
 class TaskMetrics(L.Callback):
     """Measures plasticity and stability over every task of a task stream (:mod:`plasticity_callbacks.data.digits`).
 

@@ -143,6 +143,8 @@ class WeightClip(PlasticityCallback):
     """
 
     supports_fsdp2 = True  # FSDP2: elementwise on each rank's shard
+    every_step_hook = "on_train_batch_end"  # clips after every optimizer step
+    quick_settings = {"kappa": 0.1}  # a bound the first steps reach
     summary_metrics = ("weight_clip/clipped",)
     default_schedule = None  # clips after every optimizer step
 

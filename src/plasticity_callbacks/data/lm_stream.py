@@ -17,14 +17,21 @@ or measured. The ``design`` picks what changes from task to task:
   ``slice_bytes[t]`` bytes (the FIRE paper's "overtrain on a small slice, then a large new one"
   with ``[small, large]``); measured on held-out windows.
 
+Each design's own settings travel in one :class:`LMDesign` (``design={"name": "slices", "slice_bytes": [...]}``).
+
 Example:
-    >>> stream = LMTaskStream(design="random_last_byte", num_tasks=20, steps_per_task=100, fresh_windows=True)
+    >>> stream = LMTaskStream(design={"name": "random_last_byte", "fresh_windows": True}, num_tasks=20)
     >>> trainer = L.Trainer(max_epochs=1, callbacks=[TaskMetrics()])  # one epoch = the whole stream
     >>> trainer.fit(GPTLightningModule({"n_layer": 2, "n_embd": 64}), datamodule=stream)
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
+
+from ..arguments import build_options
 
 from .corpus import read_text, split_files, stdlib_dir, stdlib_files
 from .digits import DigitsTaskStream, Task, generator
@@ -34,6 +41,41 @@ DESIGNS = ("random_last_byte", "permuted_vocab", "slices")
 BYTES = 256
 # Separate random streams per purpose (the digits streams use 0-3 for theirs).
 _WINDOWS, _TARGETS, _PERMUTATION, _PROBE, _HELD_OUT = 10, 11, 12, 13, 14
+
+
+@dataclass(frozen=True)
+class LMDesign:
+    """What changes from task to task in an :class:`LMTaskStream`, with that design's own settings (the module
+    docstring describes each design).
+
+    Example:
+        >>> LMDesign(name="slices", slice_bytes=(20_000, 2_000_000))
+    """
+
+    name: str = "random_last_byte"  # random_last_byte | permuted_vocab | slices
+    windows_per_task: int = 256  # random_last_byte: the windows each task memorizes
+    fresh_windows: bool = True  # random_last_byte: new windows per task (else the same windows every task)
+    eval_windows: int = 256  # permuted_vocab / slices: held-out windows each task is measured on
+    slice_bytes: tuple[int, ...] | None = None  # slices: the bytes of each task's slice, in task order
+
+    def __post_init__(self) -> None:
+        if self.name not in DESIGNS:
+            raise ValueError(f"data.design.name={self.name!r} is not one of {DESIGNS}")
+        for field in ("windows_per_task", "eval_windows"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError(f"data.design.{field}={value!r} must be an integer of at least 2")
+        if not isinstance(self.fresh_windows, bool):
+            raise ValueError(f"data.design.fresh_windows={self.fresh_windows!r} must be true or false")
+        if self.slice_bytes is not None:
+            if isinstance(self.slice_bytes, (str, bytes)) or not hasattr(self.slice_bytes, "__iter__"):
+                raise ValueError(f"data.design.slice_bytes={self.slice_bytes!r} must be a list of slice sizes in bytes")
+            object.__setattr__(self, "slice_bytes", tuple(self.slice_bytes) or None)
+
+    @classmethod
+    def build(cls, value: LMDesign | Mapping | str) -> LMDesign:
+        """``value`` as an LMDesign: kept, a design's name, or a mapping of the fields."""
+        return cls(name=value) if isinstance(value, str) else build_options(cls, value, "LMTaskStream", "design")
 
 
 def corpus_bytes(max_bytes: int, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,36 +106,33 @@ class LMTaskStream(DigitsTaskStream):
     """A stream of byte-level language-model tasks (see the module docstring for the designs).
 
     Args:
-        design: ``random_last_byte`` | ``permuted_vocab`` | ``slices``.
+        design: what changes from task to task and that design's settings: an :class:`LMDesign`, a mapping of its
+            fields, or a design's name (``random_last_byte`` | ``permuted_vocab`` | ``slices``) with the defaults.
         num_tasks: tasks in the stream; None: 20, or with ``slices`` one per ``slice_bytes``.
         steps_per_task: optimizer steps (batches) on each task.
         batch_size: windows per batch.
         seed: everything random in the stream derives from it.
         window: bytes per window; a batch is ``x (B, window)``, ``y (B, window)`` (``y`` = ``x`` shifted by one).
-        windows_per_task: ``random_last_byte``: the windows each task memorizes.
-        fresh_windows: ``random_last_byte``: new windows per task (else the same windows every task).
-        eval_windows: ``permuted_vocab`` / ``slices``: held-out windows each task is measured on.
-        slice_bytes: ``slices``: the bytes of each task's slice, in task order.
         corpus_max_bytes: bytes of training files read (the held-out files are cut at the same size).
 
     Example:
-        >>> LMTaskStream(design="slices", slice_bytes=[20_000, 2_000_000], steps_per_task=500).num_tasks
+        >>> LMTaskStream(design={"name": "slices", "slice_bytes": [20_000, 2_000_000]}, steps_per_task=500).num_tasks
         2
     """
 
     sample_name = "windows"
 
-    def __init__(self, design: str = "random_last_byte", num_tasks: int | None = None, steps_per_task: int = 100,
-                 batch_size: int = 64, seed: int = 0, window: int = 32, windows_per_task: int = 256,
-                 fresh_windows: bool = True, eval_windows: int = 256, slice_bytes: list[int] | None = None,
+    def __init__(self, design: LMDesign | Mapping | str = "random_last_byte", num_tasks: int | None = None,
+                 steps_per_task: int = 100, batch_size: int = 64, seed: int = 0, window: int = 32,
                  corpus_max_bytes: int = 4_000_000):
-        if design not in DESIGNS:
-            raise ValueError(f"data.design={design!r} is not one of {DESIGNS}")
+        options = LMDesign.build(design)
+        design, windows_per_task, fresh_windows = options.name, options.windows_per_task, options.fresh_windows
+        eval_windows, slice_bytes = options.eval_windows, options.slice_bytes
         if design == "slices":
             sizes_ok = slice_bytes and all(isinstance(b, int) and not isinstance(b, bool) and b > window + 1
                                            for b in slice_bytes)
             if not sizes_ok:
-                raise ValueError(f"data.slice_bytes={slice_bytes!r}: design=slices needs a list of slice sizes in "
+                raise ValueError(f"data.design.slice_bytes={slice_bytes!r}: design.name=slices needs a list of slice sizes in "
                                  f"bytes, each more than data.window + 1 = {window + 1}")
             if num_tasks not in (None, len(slice_bytes)):
                 raise ValueError(f"data.num_tasks={num_tasks} disagrees with the {len(slice_bytes)} slice_bytes "
@@ -102,12 +141,11 @@ class LMTaskStream(DigitsTaskStream):
         elif num_tasks is None:
             num_tasks = 20
         super().__init__(num_tasks, steps_per_task, batch_size, seed)
-        for name, value in (("window", window), ("windows_per_task", windows_per_task),
-                            ("eval_windows", eval_windows), ("corpus_max_bytes", corpus_max_bytes)):
+        for name, value in (("window", window), ("corpus_max_bytes", corpus_max_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
                 raise ValueError(f"data.{name}={value!r} must be an integer of at least 2")
         if design == "slices" and sum(slice_bytes) > corpus_max_bytes:
-            raise ValueError(f"data.slice_bytes add up to {sum(slice_bytes)}, more than data.corpus_max_bytes="
+            raise ValueError(f"data.design.slice_bytes add up to {sum(slice_bytes)}, more than data.corpus_max_bytes="
                              f"{corpus_max_bytes}; raise corpus_max_bytes")
         self.design, self.window, self.windows_per_task = design, window, windows_per_task
         self.fresh_windows, self.eval_windows = bool(fresh_windows), eval_windows

@@ -42,7 +42,7 @@ def require_full_parameters(trainer, owner: str, fsdp2: bool = False,
         owner: the caller's name, for the message.
         fsdp2: the caller acts on FSDP2's shards.
         fsdp2_capable: lists the callbacks that do act under FSDP2, for the refusal's message (called only
-            when refusing: :func:`plasticity_callbacks.callbacks.base.fsdp2_callbacks` imports every callback).
+            when refusing: :func:`plasticity_callbacks.callbacks.base.fsdp2_callbacks` reads the callback registry).
 
     Example:
         >>> require_full_parameters(trainer, "FIREReinit", fsdp2=True)   # in setup, on every rank

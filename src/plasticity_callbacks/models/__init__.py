@@ -1,11 +1,12 @@
 """The GPT, its pluggable blocks and its LightningModule."""
 from .blocks import KVCache, NeuronLayout
 from .gpt import GPT, Block, GPTConfig
+from .optimizers import OptimizerSettings
 from .registry import ATTENTIONS, MLPS, POSITIONS, Registry
 
 __all__ = [
     "GPT", "GPTConfig", "Block", "KVCache", "NeuronLayout", "ATTENTIONS", "MLPS", "POSITIONS",
-    "Registry", "GPTLightningModule",
+    "Registry", "GPTLightningModule", "OptimizerSettings",
 ]
 
 

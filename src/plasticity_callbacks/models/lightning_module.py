@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -11,7 +12,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from ..data.tokenizer import IGNORE_INDEX
-from .optimizers import build_optimizer, lr_lambda
+from .optimizers import OptimizerSettings, build_optimizer, lr_lambda
 from .gpt import GPT, GPTConfig
 from ..errors import ConfigError
 
@@ -33,43 +34,32 @@ class GPTLightningModule(L.LightningModule):
 
     Args:
         model: a ``GPTConfig`` or a dict of its fields.
-        optimizer: ``adamw`` or ``muon`` (Muon on block matrices, AdamW on the rest).
-        lr, weight_decay, betas: AdamW settings; ``muon_lr``, ``muon_momentum``: Muon's.
-        schedule: ``cosine`` | ``linear`` | ``constant`` after ``warmup_steps``; decays to ``min_lr_ratio·lr``.
+        optimizer: the optimizer and its LR schedule: :class:`~models.optimizers.OptimizerSettings` or a dict of
+            its fields (``configs/optimizer/<name>.yaml``); None: AdamW at 3e-3, cosine.
+
+    Raises:
+        ConfigError: an optimizer setting out of range, naming it (``optimizer.lr=-1 ...``).
 
     Example:
-        >>> module = GPTLightningModule({"n_layer": 2, "n_embd": 64, "mlp": "swiglu"}, lr=3e-3)
+        >>> module = GPTLightningModule({"n_layer": 2, "n_embd": 64, "mlp": "swiglu"}, {"name": "muon", "lr": 3e-3})
         >>> L.Trainer(max_steps=100).fit(module, datamodule=CodeCorpusDataModule())
     """
 
-    def __init__(
-        self,
-        model: GPTConfig | dict[str, Any] | None = None,
-        optimizer: str = "adamw",
-        lr: float = 3e-3,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        muon_lr: float = 0.02,
-        muon_momentum: float = 0.95,
-        schedule: str = "cosine",
-        warmup_steps: int = 0,
-        min_lr_ratio: float = 0.1,
-    ):
+    def __init__(self, model: GPTConfig | dict[str, Any] | None = None,
+                 optimizer: OptimizerSettings | dict[str, Any] | None = None):
         super().__init__()
         config = model if isinstance(model, GPTConfig) else GPTConfig(**dict(model or {}))
-        self.save_hyperparameters({"model": config.to_dict(), "optimizer": optimizer, "lr": lr,
-                                   "weight_decay": weight_decay, "betas": list(betas), "muon_lr": muon_lr,
-                                   "muon_momentum": muon_momentum, "schedule": schedule,
-                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio})
+        try:
+            self.optimizer_settings = OptimizerSettings.build(optimizer)
+        except ValueError as err:  # a config's value: one line naming the key (optimizer.<field>)
+            raise ConfigError(str(err)) from None
+        self.save_hyperparameters({"model": config.to_dict(), "optimizer": asdict(self.optimizer_settings)})
         self.model = GPT(config)
         # A plain function attribute, not a submodule: state_dict keys and named_modules() stay the model's.
         self._compiled_forward = torch.compile(self.model.forward, dynamic=False) if config.compile else None
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self._last_step_end: float | None = None  # train/tokens_per_sec's clock
-        lr_lambda(schedule, 1, warmup_steps, min_lr_ratio)  # validates the schedule name now, not at fit time
-        if optimizer not in ("adamw", "muon"):
-            raise ConfigError(f"optimizer.name={optimizer!r} is not one of ('adamw', 'muon')")
 
     @property
     def config(self) -> GPTConfig:
@@ -164,11 +154,10 @@ class GPTLightningModule(L.LightningModule):
         self.log("val/ppl", self.val_ppl)
 
     def configure_optimizers(self):
-        h = self.hparams
-        optimizer = build_optimizer(self.model, h.optimizer, h.lr, h.weight_decay, tuple(h.betas), h.muon_lr,
-                                    h.muon_momentum)
+        settings = self.optimizer_settings
+        optimizer = build_optimizer(self.model, settings)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
-        factor = lr_lambda(h.schedule, max(1, total), h.warmup_steps, h.min_lr_ratio)
+        factor = lr_lambda(settings.schedule, max(1, total), settings.warmup_steps, settings.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

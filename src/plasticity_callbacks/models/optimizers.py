@@ -9,17 +9,62 @@ Callbacks see one ``on_before_optimizer_step`` per real step.
 from __future__ import annotations
 
 import math
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..arguments import build_options, check_int, check_number
 from ..model_map import Selection, select_targets
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The GPT's optimizer and learning-rate schedule, as ``configs/optimizer/<name>.yaml`` writes them; checked
+    here once, then passed whole to :func:`build_optimizer` and :func:`lr_lambda`.
+
+    Example:
+        >>> GPTLightningModule({"n_layer": 2}, optimizer=OptimizerSettings(name="muon", warmup_steps=20))
+        >>> GPTLightningModule({"n_layer": 2}, optimizer={"lr": 1e-3, "schedule": "constant"})
+    """
+
+    name: str = "adamw"  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest)
+    lr: float = 3e-3  # AdamW's learning rate (with muon: its AdamW part's)
+    weight_decay: float = 0.0  # on matrices only (AdamW's 2-D parameters, Muon's matrices)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's
+    muon_lr: float = 0.02  # Muon's learning rate
+    muon_momentum: float = 0.95  # Muon's momentum
+    schedule: str = "cosine"  # cosine | linear | constant, after the warmup
+    warmup_steps: int = 0  # linear warmup from lr / warmup_steps
+    min_lr_ratio: float = 0.1  # cosine and linear decay to min_lr_ratio · lr
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer.name={self.name!r} is not one of {OPTIMIZERS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optimizer.schedule={self.schedule!r} is not one of {SCHEDULES}")
+        for field in ("lr", "weight_decay", "muon_lr"):
+            check_number(f"optimizer.{field}", getattr(self, field), 0.0)
+        check_number("optimizer.muon_momentum", self.muon_momentum, 0.0, 1.0)
+        check_number("optimizer.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_int("optimizer.warmup_steps", self.warmup_steps, minimum=0)
+        betas = self.betas
+        if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"optimizer.betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        for beta in betas:
+            check_number("optimizer.betas", beta, 0.0, 1.0, "(each)")
+        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+
+    @classmethod
+    def build(cls, value: OptimizerSettings | Mapping | None, owner: str = "GPTLightningModule") -> OptimizerSettings:
+        """``value`` as OptimizerSettings: kept, built from a mapping of its fields, or the defaults for None."""
+        return cls() if value is None else build_options(cls, value, owner, "optimizer")
 
 
 class _RoutedState(MutableMapping):
@@ -91,21 +136,13 @@ class CombinedOptimizer(Optimizer):
         return f"CombinedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
 
 
-def build_optimizer(
-    model: nn.Module,
-    name: str = "adamw",
-    lr: float = 3e-3,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.95),
-    muon_lr: float = 0.02,
-    muon_momentum: float = 0.95,
-) -> Optimizer:
+def build_optimizer(model: nn.Module, settings: OptimizerSettings | Mapping | None = None) -> Optimizer:
     """``adamw``: one AdamW, no decay on 1-D parameters. ``muon``: ``torch.optim.Muon`` on the
-    blocks' 2-D matrices (nanochat's grouping), AdamW on embeddings, head and everything else."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer.name={name!r} is not one of {OPTIMIZERS}")
-    betas = tuple(betas)
-    if name == "adamw":
+    blocks' 2-D matrices (nanochat's grouping), AdamW on embeddings, head and everything else (``settings``:
+    :class:`OptimizerSettings` or a mapping of its fields; None: the defaults)."""
+    settings = OptimizerSettings.build(settings, "build_optimizer")
+    lr, weight_decay, betas = settings.lr, settings.weight_decay, settings.betas
+    if settings.name == "adamw":
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -115,7 +152,7 @@ def build_optimizer(
                 if t.param.dim() == 2 and t.through is None]
     matrix_ids = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in matrix_ids]
-    muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, weight_decay=weight_decay)
+    muon = torch.optim.Muon(matrices, lr=settings.muon_lr, momentum=settings.muon_momentum, weight_decay=weight_decay)
     adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=0.0)
     return CombinedOptimizer([muon, adamw])
 

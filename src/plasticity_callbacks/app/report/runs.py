@@ -146,10 +146,9 @@ def summary_names(targets: list[str] | None) -> list[str]:
     from ..runs.verified_files import TRUST_ENV
 
     if targets is None:
-        from ... import _LAZY
+        from ...callbacks.base import callback_classes
 
-        targets = [f"{module}.{name}" for name, module in _LAZY.items()
-                   if module.startswith("plasticity_callbacks.callbacks.")]
+        targets = [f"{cls.__module__}.{name}" for name, cls in callback_classes().items()]
     names: dict[str, None] = {}
     trusted = os.environ.get(TRUST_ENV) == "1"
     for target in targets:
