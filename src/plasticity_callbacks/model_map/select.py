@@ -20,7 +20,7 @@ from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers,
 from .probe import probe_fused_layouts
 from .stacks import left_alone, read_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks,
-                      module_roles, named_blocks, output_heads, stored_param, table_blocks, unknown_split)
+                      module_roles, output_heads, stored_param, table_blocks, unknown_split)
 
 SCOPES = ("all", "attention", "mlp", "head")
 
@@ -54,12 +54,14 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
         name = f"{module_name}.{attr}" if module_name else attr
         if blocks is None and module_name in attention:
             blocks = probed.get(module_name)
-            if blocks is None and is_probe_candidate(model, module_name, module, attr):
-                blocks, unknown = (), unknown_split(model, module_name, module, rows)
-            blocks = blocks or ()
-        elif blocks is None:  # the forward's own cut of this layer's output, else the name table's guess
-            read = layouts.traced(name)
-            blocks = named_blocks(module_name, read.blocks) if read is not None else table_blocks(module_name, rows)
+            if blocks is None:  # the probe could not tell: the trace of the same forward decides (or refuses)
+                blocks, unknown = layouts.layer_split(name, module_name, rows)
+                if unknown is None and is_probe_candidate(model, module_name, module, attr):
+                    blocks, unknown = (), unknown_split(model, module_name, module, rows)
+            blocks, unknown = blocks or (), unknown or ""
+        elif blocks is None:  # the forward's own cut of this layer's output (or a refusal), else the name table's guess
+            blocks, unknown = layouts.layer_split(name, module_name, rows)
+            blocks, unknown = (table_blocks(module_name, rows), "") if unknown is None else (blocks, unknown)
         views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
                                               transposed=transposed, blocks=blocks, groups=groups,
                                               split_unknown=unknown, left_alone=left_alone(model, module_name,
