@@ -274,11 +274,12 @@ def require_targets(targets: list[WeightView], owner: str, selection: Selection)
 
 
 def refuse_unknown_splits(views: Iterable[WeightView], owner: str) -> None:
-    """Raise, with the declarations that fit, when a method that treats each of Q, K, V on its own meets a
-    fused matrix whose split is unknown."""
+    """Raise, with the declarations that fit, when a method that treats each block of a fused matrix (Q, K, V,
+    gate/up, ...) on its own meets one whose split is unknown or not proven by the trace."""
     unknown = [v.split_unknown for v in views if v.split_unknown]
     if unknown:
-        raise ValueError(f"{owner} treats each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
+        raise ValueError(f"{owner} treats each block of a fused weight (Q, K, V, gate/up, ...) on its own and needs "
+                         "their rows: " + "; ".join(unknown)
                          + " (or exclude the weight)")
 
 
