@@ -16,7 +16,19 @@ One forward on one token under a ``TorchFunctionMode`` answers, for every ≥2-D
   ``[z | x | B | C | dt]`` of Mamba-2's, ``gate[::2] | up[1::2]`` of GPT-OSS's experts, ``[latent |
   rope key]`` of DeepSeek's ``kv_a_proj_with_mqa``, ModernBERT's ``Wi.chunk(2)``).
 
-Cuts along other dims (tokens, batch) keep every row in every piece and refine nothing. Results
+Cuts along other dims (tokens, batch) keep every row in every piece and refine nothing.
+
+**Fail closed.** A weight is whole only when the trace proves that no cut separates its rows. So the numbers are
+followed exactly through every op the trace models: elementwise ops with a broadcast operand (``in_proj(x) *
+mup``, a bias, a residual, ``clamp``, norms and activations, probed as the identity), sums and products of traced
+layers (``gate_up(x) + adapter(x)``: each keeps its own numbering), ``cat``/``stack`` (experts' outputs one after
+another; a layer's own pieces put back along its features join again, as rotary's ``cat(-x2, x1)``), products of
+activations and ``einsum`` (``attention @ value`` keeps the value's features; summing over a feature dim, like
+``q @ kᵀ``, a norm's mean square or a router's top-k and gather, consumes the numbers). Through any other op, a result
+shaped like its numbered operand keeps that operand's numbers marked *unsure*: a later cut that separates rows is
+recorded as one the trace cannot vouch for, and the weight is refused by name (``ParameterUse.unproven``) with the
+``declare_plasticity`` line to give; a result of another shape loses the numbers, which refuses the weight too (no
+later cut could be seen). Results
 are cached per model until a parameter's shape changes (so a model read before FSDP2 shards it keeps
 its layouts; a sharded model is never run here, its forward would all-gather). A model that cannot run on one token id
 (or on ``x`` for a model without embeddings) gives no result: nothing is read, nothing is guessed.
