@@ -60,7 +60,8 @@ def contiguous(weight: torch.Tensor, parts: dict[str, int]) -> dict[str, torch.T
 def experts_chunked(stack: torch.Tensor) -> dict[str, torch.Tensor]:
     """``F.linear(x, gate_up_proj[e]).chunk(2)``: (E, 2I, H), contiguous gate/up per expert."""
     half = stack.shape[1] // 2
-    return {f"{e}.{p}": m for e in range(stack.shape[0]) for p, m in (("gate", stack[e, :half]), ("up", stack[e, half:]))}
+    return {f"{e}.{part}": matrix for e in range(stack.shape[0])
+            for part, matrix in (("gate", stack[e, :half]), ("up", stack[e, half:]))}
 
 
 def experts_whole(stack: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -81,7 +82,8 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, Callable], tuple[st
                          ffn_config={"ffn_hidden_size": 12, "moe_num_experts": 3, "moe_top_k": 2},
                          pad_token_id=0, bos_token_id=0, eos_token_id=0),
              {"*.Wqkv.weight": lambda w: contiguous(w, {"q": W, "k": KV * 4, "v": KV * 4}),
-              "*.mlp.w1": lambda w: experts_whole(w.view(3, 12, W)), "*.mlp.v1": lambda w: experts_whole(w.view(3, 12, W)),
+              "*.mlp.w1": lambda w: experts_whole(w.view(3, 12, W)),
+              "*.mlp.v1": lambda w: experts_whole(w.view(3, 12, W)),
               "*.mlp.w2": lambda w: experts_whole(w.view(3, 12, W).mT)}, ()),
     # GraniteMoeExperts: F.linear(x, gate_up_proj[e]).chunk(2)
     "granitemoe": (lambda: _hf("GraniteMoeConfig", "GraniteMoeForCausalLM", intermediate_size=12,

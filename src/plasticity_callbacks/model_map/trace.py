@@ -97,13 +97,13 @@ _GROUPED = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped
 _SHAPE = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
           "expand", "expand_as", "clone", "to", "float", "double", "half", "bfloat16", "type", "type_as", "movedim",
           "t", "T", "mT", "detach", "pad", "narrow", "repeat_interleave", "repeat", "tile", "flip", "roll",
-          "broadcast_to", "view_as", "reshape_as", "swapaxes",
-          "swapdims", "data", "H", "mH", "real"}
+          "broadcast_to", "view_as", "reshape_as", "swapaxes", "swapdims", "data", "H", "mH", "real"}
 _CUT = {"split", "chunk", "tensor_split", "unbind", "__getitem__", "split_with_sizes", "narrow"}
 # Ops that sum over their operand's features (a norm's mean square) or pick from them by routing (a router's top-k
 # and the gather of the chosen scores): the values no longer stand for fixed rows, so no later cut can split them.
-_CONSUME = {"gather", "take_along_dim", "index_select", "sum", "mean", "amax", "amin", "max", "min", "norm", "var", "std", "prod", "logsumexp", "topk", "sort",
-            "argmax", "argmin", "argsort", "var_mean", "std_mean", "nansum", "nanmean", "linalg_vector_norm",
+_CONSUME = {"gather", "take_along_dim", "index_select", "sum", "mean", "amax", "amin", "max", "min", "norm", "var",
+            "std", "prod", "logsumexp", "topk", "sort", "argmax", "argmin", "argsort", "var_mean", "std_mean", "nansum",
+            "nanmean", "linalg_vector_norm",
             "vector_norm", "cross_entropy", "nll_loss", "mse_loss", "one_hot", "multinomial", "new_empty", "new_zeros",
             "new_ones", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
             "randn_like"}
@@ -117,7 +117,8 @@ _POSITIONAL = {"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "rsub
                "celu", "leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "logsigmoid", "softmax", "log_softmax",
                "dropout", "clamp", "clip", "clamp_min", "clamp_max", "maximum", "minimum", "where", "masked_fill",
                "nan_to_num", "lerp", "addcmul", "addcdiv", "layer_norm", "rms_norm", "group_norm", "normalize",
-               "sign", "exp2", "expm1", "log1p", "sinh", "cosh", "atan", "asinh", "glu_identity"}
+               "sign", "exp2", "expm1", "log1p", "sinh", "cosh", "atan", "asinh"}
+_SUMS = {"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "rsub"}
 _ACTIVATIONS = {F.silu, F.gelu, F.relu, F.softplus, F.sigmoid, torch.sigmoid, torch.tanh, torch.Tensor.sigmoid,
                 torch.Tensor.tanh, torch.relu, F.mish, F.elu, torch.nn.functional.leaky_relu}
 _SDPA = F.scaled_dot_product_attention
@@ -193,6 +194,8 @@ class _Tracer(TorchFunctionMode):
                 return self._keep(first, args[0].clone())
             if name.startswith("__i") or (name.endswith("_") and not name.startswith("_")):
                 return args[0]  # an in-place op (a bias added with add_) would overwrite the numbers: skipped
+            if name == "__setitem__":
+                return None  # a write into part of a numbered tensor would overwrite its numbers: skipped
         result = func(*args, **kwargs)
         if func in _LINEAR:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -262,6 +265,14 @@ class _Tracer(TorchFunctionMode):
             exact = all(n.exact for _, n in spread)
             via = next((n.via for _, n in spread if not n.exact), "")
             return self._mark(result, numbers, params, exact, via)
+        if name in _SUMS and len({n.params for _, n in spread}) == 1:
+            # A sum of two parts of one output mixes their rows linearly (rotary's x1·cos + x2·sin): the rows at
+            # each position join again, unless a later cut parts them. A product (gate · value) joins nothing.
+            for other, _ in spread[1:]:
+                pairs = torch.stack([numbers.flatten(), other.flatten()], 1).unique(dim=0)
+                for param_id in params:
+                    self.joins.setdefault(param_id, []).extend(
+                        (self._rows(param_id, pair), len(self.cuts.get(param_id, []))) for pair in pairs)
         return self._mark(result, numbers, params, False, f"{name} of two differently numbered tensors")
 
     def _unmodelled(self, name, operands, result):
@@ -360,7 +371,8 @@ class _Tracer(TorchFunctionMode):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         parts = [t if n is not None else torch.zeros_like(t) for t, n in zip(tensors, numberings)]
         try:
-            numbers = getattr(torch, name)(parts, dim) if name not in ("hstack", "vstack") else getattr(torch, name)(parts)
+            join = getattr(torch, name)
+            numbers = join(parts) if name in ("hstack", "vstack") else join(parts, dim)
         except Exception:  # noqa: BLE001 - shapes the op accepted but cannot be replayed: unsure
             return self._unmodelled(name, [(t, n) for t, n in zip(tensors, numberings) if n is not None], result)
         if numbers.shape != result.shape:
@@ -482,8 +494,8 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
             uses = tracer.uses.get(id(param))
             if uses:
                 key = id(param)
-                result[name] = _summary(uses, tracer.cuts.get(key, []), tracer.joins.get(key, []), tracer.width.get(key), tracer.experts.get(key, 0),
-                                        tracer.lost.get(key, ""))
+                result[name] = _summary(uses, tracer.cuts.get(key, []), tracer.joins.get(key, []),
+                                        tracer.width.get(key), tracer.experts.get(key, 0), tracer.lost.get(key, ""))
     _CACHE[model] = (shapes, result)
     return result
 
