@@ -265,9 +265,10 @@ class _Tracer(TorchFunctionMode):
             exact = all(n.exact for _, n in spread)
             via = next((n.via for _, n in spread if not n.exact), "")
             return self._mark(result, numbers, params, exact, via)
-        if name in _SUMS and len({n.params for _, n in spread}) == 1:
-            # A sum of two parts of one output mixes their rows linearly (rotary's x1·cos + x2·sin): the rows at
-            # each position join again, unless a later cut parts them. A product (gate · value) joins nothing.
+        if name in _SUMS and len({n.params for _, n in spread}) == 1 and all(n.exact for _, n in spread):
+            # A sum of two exactly numbered parts of one output mixes their rows linearly (rotary's x1·cos + x2·sin):
+            # the rows at each position join again, unless a later cut parts them. A product (gate · value), or a
+            # sum with a tensor whose numbers are unsure, joins nothing.
             for other, _ in spread[1:]:
                 pairs = torch.stack([numbers.flatten(), other.flatten()], 1).unique(dim=0)
                 for param_id in params:
