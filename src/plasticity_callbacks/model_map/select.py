@@ -59,7 +59,7 @@ def weight_views(model: nn.Module, include_conv: bool = True) -> list[tuple[str,
                 if unknown is None and is_probe_candidate(model, module_name, module, attr):
                     blocks, unknown = (), unknown_split(model, module_name, module, rows)
             blocks, unknown = blocks or (), unknown or ""
-        elif blocks is None:  # the forward's own cut of this layer's output (or a refusal), else the name table's guess
+        elif blocks is None:  # the forward's own cut of this output (or a refusal), else the name table's guess
             blocks, unknown = layouts.layer_split(name, module_name, rows)
             blocks, unknown = (table_blocks(module_name, rows), "") if unknown is None else (blocks, unknown)
         views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
