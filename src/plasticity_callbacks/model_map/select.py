@@ -28,7 +28,7 @@ from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers,
 from .probe import probe_fused_layouts
 from .stacks import left_alone, read_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks,
-                      module_roles, named_blocks, output_heads, stored_param, table_blocks, unknown_split)
+                      module_roles, output_heads, stored_param, table_blocks, unknown_split)
 
 SCOPES = ("all", "attention", "mlp", "head")
 # model -> (structure, weak references to the objects whose ids it names, output heads, {include_conv: views})
@@ -116,12 +116,14 @@ def _read_weight_views(model: nn.Module, include_conv: bool) -> list[tuple[str, 
         name = f"{module_name}.{attr}" if module_name else attr
         if blocks is None and module_name in attention:
             blocks = probed.get(module_name)
-            if blocks is None and is_probe_candidate(model, module_name, module, attr):
-                blocks, unknown = (), unknown_split(model, module_name, module, rows)
-            blocks = blocks or ()
-        elif blocks is None:  # the forward's own cut of this layer's output, else the name table's guess
-            read = layouts.traced(name)
-            blocks = named_blocks(module_name, read.blocks) if read is not None else table_blocks(module_name, rows)
+            if blocks is None:  # the probe could not tell: the trace of the same forward decides (or refuses)
+                blocks, unknown = layouts.layer_split(name, module_name, rows)
+                if unknown is None and is_probe_candidate(model, module_name, module, attr):
+                    blocks, unknown = (), unknown_split(model, module_name, module, rows)
+            blocks, unknown = blocks or (), unknown or ""
+        elif blocks is None:  # the forward's own cut of this output (or a refusal), else the name table's guess
+            blocks, unknown = layouts.layer_split(name, module_name, rows)
+            blocks, unknown = (table_blocks(module_name, rows), "") if unknown is None else (blocks, unknown)
         views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
                                               transposed=transposed, blocks=blocks, groups=groups,
                                               split_unknown=unknown, through=through,
@@ -402,11 +404,12 @@ def require_targets(targets: list[WeightView], owner: str, selection: Selection,
 
 
 def refuse_unknown_splits(views: Iterable[WeightView], owner: str) -> None:
-    """Raise, with the declarations that fit, when a method that treats each of Q, K, V on its own meets a
-    fused matrix whose split is unknown."""
+    """Raise, with the declarations that fit, when a method that treats each block of a fused matrix (Q, K, V,
+    gate/up, ...) on its own meets one whose split is unknown or not proven by the trace."""
     unknown = [v.split_unknown for v in views if v.split_unknown]
     if unknown:
-        raise ValueError(f"{owner} treats each of Q, K and V on its own and needs their rows: " + "; ".join(unknown)
+        raise ValueError(f"{owner} treats each block of a fused weight (Q, K, V, gate/up, ...) on its own and needs "
+                         "their rows: " + "; ".join(unknown)
                          + " (or exclude the weight)")
 
 

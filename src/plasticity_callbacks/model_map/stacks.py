@@ -14,9 +14,11 @@ Orientation, stacking and cuts come from the forward (:mod:`.trace`); a declarat
 """
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
-from .layouts import Bare, declared_blocks
+from .layouts import Bare, RowBlock, declared_blocks
 from .trace import ParameterUse, trace_uses
 from .weights import WeightView, declared_layout, named_blocks, stacked_blocks
 
@@ -30,14 +32,25 @@ def is_state_space(module: nn.Module | None) -> bool:
 
 
 def left_alone(model: nn.Module, module_name: str, module: nn.Module) -> str:
-    """Why ``module``'s weight is left alone by default ("" when it is not)."""
-    if not isinstance(module, nn.Conv1d) or module.groups == 1 or module.groups != module.in_channels:
+    """Why ``module``'s weight is left alone by default ("" when it is not).
+
+    By role, not by name: a depthwise conv with one input and one output channel per group (``groups ==
+    channels``) filters each channel on its own: along the sequence for a ``Conv1d`` (a state-space layer's, a
+    short-conv or linear-attention mixer's causal filter, a conformer's), over space for a ``Conv2d`` (ConvNeXt's
+    7×7). Its operator per group and tap is a 1×1 matrix, whose polar factor is a sign: FIRE would replace the
+    filter by ±1, and there is no matrix to orthogonalize.
+    """
+    if (not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or module.groups == 1
+            or not module.groups == module.in_channels == module.out_channels or math.prod(module.kernel_size) < 2):
         return ""
     parent = model.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else model
-    if not is_state_space(parent):
-        return ""
-    return ("depthwise causal conv1d of a state-space layer (its filter: a 1×1 matrix per channel and tap, FIRE "
-            "would replace it by signs); left alone by default, include=[its name] treats it")
+    if isinstance(module, nn.Conv1d):
+        owner = "a state-space layer" if is_state_space(parent) else f"{type(parent).__name__} (a sequence mixer)"
+        what = f"depthwise causal conv1d of {owner}"
+    else:
+        what = f"depthwise conv (groups == channels) of {type(parent).__name__}"
+    return (f"{what}: its filter is a 1×1 matrix per channel and tap, FIRE would replace it by signs; left alone "
+            "by default, include=[its name] treats it")
 
 
 class Layouts:
@@ -50,6 +63,17 @@ class Layouts:
         """How the forward used parameter ``name`` (None: not as a linear map, or the forward did not run)."""
         use = (self.uses or {}).get(name)
         return use if use is not None and use.consistent else None
+
+    def layer_split(self, name: str, module_name: str, rows: int) -> tuple[tuple[RowBlock, ...], str | None]:
+        """``(blocks, refusal)`` of a layer's weight as its traced forward cuts it: ``(blocks, "")`` when proven
+        (``()``: whole), ``((), why)`` with the declaration to give when a cut came after an op the trace does not
+        model, ``((), None)`` when the forward did not use it as a linear map (or did not run)."""
+        use = self.traced(name)
+        if use is None:
+            return (), None
+        if use.unproven:
+            return (), unproven_split(name, rows, use)
+        return named_blocks(module_name, use.blocks), ""
 
     def views(self, roles: dict[str, str]) -> list[tuple[str, WeightView]]:
         """``(module_name, view)`` of every bare parameter that is a matrix or a stack of them."""
@@ -69,7 +93,7 @@ class Layouts:
             transposed, stacked, split = declared.stored == "in_out", declared.stacked, declared.split
         elif declared is not None:
             transposed, stacked, split = (use.transposed if use else False), False, declared
-        elif use is not None and use.stacked == (param.dim() == 3) and param.dim() in (2, 3):
+        elif use is not None and use.stacked == (param.dim() == 3 or use.experts > 0) and param.dim() in (2, 3):
             transposed, stacked, split = use.transposed, use.stacked, None
         else:
             return None
@@ -77,17 +101,50 @@ class Layouts:
         if role == "other" and _in_moe(self.model, module_name):
             role = "mlp"
         what = f"declare_plasticity(fused={{{name!r}: ...}})"
+        unknown = unproven_split(name, param.shape[1] if transposed else param.shape[0], use) \
+            if split is None and use is not None and use.unproven and not stacked else ""
         if not stacked:
             rows = param.shape[1] if transposed else param.shape[0]
             blocks = declared_blocks(split, rows, what) if split is not None else named_blocks(name, use.blocks)
-            return WeightView(name, module, param, role, "matrix", attr, transposed=transposed, blocks=blocks)
-        experts, rows = param.shape[0], param.shape[2] if transposed else param.shape[1]
+            return WeightView(name, module, param, role, "matrix", attr, transposed=transposed,
+                              blocks=() if unknown else blocks, split_unknown=unknown)
+        # A 3-D stack (E, ·, ·), or a 2-D parameter (E·a, b) that the forward views as (E, a, b) (DBRX's w1/v1/w2).
+        experts = param.shape[0] if param.dim() == 3 else (use.experts if use is not None else 0)
+        if not experts:
+            return None
+        matrix = tuple(param.shape[1:]) if param.dim() == 3 else (param.shape[0] // experts, param.shape[1])
+        rows = matrix[1] if transposed else matrix[0]
         if split is not None:
             per_matrix = declared_blocks(split, rows, what)
         else:
             per_matrix = named_blocks(name, use.blocks) if use is not None else ()
+        if split is None and use is not None and use.unproven:
+            declaration = (f"stacked_matrices({'in_out' if transposed else 'out_in'!r}, split="
+                           f"{layout_literal(use.suggested, rows)})")
+            unknown = unproven_split(name, rows, use, declaration)
         return WeightView(name, module, param, role, "matrix", attr, transposed=transposed,
-                          blocks=stacked_blocks(experts, rows, per_matrix), stack=experts, per_matrix=per_matrix)
+                          blocks=stacked_blocks(experts, rows, () if unknown else per_matrix), stack=experts,
+                          per_matrix=() if unknown else per_matrix, split_unknown=unknown)
+
+
+def layout_literal(blocks, rows: int) -> str:
+    """``blocks`` written as a ``fused=`` layout: counts when contiguous, row lists otherwise, ``[rows]``: whole."""
+    if not blocks:
+        return f"[{rows}]"
+    if all(isinstance(b.rows, range) and b.rows.step == 1 for b in blocks):
+        return "[" + ", ".join(str(len(b)) for b in blocks) + "]"
+    return "{" + ", ".join(f"{b.label!r}: {list(b.rows)}" for b in blocks) + "}"
+
+
+def unproven_split(name: str, rows: int, use: ParameterUse, declaration: str | None = None) -> str:
+    """Why a weight whose rows the trace cannot prove whole (nor split as read) is refused, with the declaration
+    that settles it: the split its cuts read through the unmodelled ops, or whole."""
+    suggested = declaration or layout_literal(use.suggested, rows)
+    return (f"{name} ({rows} rows): its forward passes the output through {use.unproven} (not modelled by the "
+            "trace) before cutting it, so whether its rows form one matrix or several cannot be proven; declare the "
+            f"split the forward uses: declare_plasticity(model, fused={{{name!r}: {suggested}}})"
+            + ("  # as read through those ops: check it against the forward" if use.suggested else
+               f"  # one matrix; give row counts or row index lists if the forward cuts it"))
 
 
 def read_layouts(model: nn.Module, layer_params: set[int]) -> Layouts:

@@ -85,6 +85,8 @@ class WeightView:
         (a grouped transposed conv, an ``(in, out)`` stack: a copy). A stack of ``E`` matrices is
         ``(E·out, in)``: expert ``e``'s rows follow expert ``e − 1``'s. :meth:`stored` undoes it."""
         if self.stack:
+            if tensor.dim() == 2:  # stored (E·a, b), viewed (E, a, b) by the forward
+                tensor = tensor.unflatten(0, (self.stack, -1))
             return (tensor.transpose(1, 2) if self.transposed else tensor).flatten(0, 1)  # (E·out, in)
         if not self.transposed:
             return tensor
@@ -97,7 +99,8 @@ class WeightView:
         """An ``(out, in, *k)`` tensor back in the stored parameter's layout (the inverse of :meth:`oriented`)."""
         if self.stack:
             matrices = oriented.unflatten(0, (self.stack, -1))  # (E, out, in)
-            return matrices.transpose(1, 2) if self.transposed else matrices
+            matrices = matrices.transpose(1, 2) if self.transposed else matrices
+            return matrices.reshape(self.param.shape) if self.param.dim() == 2 else matrices
         return self.oriented(oriented)
 
     def read(self) -> torch.Tensor:
