@@ -131,6 +131,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     optimizer param group (see :mod:`plasticity_callbacks.ops.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
+    An expert stack (a 3-D ``(E, out, in)`` parameter, or any weight the model map reports as a stack of ``E``
+    matrices) is ``E`` matrices, ``<name>[e]``: each expert its own SVD, state, ``r`` and projection of its block of
+    the gradient and moments (``minor_training="project"``, on one process or under DDP).
+
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``; ``minor_training="project"``) the result is
     the one process's on the same global batch. At a cycle each matrix, its gradient and its previous ``U``
     are gathered, one matrix at a time; one rank (round robin over the matrices) computes the SVD and the
@@ -170,10 +174,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             the full gradient after the backward). The trained weights are the same either way.
 
     Raises:
-        ValueError: a bad argument; at setup, a selection that finds no weight, only rank-1 weights, or grouped
-            transposed convolutions.
+        ValueError: a bad argument; at setup, a selection that finds no weight, only rank-1 weights, grouped
+            transposed convolutions, or expert stacks under ``minor_training="factorize"``.
         MisconfigurationException: ``minor_training="factorize"`` under any strategy but a single device; at
-            setup, FSDP1 or DeepSpeed (flat shards), with the fix.
+            setup, FSDP1 or DeepSpeed (flat shards), or expert stacks sharded by FSDP2, with the fix.
         FloatingPointError: a weight with NaN or Inf at an SVD cycle.
 
     Example:
