@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .subspace import GRAM_SEPARATION, SVD, as_matrix, gram_matrix
+from .subspace import GRAM_SEPARATION, SVD, as_matrix, gram_matrix, thin_svd
 
 WARM_ITERATIONS = 8  # from the last cycle's vectors (minor spans ~1e-2 apart) float32 needs 3–5 (square), 5–8 (wide)
 SHIFT = 0.9  # a wide W's Gram matrix is shifted by this share of the start's smallest Rayleigh quotient
@@ -274,13 +274,7 @@ def _cholesky_inverse(gram: torch.Tensor, shifts: tuple[float, ...]):
 
 
 def _rayleigh_ritz(W: torch.Tensor, Q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The triplets of ``W`` restricted to ``span(Q)`` on the left: with ``Y = Wᵀ Q`` (the product from ``W`` itself,
-    so the small ``σ`` keep an SVD's accuracy), ``eigh`` of ``YᵀY = H Σ² Hᵀ`` in float64 gives ``u = Q H``, ``σ = Σ``,
-    ``v = Y H / σ`` (descending). The ``b × b`` Gram matrix of ``Y``, exact in float64 to ``1e-16·σ_b²``, costs a
-    third of an SVD of the ``n × b`` ``Y`` and moves no ``σ`` by more than the SVD's own ``eps·σ_b``."""
-    Y = W.mT @ Q  # (n, b)
-    Y64 = Y.double()
-    lam, H = torch.linalg.eigh(Y64.mT @ Y64)  # ascending
-    S = lam.flip(0).clamp_min(0).sqrt().to(Q.dtype)
-    H = H.flip(1).to(Q.dtype)
-    return Q @ H, S, (Y @ H) / S.clamp_min(torch.finfo(Q.dtype).tiny)
+    """The triplets of ``W`` restricted to ``span(Q)`` on the left: ``Wᵀ Q = P Σ Hᵀ`` (from ``W`` itself, so the
+    small ``σ`` keep an SVD's accuracy; :func:`~.subspace.thin_svd`) gives ``u = Q H``, ``σ = Σ``, ``v = P``."""
+    P, S, H = thin_svd(W.mT @ Q)  # (n, b) tall
+    return Q @ H, S, P
