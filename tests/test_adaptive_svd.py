@@ -519,3 +519,34 @@ def test_expert_stacks_refused_where_per_expert_training_is_not_done(monkeypatch
     monkeypatch.setattr(adaptive_svd, "is_dtensor", lambda t: id(t) in stacks)  # as fully_shard leaves them
     with pytest.raises(MisconfigurationException, match=r"experts\.down_proj.*sharded by FSDP2.*'\*\.experts\.down_proj'"):
         switch.attach(None, module)
+
+
+def test_the_package_moe_blocks_experts_each_get_their_own_cycle():
+    """The package's own MoE MLP (models/blocks/moe.py, (E, 2I, d) and (E, d, I) stacks): at a cycle each expert's
+    σ equal a float64 SVD of that expert alone, and the step's gradient of each minor expert is projected by its own
+    minor subspace, the blocks of experts left full untouched."""
+    from tiny import tiny_gpt_module, token_loader
+
+    torch.manual_seed(0)
+    module = tiny_gpt_module(mlp="moe", mlp_options={"n_experts": 4, "top_k": 2}, n_layer=1)
+    with torch.no_grad():  # down_proj, c_proj and the head start at zero (no spectrum, no gradient): random
+        for p in module.parameters():
+            if p.dim() >= 2 and not p.any():
+                p.normal_(0, 0.1)
+    switch = AdaptiveSVDSwitch(svd={"dtype": "float64"}, **ALWAYS_MINOR)
+    switch.check_targets(None, module)
+    x, y = next(iter(token_loader(vocab=module.model.config.vocab_size)))
+    module.training_step((x, y), 0)["loss"].backward()
+    stacks = {n: p for n, p in module.named_parameters() if p.dim() == 3}
+    raw = {n: p.grad.detach().double().clone() for n, p in stacks.items()}
+    switch._cycle(SimpleNamespace(global_step=3, optimizers=[]), module)
+    experts = [m for m in switch.matrices if m.expert is not None]
+    assert len(experts) == 4 * len(stacks) == 8
+    for m in experts:
+        W = stacks[m.target.name].detach()[m.expert].double()
+        U, S, _ = torch.linalg.svd(W, full_matrices=False)
+        torch.testing.assert_close(m.S_prev, S, atol=1e-10, rtol=0)
+        P = U[:, -m.r:] @ U[:, -m.r:].mT if m.state == "minor" else torch.eye(W.shape[0], dtype=torch.float64)
+        got = stacks[m.target.name].grad[m.expert].double()
+        torch.testing.assert_close(got, P @ raw[m.target.name][m.expert], atol=1e-6, rtol=1e-5)
+    assert any(m.state == "minor" for m in experts)
