@@ -26,9 +26,10 @@ from ..model_map.weights import stored_param
 from ..ops import factorization
 from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
 from ..ops.optimizer_state import reset_optimizer_state
+from .base import PlasticityCallback
 from .figures import can_draw, save_figure
 from .schedule import Schedule
-from .base import PlasticityCallback
+
 
 @dataclass(kw_only=True)
 class _Matrix(SubspaceMemory):
