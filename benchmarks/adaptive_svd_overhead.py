@@ -103,14 +103,20 @@ class DualSwitch(TimedSwitch):
     def on_fit_start(self, trainer, pl_module):
         super().on_fit_start(trainer, pl_module)
         self.records = []  # per cycle: (full decide s, warm decide s, real cycle s, same decisions)
+        self.shapes = []  # per cycle: {"square" | "wide" | "tall": (full decide s, warm decide s, matrices)}
 
     def _cycle(self, trainer, pl_module):
-        step, full = trainer.global_step, []
+        step, full, self.by_shape = trainer.global_step, [], {}
         started = time.process_time()
         for m in self.matrices:
             grad = m.target.param.grad
             grad = m.target.oriented(grad) if grad is not None else None
-            _, state, r_next, _ = self._decide(m, as_matrix(m.target.read()), grad, m.U_prev, step, warm=False)
+            W = as_matrix(m.target.read())
+            begun = time.process_time()
+            _, state, r_next, _ = self._decide(m, W, grad, m.U_prev, step, warm=False)
+            seconds = self.by_shape.setdefault(shape_of(W), [0.0, 0.0, 0])
+            seconds[0] += time.process_time() - begun
+            seconds[2] += 1
             full.append((state, r_next))
         full_seconds = time.process_time() - started
         self.decide_seconds = 0.0
@@ -119,14 +125,21 @@ class DualSwitch(TimedSwitch):
         cycle_seconds = time.process_time() - started
         warm = [(state, r) for _, _, state, r in self.history[-len(self.matrices):]]
         self.records.append((full_seconds, self.decide_seconds, cycle_seconds, full == warm))
+        self.shapes.append(self.by_shape)
         return metrics
 
-    def _decide(self, *args, **kwargs):
+    def _decide(self, m, W, *args, **kwargs):
         started = time.process_time()
-        out = super()._decide(*args, **kwargs)
+        out = super()._decide(m, W, *args, **kwargs)
         if kwargs.get("warm"):
-            self.decide_seconds += time.process_time() - started
+            seconds = time.process_time() - started
+            self.decide_seconds += seconds
+            self.by_shape[shape_of(W)][1] += seconds
         return out
+
+
+def shape_of(W: torch.Tensor) -> str:
+    return "square" if W.shape[0] == W.shape[1] else "wide" if W.shape[0] < W.shape[1] else "tall"
 
 
 def warm_vs_full(widths: list[int], interval: int, every: int, cycles: int, layers: int = 4,
@@ -159,6 +172,13 @@ def warm_vs_full(widths: list[int], interval: int, every: int, cycles: int, laye
         print(f"{width:5d} {step1:9.3f}s {step16:10.3f}s {full:9.3f}s {warm:9.3f}s {share(full, step1):7.2f}% "
               f"{share(warm, step1):7.2f}% {share(full, step16):8.3f}% {share(warm, step16):8.3f}% "
               f"{'yes' if same else 'NO':>5} {switch.warm_fallbacks:4d}/{switch.warm_cycles:<4d}", flush=True)
+        parts = []
+        for shape in ("square", "wide", "tall"):
+            cycles_of = [s[shape] for s in switch.shapes[1:] if shape in s]
+            if cycles_of:
+                full_s, warm_s = (statistics.median(c[i] for c in cycles_of) for i in (0, 1))
+                parts.append(f"{cycles_of[0][2]} {shape} {full_s:.3f}s / {warm_s:.3f}s")
+        print(f"      decisions per cycle by shape, full / warm (CPU s, medians): {'; '.join(parts)}", flush=True)
 
 
 def gpt_module(width: int, layers: int, sequence_len: int) -> GPTLightningModule:

@@ -205,14 +205,19 @@ def test_dash_shrinks_each_expert_row_and_every_linear_map_by_its_own_factor(fam
         assert name not in stacks or (factor < 1).any()
 
 
-def test_adaptive_svd_refuses_expert_stacks_by_name_and_its_fix_works():
+def test_adaptive_svd_treats_each_expert_and_refuses_a_factorized_stack_by_name_with_its_fix():
     module = Wrapped("mixtral")
     switch = AdaptiveSVDSwitch()
+    switch.check_targets(None, module)
+    names = [m.name for m in switch.matrices]
+    assert "model.model.layers.0.mlp.experts.gate_up_proj[3]" in names  # one matrix per expert
+    assert "model.model.layers.0.mlp.gate.weight" in names  # the router
     with pytest.raises(ValueError, match=r"experts\.gate_up_proj.*stacks of expert matrices.*'\*\.experts\.down_proj'"):
-        switch.check_targets(None, module)
-    fixed = AdaptiveSVDSwitch(selection={"exclude": ["*.experts.down_proj", "*.experts.gate_up_proj"]})
+        AdaptiveSVDSwitch(minor_training="factorize").check_targets(None, module)
+    fixed = AdaptiveSVDSwitch(minor_training="factorize",
+                              selection={"exclude": ["*.experts.down_proj", "*.experts.gate_up_proj"]})
     fixed.check_targets(None, module)
-    assert "model.model.layers.0.mlp.gate.weight" in [m.target.name for m in fixed.matrices]  # the router
+    assert "model.model.layers.0.mlp.gate.weight" in [m.name for m in fixed.matrices]
 
 
 class Classic(L.LightningModule):

@@ -375,3 +375,33 @@ def test_gram_matrix_is_the_symmetric_product(shape):
     G = gram_matrix(A)
     torch.testing.assert_close(G, A @ A.mT, atol=1e-12, rtol=0)
     assert torch.equal(G, G.mT)
+
+
+def test_largest_eigenvalue_matches_eigvalsh_and_falls_back_where_lanczos_cannot_certify(monkeypatch):
+    """Lanczos' top Ritz value against eigvalsh on fresh PSD matrices past the eigvalsh size: a separated top, a
+    tight cluster at the top, a bulk near 0 with one large value (the angle's shape), a zero matrix; with too few
+    steps to certify, eigvalsh answers."""
+    from plasticity_callbacks.functional import subspace
+
+    gen = torch.Generator().manual_seed(200)
+    k = 300
+    Q = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64)).Q
+    spectra = {
+        "separated": torch.rand(k, generator=gen, dtype=torch.float64),
+        "clustered": torch.cat([1 + 1e-9 * torch.rand(5, generator=gen, dtype=torch.float64),
+                                torch.rand(k - 5, generator=gen, dtype=torch.float64)]),
+        "one large": torch.cat([torch.tensor([3e-6], dtype=torch.float64), 1e-12 * torch.rand(k - 1, generator=gen,
+                                                                                            dtype=torch.float64)]),
+    }
+    for name, lam in spectra.items():
+        M = (Q * lam) @ Q.mT
+        want = float(torch.linalg.eigvalsh(M)[-1])
+        assert subspace.largest_eigenvalue(M) == pytest.approx(want, rel=1e-6), name
+        assert subspace.largest_eigenvalue(M.float()) == pytest.approx(want, rel=1e-5), name
+    assert subspace.largest_eigenvalue(torch.zeros(k, k)) == 0.0
+    calls = []
+    real = torch.linalg.eigvalsh
+    monkeypatch.setattr(torch.linalg, "eigvalsh", lambda A: calls.append(A.shape) or real(A))
+    M = (Q * spectra["separated"]) @ Q.mT
+    assert subspace.largest_eigenvalue(M, steps=150, tolerance=0.0) == pytest.approx(float(real(M)[-1]), rel=1e-12)
+    assert calls == [(k, k)]  # not certified in its steps: the whole solver answered

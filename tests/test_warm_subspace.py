@@ -7,12 +7,13 @@ import torch
 
 from plasticity_callbacks import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks import adaptive_svd
+from plasticity_callbacks.functional import switch_cycle
 from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.functional import subspace
 from plasticity_callbacks.functional.subspace import (
     as_matrix, decide_mode, subspace_angle, svd_triplets, tail_energy_rank,
 )
-from plasticity_callbacks.functional.warm_subspace import warm_minor_triplets
+from plasticity_callbacks.functional.warm_subspace import warm_minor_triplets, warm_tall_triplets
 from tiny import build, cpu_trainer
 
 
@@ -63,6 +64,62 @@ def test_warm_cycles_give_the_full_svds_subspaces_values_and_decisions(shape):
             assert got[2][key] == pytest.approx(expected[2][key], abs=1e-8), key
         assert got[2]["reason"] == expected[2]["reason"]
         U_warm, U_full, S_prev = warm.U, full.U, full.S
+
+
+@pytest.mark.parametrize("shape,count", [((160, 48), 6), ((300, 120), 11)])
+def test_a_tall_weights_warm_cycles_give_the_full_svds_values_subspaces_and_decisions(shape, count):
+    """A tall W (its U does not span the output space): minor triplets from its right vectors' iteration, principal
+    basis from W V_p through the Gram matrix; σ, both sides' minor projectors, the principal projector and every
+    decision equal a float64 full SVD's over chained, slowly perturbed cycles."""
+    m, n = shape
+    r = count - 1
+    W = known_matrix(m, n, minor=count, seed=80)
+    drift = torch.randn(m, n, generator=torch.Generator().manual_seed(81), dtype=torch.float64)
+    grad = torch.randn(m, n, generator=torch.Generator().manual_seed(82), dtype=torch.float64)
+    first = svd_triplets(W, "full", dtype=torch.float64)
+    V_warm, U_warm, U_full, S_prev = first.V, first.U, first.U, first.S
+    for cycle in range(4):
+        W = W + 1e-3 * drift * (cycle + 1)
+        full = svd_triplets(W, "full", dtype=torch.float64)
+        warm = warm_tall_triplets(W, V_warm, count, dtype=torch.float64, seed=cycle)
+        assert warm is not None
+        assert warm.U.shape == (m, n) and warm.S.shape == (count,) and warm.V.shape == (n, n)
+        torch.testing.assert_close(warm.U.mT @ warm.U, torch.eye(n, dtype=torch.float64), atol=1e-9, rtol=0)
+        torch.testing.assert_close(warm.V.mT @ warm.V, torch.eye(n, dtype=torch.float64), atol=1e-12, rtol=0)
+        torch.testing.assert_close(warm.S, full.S[-count:], atol=1e-12, rtol=0)
+        for k in (count, r):
+            torch.testing.assert_close(projector(warm.U[:, -k:]), projector(full.U[:, -k:]), atol=1e-8, rtol=0)
+            torch.testing.assert_close(projector(warm.V[:, -k:]), projector(full.V[:, -k:]), atol=1e-8, rtol=0)
+        # the principal left subspace lies in range(W), not in the complement of the minor one
+        torch.testing.assert_close(projector(warm.U[:, :-count]), projector(full.U[:, :-count]), atol=1e-8, rtol=0)
+        torch.testing.assert_close(W @ warm.V[:, -count:], warm.U[:, -count:] * warm.S, atol=1e-10, rtol=0)
+        expected = decide_mode(W, full, U_full, S_prev, grad, r, "full", r_min=2, dtype=torch.float64, exact=True)
+        got = decide_mode(W, warm, U_warm, S_prev, grad, r, "full", r_min=2, dtype=torch.float64, exact=True)
+        assert got[:2] == expected[:2] and got[2]["reason"] == expected[2]["reason"]
+        for key in ("subspace_angle", "principal_alignment", "minor_alignment", "reconstruction_error"):
+            assert got[2][key] == pytest.approx(expected[2][key], abs=1e-8), key
+        V_warm, U_warm, U_full, S_prev = warm.V, warm.U, full.U, full.S
+
+
+def test_a_tall_weights_warm_cycle_refuses_what_it_cannot_make_accurate():
+    """None where a float32 principal basis from the Gram matrix would not be orthonormal (principal σ near rounding
+    of σ_max²), where the right vectors moved to another span, and bad input by name."""
+    m, n, count = 160, 48, 6
+    gen = torch.Generator().manual_seed(90)
+    S = torch.cat([torch.logspace(0, -4, n - count, dtype=torch.float64), torch.full((count,), 1e-5)])
+    W = frame(m, 91)[:, :n] * S @ frame(n, 92).mT
+    V = svd_triplets(W, "full", dtype=torch.float64).V
+    assert warm_tall_triplets(W, V, count, dtype=torch.float64) is not None  # float64 resolves it
+    assert warm_tall_triplets(W.float(), V.float(), count) is None
+    slow = torch.linspace(2.0, 1.0, n, dtype=torch.float64)  # (σ_count / σ_{b+1})² near 1: only a close start
+    W = frame(m, 93)[:, :n] * slow @ frame(n, 94).mT
+    assert warm_tall_triplets(W, svd_triplets(W, "full", dtype=torch.float64).V, count, dtype=torch.float64,
+                              iterations=1) is not None
+    assert warm_tall_triplets(W, frame(n, 95), count, dtype=torch.float64) is None  # another span: gives up
+    with pytest.raises(ValueError, match="d_out > d_in"):
+        warm_tall_triplets(torch.randn(10, 20, generator=gen), torch.eye(20), 2)
+    with pytest.raises(ValueError, match=r"V_prev has shape \(20, 20\), expected \(10, 10\)"):
+        warm_tall_triplets(torch.randn(30, 10, generator=gen), torch.eye(20), 2)
 
 
 def test_an_unchanged_matrix_converges_in_one_step_and_a_replaced_one_falls_back():
@@ -152,45 +209,52 @@ def test_a_wide_weight_starts_from_its_spectrum_while_its_minor_span_keeps_turni
     that does not converge falls back to the full SVD."""
     d_out, d_in, count = 64, 160, 6
     switch = AdaptiveSVDSwitch(r_min=2, svd={"dtype": "float64"})
-    m = adaptive_svd._Matrix(target=None, attr="weight", g=d_out)
+    m = switch_cycle.SubspaceMemory(g=d_out)
     starts = []
-    real = adaptive_svd.warm_minor_triplets
+    real = switch_cycle.warm_minor_triplets
+    spectrum_starts = []
+
+    def warm_cycle(m, W, U_prev, count, dtype, step, right_vectors):
+        svd, from_spectrum = switch_cycle.warm_triplets(m, W, U_prev, count, dtype, step, right_vectors)
+        spectrum_starts.append(from_spectrum)
+        return svd
 
     def recorded(*args, **kwargs):
         starts.append(kwargs["start"])
         return real(*args, **kwargs)
-    monkeypatch.setattr(adaptive_svd, "warm_minor_triplets", recorded)
+    monkeypatch.setattr(switch_cycle, "warm_minor_triplets", recorded)
     W = clustered_wide(d_out, d_in, seed=41)
     turned = svd_triplets(clustered_wide(d_out, d_in, seed=42), "full", dtype=torch.float64).U
-    svd = switch._warm_cycle(m, W, turned, count, torch.float64, step=3, right_vectors=False)
+    svd = warm_cycle(m, W, turned, count, torch.float64, step=3, right_vectors=False)
     assert starts == ["previous", "spectrum"] and svd is not None
-    assert switch.warm_spectrum_starts == 1 and m.warm_start == "spectrum"  # the span turned by far more than 1e-2
+    assert sum(spectrum_starts) == 1 and m.warm_start == "spectrum"  # the span turned by far more than 1e-2
     torch.testing.assert_close(svd.S, svd_triplets(W, "full", dtype=torch.float64).S[-count:], atol=1e-12, rtol=0)
     starts.clear()
     W = W + 1e-9 * torch.randn(d_out, d_in, generator=torch.Generator().manual_seed(43), dtype=torch.float64)
-    again = switch._warm_cycle(m, W, svd.U, count, torch.float64, step=4, right_vectors=False)
-    assert starts == ["spectrum"] and again is not None and switch.warm_spectrum_starts == 2
+    again = warm_cycle(m, W, svd.U, count, torch.float64, step=4, right_vectors=False)
+    assert starts == ["spectrum"] and again is not None and sum(spectrum_starts) == 2
     assert m.warm_start == "previous"  # it barely moved: the cheaper start next time
     starts.clear()
     # a last spectrum (from a full SVD) whose bottom cluster makes the previous start crawl: spectrum straight away
     m.S_prev = svd_triplets(W, "full", dtype=torch.float64).S
-    assert adaptive_svd.previous_start_rate(m.S_prev, count - 2) >= 0.5
-    switch._warm_cycle(m, W, again.U, count - 2, torch.float64, step=5, right_vectors=False)
+    assert switch_cycle.previous_start_rate(m.S_prev, count - 2) >= 0.5
+    warm_cycle(m, W, again.U, count - 2, torch.float64, step=5, right_vectors=False)
     assert starts == ["spectrum"]
     starts.clear()
     m.warm_start, m.S_prev = "previous", svd_triplets(known_matrix(d_out, d_in, 6, 46), "full", dtype=torch.float64).S
-    assert adaptive_svd.previous_start_rate(m.S_prev, count) < 0.1  # separated minor values: the previous start
-    switch._warm_cycle(m, W, again.U, count, torch.float64, step=5, right_vectors=False)
+    assert switch_cycle.previous_start_rate(m.S_prev, count) < 0.1  # separated minor values: the previous start
+    warm_cycle(m, W, again.U, count, torch.float64, step=5, right_vectors=False)
     assert starts[0] == "previous"
     starts.clear()
     square = clustered_wide(d_out, d_in, seed=44)[:, :d_out]  # a square weight never starts from its spectrum
-    switch._warm_cycle(m, square, turned, count, torch.float64, step=5, right_vectors=False)
+    warm_cycle(m, square, turned, count, torch.float64, step=5, right_vectors=False)
     assert starts == ["previous"]
-    monkeypatch.setattr(adaptive_svd, "warm_minor_triplets", lambda *args, **kwargs: None)  # neither converges
-    monkeypatch.setattr(adaptive_svd, "WARM_MIN_ORDER", 0)  # a matrix this small takes the warm path
+    monkeypatch.setattr(switch_cycle, "warm_minor_triplets", lambda *args, **kwargs: None)  # neither converges
+    monkeypatch.setattr(switch_cycle, "WARM_MIN_ORDER", 0)  # a matrix this small takes the warm path
     W = clustered_wide(d_out, d_in, seed=45)
     m.warm_start, m.r, m.S_prev = "spectrum", 5, svd_triplets(W, "full", dtype=torch.float64).S  # a warm cycle
     fallbacks, cycles = switch.warm_fallbacks, switch.warm_cycles
+    m = adaptive_svd._Matrix(target=None, attr="weight", g=d_out, warm_start="spectrum", r=5, S_prev=m.S_prev)
     svd, state, r_next, diag = switch._decide(m, W, None, turned, step=6, warm=True)
     full = svd_triplets(W, "gram", top=d_out - m.r, dtype=torch.float64)
     assert switch.warm_cycles == cycles + 1 and switch.warm_fallbacks == fallbacks + 1  # the full SVD, counted
@@ -198,10 +262,11 @@ def test_a_wide_weight_starts_from_its_spectrum_while_its_minor_span_keeps_turni
     torch.testing.assert_close(svd.S, full.S, atol=1e-12, rtol=0)
 
 
-def test_a_tall_weights_angle_from_its_cosines_matches_the_sine_route():
+@pytest.mark.parametrize("d,g,k", [(240, 60, 52), (600, 200, 180)])  # eigvalsh; Lanczos (k > 2·LANCZOS_STEPS)
+def test_a_tall_weights_angle_from_its_cosines_matches_the_sine_route(d, g, k):
     """A tall weight's principal subspaces (k columns of a (d, g) basis, no complement to use): at large angles
-    the angle is read off the cosines; it must equal the float64 sine-route reference, small angles as well."""
-    d, g, k = 240, 60, 52
+    the angle is read off the cosines; it must equal the float64 sine-route reference, small angles as well, with
+    the extreme eigenvalue from eigvalsh or, for k past 2·LANCZOS_STEPS, from Lanczos."""
     base = frame(d, 50)[:, :g]
     skew = torch.randn(d, d, generator=torch.Generator().manual_seed(51), dtype=torch.float64)
     skew = skew - skew.mT
@@ -240,12 +305,12 @@ def test_a_tall_weights_decisions_over_chained_cycles_match_a_float64_reference(
 
 def test_a_weight_with_nan_or_inf_is_refused_and_a_large_finite_one_is_not():
     W = torch.randn(30, 50)
-    adaptive_svd.require_finite(W * 1e37, "w", 3)  # finite, though its sum would overflow
+    switch_cycle.require_finite(W * 1e37, "w", 3)  # finite, though its sum would overflow
     for bad in (math.nan, math.inf, -math.inf):
         broken = W.clone()
         broken[7, 11] = bad
         with pytest.raises(FloatingPointError, match="NaN or Inf"):
-            adaptive_svd.require_finite(broken, "w", 3)
+            switch_cycle.require_finite(broken, "w", 3)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -274,7 +339,7 @@ def test_tail_energy_rank_matches_the_whole_spectrum_or_says_it_cannot():
 
 
 def fit_with_switch(monkeypatch, steps, **options):
-    monkeypatch.setattr(adaptive_svd, "WARM_MIN_ORDER", 0)  # the tiny model's matrices take the warm path
+    monkeypatch.setattr(switch_cycle, "WARM_MIN_ORDER", 0)  # the tiny model's matrices take the warm path
     torch.manual_seed(0)  # the same model and data in every fit
     module, loader = build("mlp")
     options = {"svd": {"dtype": "float64"}, "minor_training": "project", **options}
@@ -295,7 +360,7 @@ def test_the_switch_decides_alike_warm_or_full_and_counts_fallbacks(monkeypatch,
     assert warm.warm_cycles > warm.warm_fallbacks and full.warm_cycles == 0  # some cycles warm, some may fall back
     assert warm.history == full.history
     assert trainer.callback_metrics["adaptive_svd/warm_fallbacks"] == warm.warm_fallbacks
-    monkeypatch.setattr(adaptive_svd, "warm_minor_triplets", lambda *args, **kwargs: None)  # never converges
+    monkeypatch.setattr(switch_cycle, "warm_minor_triplets", lambda *args, **kwargs: None)  # never converges
     fallen, trainer, _ = fit_with_switch(monkeypatch, 9, minor_training=minor_training)
     assert fallen.warm_fallbacks == fallen.warm_cycles > 0
     assert trainer.callback_metrics["adaptive_svd/warm_fallbacks"] == fallen.warm_fallbacks
@@ -315,8 +380,12 @@ def test_resume_carries_the_warm_start(monkeypatch):
         torch.testing.assert_close(new.U_prev, old.U_prev)
         torch.testing.assert_close(new.S_prev, old.S_prev, equal_nan=True)
         W = as_matrix(old.target.read().detach())
+        cycles = switch.warm_cycles
         expected = switch._decide(old, W, None, old.U_prev, 7, warm=True)
-        cycles = resumed.warm_cycles
+        warmed, cycles = switch.warm_cycles - cycles, resumed.warm_cycles
         got = resumed._decide(new, W, None, new.U_prev, 7, warm=True)
         assert got[1:3] == expected[1:3]
-        assert resumed.warm_cycles == cycles + (W.shape[0] <= W.shape[1])
+        assert resumed.warm_cycles == cycles + warmed  # a warm cycle where the unbroken run had one
+        assert warmed or W.shape[0] > W.shape[1]  # a tall weight's Gram route may resolve it instead
+        if W.shape[0] > W.shape[1]:
+            torch.testing.assert_close(new.V_prev, old.V_prev)

@@ -13,116 +13,63 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ..ops import factorization
+from ..arguments import build_options, check_bool, check_int
 from ..distributed import sharded_subspace
-from ..arguments import build_options, check_bool, check_int, check_number
+from ..distributed.sharded_state import load_named
 from ..distributed.strategy import gather_full, is_dtensor
-from .figures import can_draw, save_figure
-from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
+from ..functional.subspace import as_matrix
+from ..functional.switch_cycle import (
+    SubspaceMemory, SVDOptions, SwitchThresholds, matrix_cycle, padded, require_finite,
+)
 from ..model_map import Selection, WeightView, require_targets, select_targets
 from ..model_map.weights import stored_param
+from ..ops import factorization
+from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
 from ..ops.optimizer_state import reset_optimizer_state
-from .schedule import Schedule
-from ..distributed.sharded_state import load_named
-from ..functional.subspace import (
-    SVD_METHODS, as_matrix, decide_mode, largest_next_rank, next_rank, rank_bounds, subspace_angle, svd_triplets,
-)
-from ..functional.warm_subspace import SHIFT, warm_minor_triplets
 from .base import PlasticityCallback
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# Below this g the full SVD is cheaper than the warm start's many small LAPACK calls (one CPU thread: at 256×256
-# 4 ms against 7 ms; at 1024×1024 about 350 ms against 60 ms; benchmarks/adaptive_svd_overhead.py --warm-vs-full).
-WARM_MIN_ORDER = 512
-# A wide weight whose minor span moved at most this far (sine) since the last cycle starts its next warm cycle from
-# its previous vectors again; farther, from its spectrum (the previous start would give up: WARM_ITERATIONS steps at
-# its rate of ~0.6 per step bring a start only about 1e-2 closer).
-PREVIOUS_START_DRIFT = 1e-2
+from .figures import can_draw, save_figure
+from .schedule import Schedule
 
 
-@dataclass(frozen=True)
-class SwitchThresholds:
-    """When a matrix switches between full and minor training (see ``functional.subspace.decide_mode``).
+@dataclass(kw_only=True)
+class _Matrix(SubspaceMemory):
+    """One target matrix: its weight view, its cycle-to-cycle subspace (:class:`SubspaceMemory`) and its tap."""
 
-    Args:
-        clobber_alignment: principal gradient share above which a matrix goes ``"minor"``.
-        stable_angle: subspace angle (radians) below which, with the next two, it goes ``"minor"``.
-        safe_minor_alignment: minor gradient share above which it may go ``"minor"``.
-        max_reconstruction_error: at or above this, the matrix goes back to ``"full"``.
-
-    Example:
-        >>> AdaptiveSVDSwitch(thresholds=SwitchThresholds(clobber_alignment=0.0))   # always minor when safe
-    """
-
-    clobber_alignment: float = 0.4
-    stable_angle: float = 0.1
-    safe_minor_alignment: float = 0.6
-    max_reconstruction_error: float = 0.01
-
-    def __post_init__(self) -> None:
-        for name in ("clobber_alignment", "safe_minor_alignment", "max_reconstruction_error"):
-            check_number(name, getattr(self, name), 0.0, 1.0)
-        check_number("stable_angle", self.stable_angle, 0.0, math.pi / 2, "(radians)")
-
-
-@dataclass(frozen=True)
-class SVDOptions:
-    """How each SVD cycle computes the singular triplets.
-
-    Args:
-        method: ``gram`` (``eigh`` of the smaller Gram matrix, the minor triplets recomputed from the
-            weight; ``full`` wherever that is not accurate), ``full`` (``torch.linalg.svd``) or
-            ``randomized`` (two ``torch.svd_lowrank`` blocks); see ``functional.subspace.svd_triplets``.
-        niter: power iterations of ``method="randomized"``.
-        dtype: ``float32`` or ``float64``.
-        warm: from the second cycle on, compute a matrix's minor triplets from its previous ones
-            (:func:`~functional.warm_subspace.warm_minor_triplets`) rather than its whole SVD, falling back to
-            ``method`` where they do not converge (counted in ``adaptive_svd/warm_fallbacks``); a wide matrix whose
-            minor span turned too far for its previous vectors starts from its Gram matrix's spectrum instead
-            (counted in ``adaptive_svd/warm_spectrum_starts``). For
-            ``method`` ``gram`` or ``full`` and matrices with ``d_out ≤ d_in`` and ``g ≥ WARM_MIN_ORDER`` (512) on
-            one process: a tall matrix's principal subspace is not the complement of its minor one in the output
-            space (it is within ``range(W)``, whose basis costs as much as the SVD), a smaller one's full SVD is
-            cheaper, and under FSDP2 the rank computing a matrix's SVD broadcasts all ``g`` singular values.
-
-    Example:
-        >>> AdaptiveSVDSwitch(svd=SVDOptions(method="randomized", niter=4))
-    """
-
-    method: str = "gram"
-    niter: int = 2
-    dtype: str = "float32"
-    warm: bool = True
-
-    def __post_init__(self) -> None:
-        if self.method not in SVD_METHODS:
-            raise ValueError(f"svd method={self.method!r} is not one of {SVD_METHODS}")
-        check_int("svd niter", self.niter, minimum=0)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"svd dtype={self.dtype!r} is not one of {tuple(_DTYPES)}")
-        check_bool("svd warm", self.warm)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-
-@dataclass
-class _Matrix:
     target: WeightView
     attr: str  # parameter name on target.module ("weight", "in_proj_weight")
-    g: int
-    state: str = "full"  # "full" | "minor"
-    r: int | None = None  # minor components of the current phase (None before the first SVD)
-    U_prev: torch.Tensor | None = None  # last SVD's U (d_out, g) and S (g,); FSDP2: U split by rows (a DTensor)
-    S_prev: torch.Tensor | None = None
+    expert: int | None = None  # which matrix of an expert stack (target.stack > 0) this is; None: the whole weight
     U_minor_whole: torch.Tensor | None = None  # FSDP2, transposed view: every row of U's minor columns (see place)
     tap: GradientTap | None = None  # single device: the projected gradient computed in the backward
     tap_checked: bool | None = None  # the tap's check: None not yet, True it matched ∇W, False plain projection
     tap_verdict: bool | None = None  # this step's check so far (on_after_backward), applied at its optimizer step
-    warm_start: str = "previous"  # where a wide weight's next warm cycle starts (warm_minor_triplets' start)
-
     _minor: tuple | None = None  # (U_prev, r, contiguous U_m) last built
+
+    @property
+    def name(self) -> str:
+        """The weight's name; an expert's matrix is ``<stack>[e]``."""
+        return self.target.name if self.expert is None else f"{self.target.name}[{self.expert}]"
+
+    def oriented(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (shaped like the stored parameter) as this matrix's ``(out, in·∏k)``: for an expert, its own
+        block of the stack's ``(E·out, in)`` view (the layout the model map reports, however it is stored)."""
+        matrix = as_matrix(self.target.oriented(tensor))
+        if self.expert is None:
+            return matrix
+        return matrix.unflatten(0, (self.target.stack, -1))[self.expert]
+
+    def read(self) -> torch.Tensor:
+        """The effective weight as ``(out, in·∏k)``, detached."""
+        matrix = as_matrix(self.target.read())
+        return matrix if self.expert is None else matrix.unflatten(0, (self.target.stack, -1))[self.expert]
+
+    def project_(self, tensor: torch.Tensor | None) -> None:
+        """``T ← U_m U_mᵀ T`` for this matrix's part of ``tensor`` (a gradient or a moment, stored layout)."""
+        if tensor is None:
+            return
+        if self.expert is None:
+            factorization.project_onto(tensor.transpose(0, 1) if self.target.transposed else tensor, self.U_minor)
+        else:
+            factorization.project_stack_(tensor, self.target, {self.expert: self.U_minor})
 
     @property
     def U_minor(self) -> torch.Tensor:
@@ -185,6 +132,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     optimizer param group (see :mod:`plasticity_callbacks.ops.factorization`); every cycle
     folds ``BA`` back and re-splits with the new ``r``. Factorize runs on a single device only.
 
+    An expert stack (a 3-D ``(E, out, in)`` parameter, or any weight the model map reports as a stack of ``E``
+    matrices) is ``E`` matrices, ``<name>[e]``: each expert its own SVD, state, ``r`` and projection of its block of
+    the gradient and moments (``minor_training="project"``, on one process or under DDP).
+
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``; ``minor_training="project"``) the result is
     the one process's on the same global batch. At a cycle each matrix, its gradient and its previous ``U``
     are gathered, one matrix at a time; one rank (round robin over the matrices) computes the SVD and the
@@ -224,10 +175,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             the full gradient after the backward). The trained weights are the same either way.
 
     Raises:
-        ValueError: a bad argument; at setup, a selection that finds no weight, only rank-1 weights, or grouped
-            transposed convolutions.
+        ValueError: a bad argument; at setup, a selection that finds no weight, only rank-1 weights, grouped
+            transposed convolutions, or expert stacks under ``minor_training="factorize"``.
         MisconfigurationException: ``minor_training="factorize"`` under any strategy but a single device; at
-            setup, FSDP1 or DeepSpeed (flat shards), with the fix.
+            setup, FSDP1 or DeepSpeed (flat shards), or expert stacks sharded by FSDP2, with the fix.
         FloatingPointError: a weight with NaN or Inf at an SVD cycle.
 
     Example:
@@ -313,15 +264,21 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                              "(out, in) matrix is not a view of the stored kernel; exclude them "
                              "(selection={'exclude': [...]})")
         stacks = [t.name for t in targets if t.stack]
-        if stacks:  # one SVD of the (E·out, in) stack would mix the experts' subspaces
-            raise ValueError(f"AdaptiveSVDSwitch: {stacks} are stacks of expert matrices (3-D parameters); it splits "
-                             "one matrix per weight into major/minor subspaces and does not split a stack per expert; "
-                             "exclude them (selection={'exclude': " + repr(sorted({_stack_pattern(n) for n in stacks}))
-                             + "}); routers and every other matrix stay treated")
+        if stacks and self.minor_training == "factorize":  # a parametrization replaces the whole parameter
+            raise ValueError(f"AdaptiveSVDSwitch(minor_training='factorize'): {stacks} are stacks of expert matrices, "
+                             "which it cannot re-parametrize one expert at a time; use minor_training='project' (each "
+                             "expert its own SVD and projection) or exclude them (selection={'exclude': "
+                             + repr(sorted({_stack_pattern(n) for n in stacks})) + "})")
         for t in targets:
+            if t.stack:  # each expert's matrix on its own: one SVD of the (E·out, in) stack would mix their subspaces
+                out, inputs = t.shape[0] // t.stack, math.prod(t.shape[1:])
+                if min(out, inputs) >= 2:
+                    self.matrices += [_Matrix(target=t, attr=t.attribute, g=min(out, inputs), expert=e)
+                                      for e in range(t.stack)]
+                continue
             g = min(as_matrix(t.read()).shape)  # (out, in) orientation: HF Conv1D is transposed
             if g >= 2:  # a rank-1 shape has nothing to split
-                self.matrices.append(_Matrix(t, t.name.rsplit(".", 1)[-1], g))
+                self.matrices.append(_Matrix(target=t, attr=t.name.rsplit(".", 1)[-1], g=g))
         if not self.matrices:
             raise ValueError(f"AdaptiveSVDSwitch: every selected weight ({[t.name for t in targets]}) has rank 1 at "
                              "most, so there is no minor subspace to switch to; select larger matrices")
@@ -333,12 +290,12 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             # FSDP2: U (each rank's rows) goes to "singular_vectors", which on_save_checkpoint writes shard by shard
             U = None if is_dtensor(m.U_prev) else m.U_prev
             entry = {"state": m.state, "r": m.r, "U_prev": U, "S_prev": m.S_prev, "tap_checked": m.tap_checked,
-                     "warm_start": m.warm_start}
+                     "warm_start": m.warm_start, "V_prev": m.V_prev}
             if factorization.is_factorized(m.target.module, m.attr):
                 parts = factorization.components(m.target.module, m.attr)
                 entry.update(W_p=m.target.param.detach().clone(), B=parts.B.detach().clone(),
                              A=parts.A.detach().clone())
-            matrices[m.target.name] = entry
+            matrices[m.name] = entry
         state = {"matrices": matrices, "history": list(self.history),
                  "warm_counts": [self.warm_cycles, self.warm_fallbacks, self.warm_spectrum_starts]}
         if any(is_dtensor(m.U_prev) for m in self.matrices):  # replaced, never changed in place: no copy needed
@@ -356,25 +313,33 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         # FSDP2: each U is a whole tensor, or a name in the distributed checkpoint (placed at first use)
         sharded = dict(zip(saved, self._pending.get("singular_vectors") or [None] * len(saved)))
         for m in self.matrices:
-            entry = saved.get(m.target.name)
+            entry = saved.get(m.name)
             if entry is not None:
-                U = entry["U_prev"] if sharded.get(m.target.name) is None else sharded[m.target.name]
+                U = entry["U_prev"] if sharded.get(m.name) is None else sharded[m.name]
                 m.state, m.r, m.U_prev, m.S_prev = entry["state"], entry["r"], U, entry["S_prev"]
                 m.tap_checked = entry.get("tap_checked")
                 m.warm_start = entry.get("warm_start", "previous")  # a run saved before the hint existed: the default
+                m.V_prev = entry.get("V_prev")  # a tall weight's warm start; absent before: its next cycle is full
         self.history = [tuple(h) for h in self._pending["history"]]
         # the logged counts run over the whole run, so a resumed run logs what an unbroken one would
         self.warm_cycles, self.warm_fallbacks, self.warm_spectrum_starts = self._pending.get("warm_counts", (0, 0, 0))
 
     def attach(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._follow_sharded_parameters()
+        sharded_stacks = sorted({m.target.name for m in self.matrices if m.expert is not None
+                                 and is_dtensor(m.target.param)})
+        if sharded_stacks:  # its sharded cycle splits one matrix by rows, not a stack by experts
+            raise MisconfigurationException(
+                f"AdaptiveSVDSwitch: {sharded_stacks} are expert stacks sharded by FSDP2, whose per-expert SVD cycle "
+                "runs on one process or under DDP only; exclude them (selection={'exclude': "
+                + repr(sorted({_stack_pattern(n) for n in sharded_stacks})) + "}) or train with DDP")
         # Runs after configure_optimizers and before Lightning loads the optimizer state, so the
         # factors re-join their groups in the saved order and their moments load into them.
         if self._pending is None or self.minor_training != "factorize":
             return
         saved = self._pending["matrices"]
         for m in self.matrices:
-            entry = saved.get(m.target.name, {})
+            entry = saved.get(m.name, {})
             if "B" in entry and not factorization.is_factorized(m.target.module, m.attr):
                 device = m.target.param.device
                 parts = factorization.factorize(m.target.module, m.attr, entry["B"].to(device), entry["A"].to(device),
@@ -445,11 +410,13 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             self._cycle_now = False
             self.log_event(trainer, self._cycle(trainer, pl_module))
         elif self.minor_training == "project":
-            sharded = []
+            sharded, stacks = [], {}
             for m in self.matrices:
                 if m.state != "minor":
                     continue
-                if is_dtensor(m.target.param):
+                if m.expert is not None:  # a stack's minor experts, projected together (one view of the stack)
+                    stacks.setdefault(id(m.target.param), (m.target, {}))[1][m.expert] = m.U_minor
+                elif is_dtensor(m.target.param):
                     m.place(trainer)
                     if m.target.param.grad is not None:  # FSDP2 leaves a gradient None on every rank alike
                         sharded.append((m.target.param.grad, m.U_minor, m.target.transposed))
@@ -459,6 +426,9 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                     factorization.project_gradient(m.target.param, m.U_minor, m.target.transposed)
             if sharded:
                 sharded_subspace.project_sharded_(sharded)  # one all-reduce for all row-sharded matrices
+            for target, projections in stacks.values():
+                if target.param.grad is not None:
+                    factorization.project_stack_(target.param.grad, target, projections)
         self._backward_seen = False
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
 
@@ -508,7 +478,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
             return  # no gradient this step, or an overflow: check at the next one
         m.tap_checked, self._taps_stale = verdict, True
         if not verdict:
-            rank_zero_warn(f"AdaptiveSVDSwitch: {m.target.name!r} gets gradient from more than its "
+            rank_zero_warn(f"AdaptiveSVDSwitch: {m.name!r} gets gradient from more than its "
                            f"{type(m.target.module).__name__}'s forward (a tied weight, or code reading it "
                            "directly), so its minor phases project the full gradient after the backward rather "
                            "than computing the projection in it: the same training, without the saved time")
@@ -523,19 +493,20 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                 logged.append((m, self._sharded_cycle(trainer, m, index, step)))
                 continue
             factorized = factorization.is_factorized(module, m.attr)
-            W = as_matrix(m.target.read())  # the effective weight in either structure, (out, in) orientation
-            require_finite(W, m.target.name, step)  # one sync per SVD cycle, which syncs anyway
+            W = m.read()  # the effective weight in either structure, (out, in) orientation
+            require_finite(W, m.name, step)  # one sync per SVD cycle, which syncs anyway
             grad = factorization.components(module, m.attr).captured if factorized else weight.grad
-            grad = m.target.oriented(grad) if grad is not None else None
+            grad = m.oriented(grad) if grad is not None else None
             svd, new_state, r_next, diag = self._decide(m, W, grad, m.U_prev, step, warm=True)
             m.state, m.r, m.U_prev, m.S_prev = new_state, r_next, svd.U, padded(svd.S, m.g)
+            m.V_prev = svd.V if W.shape[0] > W.shape[1] else None  # (d_in, d_in): every method gives a tall V whole
             if self.minor_training == "project":
                 if new_state == "minor":
-                    factorization.project_gradient(weight, m.U_minor, m.target.transposed)
-                    factorization.project_optimizer_state(trainer.optimizers, weight, m.U_minor, m.target.transposed)
+                    for tensor in [weight.grad, *factorization.linear_moments(trainer.optimizers, weight)]:
+                        m.project_(tensor)
             else:
                 self._resplit(trainer, m, svd, grad, factorized)
-            self.history.append((step, m.target.name, new_state, r_next))
+            self.history.append((step, m.name, new_state, r_next))
             logged.append((m, diag))
         if self.minor_training == "factorize":  # factors in target order, whether re-split in place or appended
             parts = [factorization.components(m.target.module, m.attr) for m in self.matrices
@@ -551,7 +522,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         weight = m.target.param
         m.place(trainer)
         W = as_matrix(m.target.oriented(gather_full(weight)))  # (out, in·∏k), the same on every rank
-        require_finite(W, m.target.name, step)  # the same W everywhere: every rank raises alike
+        require_finite(W, m.name, step)  # the same W everywhere: every rank raises alike
         owner, dtype = sharded_subspace.owner_of(index, weight), self.svd.torch_dtype
         keys = ("subspace_angle", "principal_alignment", "minor_alignment", "reconstruction_error", "effective_rank")
         numbers = torch.zeros(2 + len(keys), dtype=torch.float64, device=W.device)  # minor?, r_next, diagnostics
@@ -585,63 +556,21 @@ class AdaptiveSVDSwitch(PlasticityCallback):
                        for moment in factorization.linear_moments(trainer.optimizers, weight)]
             grads = [(weight.grad, m.U_minor, m.target.transposed)] if weight.grad is not None else []
             sharded_subspace.project_sharded_(grads + moments)
-        self.history.append((step, m.target.name, m.state, m.r))
+        self.history.append((step, m.name, m.state, m.r))
         return dict(zip(keys, numbers[2:].tolist()))
 
     def _decide(self, m: _Matrix, W: torch.Tensor, grad: torch.Tensor | None, U_prev: torch.Tensor | None,
                 step: int, warm: bool = False) -> tuple:
-        """One matrix's SVD and decision, ``(svd, state, r_next, diagnostics)``: on one process, and on the rank
-        computing it under FSDP2 (``W``, ``grad`` and ``U_prev`` whole, ``(out, in)``). ``warm``: this caller
-        stores an ``S`` of any length (the sharded cycle broadcasts ``g`` values)."""
-        r = m.r if m.r is not None else self._initial_r(W, m.g)
-        dtype = self.svd.torch_dtype
-        factorize = self.minor_training == "factorize"  # V shapes only a factorized split
-        svd = None
-        if (warm and self.svd.warm and self.svd.method != "randomized" and U_prev is not None
-                and m.S_prev is not None and W.shape[0] <= W.shape[1] and m.g >= WARM_MIN_ORDER):
-            # the decision reads the r minor triplets, the next phase up to largest_next_rank of them
-            count = largest_next_rank(r, m.g, self.r_min)
-            svd = self._warm_cycle(m, W, U_prev, count, dtype, step, factorize)
-            self.warm_cycles += 1
-            if svd is None:
-                self.warm_fallbacks += 1
-        if svd is None:
-            svd = svd_triplets(W, self.svd.method, top=m.g - r, niter=self.svd.niter, dtype=dtype, seed=step,
-                               right_vectors=factorize)
-        state, r_next, diag = decide_mode(W, svd, U_prev, m.S_prev, grad, r, m.state, r_min=self.r_min, dtype=dtype,
-                                          exact=self.svd.method != "randomized", **asdict(self.thresholds))
-        if m.r is None and self.initial_rank is not None:
-            r_next = r  # a given initial_rank replaces the spectral first guess for the first phase
-        return svd, state, r_next, diag
-
-    def _warm_cycle(self, m: _Matrix, W: torch.Tensor, U_prev: torch.Tensor, count: int, dtype: torch.dtype,
-                    step: int, right_vectors: bool):
-        """The warm minor triplets, or None. A wide weight starts from its previous vectors unless its last warm
-        cycle found its minor span turned farther than ``PREVIOUS_START_DRIFT`` or its last spectrum shows them
-        converging at a rate of ½ or slower (:func:`previous_start_rate`); where the previous start gives up,
-        it starts again from its spectrum (counted in ``adaptive_svd/warm_spectrum_starts``). A square weight's
-        spectrum start would cost its Gram matrix's ``eigh`` on top of the LU, as much as its full SVD."""
-        wide = W.shape[0] < W.shape[1]
-        start = m.warm_start if wide else "previous"
-        if start == "previous" and wide and previous_start_rate(m.S_prev, count) >= 0.5:
-            start = "spectrum"  # the last spectrum says the previous start would crawl (see previous_start_rate)
-        svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, seed=step, right_vectors=right_vectors, start=start)
-        if svd is None and wide and start == "previous":
-            start = "spectrum"
-            svd = warm_minor_triplets(W, U_prev, count, dtype=dtype, right_vectors=right_vectors, start=start)
-        if svd is not None and start == "spectrum":
-            self.warm_spectrum_starts += 1
-            drift = subspace_angle(U_prev, svd.U, m.g - count, dtype)  # between the minor spans: square U
-            m.warm_start = "previous" if math.sin(drift) <= PREVIOUS_START_DRIFT else "spectrum"
-        return svd
-
-    def _initial_r(self, W: torch.Tensor, g: int) -> int:
-        if self.initial_rank is not None:
-            lo, hi = rank_bounds(g, self.r_min)
-            return max(lo, min(self.initial_rank, hi))
-        W = W.to(self.svd.torch_dtype)
-        S = torch.linalg.svdvals(W.mT if W.shape[0] < W.shape[1] else W)  # LAPACK is slower on wide input
-        return next_rank(S, None, g // 2, self.r_min)[0]  # the initial r from the spectral structure
+        """One matrix's SVD and decision, ``(svd, state, r_next, diagnostics)`` (:func:`~functional.switch_cycle.
+        matrix_cycle`), its warm starts counted: on one process, and on the rank computing it under FSDP2 (``W``,
+        ``grad`` and ``U_prev`` whole, ``(out, in)``). ``warm``: this caller stores an ``S`` of any length (the
+        sharded cycle broadcasts ``g`` values)."""
+        cycle = matrix_cycle(m, W, grad, U_prev, step, self.svd, self.thresholds, self.r_min, self.initial_rank,
+                             right_vectors=self.minor_training == "factorize", warm=warm)  # V shapes only a split
+        self.warm_cycles += cycle.warm
+        self.warm_fallbacks += cycle.fallback
+        self.warm_spectrum_starts += cycle.spectrum_start
+        return cycle.svd, cycle.state, cycle.r_next, cycle.diagnostics
 
     def _resplit(self, trainer, m: _Matrix, svd, grad, factorized: bool) -> None:
         """Fold ``BA`` back if factorized, then split again with the new ``r`` if "minor". The
@@ -682,7 +611,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
         keys = ("principal_alignment", "minor_alignment", "reconstruction_error")
         for m, diag in logged:
             if self.log_per_matrix:
-                name = m.target.name
+                name = m.name
                 if not math.isnan(diag["subspace_angle"]):  # no previous SVD yet: nothing to compare
                     log(f"{name}/angle", diag["subspace_angle"])
                 for key in keys:
@@ -706,46 +635,10 @@ class AdaptiveSVDSwitch(PlasticityCallback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.save_figure or not self.history or not can_draw("AdaptiveSVDSwitch", "save_figure"):
             return
-        sizes = {m.target.name: m.g for m in self.matrices}
+        sizes = {m.name: m.g for m in self.matrices}
         path = save_figure(modes_figure(self.history, sizes), trainer, "adaptive_svd_modes")
         if path is not None:
             rank_zero_info(f"AdaptiveSVDSwitch: figure saved to {path}")
-
-
-def previous_start_rate(S_prev: torch.Tensor | None, count: int) -> float:
-    """The rate per step ``ρ = (λ_count − μ) / (λ_{b+1} − μ)`` at which a wide weight's warm start from its
-    previous vectors would converge, read off its last spectrum (``λ = σ²``, ``b`` the block, ``μ`` the shift
-    at ``SHIFT·λ_min``); 0 where there is no spectrum or it does not reach ``σ_{b+1}`` (a warm cycle's trailing
-    values). At ``ρ ≥ ½`` the stopping test is no longer sure (what is left exceeds the last movement) and the steps needed
-    pass ``WARM_ITERATIONS`` for any start more than ~1e-2 away.
-
-    Example:
-        >>> previous_start_rate(torch.linspace(2.0, 1.0, 256), count=16)   # a flat bottom: 0.50
-    """
-    if S_prev is None:
-        return 0.0
-    g = S_prev.numel()
-    block = min(2 * count + 8, g // 2)
-    lam = S_prev.double() ** 2
-    above, minor, low = float(lam[g - block - 1]), float(lam[g - count]), float(lam[-1])
-    if math.isnan(above) or not above > low:
-        return 0.0
-    shift = SHIFT * low
-    return (minor - shift) / (above - shift)
-
-
-def padded(S: torch.Tensor, g: int) -> torch.Tensor:
-    """All ``g`` singular values, NaN in front where a warm cycle computed only the trailing ones: the next cycle
-    compares the bottom ones (``next_rank``), and a stored spectrum keeps its length."""
-    return S if S.numel() == g else torch.cat([S.new_full((g - S.numel(),), math.nan), S])
-
-
-def require_finite(W: torch.Tensor, name: str, step: int) -> None:
-    low, high = torch.aminmax(W)  # NaN anywhere makes both NaN, an infinity shows in one: a pass without a mask
-    if not bool(torch.isfinite(low) & torch.isfinite(high)):
-        raise FloatingPointError(f"AdaptiveSVDSwitch: weight {name!r} has NaN or Inf entries at step {step}; no "
-                                 "subspace can be computed from it (lower the learning rate or clip gradients, then "
-                                 "resume from an earlier checkpoint)")
 
 
 def modes_figure(history: list[tuple[int, str, str, int]], sizes: dict[str, int]):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .subspace import SVD, as_matrix, gram_matrix
+from .subspace import GRAM_SEPARATION, SVD, as_matrix, gram_matrix, thin_svd
 
 WARM_ITERATIONS = 8  # from the last cycle's vectors (minor spans ~1e-2 apart) float32 needs 3–5 (square), 5–8 (wide)
 SHIFT = 0.9  # a wide W's Gram matrix is shifted by this share of the start's smallest Rayleigh quotient
@@ -56,7 +56,8 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
     within the steps left: the fallback then costs less. ``start="spectrum"`` starts instead from the bottom
     ``b = min(4·count, d_out // 2)`` eigenvectors of the Gram matrix ``W Wᵀ`` (one ``eigh``), the first step
     measured from its bottom ``count``, the Cholesky factor shifted to 0.99 of its smallest eigenvalue: for a
-    minor span that moved too far since the previous cycle (see the module's docstring).
+    minor span that moved too far since the previous cycle (see the module's docstring). A tall ``W`` goes to
+    :func:`warm_tall_triplets`.
 
     Args:
         W: the weight as its ``(d_out, d_in)`` matrix, ``d_out ≤ d_in`` (``U`` spans all of ``R^{d_out}``).
@@ -75,7 +76,8 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         ``SVD(U, S, V)``: ``U (d_out, d_out)`` whose last ``count`` columns are the minor left vectors
         (descending ``σ``) and whose leading columns are an orthonormal basis of their complement, the
         principal subspace (not singular vectors); ``S (count,)`` the minor singular values; ``V (d_in, count)``
-        or None; a few more than ``count`` where ``σ_count`` all but ties the next one (see the loop). None: not converged, a singular ``W``, or a block too large to be cheaper than an SVD.
+        or None; a few more than ``count`` where ``σ_count`` all but ties the next one (see the loop). None: not
+        converged, a singular ``W``, or a block too large to be cheaper than an SVD.
 
     Raises:
         ValueError: a tall ``W``, ``U_prev`` of the wrong shape, ``count`` outside ``[1, d_out − 1]``, or an unknown
@@ -89,21 +91,98 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
     W = as_matrix(W).to(dtype)
     g, n = W.shape
     if g > n:
-        raise ValueError(f"warm_minor_triplets needs d_out <= d_in (U spanning the whole output space); got {g}x{n}")
+        raise ValueError(f"warm_minor_triplets needs d_out <= d_in (U spanning the whole output space); got {g}x{n}: "
+                         "a tall W's warm cycle is warm_tall_triplets")
+    found = _minor_block(W, U_prev, count, dtype, iterations, tolerance, seed, start, "U_prev")
+    if found is None:
+        return None
+    U_minor, S_minor, V_minor, _ = found
+    return SVD(torch.cat([_complement(U_minor), U_minor], 1), S_minor, V_minor if right_vectors else None)
+
+
+def warm_tall_triplets(W: torch.Tensor, V_prev: torch.Tensor | None, count: int, dtype: torch.dtype = torch.float32,
+                       iterations: int = WARM_ITERATIONS, tolerance: float | None = None, seed: int = 0,
+                       start: str = "previous") -> SVD | None:
+    """The ``count`` smallest singular triplets of a tall ``W (m, n)``, ``m > n``, and a basis of its principal
+    left subspace, from the previous cycle's right vectors; None where they did not converge or the basis would
+    not be accurate (the caller computes a full SVD then).
+
+    A tall weight's ``U`` does not span ``R^m``: its principal subspace is the part of ``range(W)`` outside the
+    minor one, not a complement to read off. Its *right* vectors do span ``R^n``, so the minor triplets come from
+    :func:`warm_minor_triplets`' iteration on ``Wᵀ`` (the ``n × n`` Gram matrix ``WᵀW``, warm-started from the
+    previous ``V``; the Rayleigh–Ritz step on ``W`` itself gives ``σ`` and the minor left vectors), and the
+    principal right subspace is the complement ``V_p`` of the minor right vectors. ``span(W V_p)`` is the
+    principal left subspace; its orthonormal basis is the QR of ``W V_p`` taken through the Gram matrix the
+    iteration already formed: ``R = chol(V_pᵀ WᵀW V_p)`` (float64, ``k × k``), ``U_p = W (V_p R⁻¹)``, one
+    ``m × n × k`` product instead of a Householder QR of the ``m × k`` matrix (5× its time). Its orthonormality is
+    good to about ``eps·σ_max² / σ_k²`` (``σ_k`` the smallest principal value), like the Gram route's ``U``
+    (:func:`~functional.subspace.gram_triplets`); so, as there, None where ``σ_k² < GRAM_SEPARATION·eps·σ_max²``
+    (bounded by ``σ_k ≥`` the largest minor value and ``σ_max² ≤ ‖WᵀW‖_F``).
+
+    Args:
+        W: the weight as its ``(m, n)`` matrix, ``m > n``.
+        V_prev: the previous cycle's ``(n, n)`` right vectors, descending ``σ`` (its leading columns may be any
+            orthonormal basis of the principal right subspace); None only with ``start="spectrum"``.
+        count, dtype, iterations, tolerance, seed, start: as in :func:`warm_minor_triplets`.
+
+    Returns:
+        ``SVD(U, S, V)``: ``U (m, n)``, its leading ``n − count`` columns an orthonormal basis of the principal
+        left subspace (not singular vectors), its last ``count`` the minor left vectors (descending ``σ``);
+        ``S (count,)``; ``V (n, n)``, its last ``count`` columns the minor right vectors and its leading ones an
+        orthonormal basis of their complement (the next cycle's ``V_prev``). ``count`` may grow by a few, as in
+        :func:`warm_minor_triplets`.
+
+    Raises:
+        ValueError: ``W`` not tall, ``V_prev`` of the wrong shape, ``count`` outside ``[1, n − 1]``, or an unknown
+            ``start``.
+
+    Example:
+        >>> svd = warm_tall_triplets(W_now, V_last_cycle, count=16)   # W_now (4096, 1024)
+        >>> if svd is None:
+        ...     svd = svd_triplets(W_now, "full")
+    """
+    W = as_matrix(W).to(dtype)
+    m, n = W.shape
+    if m <= n:
+        raise ValueError(f"warm_tall_triplets needs d_out > d_in; got {m}x{n}: use warm_minor_triplets")
+    found = _minor_block(W.mT, V_prev, count, dtype, iterations, tolerance, seed, start, "V_prev")
+    if found is None:
+        return None
+    V_minor, S_minor, U_minor, gram = found  # Wᵀ's minor left vectors are W's minor right ones, and vice versa
+    count = S_minor.numel()
+    V_principal = _complement(V_minor)  # (n, k)
+    if float(S_minor[0]) ** 2 < GRAM_SEPARATION * torch.finfo(dtype).eps * float(torch.linalg.matrix_norm(gram)):
+        return None  # the principal basis from the Gram matrix would not be orthonormal to an SVD's accuracy
+    inner = (V_principal.mT @ (gram @ V_principal)).double()  # (k, k): (W V_p)ᵀ (W V_p)
+    R, info = torch.linalg.cholesky_ex(inner, upper=True)
+    if int(info) != 0:
+        return None
+    Z = torch.linalg.solve_triangular(R, V_principal.double(), upper=True, left=False)  # V_p R⁻¹, (n, k)
+    U_principal = W @ Z.to(dtype)  # (m, k), orthonormal: Rᵀ R = (W V_p)ᵀ (W V_p)
+    return SVD(torch.cat([U_principal, U_minor], 1), S_minor, torch.cat([V_principal, V_minor], 1))
+
+
+def _minor_block(W: torch.Tensor, U_prev: torch.Tensor | None, count: int, dtype: torch.dtype, iterations: int,
+                 tolerance: float | None, seed: int, start: str, name: str):
+    """The iteration of :func:`warm_minor_triplets` on ``W (g, n)``, ``g ≤ n``: ``(U_minor (g, c), S_minor (c,),
+    V_minor (n, c), gram)`` (``c ≥ count``; ``gram`` the ``W Wᵀ`` it formed, None for a square ``W``), or None."""
+    g, n = W.shape
     if start not in STARTS:
         raise ValueError(f"start={start!r} is not one of {STARTS}")
     if U_prev is None and start == "previous":
-        raise ValueError("start='previous' needs U_prev")
+        raise ValueError(f"start='previous' needs {name}")
     if U_prev is not None and tuple(U_prev.shape) != (g, g):
-        raise ValueError(f"U_prev has shape {tuple(U_prev.shape)}, expected ({g}, {g})")
+        raise ValueError(f"{name} has shape {tuple(U_prev.shape)}, expected ({g}, {g})")
     if not 1 <= count <= g - 1:
         raise ValueError(f"count={count} must be in [1, {g - 1}]")
     block = min((2 * count + 8) if start == "previous" else SPECTRUM_BLOCK * count, g // 2)
     if block < count + 4:
         return None  # the minor block is near half the space: an SVD costs no more
     tolerance = torch.finfo(dtype).eps ** 0.5 if tolerance is None else tolerance
+    gram = gram_matrix(W) if g < n else None  # a square W is factorized itself (see _inverse_gram)
     if start == "spectrum":
-        gram = gram_matrix(W)
+        if gram is None:
+            gram = gram_matrix(W)
         lam, Q = torch.linalg.eigh(gram)  # ascending
         if not bool(torch.isfinite(lam).all()) or not lam[0] > 0:
             return None
@@ -111,7 +190,7 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         inverse_gram = _cholesky_inverse(gram, (SPECTRUM_SHIFT * float(lam[0]), 0.0))
     else:
         U_minor = U_prev[:, g - block:].to(dtype)  # the start's trailing spans: an unchanged W stops after one step
-        inverse_gram = _inverse_gram(W, U_minor[:, -count:])
+        inverse_gram = _inverse_gram(W, U_minor[:, -count:], gram)
         generator = torch.Generator(device=W.device).manual_seed(seed)
         spare = max(2, (block - count) // 2)
         fresh = torch.randn(g, spare, generator=generator, device=W.device, dtype=dtype)
@@ -141,20 +220,20 @@ def warm_minor_triplets(W: torch.Tensor, U_prev: torch.Tensor | None, count: int
         last = moved
     else:
         return None
-    count = size
-    U_minor = U_block[:, -count:]
-    S_minor = S_block[-count:]
-    # An orthonormal basis of the complement: the last g − count columns of a complete QR of U_minor.
-    complement = torch.linalg.qr(U_minor, mode="complete").Q[:, count:]
-    V = V_block[:, -count:] if right_vectors else None
-    return SVD(torch.cat([complement, U_minor], 1), S_minor, V)
+    return U_block[:, -size:], S_block[-size:], V_block[:, -size:], gram
+
+
+def _complement(U_minor: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of the orthogonal complement of ``U_minor``'s columns: the last ``d − c`` columns of a
+    complete QR of it."""
+    return torch.linalg.qr(U_minor, mode="complete").Q[:, U_minor.shape[1]:]
 
 
 def _orthonormal(X: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(X).Q
 
 
-def _inverse_gram(W: torch.Tensor, U_start: torch.Tensor):
+def _inverse_gram(W: torch.Tensor, U_start: torch.Tensor, gram: torch.Tensor | None):
     """``X ↦ (W Wᵀ − μ I)⁻¹ X`` (up to a change of basis within the span), or None where it cannot be factorized.
 
     A square ``W`` is factorized itself (LU: ``W⁻ᵀ W⁻¹``, ``μ = 0``, no squared condition number). A wide one
@@ -174,7 +253,7 @@ def _inverse_gram(W: torch.Tensor, U_start: torch.Tensor):
             return torch.linalg.lu_solve(LU, pivots, Y, adjoint=True)  # W⁻ᵀ
         return apply
     quotient = float((torch.linalg.vector_norm(W.mT @ U_start, dim=0) ** 2).min())
-    return _cholesky_inverse(gram_matrix(W), (SHIFT * quotient, 0.0))
+    return _cholesky_inverse(gram, (SHIFT * quotient, 0.0))
 
 
 def _cholesky_inverse(gram: torch.Tensor, shifts: tuple[float, ...]):
@@ -195,7 +274,7 @@ def _cholesky_inverse(gram: torch.Tensor, shifts: tuple[float, ...]):
 
 
 def _rayleigh_ritz(W: torch.Tensor, Q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The triplets of ``W`` restricted to ``span(Q)`` on the left: ``Qᵀ W = H Σ Pᵀ`` gives ``u = Q H``,
-    ``σ = Σ``, ``v = P`` (descending, ``Wᵀ u = σ v`` exactly)."""
-    P, S, Hh = torch.linalg.svd(W.mT @ Q, full_matrices=False)  # (n, b) tall: LAPACK is faster than on its transpose
-    return Q @ Hh.mT, S, P
+    """The triplets of ``W`` restricted to ``span(Q)`` on the left: ``Wᵀ Q = P Σ Hᵀ`` (from ``W`` itself, so the
+    small ``σ`` keep an SVD's accuracy; :func:`~.subspace.thin_svd`) gives ``u = Q H``, ``σ = Σ``, ``v = P``."""
+    P, S, H = thin_svd(W.mT @ Q)  # (n, b) tall
+    return Q @ H, S, P

@@ -214,6 +214,32 @@ def project_gradient(param: torch.Tensor, U_minor: torch.Tensor, transposed: boo
         project_onto(param.grad.transpose(0, 1) if transposed else param.grad, U_minor)
 
 
+def project_stack_(tensor: torch.Tensor, view, projections: dict[int, torch.Tensor]) -> None:
+    """In place, for each expert ``e`` of a stack: its matrix in ``tensor`` (a gradient or a moment shaped like the
+    stored stack) ``← U_e U_eᵀ (·)``, with ``U_e = projections[e]`` (``(out, r_e)``) and the others untouched.
+
+    The experts' matrices are read through the model map's view (``view.oriented``: the stack's ``(E·out, in)``
+    matrix, expert ``e``'s rows after expert ``e − 1``'s, whatever the stored layout: ``(E, out, in)``,
+    ``(E, in, out)``, or a 2-D parameter the forward views per expert). Where that view is a copy (a stack
+    stored ``(in, out)``), the result is written back through ``view.stored``.
+
+    Args:
+        tensor: shaped like the stored stack.
+        view: the stack's :class:`~model_map.WeightView` (``view.stack`` experts).
+        projections: expert index -> its minor basis ``U_e``.
+
+    Example:
+        >>> project_stack_(experts.gate_up_proj.grad, view, {0: U_0, 3: U_3})   # experts 0 and 3 are minor
+    """
+    oriented = view.oriented(tensor)
+    experts = as_matrix(oriented).unflatten(0, (view.stack, -1))  # (E, out, in·∏k)
+    for e, U in projections.items():
+        block = experts[e]
+        block.copy_(U @ (U.mT @ block.to(U.dtype)))
+    if oriented.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        tensor.copy_(view.stored(oriented))
+
+
 def linear_moments(optimizers, param: torch.Tensor) -> list[torch.Tensor]:
     """The optimizer state of ``param`` that is linear in its gradient (Adam's ``exp_avg``, SGD/Muon's
     momentum), shaped like ``param``."""
