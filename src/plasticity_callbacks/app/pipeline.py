@@ -57,6 +57,7 @@ from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..errors import ConfigError
 from .methods import check_method, with_method_settings
+from .progress import progress_callbacks
 from .time_estimate import TimeEstimate
 from .runs.resumed_logs import LogPosition, restore_logs
 
@@ -433,7 +434,8 @@ class Pipeline:
         names = [p.name for p in self.phases]
         to_run = self.phases[phase.index : names.index(self.options.get("stop_phase") or names[-1]) + 1]
         estimate = TimeEstimate([(p.name, p.steps) for p in to_run], started=started)
-        callbacks = [guard, *callbacks, LogPosition(), estimate, instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
+        callbacks = [guard, *callbacks, LogPosition(), estimate, *progress_callbacks(phase.trainer, phase.name),
+                     instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
         interrupted = read_checkpoint(resume_from, mmap=True) if resume_from is not None else None
         if interrupted is not None:
             guard.check(interrupted, callbacks, module, str(resume_from))

@@ -40,6 +40,7 @@ from .console import configure_run_output
 from .methods import task_stream_callbacks, with_method_settings
 from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
 from .runs.resumed_logs import LogPosition, restore_logs
+from .progress import progress_callbacks
 from .time_estimate import TimeEstimate
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [guard, *build_callbacks(cfg)]
     if cfg.trainer.get("max_steps", -1) > 0:
         callbacks.append(TimeEstimate([("fit", cfg.trainer.max_steps)], started=started))
+    callbacks += progress_callbacks(cfg.trainer)  # plain lines when stdout is not a terminal
     resumed_from = read_checkpoint(ckpt_path, mmap=True) if ckpt_path is not None else None
     if resumed_from is not None:  # refuse before anything touches the run's logs
         guard.check(resumed_from, callbacks, module, ckpt_path)

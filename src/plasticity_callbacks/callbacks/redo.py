@@ -158,6 +158,7 @@ class ReDoMonitor(PlasticityCallback):
         self._collecting = False
         self._seen = False  # a collector ran in this step (a hook that never runs is an error, not silence)
         self._warned_unobserved = False
+        self._announced: str | None = None  # the "watches N layers" line last printed
         self._step_scores: dict[str, torch.Tensor] | None = None  # computed once per step for logs and recycling
 
     @property
@@ -178,7 +179,10 @@ class ReDoMonitor(PlasticityCallback):
                 "Linear/conv chains outside the output head. "
                 "Pass layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...) "
                 "for other architectures.")
-        rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
+        banner = f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}"
+        if banner != self._announced:  # once per fit, not again at each validate() and fit() setup of the same model
+            rank_zero_info(banner)
+            self._announced = banner
 
     def attach(self, trainer, pl_module) -> None:
         if self._ema is None:
