@@ -43,3 +43,24 @@ def _processes_only_where_marked(request, monkeypatch):
         return start(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse_ours)
+
+
+@pytest.fixture(scope="session")
+def _ddp_launch(request, tmp_path_factory):
+    """One DDP launch for the ``ddp_run`` runs of every test this session selected (``ddp_harness.py``)."""
+    from ddp_harness import SharedLaunch, ddp_spec
+
+    runs = {}
+    for item in request.session.items:
+        marker = item.get_closest_marker("ddp_run")
+        if marker is not None:
+            runs[item.nodeid] = ddp_spec(*marker.args, **marker.kwargs)
+    return SharedLaunch(tmp_path_factory.mktemp("ddp"), runs)
+
+
+@pytest.fixture
+def ddp_run(request, _ddp_launch):
+    """This test's DDP run (its ``ddp_run`` marker: ``ddp_harness.ddp_spec``'s arguments), each rank's results."""
+    if request.node.get_closest_marker("ddp_run") is None:
+        pytest.fail(f"{request.node.nodeid} uses the ddp_run fixture without a @pytest.mark.ddp_run(...) marker")
+    return _ddp_launch[request.node.nodeid]

@@ -6,17 +6,14 @@ import os
 
 import pytest
 import torch
-from hydra_app import compose_config, run_train
+from helpers import compose_pipeline
+from hydra_app import run_train
 from omegaconf import OmegaConf
 
 from plasticity_callbacks.app.runs import verified_files
 from plasticity_callbacks.errors import ConfigError
 from plasticity_callbacks.app.pipeline import Pipeline, with_saved_moments
 from plasticity_callbacks.app.train import config_dir
-
-
-def compose_pipeline(run_dir, *overrides):
-    return compose_config("experiment=pipeline_smoke", *overrides, output_dir=run_dir)
 
 
 def rows(path):
