@@ -76,6 +76,7 @@ def ddp(tmp_path_factory):
     return runs
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_a_signal_to_one_rank_or_both_stops_every_rank_at_the_same_step_with_one_checkpoint(ddp):
     at_step_4 = [read_checkpoint(ddp[name] / "checkpoints" / "last.ckpt") for name in ("rank 0", "both")]
     assert [checkpoint["global_step"] for checkpoint in at_step_4] == [4, 4]
@@ -85,6 +86,7 @@ def test_a_signal_to_one_rank_or_both_stops_every_rank_at_the_same_step_with_one
         assert sorted(p.name for p in (ddp[name] / "checkpoints").iterdir()) == ["last.ckpt", "last.ckpt.sha256"]
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_a_run_stopped_through_one_rank_resumes_to_the_uninterrupted_run(ddp):
     full = weights(ddp["full"])
     assert read_checkpoint(ddp["full"] / "checkpoints" / "last.ckpt")["global_step"] == 6
