@@ -126,6 +126,7 @@ def test_missing_checkpoint_for_start_phase_is_a_clear_error(tmp_path):
         Pipeline(compose_pipeline(tmp_path, "pipeline.start_phase=sft", "+method=warm")).run()
 
 
+@pytest.mark.slow  # every method's callbacks built: tens of seconds
 def test_every_method_composes_into_boundary_callbacks(tmp_path):
     from pathlib import Path
 

@@ -296,6 +296,7 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # a pipeline interrupted and resumed per signal: tens of seconds
 @pytest.mark.parametrize("name,step", [("SIGTERM", 3), ("SIGINT", 4)])  # 3: no validation follows; 4: one does
 def test_a_stop_signal_saves_the_current_step_exits_128_plus_signal_and_resumes_exactly(uninterrupted, tmp_path,
                                                                                          name, step):
