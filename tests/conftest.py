@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tiny.py, ddp_harness.py
 torch.set_num_threads(1)
 
 # A test that starts a process carries one of these markers (pyproject.toml registers them), so that
-# `pytest -m "not multiprocess and not cli"` runs exactly the in-process tests.
+# `pytest -m "not multiprocess and not cli"` runs exactly the in-process tests (`and not slow`: the fast ones).
 PROCESS_MARKERS = ("multiprocess", "cli")
 OURS = (Path(__file__).resolve().parent, Path(plasticity_callbacks.__file__).resolve().parent)  # tests, package
 
@@ -23,23 +23,60 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
-def _processes_only_where_marked(request, monkeypatch):
-    """An unmarked test whose own code (this folder's or the package's) starts a process fails, naming the
-    marker to add, so the fast subset stays in-process; a library's helper (a compiler that ``torch.compile``
-    calls) is not such a process."""
-    if any(request.node.get_closest_marker(name) for name in PROCESS_MARKERS):
-        return
+_running: list[pytest.Item] = []  # the test being set up, run or torn down (module fixtures start in its set-up)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _processes_only_where_marked():
+    """A process started by this folder's or the package's code while an unmarked test is set up (its module
+    and session fixtures included), run or torn down fails that test, naming the marker to add, so the fast
+    subset stays in-process; a library's helper (a compiler that ``torch.compile`` calls) is not such a process."""
     start = subprocess.Popen._execute_child
 
     def refuse_ours(self, args, *rest, **kwargs):
+        item = _running[-1] if _running else None
+        if item is None or any(item.get_closest_marker(name) for name in PROCESS_MARKERS):
+            return start(self, args, *rest, **kwargs)
         caller = sys._getframe(1)
         while caller is not None and Path(caller.f_code.co_filename).name == "subprocess.py":
             caller = caller.f_back
         if caller is not None and any(Path(caller.f_code.co_filename).resolve().is_relative_to(d) for d in OURS):
             command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
-            pytest.fail(f"{request.node.nodeid} starts a process ({command[:120]}): mark it @pytest.mark.cli "
-                        "(runs a command) or @pytest.mark.multiprocess (trains on several processes)", pytrace=False)
+            pytest.fail(f"{item.nodeid} starts a process ({command[:120]}), in its own code or a fixture it uses: "
+                        "mark it @pytest.mark.cli (runs a command) or @pytest.mark.multiprocess (trains on several "
+                        "processes)", pytrace=False)
         return start(self, args, *rest, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse_ours)
+    subprocess.Popen._execute_child = refuse_ours
+    yield
+    subprocess.Popen._execute_child = start
+
+
+@pytest.fixture(scope="session")
+def _ddp_launch(request, tmp_path_factory):
+    """One DDP launch for the ``ddp_run`` runs of every test this session selected (``ddp_harness.py``)."""
+    from ddp_harness import SharedLaunch, ddp_spec
+
+    runs = {}
+    for item in request.session.items:
+        marker = item.get_closest_marker("ddp_run")
+        if marker is not None:
+            runs[item.nodeid] = ddp_spec(*marker.args, **marker.kwargs)
+    return SharedLaunch(tmp_path_factory.mktemp("ddp"), runs)
+
+
+@pytest.fixture
+def ddp_run(request, _ddp_launch):
+    """This test's DDP run (its ``ddp_run`` marker: ``ddp_harness.ddp_spec``'s arguments), each rank's results."""
+    if request.node.get_closest_marker("ddp_run") is None:
+        pytest.fail(f"{request.node.nodeid} uses the ddp_run fixture without a @pytest.mark.ddp_run(...) marker")
+    return _ddp_launch[request.node.nodeid]

@@ -1,7 +1,15 @@
-"""Run a callback under DDP with 2 CPU ranks and assert the ranks end bit-identical.
+"""Run callbacks under DDP with 2 CPU ranks and assert the ranks end bit-identical.
 
-    results = run_ddp(tmp_path, {"_target_": "plasticity_callbacks.FIREReinit", ...}, model="gpt")
-    assert_ranks_identical(results)
+A test declares its run with the ``ddp_run`` marker and reads the results from the ``ddp_run`` fixture
+(``conftest.py``); the runs of every selected test train in one launch, the first time a test asks (two
+interpreters and a process group started once, not once per test):
+
+    @pytest.mark.multiprocess
+    @pytest.mark.ddp_run({"_target_": "plasticity_callbacks.FIREReinit"}, model="gpt", steps=4)
+    def test_fire_keeps_ranks_identical(ddp_run):
+        assert_ranks_identical(ddp_run)
+
+``run_ddp(tmp_path, callbacks, ...)`` is one run on a launch of its own.
 """
 from __future__ import annotations
 
@@ -16,23 +24,59 @@ import torch
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def run_ddp(tmp_path: Path, callbacks: list[dict] | dict | None, model: str = "mlp", optimizer: str = "adamw",
-            steps: int = 6, accumulate: int = 1, timeout: float = 300) -> list[dict]:
-    """Train ``model`` (mlp | cnn | gpt) for ``steps`` on 2 gloo ranks with ``callbacks``
-    (Hydra ``_target_`` dicts); return each rank's ``{"params", "optimizer", "metrics"}``."""
+def ddp_spec(callbacks: list[dict] | dict | None = None, model: str = "mlp", optimizer: str = "adamw", steps: int = 6,
+             accumulate: int = 1) -> dict:
+    """One run: ``model`` (mlp | cnn | gpt) trained for ``steps`` optimizer steps with ``callbacks`` (Hydra
+    ``_target_`` dicts), ``accumulate`` batches a step."""
     if isinstance(callbacks, dict):
         callbacks = [callbacks]
-    spec = {"out": str(tmp_path), "model": model, "optimizer": optimizer, "steps": steps,
-            "accumulate": accumulate, "callbacks": callbacks or []}
-    spec_path = tmp_path / "spec.json"
-    spec_path.write_text(json.dumps(spec))
+    return {"model": model, "optimizer": optimizer, "steps": steps, "accumulate": accumulate,
+            "callbacks": callbacks or []}
+
+
+def run_ddp_many(out: Path, runs: dict[str, dict], timeout: float = 300) -> dict[str, list[dict]]:
+    """Every run of ``runs`` (name -> :func:`ddp_spec`) in one 2-rank launch; each run's per-rank
+    ``{"params", "optimizer", "metrics"}`` by name."""
+    spec_path = out / "ddp_spec.json"
+    spec_path.write_text(json.dumps({"out": str(out), "runs": [{"name": name, **spec} for name, spec in runs.items()]}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PL_DISABLE_FORK="1")
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(WORKER), str(spec_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(WORKER), str(spec_path)], cwd=out, env=env,
+                          capture_output=True, text=True, timeout=timeout * max(1, len(runs)))
     if proc.returncode != 0:
-        raise AssertionError(f"DDP run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+        raise AssertionError(f"DDP launch failed (exit {proc.returncode}; the last 'ddp_worker: run' line names the "
+                             f"run):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=True) for r in range(2)] for name in runs}
+
+
+def run_ddp(tmp_path: Path, callbacks: list[dict] | dict | None, model: str = "mlp", optimizer: str = "adamw",
+            steps: int = 6, accumulate: int = 1, timeout: float = 300) -> list[dict]:
+    """One run (see :func:`ddp_spec`) on a launch of its own; each rank's ``{"params", "optimizer", "metrics"}``."""
+    spec = ddp_spec(callbacks, model, optimizer, steps, accumulate)
+    return run_ddp_many(tmp_path, {"run": spec}, timeout)["run"]
+
+
+class SharedLaunch:
+    """The ``ddp_run`` runs of the selected tests (``runs``: test id -> :func:`ddp_spec`), trained together in
+    one launch when the first of them asks for its results."""
+
+    def __init__(self, out: Path, runs: dict[str, dict]):
+        self.out, self.runs = out, runs
+        self.results: dict[str, list[dict]] | None = None
+        self.error: str | None = None
+
+    def __getitem__(self, test_id: str) -> list[dict]:
+        if self.error is not None:  # the launch failed once: every test that shares it fails with its message
+            raise AssertionError(self.error)
+        if self.results is None:
+            names = {test_id: f"run{index}" for index, test_id in enumerate(self.runs)}
+            try:
+                by_name = run_ddp_many(self.out, {names[t]: spec for t, spec in self.runs.items()})
+            except AssertionError as err:
+                self.error = f"the shared DDP launch of {sorted(self.runs)} failed: {err}"
+                raise AssertionError(self.error) from None
+            self.results = {t: by_name[name] for t, name in names.items()}
+        return self.results[test_id]
 
 
 def _assert_equal(a, b, path: str) -> None:

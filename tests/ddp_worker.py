@@ -1,8 +1,8 @@
-"""One DDP run on 2 CPU processes (gloo), started by ``ddp_harness.run_ddp``.
+"""DDP runs on 2 CPU processes (gloo), one after another in one launch, started by ``ddp_harness.run_ddp_many``.
 
-Lightning's DDP launcher re-runs this script for rank 1. Each rank saves its parameters,
-optimizer state and logged metrics to ``<out>/rank<r>.pt`` for the test to compare, then ends through
-:func:`rank_exit.exit_after_results`.
+Lightning's DDP launcher re-runs this script for rank 1. For each run each rank saves its parameters,
+optimizer state and logged metrics to ``<out>/<run name>/rank<r>.pt`` for the test to compare; then every rank
+ends through :func:`rank_exit.exit_after_results`.
 """
 import json
 import sys
@@ -19,8 +19,16 @@ from tiny import build  # noqa: E402
 
 
 def main(spec_path: str) -> None:
+    """Every run of ``spec["runs"]`` in turn, on the one process group (a launch costs two interpreters' start
+    and the group's set-up; the runs share them)."""
     spec = json.loads(Path(spec_path).read_text())
-    out = Path(spec["out"])
+    for run in spec["runs"]:
+        print(f"ddp_worker: run {run['name']}", flush=True)  # which run a failed launch was in
+        train(run, Path(spec["out"]) / run["name"])
+
+
+def train(spec: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(spec.get("seed", 0), workers=True)
     module, loader = build(spec.get("model", "mlp"), spec.get("optimizer", "adamw"))
     callbacks = [instantiate(c) for c in spec.get("callbacks", [])]

@@ -23,10 +23,12 @@ def compose_config(*overrides: str, output_dir: str | os.PathLike | None = COMPO
         return compose("config", overrides=[*paths, *overrides])
 
 
-def run_app(module: str, *args: str, cwd=None, env: dict | None = None, timeout: float = 300):
-    """``python -m plasticity_callbacks.app.<module> ARGS`` by this interpreter; ``env`` adds to the environment."""
+def run_app(module: str, *args: str, cwd=None, env: dict | None = None, timeout: float = 300, stdout=None):
+    """``python -m plasticity_callbacks.app.<module> ARGS`` by this interpreter; ``env`` adds to the environment;
+    ``stdout``: an open file that takes standard output (default: captured, like standard error)."""
     return subprocess.run([sys.executable, "-m", f"plasticity_callbacks.app.{module}", *map(str, args)], cwd=cwd,
-                          env=dict(os.environ, **(env or {})), capture_output=True, text=True, timeout=timeout)
+                          env=dict(os.environ, **(env or {})), stdout=stdout or subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=timeout)
 
 
 def run_train(*args: str, **kwargs):

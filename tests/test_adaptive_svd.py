@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from ddp_harness import assert_ranks_identical, run_ddp
+from ddp_harness import assert_ranks_identical
 from plasticity_callbacks import AdaptiveSVDSwitch, DASHShrink
 from plasticity_callbacks.callbacks.adaptive_svd import SwitchThresholds
 from plasticity_callbacks.callbacks.schedule import Schedule
@@ -422,11 +422,11 @@ def test_factorize_refuses_ddp_with_a_pointer_to_project():
 
 
 @pytest.mark.multiprocess
-def test_project_mode_keeps_ddp_ranks_identical(tmp_path):
-    spec = {"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "minor_training": "project",
-            "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2, "thresholds": {"clobber_alignment": 0.0},
-            "save_figure": False}
-    results = run_ddp(tmp_path, spec, model="gpt", steps=6)
+@pytest.mark.ddp_run({"_target_": "plasticity_callbacks.AdaptiveSVDSwitch", "minor_training": "project",
+                      "schedule": {"every_n_steps": 2, "start_step": 2}, "r_min": 2,
+                      "thresholds": {"clobber_alignment": 0.0}, "save_figure": False}, model="gpt", steps=6)
+def test_project_mode_keeps_ddp_ranks_identical(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     assert results[0]["metrics"]["adaptive_svd/n_minor"] == 12  # every matrix projected: the test is not vacuous
 

@@ -285,6 +285,7 @@ def test_readme_table_goes_between_its_markers(tmp_path):
         benchmark.replace_readme_table(readme, "| new |")
 
 
+@pytest.mark.slow  # a whole benchmark: tens of seconds
 def test_a_tiny_benchmark_trains_reports_and_draws(tmp_path):
     benchmark.main(["--out", str(tmp_path), "--methods", "warm", "--rerun-baselines", "--seeds", "0", "1",
                     "--tasks", "2", "--memorization-steps", "3", "--generalization-steps", "3", "--no-tuning",

@@ -278,6 +278,7 @@ def test_gate_logger_logs_each_layers_gates_and_refuses_models_without_gates():
     assert module.model.blocks[0].attn.skip_rec.item() != -3.0  # the gates did train, and were logged after
 
 
+@pytest.mark.slow  # every block combination trained: tens of seconds
 def test_every_block_combination_composes_from_hydra_and_trains():
     combos = list(itertools.product(ATTENTIONS.names(), MLPS.names(), POSITIONS.names()))
     assert {"reciprocal"} <= set(ATTENTIONS.names()) and {"fire", "alibi", "t5"} <= set(POSITIONS.names())

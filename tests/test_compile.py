@@ -3,6 +3,7 @@ training sees what the callbacks write. One compiling test (tiny model, several 
 process, as a pretrain → SFT pipeline does); the rest check the compile-friendly mechanisms eagerly."""
 from dataclasses import replace
 
+import pytest
 import torch
 import torch._dynamo
 from torch import nn
@@ -26,6 +27,7 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow  # Inductor compiles the GPT: about a minute of CPU
 def test_compiled_gpt_across_fits_with_every_callback():
     torch._dynamo.reset()
     counters.clear()
@@ -109,7 +111,6 @@ def test_resplit_keeps_the_effective_weight_and_the_parametrization():
 
 
 def test_hook_based_redo_on_a_model_compiled_before_it_attached_fails_loudly():
-    import pytest
     from tiny import TinyMLPModule, regression_loader
 
     torch._dynamo.reset()

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from plasticity_callbacks.callbacks.continual_backprop import ContinualBackprop
 from plasticity_callbacks.distributed.strategy import rank_identical_generator
 from plasticity_callbacks.functional import continual_backprop as cbp
-from tiny import cpu_trainer
+from helpers import fit
 
 ETA, MATURITY, RATE, LR, STEPS = 0.9, 5, 0.05, 0.1, 40
 
@@ -46,10 +46,8 @@ def _data(steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(steps * 16, 6, generator=g), torch.randn(steps * 16, 3, generator=g)
 
 
-def _fit(module, callback, x, y, steps, **trainer_args):
-    trainer = cpu_trainer(max_steps=steps, callbacks=[callback], **trainer_args)
-    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16))
-    return trainer
+def _batches(*tensors: torch.Tensor) -> DataLoader:
+    return DataLoader(TensorDataset(*tensors), batch_size=16)
 
 
 def _reference_loop(net: nn.Sequential, x, y, steps, seed, bias_correction):
@@ -113,7 +111,7 @@ def test_matches_the_rederived_reference_loop(bias_correction):
     x, y = _data(STEPS, seed=1)
     callback = ContinualBackprop(replacement_rate=RATE, maturity_threshold=MATURITY, decay_rate=ETA,
                                  bias_correction=bias_correction, seed=3)
-    _fit(module, callback, x, y, STEPS)
+    fit(module, callback, STEPS, data=_batches(x, y))
     util, age, replaced = _reference_loop(reference.net, x, y, STEPS, seed=3, bias_correction=bias_correction)
     assert replaced == callback.replaced >= 15  # (40 - 5) steps x 18 units x 0.05
     for ours, theirs in zip(module.parameters(), reference.parameters()):
@@ -184,10 +182,7 @@ def test_replaced_units_are_fresh_on_other_families(family):
     else:  # GPT-2's Conv1D (stored (in, out)); Llama's gated MLP (gate rows re-drawn with up's)
         module, data = _hf_module(family)
     callback = ContinualBackprop(replacement_rate=0.3, maturity_threshold=2, decay_rate=0.9, init="default")
-    trainer = _fit(module, callback, *data, 3) if family == "cnn" else None
-    if trainer is None:
-        trainer = cpu_trainer(max_steps=3, callbacks=[callback])
-        trainer.fit(module, DataLoader(TensorDataset(*data), batch_size=16))
+    trainer = fit(module, callback, 3, data=_batches(*data))
     optimizer = trainer.optimizers[0]
     assert callback.replaced > 0
     for layer, stats in zip(callback.layers, callback.stats):
@@ -217,25 +212,27 @@ def test_ages_count_optimizer_steps_under_gradient_accumulation():
     torch.manual_seed(0)
     callback = ContinualBackprop(replacement_rate=0.2, maturity_threshold=2)
     x, y = _data(6, seed=4)
-    _fit(MLP(), callback, x, y, 3, accumulate_grad_batches=2)  # 6 batches, 3 optimizer steps
+    fit(MLP(), callback, 3, data=_batches(x, y), accumulate_grad_batches=2)  # 6 batches, 3 optimizer steps
     # only step 3 has mature units (age 3 > 2): int(0.2·10) + int(0.2·8) = 3 replaced
     assert callback.replaced == 3
     assert [int(s["age"].max()) for s in callback.stats] == [3, 3]
 
 
 @pytest.mark.multiprocess
-def test_ranks_stay_identical_under_ddp_with_every_per_step_method(tmp_path):
+@pytest.mark.ddp_run([
+    {"_target_": "plasticity_callbacks.callbacks.continual_backprop.ContinualBackprop", "replacement_rate": 0.2,
+     "maturity_threshold": 2},
+    {"_target_": "plasticity_callbacks.callbacks.l2_init.L2Init", "strength": 0.1},
+    {"_target_": "plasticity_callbacks.callbacks.weight_clip.WeightClip", "kappa": 0.5},
+    {"_target_": "plasticity_callbacks.callbacks.hare_tortoise.HareTortoise", "decay": 0.5,
+     "schedule": {"every_n_steps": 2}},
+], model="mlp", steps=5, accumulate=2)
+def test_ranks_stay_identical_under_ddp_with_every_per_step_method(ddp_run):
     """CBP's draws come from a rank-identical generator and its statistics are averaged over ranks; L2-Init,
     weight clipping and Hare & Tortoise are deterministic: after 5 accumulated steps both ranks agree."""
-    from ddp_harness import assert_ranks_identical, run_ddp
+    from ddp_harness import assert_ranks_identical
 
-    cb = "plasticity_callbacks.callbacks."
-    results = run_ddp(tmp_path, [
-        {"_target_": cb + "continual_backprop.ContinualBackprop", "replacement_rate": 0.2, "maturity_threshold": 2},
-        {"_target_": cb + "l2_init.L2Init", "strength": 0.1},
-        {"_target_": cb + "weight_clip.WeightClip", "kappa": 0.5},
-        {"_target_": cb + "hare_tortoise.HareTortoise", "decay": 0.5, "schedule": {"every_n_steps": 2}},
-    ], model="mlp", steps=5, accumulate=2)
+    results = ddp_run
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
     assert metrics["cbp/replaced"] > 0 and "weight_clip/clipped" in metrics and metrics["hare_tortoise/distance"] > 0

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_harness import assert_ranks_identical, run_ddp
+from ddp_harness import assert_ranks_identical
 from plasticity_callbacks import DASHPeriodic, DASHShrink
 from plasticity_callbacks.callbacks.schedule import Schedule
 from tiny import TinyMLPModule, build, cpu_trainer, image_loader, regression_loader, tiny_gpt_module, token_loader
@@ -281,10 +281,10 @@ def test_arguments_are_validated():
 
 
 @pytest.mark.multiprocess
-def test_ddp_two_ranks_end_identical(tmp_path):
-    periodic = {"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"every_n_steps": 2}, **VISIBLE}
-    paper = {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 2}
-    results = run_ddp(tmp_path, [periodic, paper], model="mlp", steps=6)
+@pytest.mark.ddp_run([{"_target_": "plasticity_callbacks.DASHPeriodic", "schedule": {"every_n_steps": 2}, **VISIBLE},
+                      {"_target_": "plasticity_callbacks.DASHShrink", "n_batches": 2}], model="mlp", steps=6)
+def test_ddp_two_ranks_end_identical(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
     assert metrics["dash_periodic/shrinks"] == 2 and metrics["dash_periodic/shrunk"] > 0  # steps 2 and 4

@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from ddp_harness import _assert_equal, assert_ranks_identical, run_ddp
+from ddp_harness import _assert_equal, assert_ranks_identical
 
 
 @pytest.mark.multiprocess
-def test_plain_ddp_training_keeps_ranks_identical(tmp_path):
-    results = run_ddp(tmp_path, None, model="gpt", steps=3)
+@pytest.mark.ddp_run(None, model="gpt", steps=3)
+def test_plain_ddp_training_keeps_ranks_identical(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     assert results[0]["optimizer"]["state"], "optimizer never stepped"
 

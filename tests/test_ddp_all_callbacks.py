@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from callback_table import acting_soon, configs, exported_callbacks, methods
-from ddp_harness import assert_ranks_identical, run_ddp
+from ddp_harness import assert_ranks_identical
 
 NEEDS_GATES = {"GateLogger"}  # reads the reciprocal blocks' gates, which the tiny models do not have
 
@@ -35,15 +35,17 @@ def assert_acted(metrics: dict) -> None:
 
 
 @pytest.mark.multiprocess
-def test_all_callbacks_on_gpt_with_muon_and_accumulation_keep_ranks_identical(tmp_path):
-    results = run_ddp(tmp_path, callbacks_for("gpt"), model="gpt", optimizer="muon", steps=4, accumulate=2)
+@pytest.mark.ddp_run(callbacks_for("gpt"), model="gpt", optimizer="muon", steps=4, accumulate=2)
+def test_all_callbacks_on_gpt_with_muon_and_accumulation_keep_ranks_identical(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     assert_acted(results[0]["metrics"])
 
 
 @pytest.mark.multiprocess
-def test_all_callbacks_on_cnn_with_sgd_keep_ranks_identical(tmp_path):
-    results = run_ddp(tmp_path, callbacks_for("cnn"), model="cnn", optimizer="sgd", steps=4)
+@pytest.mark.ddp_run(callbacks_for("cnn"), model="cnn", optimizer="sgd", steps=4)
+def test_all_callbacks_on_cnn_with_sgd_keep_ranks_identical(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     assert_acted(results[0]["metrics"])
 

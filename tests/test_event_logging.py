@@ -2,8 +2,6 @@
 ``trainer.callback_metrics`` keeps its latest values (for monitors and summaries)."""
 from __future__ import annotations
 
-import csv
-
 import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
@@ -15,7 +13,8 @@ from plasticity_callbacks.callbacks.redo import ReDoMonitor
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.callbacks.schedule import Schedule
 
-from tiny import TinyMLPModule, cpu_trainer, regression_loader
+from helpers import fit, metric_rows
+from tiny import TinyMLPModule, regression_loader
 
 ACTION_STEP = 3  # not a multiple of log_every_n_steps=4
 
@@ -28,18 +27,17 @@ METHODS = {
 }
 
 
-def metric_rows(tmp_path, callback) -> tuple[list[dict[str, str]], L.Trainer]:
+def logged_rows(tmp_path, callback) -> tuple[list[dict[str, str]], L.Trainer]:
+    """The CSV rows of 8 steps with ``callback`` (every column: a timing is a metric too), and the trainer."""
     L.seed_everything(0)
-    trainer = cpu_trainer(max_steps=8, log_every_n_steps=4, callbacks=[callback],
-                          logger=CSVLogger(tmp_path, name="run", version=0))
-    trainer.fit(TinyMLPModule(), regression_loader())
-    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
-        return list(csv.DictReader(f)), trainer
+    trainer = fit(TinyMLPModule(), callback, steps=8, data=regression_loader(), log_every_n_steps=4,
+                  logger=CSVLogger(tmp_path, name="run", version=0))
+    return metric_rows(tmp_path / "run" / "version_0" / "metrics.csv", volatile=()), trainer
 
 
 @pytest.mark.parametrize("prefix", list(METHODS))
 def test_an_action_is_one_row_at_its_step_and_stays_in_callback_metrics(tmp_path, prefix):
-    rows, trainer = metric_rows(tmp_path, METHODS[prefix]())
+    rows, trainer = logged_rows(tmp_path, METHODS[prefix]())
     names = sorted({k for row in rows for k, v in row.items() if k.startswith(prefix) and v != ""})
     assert names, f"no {prefix}* metric reached the CSV: {rows}"
     for name in names:
@@ -50,7 +48,7 @@ def test_an_action_is_one_row_at_its_step_and_stays_in_callback_metrics(tmp_path
 
 
 def test_an_action_at_fit_start_is_one_row_at_step_0(tmp_path):
-    rows, trainer = metric_rows(tmp_path, FIREReinit())
+    rows, trainer = logged_rows(tmp_path, FIREReinit())
     logged = [(int(row["step"]), row["fire/dfi_before"]) for row in rows if row["fire/dfi_before"] != ""]
     assert [step for step, _ in logged] == [0], logged
     assert float(trainer.callback_metrics["fire/dfi_before"]) == pytest.approx(float(logged[0][1]))

@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
-from ddp_harness import assert_ranks_identical, run_ddp
+from ddp_harness import assert_ranks_identical
 from plasticity_callbacks import FIREReinit
 from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.functional.isometry import FIREOptions
@@ -172,10 +172,10 @@ def test_hydra_config_instantiates_with_overrides():
 
 
 @pytest.mark.multiprocess
-def test_ddp_two_ranks_end_identical_after_fire(tmp_path):
-    spec = {"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"at_fit_start": True, "steps": [3]},
-            "rewarmup_steps": 2, "log_per_layer": True}
-    results = run_ddp(tmp_path, spec, model="gpt", optimizer="muon", steps=5)
+@pytest.mark.ddp_run({"_target_": "plasticity_callbacks.FIREReinit", "schedule": {"at_fit_start": True, "steps": [3]},
+                      "rewarmup_steps": 2, "log_per_layer": True}, model="gpt", optimizer="muon", steps=5)
+def test_ddp_two_ranks_end_identical_after_fire(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
     assert float(metrics["fire/applications"]) == 2 and float(metrics["fire/dfi_after"]) < 1e-6

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import fit
 from model_zoo import FRONTIER_MODELS, Wrapped, batches, loss_of
 from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks.dash import DASHShrink
@@ -30,14 +31,6 @@ from plasticity_callbacks.ops.fire import apply_fire
 
 pytest.importorskip("transformers")
 MOE = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "jamba")
-
-
-def fit(module, callbacks, steps=1):
-    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                        num_sanity_val_steps=0)
-    trainer.fit(module)
-    return trainer
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:

@@ -8,7 +8,6 @@ refusals run in this process (they happen before Hydra or any rank starts).
 """
 from __future__ import annotations
 
-import csv
 import os
 import pickle
 import shutil
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import metric_rows
 import torch
 
 from plasticity_callbacks.app.runs.checkpoint_folders import verify_folder
@@ -33,7 +33,6 @@ RUN = ["experiment=smoke", "trainer=fsdp2", "validate_before_fit=false", "+callb
        "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]
 STOP = "+callbacks.stop={_target_: fault_injection.SignalAt, step: 4}"
 RESUME = ["ckpt_path=last", "resume_allow_changes=[callbacks.stop]"]
-VOLATILE = ("seconds", "per_sec")  # wall-clock measurements differ run to run
 
 
 def launch(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -60,10 +59,6 @@ def runs(tmp_path_factory):
     assert again.returncode == 0, again.stderr[-4000:]
     return full, resumed, copy
 
-
-def metric_rows(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not any(word in k for word in VOLATILE)} for row in csv.DictReader(f)]
 
 
 def test_a_stopped_fsdp2_run_resumed_with_ckpt_path_last_ends_at_the_uninterrupted_run(runs):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import fit
 from model_zoo import Wrapped
 from plasticity_callbacks.callbacks.dash import DASHShrink
 from plasticity_callbacks.callbacks.dash_periodic import DASHPeriodic
@@ -19,13 +20,6 @@ from plasticity_callbacks.ops.fire import apply_fire
 from plasticity_callbacks.functional.isometry import FIREOptions
 
 pytest.importorskip("transformers")
-
-
-def fit(module, callbacks, steps=1, **kwargs):
-    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs)
-    trainer.fit(module)
-    return trainer
 
 
 class LitGPTStyle(nn.Module):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import fit
 from model_zoo import FAMILIES, LAYOUT_MODELS, Wrapped, batches, loss_of
 from plasticity_callbacks.callbacks.adaptive_svd import AdaptiveSVDSwitch
 from plasticity_callbacks.callbacks.dash import DASHShrink
@@ -74,14 +75,6 @@ def treated(family: str, module: nn.Module):
 
 def oriented(param: torch.Tensor, transposed: bool) -> torch.Tensor:
     return param.detach().mT if transposed else param.detach()
-
-
-def fit(module, callbacks, steps=1, **kwargs):
-    trainer = L.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                        num_sanity_val_steps=0, **kwargs)
-    trainer.fit(module)
-    return trainer
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -145,6 +145,7 @@ def test_every_metric_equals_a_direct_computation(case, tmp_path):
     assert monitor.history[-1]["step"] == 2 and len(monitor.history) == 1
 
 
+@pytest.mark.slow  # explicit Hessians: tens of seconds
 @pytest.mark.parametrize("case", ["mlp", "cnn"])
 def test_curvature_is_the_top_eigenvalue_of_the_explicit_hessian(case):
     torch.manual_seed(0)
@@ -278,6 +279,7 @@ def test_ddp_and_fsdp2_log_the_values_of_one_process(tmp_path):
         assert fired[0] == fired[1] and [step for step, _ in fired[0]] == [2]
 
 
+@pytest.mark.slow  # Inductor compiles the GPT: tens of seconds
 def test_a_compiled_gpt_logs_what_the_eager_one_does():
     """The MLPs hand their hidden values to the monitor through ``hidden_observer``, which the compiled graph calls."""
     import torch._dynamo

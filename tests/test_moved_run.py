@@ -7,12 +7,12 @@ the directory differs, so after a move it wrote ``last-v1.ckpt``, while ``ckpt_p
 """
 from __future__ import annotations
 
-import csv
 import io
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers import metric_rows
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -25,7 +25,6 @@ from plasticity_callbacks.errors import CheckpointError
 RUN = ["experiment=smoke", "validate_before_fit=false", "+callbacks=shrink_perturb",
        "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]
 RESUME = ["ckpt_path=last", "resume_allow_changes=[callbacks.stop]"]
-VOLATILE = ("seconds", "per_sec")  # wall-clock measurements differ run to run
 
 
 def stop_at(step: int) -> str:
@@ -42,10 +41,6 @@ def fit_in(run_dir: Path, *overrides: str) -> int:
         return stopped.code
     return 0
 
-
-def metric_rows(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not any(word in k for word in VOLATILE)} for row in csv.DictReader(f)]
 
 
 def files(run_dir: Path) -> dict[str, tuple[int, int]]:

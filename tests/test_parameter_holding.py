@@ -25,6 +25,8 @@ from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.callbacks.shrink_perturb import ShrinkPerturb
 from plasticity_callbacks.model_map import coverage_report, select_targets
 
+from helpers import fit
+
 
 class Lit(L.LightningModule):
     """Any model under Lightning, SGD at lr 0: a regression on random inputs (or next-token for token models)."""
@@ -42,11 +44,6 @@ class Lit(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(self.inputs), batch_size=4)
-
-
-def fit(module: L.LightningModule, *callbacks, steps: int = 1) -> None:
-    L.Trainer(max_steps=steps, callbacks=list(callbacks), logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(module)
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,17 +6,14 @@ import os
 
 import pytest
 import torch
-from hydra_app import compose_config, run_train
+from helpers import compose_pipeline
+from hydra_app import run_train
 from omegaconf import OmegaConf
 
 from plasticity_callbacks.app.runs import verified_files
 from plasticity_callbacks.errors import ConfigError
 from plasticity_callbacks.app.pipeline import Pipeline, with_saved_moments
 from plasticity_callbacks.app.train import config_dir
-
-
-def compose_pipeline(run_dir, *overrides):
-    return compose_config("experiment=pipeline_smoke", *overrides, output_dir=run_dir)
 
 
 def rows(path):
@@ -26,11 +23,15 @@ def rows(path):
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """Pretrain → SFT with Shrink & Perturb at the boundary, from the command line."""
+    """Pretrain → SFT with Shrink & Perturb at the boundary, from the command line, its standard output redirected
+    to a file (``plasticity-train > out.log``) with the progress display on, as a batch job runs it."""
     run = tmp_path_factory.mktemp("pipeline") / "run"
-    proc = run_train("experiment=pipeline_smoke", "+method=sp", f"hydra.run.dir={run}", cwd=run.parent, timeout=600)
+    console = run.parent / "out.log"
+    with open(console, "w") as stdout:
+        proc = run_train("experiment=pipeline_smoke", "+method=sp", "trainer.enable_progress_bar=true",
+                         f"hydra.run.dir={run}", cwd=run.parent, timeout=600, stdout=stdout)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return run, proc.stdout + proc.stderr
+    return run, console.read_text() + proc.stderr
 
 
 @pytest.mark.cli
@@ -125,6 +126,7 @@ def test_missing_checkpoint_for_start_phase_is_a_clear_error(tmp_path):
         Pipeline(compose_pipeline(tmp_path, "pipeline.start_phase=sft", "+method=warm")).run()
 
 
+@pytest.mark.slow  # every method's callbacks built: tens of seconds
 def test_every_method_composes_into_boundary_callbacks(tmp_path):
     from pathlib import Path
 
@@ -141,6 +143,18 @@ def test_every_method_composes_into_boundary_callbacks(tmp_path):
         assert set(pipeline.method.callbacks or {}) <= set(second.callbacks)
         assert set(first.callbacks) == set(OmegaConf.to_container(cfg.callbacks))  # the method is not in phase 1
     assert refused == ["l2", "ln_wd"]
+
+
+@pytest.mark.cli
+def test_a_redirected_run_prints_plain_progress_lines_and_each_banner_once_per_phase(cli_run):
+    run, output = cli_run
+    assert "\r" not in output and "\x1b[" not in output  # no bar redrawn into the file
+    steps = [line for line in output.splitlines() if line.startswith(("pretrain: step", "sft: step"))]
+    assert steps[0].startswith("pretrain: step 1/4 (25 %)") and steps[-1].startswith("sft: step 4/4 (100 %)")
+    assert len(steps) == 8, steps  # pipeline_smoke: 4 steps a phase, a line per step (a tenth of 4, at least 1)
+    # each phase validates, fits and validates again with one ReDoMonitor: it says what it watches once
+    assert output.count("ReDoMonitor watches") == 2, output
+    assert output.count("ReDoMonitor watches") == (run / "train.log").read_text().count("ReDoMonitor watches")
 
 
 @pytest.mark.cli

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddp_harness import assert_ranks_identical, run_ddp
+from ddp_harness import assert_ranks_identical
 from plasticity_callbacks import ReDoMonitor
 from plasticity_callbacks.callbacks.schedule import Schedule
 from plasticity_callbacks.model_map import Selection
@@ -340,10 +340,10 @@ def test_hydra_config_instantiates():
 
 
 @pytest.mark.multiprocess
-def test_ddp_recycling_keeps_ranks_identical(tmp_path):
-    spec = {"_target_": "plasticity_callbacks.ReDoMonitor", "collect_every_n_steps": 1, "log_every_n_steps": 1,
-            "schedule": {"every_n_steps": 2}, "tau": 1.0}
-    results = run_ddp(tmp_path, spec, model="gpt", steps=4)
+@pytest.mark.ddp_run({"_target_": "plasticity_callbacks.ReDoMonitor", "collect_every_n_steps": 1, "log_every_n_steps": 1,
+                      "schedule": {"every_n_steps": 2}, "tau": 1.0}, model="gpt", steps=4)
+def test_ddp_recycling_keeps_ranks_identical(ddp_run):
+    results = ddp_run
     assert_ranks_identical(results)
     metrics = results[0]["metrics"]
     assert float(metrics["redo/recycled"]) > 0, "nothing was recycled: the test would prove nothing"

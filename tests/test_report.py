@@ -251,3 +251,36 @@ def test_a_run_folders_callback_target_is_not_imported(tmp_path, monkeypatch, ca
     monkeypatch.setenv("PLASTICITY_TRUST_CHECKPOINTS", "1")  # the user's opt-in: then it is read
     assert summary_names(["planted_callback.Mine"]) == ["mine/x"] and (tmp_path / "ran").exists()
     monkeypatch.delitem(sys.modules, "planted_callback")
+
+
+def test_a_pipelines_loss_figure_shows_the_training_loss_at_every_logged_step(sweep, monkeypatch):
+    """Validation runs every few hundred steps in the main job; the training loss, logged every few steps, is what
+    shows the jump at the phase boundary as more than one segment."""
+    from plasticity_callbacks.app.report import runs as report_runs
+
+    drawn = {}
+
+    def record(path, panels, title=None):
+        drawn[path.name] = panels
+        return path
+
+    monkeypatch.setattr(report_runs, "metric_figure", record)
+    build_report(sweep)
+    panels = {panel.title: panel for panel in drawn["loss_curves.png"]}
+    assert list(panels) == ["training loss, current phase's data", "validation loss, current phase's data",
+                            "retention: validation loss on 'pretrain' data"]
+    train = panels["training loss, current phase's data"]
+    assert train.boundaries == [10] and sorted(train.series) == ["fire", "warm"]
+    assert sorted(train.series["fire"][0]) == [0, 5, 10, 15, 20]  # both phases' logged steps, on the run's steps
+
+
+def test_the_zoom_row_only_where_several_curves_are_compared():
+    from plasticity_callbacks.app.report.runs import Panel, zoom_row
+
+    wide = {"a": [{0: 10.0, 10: 1.0}], "b": [{0: 9.0, 10: 1.1}]}  # a factor 10 squeezes the ends together
+    values = {"loss": [v for series in wide.values() for curve in series for v in curve.values()]}
+    assert zoom_row([Panel("loss", "nats", wide)], values)
+    alone = {"a": wide["a"]}
+    assert not zoom_row([Panel("loss", "nats", alone)], {"loss": [10.0, 1.0]})  # one run: nothing to zoom on
+    narrow = {"a": [{0: 2.0, 10: 1.5}], "b": [{0: 2.1, 10: 1.6}]}
+    assert not zoom_row([Panel("loss", "nats", narrow)], {"loss": [2.0, 1.5, 2.1, 1.6]})

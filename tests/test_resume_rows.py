@@ -94,6 +94,7 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in events.Tags()["scalars"] if not tag.endswith(VOLATILE)}
 
 
+@pytest.mark.slow  # four fits per logger: tens of seconds
 @pytest.mark.parametrize("logger", ["csv", "tensorboard"])
 def test_a_single_fit_interrupted_three_times_logs_every_row_of_the_uninterrupted_fit_once(tmp_path, logger):
     overrides = [*SINGLE_FIT, f"logger={logger}"]
@@ -115,6 +116,7 @@ def test_a_single_fit_interrupted_three_times_logs_every_row_of_the_uninterrupte
         assert resumed == reference
 
 
+@pytest.mark.slow  # four pipeline phases: tens of seconds
 def test_a_pipeline_phase_interrupted_three_times_logs_every_row_of_the_uninterrupted_phase_once(tmp_path):
     run_phase(tmp_path / "reference", PHASE)
     interrupted_three_times(run_phase, tmp_path / "run", PHASE)

@@ -30,13 +30,12 @@ from plasticity_callbacks.app.runs.verified_files import write_verified
 from plasticity_callbacks.app.runs.resume import ResumeError, ResumeGuard, RunLock
 
 from callback_table import methods
+from helpers import compose_pipeline
 from hydra_app import compose_config, run_train
 from tiny import TinyMLPModule, cpu_trainer, recycle, regression_loader
 
 
-def compose_pipeline(run_dir, *overrides):
-    return compose_config("experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false", *overrides,
-                          output_dir=run_dir)
+WARM = ("+method=warm", "validate_before_fit=false")  # the pipeline with no boundary method, no validation before
 
 
 def cli(*args, cwd):
@@ -65,7 +64,7 @@ def fit_mlp(tmp_path, max_steps, ckpt_path=None, callbacks=(), module=None, ever
 def finished_pipeline(tmp_path_factory):
     """pretrain → SFT, 4 steps each, in-process; the run directory a resume is attempted on."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    Pipeline(compose_pipeline(run)).run()
+    Pipeline(compose_pipeline(run, *WARM)).run()
     return run
 
 
@@ -114,7 +113,7 @@ def test_resuming_a_missing_run_is_a_one_line_error_not_a_fresh_start(tmp_path):
     assert proc.returncode != 0, "a resume of nothing started a fresh run"
     assert "last.ckpt does not exist" in one_line(proc.stderr)
     with pytest.raises(ResumeError, match="holds no pipeline.json") as err:
-        Pipeline(compose_pipeline(typo, "pipeline.resume=true")).run()
+        Pipeline(compose_pipeline(typo, *WARM, "pipeline.resume=true")).run()
     assert "\n" not in str(err.value)
     assert not (typo / "checkpoints").exists() and not (typo / "logs").exists()
     with pytest.raises(ResumeError, match='ckpt_path="last" but .*holds no last checkpoint'):  # hand-built Trainer
@@ -141,7 +140,7 @@ def test_resume_with_a_changed_configuration_is_refused_naming_the_key(finished_
 
 
 def test_an_allowed_change_resumes(finished_pipeline):
-    cfg = compose_pipeline(finished_pipeline, "pipeline.resume=true", "seed=1", "resume_allow_changes=[seed]")
+    cfg = compose_pipeline(finished_pipeline, *WARM, "pipeline.resume=true", "seed=1", "resume_allow_changes=[seed]")
     assert Pipeline(cfg).state["seed"] == 1
 
 
@@ -187,7 +186,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_no_phase_is_marke
     run = tmp_path / "run"
     with read_only(run / "checkpoints" / "sft"):
         with pytest.raises(CheckpointError, match=r"could not write checkpoint .*sft") as err:
-            Pipeline(compose_pipeline(run)).run()
+            Pipeline(compose_pipeline(run, *WARM)).run()
     assert "\n" not in str(err.value)
     state = json.loads((run / "pipeline.json").read_text())
     assert list(state["phases"]) == ["pretrain"]  # sft is not recorded complete
@@ -245,7 +244,7 @@ def test_a_truncated_pipeline_json_is_a_one_line_error(finished_pipeline, tmp_pa
     run.mkdir()
     (run / "pipeline.json").write_text((finished_pipeline / "pipeline.json").read_text()[:200])
     with pytest.raises(CheckpointError, match="pipeline.json is not valid JSON") as err:
-        Pipeline(compose_pipeline(run, "pipeline.resume=true"))
+        Pipeline(compose_pipeline(run, *WARM, "pipeline.resume=true"))
     assert "\n" not in str(err.value)
 
 
@@ -263,7 +262,7 @@ def test_a_run_directory_in_use_is_refused(finished_pipeline, tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ResumeError, match=rf"in use by a live run \(pid {holder.pid}\)") as err:
-            Pipeline(compose_pipeline(finished_pipeline, "pipeline.resume=true")).run()
+            Pipeline(compose_pipeline(finished_pipeline, *WARM, "pipeline.resume=true")).run()
         assert "\n" not in str(err.value)
         with pytest.raises(ResumeError, match="in use by a live run"):
             fit_mlp(tmp_path, 2, callbacks=[ResumeGuard(run_dir=finished_pipeline)])

@@ -27,10 +27,12 @@ from plasticity_callbacks.errors import CheckpointError
 from plasticity_callbacks.app.runs.resume import ResumeError
 
 from fault_injection import hostile_checkpoint, signal_spec
+from helpers import compose_pipeline
 from hydra_app import compose_config, run_train
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
-SMOKE = ["experiment=pipeline_smoke", "+method=warm", "validate_before_fit=false"]
+WARM = ("+method=warm", "validate_before_fit=false")  # the pipeline with no boundary method, no validation before
+SMOKE = ["experiment=pipeline_smoke", *WARM]
 
 
 def cli(*args, cwd, env=None):
@@ -61,15 +63,13 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(directory.rglob("*"))}
 
 
-def compose_pipeline(run_dir, *overrides):
-    return compose_config(*SMOKE, *overrides, output_dir=run_dir)
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """pretrain done, SFT not started (``stop_phase=pretrain``): the run a resume continues."""
     run = tmp_path_factory.mktemp("pretrained") / "run"
-    Pipeline(compose_pipeline(run, "pipeline.stop_phase=pretrain")).run()
+    Pipeline(compose_pipeline(run, *WARM, "pipeline.stop_phase=pretrain")).run()
     return run
 
 
@@ -163,7 +163,7 @@ def fitted(tmp_path_factory):
     fit(compose_config(*SINGLE_FIT, "+callbacks=redo", output_dir=runs / "fit"))
     stop = "+phases.pretrain.callbacks.stop={_target_: fault_injection.SignalAt, step: 2}"
     with pytest.raises(RunInterrupted):
-        Pipeline(compose_pipeline(runs / "pipeline", "pipeline.stop_phase=pretrain", stop)).run()
+        Pipeline(compose_pipeline(runs / "pipeline", *WARM, "pipeline.stop_phase=pretrain", stop)).run()
     return runs
 
 
@@ -203,12 +203,12 @@ def test_a_checkpoint_of_another_phase_or_run_is_refused_in_one_line(pretrained,
     for name in ("last.ckpt", "last.ckpt.sha256"):  # another phase's valid checkpoint copied over SFT's
         shutil.copy(final.with_name(name), sft / name)
     with pytest.raises(ResumeError, match="written by phase 'pretrain', not by phase 'sft'") as err:
-        Pipeline(compose_pipeline(run, "pipeline.resume=true")).run()
+        Pipeline(compose_pipeline(run, *WARM, "pipeline.resume=true")).run()
     assert "\n" not in str(err.value)
     assert not (sft / "final.ckpt").exists()
     # the same phase of a run with another configuration (allowed through pipeline.json, caught by the checkpoint)
     other = tmp_path / "other"
-    Pipeline(compose_pipeline(other, "pipeline.stop_phase=pretrain", "model.n_embd=48")).run()
+    Pipeline(compose_pipeline(other, *WARM, "pipeline.stop_phase=pretrain", "model.n_embd=48")).run()
     for name in ("last.ckpt", "last.ckpt.sha256"):
         shutil.copy(other / "checkpoints" / "pretrain" / name, run / "checkpoints" / "pretrain" / name)
     state = read_state(run / "pipeline.json")
@@ -216,7 +216,7 @@ def test_a_checkpoint_of_another_phase_or_run_is_refused_in_one_line(pretrained,
     write_state(run / "pipeline.json", state)
     shutil.rmtree(sft)
     with pytest.raises(ResumeError, match=r"model.n_embd 48 -> 32"):
-        Pipeline(compose_pipeline(run, "pipeline.resume=true")).run()
+        Pipeline(compose_pipeline(run, *WARM, "pipeline.resume=true")).run()
     # a final.ckpt of the wrong phase as the starting point of the next one
     for name in ("final.ckpt", "final.ckpt.sha256"):
         shutil.copy(other / "checkpoints" / "pretrain" / "last.ckpt" if name == "final.ckpt" else
@@ -224,7 +224,7 @@ def test_a_checkpoint_of_another_phase_or_run_is_refused_in_one_line(pretrained,
     Path(run / "checkpoints" / "pretrain" / "final.ckpt").write_bytes(  # a checkpoint without any phase name
         _without_guard(run / "checkpoints" / "pretrain" / "final.ckpt"))
     with pytest.raises(ResumeError, match="no pipeline phase"):
-        Pipeline(compose_pipeline(run, "pipeline.start_phase=sft")).run()
+        Pipeline(compose_pipeline(run, *WARM, "pipeline.start_phase=sft")).run()
 
 
 def _without_guard(path: Path) -> bytes:
@@ -249,7 +249,7 @@ def test_a_pipeline_json_that_breaks_the_schema_is_one_line_before_any_training(
     (run / "pipeline.json").write_text(json.dumps(state))
     before = snapshot(run)
     with pytest.raises(CheckpointError, match=f"at {where}") as err:
-        Pipeline(compose_pipeline(run, "pipeline.resume=true")).run()
+        Pipeline(compose_pipeline(run, *WARM, "pipeline.resume=true")).run()
     assert "\n" not in str(err.value) and "pipeline.json" in str(err.value)
     assert snapshot(run) == before
 
@@ -296,6 +296,7 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # a pipeline interrupted and resumed per signal: tens of seconds
 @pytest.mark.parametrize("name,step", [("SIGTERM", 3), ("SIGINT", 4)])  # 3: no validation follows; 4: one does
 def test_a_stop_signal_saves_the_current_step_exits_128_plus_signal_and_resumes_exactly(uninterrupted, tmp_path,
                                                                                          name, step):

@@ -103,3 +103,60 @@ def test_a_sweep_ends_by_saying_where_its_runs_are(caplog, tmp_path):
     with caplog.at_level(logging.INFO):
         SweepOutputs().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
     assert f"plasticity-report {tmp_path / 'sweep'}" in caplog.text
+
+
+def test_step_lines_print_one_plain_line_per_n_steps_and_at_the_last(caplog):
+    from tiny import TinyMLPModule, cpu_trainer, regression_loader
+
+    from plasticity_callbacks.app.progress import StepLines
+
+    class LossOnTheBar(TinyMLPModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("bar/loss", loss, prog_bar=True)
+            return loss
+
+    lines = StepLines("pretrain", every_n_steps=4)
+    trainer = cpu_trainer(max_steps=10, callbacks=[lines], enable_progress_bar=True, limit_val_batches=0)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(LossOnTheBar(), regression_loader())
+    printed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pretrain: step")]
+    assert [line.split(",")[0] for line in printed] == ["pretrain: step 4/10 (40 %)", "pretrain: step 8/10 (80 %)",
+                                                        "pretrain: step 10/10 (100 %)"]
+    assert all(" s a step, bar/loss " in line and "\r" not in line and "v_num" not in line for line in printed)
+
+
+def test_step_lines_replace_the_bar_only_when_stdout_is_not_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    import pytest
+
+    from plasticity_callbacks.app.progress import StepLines, progress_callbacks
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a file or a pipe
+    assert [type(c) for c in progress_callbacks({})] == [StepLines]
+    assert progress_callbacks({"enable_progress_bar": False}) == []  # no progress at all, as configured
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert progress_callbacks({"enable_progress_bar": True}) == []  # Lightning's own bar
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="every_n_steps"):
+            StepLines(every_n_steps=bad)
+
+
+def test_redo_announces_its_layers_once_across_validate_fit_validate(caplog):
+    from tiny import TinyMLPModule, cpu_trainer, regression_loader
+
+    from plasticity_callbacks import ReDoMonitor
+
+    redo, module = ReDoMonitor(log_every_n_steps=1), TinyMLPModule()
+    trainer = cpu_trainer(max_steps=2, callbacks=[redo], limit_val_batches=1)
+    with caplog.at_level(logging.INFO):
+        trainer.validate(module, regression_loader())  # as a pipeline phase runs: validate, fit, validate
+        trainer.fit(module, regression_loader(), regression_loader())
+        trainer.validate(module, regression_loader())
+    assert sum("ReDoMonitor watches" in r.getMessage() for r in caplog.records) == 1

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from plasticity_callbacks.callbacks.schedule import Schedule, ScheduleState
+from helpers import fit
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
 BATCHES_PER_EPOCH = 8  # regression_loader(): 64 samples, batch 8
@@ -60,31 +61,31 @@ class Recorder(L.Callback):
         self.events = [tuple(e) for e in state["events"]]
 
 
-def fit(schedule, max_steps, step_hook="batch_start", **trainer_kwargs):
+def fired(schedule, max_steps, step_hook="batch_start", **trainer_kwargs):
+    """The ``(step, reason)`` events ``schedule`` fires in a fit of ``max_steps``."""
     recorder = Recorder(schedule, step_hook)
-    trainer = cpu_trainer(max_steps=max_steps, callbacks=[recorder], limit_val_batches=0, **trainer_kwargs)
-    trainer.fit(TinyMLPModule(), regression_loader())
+    fit(TinyMLPModule(), recorder, steps=max_steps, data=regression_loader(), limit_val_batches=0, **trainer_kwargs)
     return recorder.events
 
 
 # ------------------------------------------------------------------ each trigger in a real fit
 def test_fit_start_fires_once_per_fit():
-    assert fit(Schedule(at_fit_start=True), max_steps=5) == [(0, "fit start")]
+    assert fired(Schedule(at_fit_start=True), max_steps=5) == [(0, "fit start")]
 
 
 def test_epochs_and_every_n_epochs_fire_at_the_epochs_first_step():
-    events = fit(Schedule(epochs=[1], every_n_epochs=3), max_steps=4 * BATCHES_PER_EPOCH)
+    events = fired(Schedule(epochs=[1], every_n_epochs=3), max_steps=4 * BATCHES_PER_EPOCH)
     assert events == [(8, "epoch 1"), (24, "epoch 3")]  # every_n_epochs skips epoch 0
 
 
 def test_steps_and_every_n_steps():
-    events = fit(Schedule(steps=[0, 5], every_n_steps=4), max_steps=13)
+    events = fired(Schedule(steps=[0, 5], every_n_steps=4), max_steps=13)
     assert [step for step, _ in events] == [0, 4, 5, 8, 12]
 
 
 @pytest.mark.parametrize("step_hook, first_seen", [("batch_start", 0), ("before_optimizer_step", 0), ("batch_end", 1)])
 def test_step_triggers_are_read_off_global_step_in_any_hook(step_hook, first_seen):
-    events = fit(Schedule(steps=[0, 3], every_n_steps=5), max_steps=11, step_hook=step_hook)
+    events = fired(Schedule(steps=[0, 3], every_n_steps=5), max_steps=11, step_hook=step_hook)
     # batch_end first sees global_step 1: step 0 fires there, late but not lost
     assert [step for step, _ in events] == [first_seen, 3, 5, 10]
 
@@ -99,7 +100,7 @@ def test_every_step_acts_at_every_optimizer_step_of_the_fit_step_0_included(step
 
 
 def test_gradient_accumulation_counts_optimizer_steps_and_fires_once():
-    events = fit(Schedule(steps=[2], every_n_steps=3), max_steps=7, accumulate_grad_batches=4, max_epochs=-1)
+    events = fired(Schedule(steps=[2], every_n_steps=3), max_steps=7, accumulate_grad_batches=4, max_epochs=-1)
     assert events == [(2, "step 2"), (3, "step 3"), (6, "step 6")]
 
 
@@ -131,12 +132,12 @@ def test_several_optimizers_count_every_step_and_a_jumped_over_trigger_fires_lat
 
 
 def test_triggers_on_the_same_step_act_once():
-    events = fit(Schedule(at_fit_start=True, epochs=[0], steps=[0], every_n_steps=2), max_steps=5)
+    events = fired(Schedule(at_fit_start=True, epochs=[0], steps=[0], every_n_steps=2), max_steps=5)
     assert events == [(0, "fit start"), (2, "step 2"), (4, "step 4")]
 
 
 def test_window_start_step_end_step():
-    events = fit(Schedule(every_n_steps=2, start_step=3, end_step=8), max_steps=12)
+    events = fired(Schedule(every_n_steps=2, start_step=3, end_step=8), max_steps=12)
     assert [step for step, _ in events] == [4, 6, 8]
 
 
@@ -176,7 +177,7 @@ def test_task_boundaries_need_a_datamodule_that_announces_them():
 @pytest.mark.parametrize("step_hook", ["batch_start", "batch_end"])
 def test_resume_mid_epoch_neither_repeats_nor_skips(tmp_path, step_hook):
     schedule = Schedule(at_fit_start=True, epochs=[1], every_n_epochs=2, steps=[12, 14], every_n_steps=5)
-    whole = fit(schedule, max_steps=28, step_hook=step_hook)
+    whole = fired(schedule, max_steps=28, step_hook=step_hook)
 
     # Interrupted: a checkpoint at step 12, in the middle of epoch 1 (8 batches per epoch) and on a step
     # trigger (Lightning 2.6 does not call on_train_epoch_start again for the resumed epoch).

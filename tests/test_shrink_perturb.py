@@ -148,10 +148,11 @@ def test_reset_optimizer_drops_state_of_changed_parameters():
 
 
 @pytest.mark.multiprocess
-def test_ddp_ranks_stay_identical(tmp_path):
-    from ddp_harness import assert_ranks_identical, run_ddp
+@pytest.mark.ddp_run([{"_target_": "test_shrink_perturb.RankSkewedRNG"},
+                      {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.5}],
+                     model="gpt", steps=2)
+def test_ddp_ranks_stay_identical(ddp_run):
+    from ddp_harness import assert_ranks_identical
 
-    results = run_ddp(tmp_path, [{"_target_": "test_shrink_perturb.RankSkewedRNG"},
-                                 {"_target_": "plasticity_callbacks.ShrinkPerturb", "shrink": 0.5, "perturb": 0.5}],
-                      model="gpt", steps=2)
+    results = ddp_run
     assert_ranks_identical(results)

@@ -8,13 +8,13 @@ both) after a training step: step 4 ends without a validation, step 3 with one.
 """
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import metric_rows
 import torch
 
 from plasticity_callbacks.app.runs.checkpoints import read_checkpoint, verify_file
@@ -25,7 +25,6 @@ TESTS = Path(__file__).parent
 RUN = ["experiment=smoke", "validate_before_fit=false", "+callbacks=shrink_perturb",
        "callbacks.shrink_perturb.schedule={every_n_steps: 2}"]
 RESUME = ["ckpt_path=last", "resume_allow_changes=[callbacks.stop]"]
-VOLATILE = ("seconds", "per_sec")  # wall-clock measurements differ run to run
 
 
 def stop(step: int, rank: int | None) -> str:
@@ -49,10 +48,6 @@ def assert_stopped(proc: subprocess.CompletedProcess, step: int) -> None:
     assert f"stopped by SIGTERM at step {step}" in proc.stderr and "exited with status" not in proc.stderr, out[-4000:]
     assert "Traceback" not in out and "Error" not in proc.stderr, out[-4000:]
 
-
-def metric_rows(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in row.items() if not any(word in k for word in VOLATILE)} for row in csv.DictReader(f)]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -81,6 +76,7 @@ def ddp(tmp_path_factory):
     return runs
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_a_signal_to_one_rank_or_both_stops_every_rank_at_the_same_step_with_one_checkpoint(ddp):
     at_step_4 = [read_checkpoint(ddp[name] / "checkpoints" / "last.ckpt") for name in ("rank 0", "both")]
     assert [checkpoint["global_step"] for checkpoint in at_step_4] == [4, 4]
@@ -90,6 +86,7 @@ def test_a_signal_to_one_rank_or_both_stops_every_rank_at_the_same_step_with_one
         assert sorted(p.name for p in (ddp[name] / "checkpoints").iterdir()) == ["last.ckpt", "last.ckpt.sha256"]
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_a_run_stopped_through_one_rank_resumes_to_the_uninterrupted_run(ddp):
     full = weights(ddp["full"])
     assert read_checkpoint(ddp["full"] / "checkpoints" / "last.ckpt")["global_step"] == 6

@@ -10,6 +10,7 @@ from plasticity_callbacks import PlasticityMonitor, ReDoMonitor
 from plasticity_callbacks.callbacks.schedule import Schedule, Threshold
 from plasticity_callbacks.callbacks.step_logging import log_at_step
 from test_schedule import Recorder
+from helpers import fit
 from tiny import TinyMLPModule, cpu_trainer, regression_loader
 
 # A metric measured every 2 steps (logged at the end of those steps); below 0.5 at 6, 8 (the same value),
@@ -25,11 +26,11 @@ class Scripted(L.Callback):
             log_at_step(trainer, {"m": SERIES[trainer.global_step]})
 
 
-def fit(threshold: Threshold, max_steps: int = 22, ckpt_path=None, extra=()) -> list[int]:
+def fired_steps(threshold: Threshold, max_steps: int = 22, ckpt_path=None, extra=()) -> list[int]:
+    """The steps at which ``threshold`` fires over ``SERIES`` in a fit of ``max_steps``."""
     recorder = Recorder(Schedule(threshold=threshold))
-    trainer = cpu_trainer(max_steps=max_steps, callbacks=[Scripted(), recorder, *extra],
-                          enable_checkpointing=bool(extra))
-    trainer.fit(TinyMLPModule(), regression_loader(n=8 * 24), ckpt_path=ckpt_path)
+    fit(TinyMLPModule(), [Scripted(), recorder, *extra], steps=max_steps, data=regression_loader(n=8 * 24),
+        ckpt_path=ckpt_path, enable_checkpointing=bool(extra))
     return [step for step, _ in recorder.events]
 
 
@@ -40,23 +41,23 @@ def fit(threshold: Threshold, max_steps: int = 22, ckpt_path=None, extra=()) -> 
     (Threshold("m", above=0.85), [2, 4, 18]),  # 20 repeats 18's value
 ])
 def test_fires_where_the_logged_metric_crossed(threshold, expected):
-    assert fit(threshold) == expected
+    assert fired_steps(threshold) == expected
 
 
 @pytest.mark.parametrize("threshold", [Threshold("m", below=0.5), Threshold("m", below=0.5, cooldown=5)])
 def test_a_resume_neither_repeats_nor_skips(tmp_path, threshold):
-    whole = fit(threshold)
+    whole = fired_steps(threshold)
     # Checkpoints at 6 and 10 hold a crossing logged as the checkpoint was written, not yet read; 7: just after
     # an action on a value still logged.
     checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)
-    fit(threshold, max_steps=11, extra=[checkpoints])
+    fired_steps(threshold, max_steps=11, extra=[checkpoints])
     for step in (6, 7, 10):  # the recorder's state brings the events before the checkpoint
-        assert fit(threshold, ckpt_path=str(tmp_path / f"step={step}.ckpt")) == whole, step
+        assert fired_steps(threshold, ckpt_path=str(tmp_path / f"step={step}.ckpt")) == whole, step
 
 
 def test_a_metric_never_logged_is_a_warning_not_silence():
     with pytest.warns(UserWarning, match=r"threshold='mis/spelt'.*not logged"):
-        assert fit(Threshold("mis/spelt", below=0.5, warn_after_steps=4), max_steps=6) == []
+        assert fired_steps(Threshold("mis/spelt", below=0.5, warn_after_steps=4), max_steps=6) == []
 
 
 def test_recycling_when_the_monitors_dormant_fraction_exceeds_a_threshold():

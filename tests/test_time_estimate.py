@@ -50,3 +50,25 @@ def test_validations_inside_the_fit_are_counted_at_their_measured_length():
 def test_bad_arguments_are_refused(bad):
     with pytest.raises(ValueError, match="TimeEstimate"):
         TimeEstimate(**bad)
+
+
+def test_later_phases_count_this_phases_set_up_time(caplog):
+    """The pipeline's phases each read their data, build a model and validate before their first step; a later
+    phase's estimate counts that time as this phase measured it (from ``started`` to the first training step)."""
+    began = time.perf_counter()
+    time.sleep(0.3)  # this phase's set-up: data, model, the validation before the fit
+    estimate = TimeEstimate([("pretrain", 40), ("sft", 20)], skip=1, measure=3, started=began)
+    trainer = cpu_trainer(max_steps=6, callbacks=[SlowSteps(0.02), estimate], limit_val_batches=0)
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyMLPModule(), regression_loader())
+    assert 0.3 <= estimate.setup_seconds < 5
+    assert re.search(r"'pretrain' set up in \d+ s and takes", estimate.line)
+    estimate.setup_seconds = 30.0
+    line = estimate.describe(per_step=2.0, first=1, last=4, trainer=trainer)
+    assert "the whole run about 2.4 min more" in line  # 2·36 s left here, then sft: 30 s set-up + 2·20 s
+
+
+def test_without_a_start_time_set_up_is_measured_from_the_trainers_set_up():
+    estimate = TimeEstimate([("fit", 10)], skip=1, measure=2)
+    cpu_trainer(max_steps=4, callbacks=[estimate], limit_val_batches=0).fit(TinyMLPModule(), regression_loader())
+    assert estimate.started is not None and 0 <= estimate.setup_seconds < 5

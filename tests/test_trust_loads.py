@@ -42,6 +42,7 @@ def planted(folder: Path, tmp_path: Path) -> tuple[Path, Path]:
     return hostile_shard_item(copy, marker, ITEM), marker
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_the_planted_shard_item_runs_under_torchs_default_planner(folder, tmp_path):
     """The payload is live: the loader Lightning's ModelParallelStrategy calls runs it (why the rest is needed)."""
     import torch.distributed.checkpoint as dcp
@@ -53,6 +54,7 @@ def test_the_planted_shard_item_runs_under_torchs_default_planner(folder, tmp_pa
     assert marker.exists()
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_a_shard_item_that_needs_code_is_refused_before_a_resume_in_one_line(folder, tmp_path):
     copy, marker = planted(folder, tmp_path)
     assert read_checkpoint(folder, mmap=True)["global_step"] == 2  # the untouched folder reads
@@ -64,6 +66,7 @@ def test_a_shard_item_that_needs_code_is_refused_before_a_resume_in_one_line(fol
     assert not marker.exists()
 
 
+@pytest.mark.multiprocess  # its fixture trains on 2 ranks
 def test_the_load_planner_reads_shard_items_as_data(folder, tmp_path):
     copy, marker = planted(folder, tmp_path)
     state = {ITEM: None, "optimizer_0.param_groups.0.betas": None}

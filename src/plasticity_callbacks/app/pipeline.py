@@ -57,6 +57,7 @@ from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..errors import ConfigError
 from .methods import check_method, with_method_settings
+from .progress import progress_callbacks
 from .time_estimate import TimeEstimate
 from .runs.resumed_logs import LogPosition, restore_logs
 
@@ -409,6 +410,7 @@ class Pipeline:
 
     def run_phase(self, phase: Phase, previous: Path | str | None, offset: int,
                   previous_phase: str | None = None) -> dict[str, Any]:
+        started = time.perf_counter()  # the phase's minutes and its time estimate count its set-up too
         cfg, ckpt_dir = self.cfg, self.checkpoint_dir(phase)
         resume_from = newest_last_checkpoint(ckpt_dir) if self.options.get("resume") else None
         L.seed_everything(cfg.seed + phase.index, workers=True)
@@ -429,7 +431,8 @@ class Pipeline:
                             phase=phase.name)
         names = [p.name for p in self.phases]
         to_run = self.phases[phase.index : names.index(self.options.get("stop_phase") or names[-1]) + 1]
-        callbacks = [guard, *callbacks, LogPosition(), TimeEstimate([(p.name, p.steps) for p in to_run]),
+        estimate = TimeEstimate([(p.name, p.steps) for p in to_run], started=started)
+        callbacks = [guard, *callbacks, LogPosition(), estimate, *progress_callbacks(phase.trainer, phase.name),
                      instantiate(cfg.checkpoint, dirpath=str(ckpt_dir))]
         interrupted = read_checkpoint(resume_from, mmap=True) if resume_from is not None else None
         if interrupted is not None:
@@ -441,7 +444,6 @@ class Pipeline:
                                          plugins=[VerifiedCheckpointIO()], **quiet)
         rank_zero_info(f"phase {phase.index + 1}/{len(self.phases)} {phase.name!r}: {phase.steps} steps, method "
                        f"{self.state['method']!r}{' (resumed from ' + str(resume_from) + ')' if resume_from else ''}")
-        started = time.perf_counter()
         if resume_from is None and cfg.get("validate_before_fit", True):
             before = merged(trainer.validate(module, datamodule=datamodule, verbose=False))
             guard.carried["val_loss_before"] = before.get("val/loss")

@@ -40,6 +40,7 @@ from .console import configure_run_output
 from .methods import task_stream_callbacks, with_method_settings
 from .pipeline import Pipeline, instantiate_callbacks, module_on_meta, resolve_method
 from .runs.resumed_logs import LogPosition, restore_logs
+from .progress import progress_callbacks
 from .time_estimate import TimeEstimate
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 
 
 def fit(cfg: DictConfig) -> dict[str, Any]:
+    started = time.perf_counter()  # the run's minutes and its time estimate count its set-up too
     cfg = with_stream_method(cfg)  # l2, ln_wd: the method's model and optimizer settings
     ckpt_path = resume_checkpoint(cfg.ckpt_path, cfg.paths.checkpoint_dir)  # before anything runs
     L.seed_everything(cfg.seed, workers=True)
@@ -81,14 +83,14 @@ def fit(cfg: DictConfig) -> dict[str, Any]:
     guard = ResumeGuard(config=run_fingerprint(cfg), allow_changes=list(cfg.get("resume_allow_changes") or []))
     callbacks = [guard, *build_callbacks(cfg)]
     if cfg.trainer.get("max_steps", -1) > 0:
-        callbacks.append(TimeEstimate([("fit", cfg.trainer.max_steps)]))
+        callbacks.append(TimeEstimate([("fit", cfg.trainer.max_steps)], started=started))
+    callbacks += progress_callbacks(cfg.trainer)  # plain lines when stdout is not a terminal
     resumed_from = read_checkpoint(ckpt_path, mmap=True) if ckpt_path is not None else None
     if resumed_from is not None:  # refuse before anything touches the run's logs
         guard.check(resumed_from, callbacks, module, ckpt_path)
     logger = instantiate(cfg.logger)
     restore_logs(logger, resumed_from)  # the rows logged up to the checkpoint, once (resumed_logs.py)
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger, plugins=[VerifiedCheckpointIO()])
-    started = time.perf_counter()
     if cfg.validate_before_fit and ckpt_path is None:
         guard.carried["val_loss_before"] = trainer.validate(module, datamodule=datamodule, verbose=False)[0].get("val/loss")
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

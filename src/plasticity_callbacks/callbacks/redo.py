@@ -172,6 +172,7 @@ class ReDoMonitor(PlasticityCallback):
         self._collecting = False
         self._seen = False  # a collector ran in this step (a hook that never runs is an error, not silence)
         self._warned_unobserved = False
+        self._announced: str | None = None  # the "watches N layers" line last printed
         self._step_scores: dict[str, torch.Tensor] | None = None  # computed once per step for logs and recycling
 
     @property
@@ -186,7 +187,10 @@ class ReDoMonitor(PlasticityCallback):
         if not self.layers:
             raise ValueError(f"ReDoMonitor found no neuron layers: {candidates_hint(pl_module)}. Pass "
                              "layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...)")
-        rank_zero_info(f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}")
+        banner = f"ReDoMonitor watches {len(self.layers)} layers: {', '.join(l.name for l in self.layers)}"
+        if banner != self._announced:  # once per fit, not again at each validate() and fit() setup of the same model
+            rank_zero_info(banner)
+            self._announced = banner
 
     def attach(self, trainer, pl_module) -> None:
         if self._ema is None:

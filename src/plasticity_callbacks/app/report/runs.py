@@ -411,13 +411,20 @@ class Panel:
     boundaries: list[int] = field(default_factory=list)
 
 
+def zoom_row(panels: list[Panel], values: dict[str, list[float]]) -> bool:
+    """Whether a figure gets a second row zooming on the curves that end near the best: only where it compares
+    several curves (one run, or one group, has nothing to pick out) and a wide range squeezes them together."""
+    compared = len({label for panel in panels for label, series in panel.series.items() if any(series)}) > 1
+    return compared and any(wide_range(v) for v in values.values())
+
+
 def metric_figure(path: Path, panels: list[Panel], title: str | None = None) -> Path:
     """Panels side by side, one legend to their right (outside the data), saved as a PNG."""
     from matplotlib.figure import Figure
 
     values = {panel.title: [v for series in panel.series.values() for curve in series for v in curve.values()]
               for panel in panels}
-    zoom = any(wide_range(v) for v in values.values())  # a second row: the close curves, on a linear scale
+    zoom = zoom_row(panels, values)  # a second row: the close curves, on a linear scale
     fig = Figure(figsize=(5.5 * len(panels) + 2.5, 4.2 * (2 if zoom else 1)), layout="constrained")
     grid = fig.subplots(2 if zoom else 1, len(panels), squeeze=False)
     handles: dict[str, object] = {}
@@ -453,6 +460,21 @@ def boundaries(runs: list[Run]) -> list[int]:
     return sorted({int(p["step_offset"]) for r in runs for p in r.state["phases"].values() if p["step_offset"] > 0})
 
 
+def plot_panels(runs: list[Run], series, xlabel: str, edges: list[int], pipeline: bool) -> list[Panel]:
+    """The loss figure's panels, those with a curve: the training loss (logged every few steps, so a jump at a
+    phase boundary shows as more than one segment), the validation loss and, for a pipeline, the first phase's
+    validation set measured in the later phases (retention)."""
+    validation = "validation loss, current phase's data" if pipeline else "validation loss"
+    panels = [Panel("training loss, current phase's data" if pipeline else "training loss", LOSS_UNIT,
+                    series("train"), xlabel, edges),
+              Panel(validation, LOSS_UNIT, series("val"), xlabel, edges)]
+    if any(r.curves.get("retention") for r in runs):
+        first = (runs[0].state.get("phase_order") or list(runs[0].state["phases"]))[0]
+        panels.append(Panel(f"retention: validation loss on {first!r} data", LOSS_UNIT, series("retention"),
+                            xlabel, edges))
+    return [p for p in panels if any(curve for curves in p.series.values() for curve in curves)]
+
+
 def plot_curves(runs: list[Run], out: Path) -> list[Path]:
     groups = merge_identical(groups_of(runs))
     edges = boundaries(runs)
@@ -462,16 +484,7 @@ def plot_curves(runs: list[Run], out: Path) -> list[Path]:
     def series(name: str) -> dict[str, list[dict[int, float]]]:
         return {label: [r.curves.get(name, {}) for r in members] for label, members in groups.items()}
 
-    if pipeline:
-        loss_panels = [Panel("validation loss, current phase's data", LOSS_UNIT, series("val"), xlabel, edges)]
-    else:
-        loss_panels = [Panel("training loss", LOSS_UNIT, series("train"), xlabel),
-                       Panel("validation loss", LOSS_UNIT, series("val"), xlabel)]
-    if any(r.curves.get("retention") for r in runs):
-        first = (runs[0].state.get("phase_order") or list(runs[0].state["phases"]))[0]
-        loss_panels.append(Panel(f"retention: validation loss on {first!r} data", LOSS_UNIT, series("retention"),
-                                 xlabel, edges))
-    loss_panels = [p for p in loss_panels if any(curve for curves in p.series.values() for curve in curves)]
+    loss_panels = plot_panels(runs, series, xlabel, edges, pipeline)
     written = [metric_figure(out / "loss_curves.png", loss_panels)] if loss_panels else []  # no empty panel
     if any(r.curves.get("dormant") for r in runs):
         written.append(metric_figure(out / "dormant_fraction.png", [
