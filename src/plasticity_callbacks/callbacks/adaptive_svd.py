@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ..ops import factorization
 from ..distributed import sharded_subspace
-from ..arguments import build_options, check_bool, check_int, check_number
+from ..arguments import build_options, check_bool, check_int, check_number, refuse_unknown_fields
 from ..distributed.strategy import gather_full, is_dtensor
 from .figures import can_draw, save_figure
 from ..ops.minor_gradient import MIN_ENTRIES, GradientTap, compiled, tappable
@@ -40,6 +40,7 @@ WARM_MIN_ORDER = 512
 PREVIOUS_START_DRIFT = 1e-2
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class SwitchThresholds:
     """When a matrix switches between full and minor training (see ``functional.subspace.decide_mode``).
@@ -65,6 +66,7 @@ class SwitchThresholds:
         check_number("stable_angle", self.stable_angle, 0.0, math.pi / 2, "(radians)")
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class SVDOptions:
     """How each SVD cycle computes the singular triplets.
@@ -702,6 +704,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)  # the base's fit-end check of the schedule
         if not self.save_figure or not self.history or not can_draw("AdaptiveSVDSwitch", "save_figure"):
             return
         sizes = {m.target.name: m.g for m in self.matrices}

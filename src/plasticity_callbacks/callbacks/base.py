@@ -15,7 +15,7 @@ from torch import nn
 
 from .state import check_state
 from ..distributed.strategy import is_dtensor, require_full_parameters
-from ..model_map import Selection, require_targets, select_targets
+from ..model_map import Selection, require_patterns_match, require_targets, select_targets
 from ..model_map.coverage import log_coverage
 from ..ops.fresh import fresh_values
 from ..ops.optimizer_state import reset_optimizer_state
@@ -168,6 +168,8 @@ class PlasticityCallback(L.Callback):
         """Fail at setup, before any training, when the selection finds no weight; show what it treats and
         why every other weight is left alone (the model map's coverage table)."""
         if self.selection is not None:
+            require_patterns_match(pl_module, self.owner, include=self.selection.include,
+                                   exclude=self.selection.exclude)
             require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
             if trainer.is_global_zero:
                 log_coverage(pl_module, self.selection, self.owner)
@@ -205,6 +207,10 @@ class PlasticityCallback(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.firing is not None:
             self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module, defer=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.firing is not None:  # a fit that never acted says so (the length may be unknown at its start)
+            self.firing.warn_if_never_fired(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": None if self.firing is None else self.firing.state_dict(),
