@@ -168,8 +168,6 @@ class PlasticityCallback(L.Callback):
         """Fail at setup, before any training, when the selection finds no weight; show what it treats and
         why every other weight is left alone (the model map's coverage table)."""
         if self.selection is not None:
-            require_patterns_match(pl_module, self.owner, include=self.selection.include,
-                                   exclude=self.selection.exclude)
             require_targets(select_targets(pl_module, self.selection), self.owner, self.selection)
             if trainer.is_global_zero:
                 log_coverage(pl_module, self.selection, self.owner)
@@ -179,6 +177,9 @@ class PlasticityCallback(L.Callback):
         if self.firing is not None:
             self.firing.begin_fit(stage)
         self.check_strategy(trainer)
+        if isinstance(self.selection, Selection):  # a pattern that matches no parameter is a typo, whatever the method
+            require_patterns_match(pl_module, self.owner, include=self.selection.include,
+                                   exclude=self.selection.exclude)
         self.check_targets(trainer, pl_module)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
