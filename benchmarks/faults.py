@@ -85,9 +85,11 @@ def break_guarantee(name: str) -> None:
             self.view.global_step, self._restored = int(state["global_step"]), state
         FabricPlasticity.load_state_dict = unchecked
     elif name == "targets":  # a method file's _target_ instantiated whatever it names
+        from plasticity_callbacks.app import methods
         from plasticity_callbacks.app.benchmark import main as benchmark_main
 
-        pipeline.check_method_targets = benchmark_main.check_method_targets = lambda method, dirs=(): None
+        methods.check_method_targets = pipeline.check_method_targets = benchmark_main.check_method_targets = \
+            lambda method, dirs=(): None
     elif name == "results_checksum":  # the shipped ranking runs read as they are
         from plasticity_callbacks.app.benchmark import main as benchmark_main, results
 
@@ -700,9 +702,9 @@ def report_faults(root: Path) -> dict:
                 ".")}
 
 
-MONITOR = ["experiment=smoke", "validate_before_fit=false", "+callbacks=monitor",
+MONITOR = ["experiment=smoke", "validate_before_fit=false", "+callbacks=[monitor,shrink_perturb]",
            "callbacks.monitor.activations_every_n_steps=1", "callbacks.monitor.weights_every_n_steps=1",
-           "callbacks.monitor.spectra_every_n_steps=2", "callbacks.monitor.plot=false", "+callbacks=shrink_perturb",
+           "callbacks.monitor.spectra_every_n_steps=2", "callbacks.monitor.plot=false",
            "callbacks.shrink_perturb.schedule={threshold: {metric: monitor/weight_distance, above: 0.0, cooldown: 2, "
            "max_actions: 2}}"]
 
@@ -726,7 +728,8 @@ def monitor_faults(root: Path) -> dict:
         again = plasticity_train(run, *MONITOR, *resume)
         if again is None or again.returncode != 0:
             return [f"the resume {'hung' if again is None else f'exited {again.returncode}'}"]
-        return differences(run, reference, {"last": "last.ckpt"}, ["logs/metrics.csv"])
+        found = differences(run, reference, {"last": "last.ckpt"}, ["logs/metrics.csv"])
+        return found + [f"{n} written beside last.ckpt" for n in last_versions(run / "checkpoints")]
 
     return {"monitor + threshold: SIGTERM after step 2, resumed": lambda: stopped_then_resumed(
                 "monitor_sigterm_2", "+callbacks.stop={_target_: fault_injection.SignalAt, step: 2}", 143),
@@ -754,7 +757,9 @@ def input_faults(root: Path) -> dict:
 def bad_inputs(root: Path):
     from torch import nn
 
-    from plasticity_callbacks import ReDoMonitor
+    from types import SimpleNamespace
+
+    from plasticity_callbacks import ContinualBackprop, DASHPeriodic, ReDoMonitor, Schedule, declare_plasticity
     from plasticity_callbacks.app.pipeline import read_state, write_state
     from plasticity_callbacks.app.runs.checkpoints import read_checkpoint
     from plasticity_callbacks.app.runs.verified_files import write_verified
@@ -794,6 +799,15 @@ def bad_inputs(root: Path):
         ("pipeline.json not JSON", lambda: (root / "bad.json").write_text("{") and read_state(root / "bad.json"),
          CheckpointError),
         ("write_state into a missing folder", lambda: write_state(root / "no" / "dir" / "p.json", {}), CheckpointError),
+        ("ContinualBackprop layer_map naming no module", lambda: ContinualBackprop(
+            layer_map={"nope": ("fc1", "fc2")}).setup(SimpleNamespace(strategy=None), model, "fit"), ValueError),
+        ("DASHPeriodic shrink_rate=2", lambda: DASHPeriodic(shrink_rate=2), ValueError),
+        ("DASHPeriodic min_factor=0", lambda: DASHPeriodic(min_factor=0), ValueError),
+        ("Schedule(bogus=1)", lambda: Schedule(bogus=1), ValueError),
+        ("declare_plasticity fused naming a bias", lambda: declare_plasticity(
+            nn.Sequential(nn.Linear(4, 6)), fused={"0.bias": {"a": 3, "b": 3}}), ValueError),
+        ("ReDoMonitor exclude pattern matching nothing", lambda: ReDoMonitor(exclude=["nett.*"]).setup(
+            SimpleNamespace(strategy=None), model, "fit"), ValueError),
     ]
 
 
