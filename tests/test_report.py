@@ -251,3 +251,23 @@ def test_a_run_folders_callback_target_is_not_imported(tmp_path, monkeypatch, ca
     monkeypatch.setenv("PLASTICITY_TRUST_CHECKPOINTS", "1")  # the user's opt-in: then it is read
     assert summary_names(["planted_callback.Mine"]) == ["mine/x"] and (tmp_path / "ran").exists()
     monkeypatch.delitem(sys.modules, "planted_callback")
+
+
+@pytest.mark.parametrize("files, named", [
+    ({"pipeline.json": "{"}, "pipeline.json"),
+    ({"pipeline.json": '{"method": "x", "seed": 0, "phases": {"fit": "x"}}'}, "pipeline.json"),
+    ({"pipeline.json": '{"method": "x", "seed": 0, "phases": {"fit": {"step_offset": 0, "val_loss": "low"}}}'},
+     "pipeline.json"),
+    ({"stream.json": "[1]", "tasks.csv": "task,accuracy\n0,0.5\n"}, "stream.json"),
+    ({"stream.json": '{"seed": 0}', "tasks.csv": "task,accuracy\n0,abc\n"}, "tasks.csv"),
+    ({"stream.json": '{"seed": 0}', "tasks.csv": "task,acc\n0,0.5\n"}, "tasks.csv"),
+])
+def test_a_damaged_or_foreign_run_folder_file_is_one_line_naming_it(tmp_path, capsys, files, named):
+    from plasticity_callbacks.app.report import main
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 1 and len(err.splitlines()) == 1 and str(tmp_path / named) in err, err
