@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import re
 import math
 import warnings
 from types import SimpleNamespace
@@ -157,7 +158,7 @@ def test_an_empty_target_set_is_an_error_not_a_silent_no_op(name, kwargs, hook):
     module = TinyMLPModule()
     callback = _callback(name)(**kwargs)
     trainer = _fake_trainer(module)
-    with pytest.raises(ValueError, match="(?i)no .*(weights|layers|parameters)"):
+    with pytest.raises(ValueError, match="(?i)no .*(weights|layers|parameters)|matches no parameter"):
         callback.setup(trainer, module, "fit")
         if hook == "on_fit_start":
             callback.on_fit_start(trainer, module)
@@ -605,3 +606,188 @@ def test_a_monitor_schedule_in_a_fit_without_validation_says_it_will_never_act()
         warnings.filterwarnings("error", message=".*runs no validation.*")
         cpu_trainer(max_steps=4, val_check_interval=2, callbacks=[validated]).fit(
             TinyMLPModule(), regression_loader(), regression_loader())
+
+
+# ------------------------------------------------------------------ 6. domains, names that match nothing, never-firing
+# A value at an open bound the math cannot take (a rate of 0 that does nothing, a decay of 1 that never moves, a
+# factor of 0 that kills a row), and its allowed neighbour: (callback, kwargs, the words of the one line or None).
+DOMAINS = [
+    ("DASHPeriodic", dict(shrink_rate=2), "shrink_rate=2 must be a finite number in (0, 1]"),
+    ("DASHPeriodic", dict(shrink_rate=0), "shrink_rate=0 must be a finite number in (0, 1]"),
+    ("DASHPeriodic", dict(shrink_rate=1.0), None),
+    ("DASHPeriodic", dict(min_factor=0), "min_factor=0 must be a finite number in (0, 1]"),
+    ("DASHPeriodic", dict(min_factor=1.0), None),
+    ("DASHShrink", dict(min_factor=0.0), "min_factor=0.0 must be a finite number in (0, 1]"),
+    ("DASHShrink", dict(gradient_ema_weight=0.0), "gradient_ema_weight=0.0 must be a finite number in (0, 1]"),
+    ("WeightClip", dict(kappa=0.0), "kappa=0.0 must be a finite number > 0"),
+    ("WeightClip", dict(kappa=1e-6), None),
+    ("L2Init", dict(strength=0.0), "strength=0.0 must be a finite number > 0"),
+    ("HareTortoise", dict(decay=1.0), "decay=1.0 must be a finite number in [0, 1)"),
+    ("HareTortoise", dict(decay=0.0), None),
+    ("ContinualBackprop", dict(replacement_rate=0.0), "replacement_rate=0.0 must be a finite number in (0, 1]"),
+    ("ContinualBackprop", dict(decay_rate=1.0), "decay_rate=1.0 must be a finite number in [0, 1)"),
+    ("ContinualBackprop", dict(decay_rate=0.0), None),
+    ("ReDoMonitor", dict(ema_decay=1.0), "ema_decay=1.0 must be a finite number in [0, 1)"),
+    ("ShrinkPerturb", dict(shrink=1.0, perturb=0.0), "shrink=1 with perturb=0 leaves every weight as it is"),
+    ("ShrinkPerturb", dict(shrink=1.0, perturb=0.0, reset_optimizer=True), None),  # the optimizer reset alone
+    ("ContinualBackprop", dict(layer_map={"mlp": "fc1"}), "layer_map['mlp']='fc1' must be (up_name"),
+    ("PlasticityMonitor", dict(layer_map={"mlp": ("a",)}), "PlasticityMonitor layer_map['mlp']=('a',) must be"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,words", DOMAINS, ids=[f"{n}-{kw}" for n, kw, _ in DOMAINS])
+def test_a_value_outside_the_domain_the_math_needs_is_one_line_and_its_neighbour_is_accepted(name, kwargs, words):
+    if words is None:
+        _callback(name)(**kwargs)
+        return
+    with pytest.raises(ValueError) as err:
+        _callback(name)(**kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("low,high,low_open,high_open,inside,outside,shown", [
+    (0.0, 1.0, True, False, [1e-300, 1.0], [0.0, 1.0000001], "in (0, 1]"),
+    (0.0, 1.0, False, True, [0.0, 0.999999], [1.0, -1e-9], "in [0, 1)"),
+    (0.0, 1.0, True, True, [0.5], [0.0, 1.0], "in (0, 1)"),
+    (0.0, 1.0, False, False, [0.0, 1.0], [-0.1, 1.1], "in [0, 1]"),
+    (0.0, math.inf, True, False, [1e-300, 1e300], [0.0, -1.0, math.inf], "> 0"),
+    (2.0, math.inf, False, False, [2.0], [1.999], ">= 2"),
+])
+def test_check_number_open_and_closed_bounds(low, high, low_open, high_open, inside, outside, shown):
+    from plasticity_callbacks.arguments import check_number
+
+    for value in inside:
+        check_number("x", value, low, high, low_open=low_open, high_open=high_open)
+    for value in [*outside, math.nan, "0.5", True]:
+        with pytest.raises(ValueError, match=re.escape(f"x={value!r} must be a finite number {shown}")):
+            check_number("x", value, low, high, low_open=low_open, high_open=high_open)
+
+
+def _options_classes() -> list[type]:
+    """Every options dataclass a user builds: the package's exported dataclasses, and those the exported callbacks
+    take as arguments (found in their constructors' annotations, so a new one is covered without an edit)."""
+    import dataclasses
+    import inspect
+    import typing
+
+    import plasticity_callbacks as pc
+    from callback_table import exported_callbacks
+
+    found = {getattr(pc, n) for n in pc.__all__ if dataclasses.is_dataclass(getattr(pc, n))}
+    for cls in exported_callbacks().values():
+        module = inspect.getmodule(cls)
+        for annotation in typing.get_type_hints(cls.__init__, vars(module)).values():
+            found.update(a for a in typing.get_args(annotation) if dataclasses.is_dataclass(a))
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def test_the_options_classes_are_found():
+    names = {c.__name__ for c in _options_classes()}
+    assert {"Schedule", "Selection", "FIREOptions", "SwitchThresholds", "SVDOptions", "GPTConfig"} <= names, names
+
+
+@pytest.mark.parametrize("cls", _options_classes(), ids=lambda c: c.__name__)
+def test_an_unknown_field_of_an_options_class_is_one_line_naming_it_and_the_nearest(cls):
+    import dataclasses
+
+    first = next(f.name for f in dataclasses.fields(cls) if f.init)
+    with pytest.raises(ValueError) as err:
+        cls(bogus=1)
+    message = str(err.value)
+    assert f"{cls.__name__} has no argument bogus=1" in message and first in message and "\n" not in message
+    with pytest.raises(ValueError, match=f"did you mean '{first}'"):
+        cls(**{first + "x": 1})  # a typo of a real field
+
+
+def test_schedule_bogus_is_named_not_pythons_type_error():
+    from plasticity_callbacks import Schedule
+
+    with pytest.raises(ValueError, match=r"Schedule has no argument bogus=1; its arguments: at_fit_start, "):
+        Schedule(bogus=1)
+
+
+def _takes(cls, argument: str) -> bool:
+    import inspect
+
+    return argument in inspect.signature(cls.__init__).parameters
+
+
+def _name_cases() -> list[tuple[str, dict, str]]:
+    """For every exported method with a ``selection``, ``exclude`` or ``layer_map`` argument: a name that matches
+    nothing in TinyMLPModule (``net.0`` … ``net.4``), and the words its one-line refusal at setup must hold."""
+    from callback_table import methods
+
+    cases = []
+    for name, cls in sorted(methods().items()):
+        if _takes(cls, "selection"):
+            cases.append((name, dict(selection={"exclude": ["net.O.*"]}), "exclude pattern 'net.O.*' matches no"))
+        if _takes(cls, "exclude"):
+            cases.append((name, dict(exclude=["nett.*"]), "exclude pattern 'nett.*' matches no parameter"))
+        if _takes(cls, "layer_map"):
+            cases.append((name, dict(layer_map={"mlp": ("net.O", "net.2")}),
+                          f"{name} layer_map['mlp']: the model has no module 'net.O' (did you mean"))
+    return cases
+
+
+@pytest.mark.parametrize("name,kwargs,words", _name_cases(), ids=lambda v: v if isinstance(v, str) else None)
+def test_a_name_that_matches_nothing_is_refused_at_setup_with_the_close_matches(name, kwargs, words):
+    module = TinyMLPModule()
+    callback = _callback(name)(**{**kwargs, **_acting_arguments(name)})
+    trainer = _fake_trainer(module)
+    with pytest.raises(ValueError) as err:
+        callback.setup(trainer, module, "fit")
+        callback.on_fit_start(trainer, module)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def _acting_arguments(name: str) -> dict:
+    """Arguments a method needs to be built at all in these tests (none so far: every default builds)."""
+    return {}
+
+
+def test_the_name_sweep_reaches_every_method_with_a_selection_or_a_layer_map():
+    from callback_table import methods
+
+    swept = {n for n, _, _ in _name_cases()}
+    assert {"ContinualBackprop", "ReDoMonitor", "PlasticityMonitor", "FIREReinit", "WeightClip"} <= swept
+    assert swept == {n for n, cls in methods().items()
+                     if any(_takes(cls, a) for a in ("selection", "exclude", "layer_map"))}
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(fused={"0.bias": {"a": 3, "b": 3}}), "'0.bias' is a 1-D parameter (6,) (a bias?); fused describes a "
+                                               "weight matrix's rows: name '0.weight'"),
+    (dict(fused={"0.weigth": {"a": 3, "b": 3}}), "no parameter '0.weigth' (did you mean '0.weight'"),
+    (dict(head="3"), "no submodule '3'"),
+    (dict(neurons={"mlp": ("00", "2")}), "no submodule '00' (did you mean '0'"),
+])
+def test_declare_plasticity_names_a_bias_or_a_name_that_matches_nothing(kwargs, words):
+    from plasticity_callbacks import declare_plasticity
+
+    with pytest.raises(ValueError) as err:
+        declare_plasticity(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4)), **kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_trigger_that_can_never_fire_within_the_fit_is_warned_once():
+    """At fit start when ``max_steps`` says the fit ends before the trigger; at fit end when only the epochs
+    bound the fit; a schedule that acts says nothing."""
+    from plasticity_callbacks import FIREReinit, Schedule
+
+    from tiny import cpu_trainer, regression_loader
+
+    def fit(schedule, **limits):
+        fire = FIREReinit(schedule=schedule)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cpu_trainer(callbacks=[fire], **limits).fit(TinyMLPModule(), regression_loader())
+        return fire, [str(w.message) for w in caught if "FIREReinit: Schedule(" in str(w.message)]
+
+    fire, said = fit(Schedule(steps=[100]), max_steps=3)
+    assert fire.history == [] and len(said) == 1 and "can never act in this fit (max_steps=3" in said[0], said
+    fire, said = fit(Schedule(steps=[1000]), max_epochs=1, max_steps=-1)
+    assert fire.history == [] and len(said) == 1 and "never acted in this fit, which ended at step" in said[0], said
+    fire, said = fit(Schedule(every_n_steps=2, start_step=10), max_steps=4)
+    assert len(said) == 1 and "start_step=10" in said[0], said
+    fire, said = fit(Schedule(steps=[2]), max_steps=3)
+    assert len(fire.history) == 1 and said == []

@@ -312,3 +312,73 @@ def test_every_swept_value_has_its_own_run_folder(tmp_path):
     folders = {Job(RUN_STREAMS[0], "m", f"callbacks.weight_clip.kappa={v}", 100).folder(tmp_path) for v in values}
     assert len(folders) == len(values)
     assert Job(RUN_STREAMS[0], "m", "callbacks.weight_clip.kappa=2.0", 0).folder(tmp_path).parent.name == "kappa_2.0"
+
+
+# ------------------------------------------------------------------ trust: the shipped runs and method files
+def test_the_shipped_runs_carry_a_checksum_and_load_checked():
+    from plasticity_callbacks.app.benchmark.results import SHIPPED_RESULTS, load_results
+
+    assert SHIPPED_RESULTS.with_name("ranking_runs.json.sha256").is_file()
+    assert load_results(SHIPPED_RESULTS, require_checksum=True).runs
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("edited", "does not match its recorded SHA-256"),
+    ("no checksum", "has no .sha256 beside it"),
+    ("out of range", "an accuracy outside [0, 1]"),
+    ("missing tasks", "accuracies for"),
+    ("not json", "is not a benchmark results file"),
+    ("foreign", "is not a benchmark results file"),
+])
+def test_an_edited_or_foreign_results_file_is_one_line_naming_it(tmp_path, damage, words):
+    import json
+    import shutil
+
+    from plasticity_callbacks.app.benchmark.results import SHIPPED_RESULTS, ResultsError, load_results
+    from plasticity_callbacks.app.runs.verified_files import write_verified
+
+    path = tmp_path / "ranking_runs.json"
+    shutil.copy(SHIPPED_RESULTS, path)
+    shutil.copy(SHIPPED_RESULTS.with_name("ranking_runs.json.sha256"), tmp_path / "ranking_runs.json.sha256")
+    data = json.loads(path.read_text())
+    run = data["runs"][0]
+    if damage == "edited":  # a plausible edit: still valid JSON, still in range
+        run["accuracy"] = [min(1.0, a + 0.01) for a in run["accuracy"]]
+        path.write_text(json.dumps(data))
+    elif damage == "no checksum":
+        (tmp_path / "ranking_runs.json.sha256").unlink()
+    elif damage in ("out of range", "missing tasks"):
+        run["accuracy"] = [1.5] * len(run["accuracy"]) if damage == "out of range" else run["accuracy"][:-1]
+        run["seed"] = data["seeds"][0]
+        write_verified(json.dumps(data).encode(), path)
+    elif damage == "not json":
+        write_verified(b"{", path)
+    else:
+        write_verified(json.dumps({"version": "9", "runs": []}).encode(), path)
+    with pytest.raises(ResultsError) as err:
+        load_results(path, require_checksum=True)
+    assert words in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("target", ["os.system", "my_module.Callback", "builtins.eval"])
+def test_a_method_file_naming_code_outside_the_package_is_refused_unless_trusted(tmp_path, monkeypatch, target):
+    from omegaconf import OmegaConf
+
+    from plasticity_callbacks.app.methods import check_method_targets
+    from plasticity_callbacks.errors import ConfigError
+
+    (tmp_path / "method").mkdir()
+    (tmp_path / "method" / "mine.yaml").write_text("name: mine\n")
+    method = OmegaConf.create({"name": "mine", "callbacks": {"x": {
+        "_target_": "plasticity_callbacks.ShrinkPerturb", "schedule": {"_target_": target}}}})
+    with pytest.raises(ConfigError) as err:
+        check_method_targets(method, [tmp_path])
+    assert (f"{tmp_path / 'method' / 'mine.yaml'}: callbacks.x.schedule._target_={target!r} is not a class of "
+            "plasticity_callbacks") in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setenv("PLASTICITY_TRUST_CHECKPOINTS", "1")
+    check_method_targets(method, [tmp_path])  # the opt-in
+    monkeypatch.delenv("PLASTICITY_TRUST_CHECKPOINTS")
+    for name in ("sp", "fire_lm", "cbp"):  # the package's own method files pass
+        from plasticity_callbacks.app.methods import config_dir
+
+        check_method_targets(OmegaConf.load(f"{config_dir()}/method/{name}.yaml"))

@@ -151,3 +151,86 @@ def test_a_sharded_fabric_strategy_is_refused_with_the_fix():
     plasticity.view.strategy.__class__.__name__ = FSDPStrategy.__name__
     with pytest.raises(Exception, match="FIREReinit cannot act under strategy FSDPStrategy.*ModelParallelStrategy"):
         plasticity.fit_start()
+
+
+# ------------------------------------------------------------------ verified save / load
+def fabric_plasticity(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path, name="fabric"))
+    model, optimizer = fabric.setup(*(lambda m: (m, torch.optim.AdamW(m.parameters(), lr=1e-3)))(TinyGPT()))
+    return FabricPlasticity(fabric, model, optimizer, *make_callbacks(), **kwargs)
+
+
+def test_save_and_load_resume_the_schedule_through_a_verified_file(tmp_path):
+    first, _, _ = fabric_loop(tmp_path / "first", steps=3)
+    path = first.save(tmp_path / "plasticity.pt")
+    assert path.with_name("plasticity.pt.sha256").is_file()
+    resumed = fabric_plasticity(tmp_path / "resumed")
+    resumed.load(path)
+    resumed.fit_start()
+    assert resumed.global_step == 3 and [h["global_step"] for h in resumed.callbacks[0].history] == [2]
+
+
+def _flip(data: bytes) -> bytes:
+    return data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("payload", "needs arbitrary code to load"),
+    ("flipped byte", "does not match its recorded SHA-256"),
+    ("truncated", "truncated or replaced"),
+    ("foreign file", "holds no FabricPlasticity state"),
+    ("missing", "no checkpoint at"),
+])
+def test_a_damaged_hostile_or_foreign_fabric_state_file_is_one_line_naming_it(tmp_path, case, words):
+    import io
+
+    from plasticity_callbacks.app.runs.verified_files import write_verified
+    from plasticity_callbacks.errors import CheckpointError
+    from fault_injection import Payload
+
+    first, _, _ = fabric_loop(tmp_path / "first", steps=2)
+    path, marker = first.save(tmp_path / "plasticity.pt"), tmp_path / "payload_ran"
+    data = path.read_bytes()
+    if case == "payload":
+        buffer = io.BytesIO()
+        torch.save({"fabric_plasticity": {**first.state_dict(), "payload": Payload(marker)}}, buffer)
+        write_verified(buffer.getvalue(), path)  # a matching checksum: anyone who swaps the file can write one
+    elif case == "flipped byte":
+        path.write_bytes(_flip(data))
+    elif case == "truncated":
+        path.write_bytes(data[:-40])
+    elif case == "foreign file":
+        buffer = io.BytesIO()
+        torch.save({"state_dict": {}}, buffer)
+        write_verified(buffer.getvalue(), path)
+    else:
+        path.unlink()
+    with pytest.raises(CheckpointError, match=words) as err:
+        fabric_plasticity(tmp_path / "resumed").load(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value), str(err.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("state, words", [
+    ({"callbacks": {}}, "is not a FabricPlasticity state"),
+    ({"global_step": -1, "callbacks": {}}, "is not a FabricPlasticity state"),
+    ({"global_step": 2, "callbacks": []}, "is not a FabricPlasticity state"),
+    ("abc", "is not a FabricPlasticity state"),
+    ({"global_step": 2, "callbacks": {"FIREReinit": 5}}, "not a mapping"),
+    ({"global_step": 2, "callbacks": {}}, "holds no entry for"),
+])
+def test_load_state_dict_checks_the_states_shape_itself(tmp_path, state, words):
+    from plasticity_callbacks.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=words) as err:
+        fabric_plasticity(tmp_path).load_state_dict(state)
+    assert "\n" not in str(err.value), str(err.value)
+
+
+def test_a_schedule_beyond_the_loops_max_steps_is_warned_at_fit_start(tmp_path):
+    plasticity = fabric_plasticity(tmp_path, max_steps=3)
+    with pytest.warns(UserWarning, match=r"DASHPeriodic: Schedule\(steps=\(4,\)\) can never act in this fit"):
+        plasticity.fit_start()
+    with pytest.raises(ValueError, match="FabricPlasticity max_steps=0 must be"):
+        fabric_plasticity(tmp_path, max_steps=0)

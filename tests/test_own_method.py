@@ -35,7 +35,9 @@ def user_folder(tmp_path, monkeypatch):
 
 @pytest.mark.cli
 def test_the_readme_method_runs_in_a_stream_and_its_report(user_folder):
-    env = {"PYTHONPATH": os.pathsep.join([str(user_folder), os.environ.get("PYTHONPATH", "")])}
+    # the method names the user's own module: an opt-in (check_method_targets refuses it otherwise, next test)
+    env = {"PYTHONPATH": os.pathsep.join([str(user_folder), os.environ.get("PYTHONPATH", "")]),
+           "PLASTICITY_TRUST_CHECKPOINTS": "1"}
     sweep = user_folder / "sweep"
     proc = run_train("--config-dir", user_folder / "my_configs", "-m", "experiment=continual_digits", "+method=scale",
                      *TINY, f"hydra.sweep.dir={sweep}", cwd=user_folder, env=env)
@@ -46,17 +48,23 @@ def test_the_readme_method_runs_in_a_stream_and_its_report(user_folder):
     assert any("| scale | 1 |" in row for row in rows)
 
 
-def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder):
+def test_the_readme_method_scales_the_weights_at_every_task_boundary(user_folder, monkeypatch):
     from hydra_app import compose_config
 
     from plasticity_callbacks.app.methods import method_names, task_stream_callbacks
     from plasticity_callbacks.app.pipeline import instantiate_callbacks, resolve_method
     from plasticity_callbacks.callbacks.schedule import Schedule
+    from plasticity_callbacks.errors import ConfigError
     from plasticity_callbacks.models.classifier import DigitsClassifier
 
     configs = user_folder / "my_configs"
     assert "scale" in method_names([configs])
     cfg = compose_config(f"hydra.searchpath=[file://{configs}]", "experiment=continual_digits", "+method=scale")
+    with pytest.raises(ConfigError, match=r"callbacks\.scale\._target_='my_methods.ScaleWeights' is not a class of "
+                                          "plasticity_callbacks") as refused:
+        resolve_method(cfg)  # the user's own module runs only with the opt-in
+    assert "\n" not in str(refused.value) and "PLASTICITY_TRUST_CHECKPOINTS=1" in str(refused.value)
+    monkeypatch.setenv("PLASTICITY_TRUST_CHECKPOINTS", "1")
     [callback] = instantiate_callbacks(task_stream_callbacks(resolve_method(cfg)))
     assert callback.firing.schedule == Schedule(at_task_boundaries=True)
     module = DigitsClassifier(widths=[8])

@@ -88,7 +88,10 @@ def test_state_round_trips_and_a_foreign_state_is_refused():
 
 
 def test_an_empty_selection_fails_at_setup_and_a_method_without_act_says_so():
-    with pytest.raises(ValueError, match="HalveWeights: no weights selected"):
+    with pytest.raises(ValueError, match="HalveWeights: no weights selected"):  # biases only: no weight view
+        cpu_trainer(max_steps=1, callbacks=[HalveWeights(selection={"include": ["*.bias"]})]).fit(
+            TinyMLPModule(), regression_loader())
+    with pytest.raises(ValueError, match="HalveWeights include pattern 'nothing.*' matches no parameter"):
         cpu_trainer(max_steps=1, callbacks=[HalveWeights(selection={"include": ["nothing.*"]})]).fit(
             TinyMLPModule(), regression_loader())
 

@@ -284,3 +284,23 @@ def test_the_zoom_row_only_where_several_curves_are_compared():
     assert not zoom_row([Panel("loss", "nats", alone)], {"loss": [10.0, 1.0]})  # one run: nothing to zoom on
     narrow = {"a": [{0: 2.0, 10: 1.5}], "b": [{0: 2.1, 10: 1.6}]}
     assert not zoom_row([Panel("loss", "nats", narrow)], {"loss": [2.0, 1.5, 2.1, 1.6]})
+
+
+@pytest.mark.parametrize("files, named", [
+    ({"pipeline.json": "{"}, "pipeline.json"),
+    ({"pipeline.json": '{"method": "x", "seed": 0, "phases": {"fit": "x"}}'}, "pipeline.json"),
+    ({"pipeline.json": '{"method": "x", "seed": 0, "phases": {"fit": {"step_offset": 0, "val_loss": "low"}}}'},
+     "pipeline.json"),
+    ({"stream.json": "[1]", "tasks.csv": "task,accuracy\n0,0.5\n"}, "stream.json"),
+    ({"stream.json": '{"seed": 0}', "tasks.csv": "task,accuracy\n0,abc\n"}, "tasks.csv"),
+    ({"stream.json": '{"seed": 0}', "tasks.csv": "task,acc\n0,0.5\n"}, "tasks.csv"),
+])
+def test_a_damaged_or_foreign_run_folder_file_is_one_line_naming_it(tmp_path, capsys, files, named):
+    from plasticity_callbacks.app.report import main
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 1 and len(err.splitlines()) == 1 and str(tmp_path / named) in err, err

@@ -32,7 +32,12 @@ def check_callbacks(cfg: DictConfig) -> None:
     Raises:
         ConfigError: the first mistake, as one line naming the field and what is accepted.
     """
+    from .methods import check_method_targets, user_config_dirs
+
     check_stream_extra(cfg)
+    method = cfg.get("method") or cfg.get("default_method")
+    if isinstance(method, DictConfig):  # before check_arguments imports its targets (an import runs a module)
+        check_method_targets(method, user_config_dirs())
     for where, spec in callback_specs(cfg):
         check_arguments(where, spec)
 

@@ -63,6 +63,67 @@ def method_names(config_dirs: Iterable[str | Path] = ()) -> list[str]:
     return sorted(names)
 
 
+PACKAGE_PREFIX = "plasticity_callbacks."
+
+
+def method_file(name: str | None, config_dirs: Iterable[str | Path] = ()) -> Path:
+    """The file ``method/<name>.yaml`` a composed method came from: a user's folder first (Hydra's search path
+    puts it before the package's), else the package's."""
+    for folder in (*config_dirs, config_dir()):
+        path = Path(folder).expanduser() / "method" / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return Path(config_dir()) / "method" / f"{name}.yaml"
+
+
+def check_method_targets(method: DictConfig, config_dirs: Iterable[str | Path] = ()) -> None:
+    """Every ``_target_`` of a method file must be a class of this package, before anything is imported: a method
+    file from a ``--config-dir`` is data, and ``_target_: os.system`` (or a module of its own, which imports and
+    runs) would be code. The opt-in is the checkpoints' switch, ``PLASTICITY_TRUST_CHECKPOINTS=1``.
+
+    Raises:
+        ConfigError: one line naming the file, the key and the target.
+
+    Example:
+        >>> check_method_targets(compose_method("sp"))   # the package's own method files pass
+    """
+    from .runs.verified_files import TRUST_ENV, trusted_by_environment
+
+    if trusted_by_environment():
+        return
+    for key, target in _targets(OmegaConf.to_container(method, resolve=False), ""):
+        if not isinstance(target, str) or not target.startswith(PACKAGE_PREFIX):
+            raise ConfigError(f"{method_file(method.get('name'), config_dirs)}: {key}={target!r} is not a class of "
+                              f"plasticity_callbacks; a method file may instantiate only this package's classes (set "
+                              f"{TRUST_ENV}=1 to run one you trust)")
+
+
+def user_config_dirs() -> list[Path]:
+    """The config folders on Hydra's search path besides the package's (``--config-dir``, ``hydra.searchpath``),
+    inside a ``plasticity-train`` run; none elsewhere."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    package = Path(config_dir()).resolve()
+    return [Path(source.path) for source in HydraConfig.get().runtime.config_sources
+            if source.schema == "file" and Path(source.path).resolve() != package]
+
+
+def _targets(node, prefix: str):
+    """``(dotted key, value)`` of every ``_target_`` inside ``node`` (dicts and lists, at any depth)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{prefix}.{key}" if prefix else str(key)
+            if key == "_target_":
+                yield where, value
+            else:
+                yield from _targets(value, where)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _targets(value, f"{prefix}[{index}]")
+
+
 def check_method(method: DictConfig) -> None:
     """A method block has only the known keys (one line naming the others)."""
     unknown = set(method) - METHOD_KEYS

@@ -56,7 +56,7 @@ from ..data.sft import MultiValidationDataModule
 from ..data.tokenizer import IGNORE_INDEX
 from ..models.lightning_module import GPTLightningModule, check_data_fits_model
 from ..errors import ConfigError
-from .methods import check_method, with_method_settings
+from .methods import check_method, check_method_targets, user_config_dirs, with_method_settings
 from .progress import progress_callbacks
 from .time_estimate import TimeEstimate
 from .runs.resumed_logs import LogPosition, restore_logs
@@ -82,6 +82,7 @@ def resolve_method(cfg: DictConfig) -> DictConfig:
     """``+method=X`` if given, else ``default_method``; an empty method (no callbacks) when neither exists."""
     method = cfg.get("method") or cfg.get("default_method") or OmegaConf.create({"name": "warm"})
     check_method(method)
+    check_method_targets(method, user_config_dirs())  # before any of its targets is imported
     return method
 
 

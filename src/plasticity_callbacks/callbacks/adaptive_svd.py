@@ -633,6 +633,7 @@ class AdaptiveSVDSwitch(PlasticityCallback):
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)  # the base's fit-end check of the schedule
         if not self.save_figure or not self.history or not can_draw("AdaptiveSVDSwitch", "save_figure"):
             return
         sizes = {m.name: m.g for m in self.matrices}

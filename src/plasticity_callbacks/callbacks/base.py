@@ -14,7 +14,7 @@ from torch import nn
 
 from .state import check_state
 from ..distributed.strategy import is_dtensor, require_full_parameters
-from ..model_map import Selection, require_targets, select_targets
+from ..model_map import Selection, require_patterns_match, require_targets, select_targets
 from ..model_map.coverage import log_coverage
 from ..ops.fresh import fresh_values
 from ..ops.optimizer_state import reset_optimizer_state
@@ -199,6 +199,9 @@ class PlasticityCallback(L.Callback):
         if self.firing is not None:
             self.firing.begin_fit(stage)
         self.check_strategy(trainer)
+        if isinstance(self.selection, Selection):  # a pattern that matches no parameter is a typo, whatever the method
+            require_patterns_match(pl_module, self.owner, include=self.selection.include,
+                                   exclude=self.selection.exclude)
         self.check_targets(trainer, pl_module)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -227,6 +230,10 @@ class PlasticityCallback(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.firing is not None:
             self.act_if(self.firing.due_at_validation_end(trainer, pl_module), trainer, pl_module, defer=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.firing is not None:  # a fit that never acted says so (the length may be unknown at its start)
+            self.firing.warn_if_never_fired(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedule": None if self.firing is None else self.firing.state_dict(),

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
-from ..model_map import HiddenUnits, Selection, find_neuron_layers, is_conv1d, validate_patterns
+from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers, is_conv1d, validate_patterns
 from ..model_map.experts import expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.neurons import candidates_hint, stores_in_out
@@ -63,9 +63,9 @@ class ContinualBackprop(PlasticityCallback):
     It acts every step, so it takes no schedule.
 
     Args:
-        replacement_rate: ``ρ``, the share of mature units replaced per step (paper: 1e-4 to 1e-6).
+        replacement_rate: ``ρ`` in (0, 1], the share of mature units replaced per step (paper: 1e-4 to 1e-6).
         maturity_threshold: ``m``, steps a unit is protected after it is created (paper: 100).
-        decay_rate: ``η`` of the running utility and mean (paper: 0.99).
+        decay_rate: ``η`` in [0, 1) of the running utility and mean (paper: 0.99).
         utility: ``adaptable_contribution`` (contribution × adaptation) or ``contribution``.
         init: bound of the uniform re-draw: ``kaiming`` (``√2·√(3/fan_in)``, the reference's), ``lecun``
             (``√(3/fan_in)``) or ``default`` (``1/√fan_in``, PyTorch's Linear init).
@@ -94,9 +94,9 @@ class ContinualBackprop(PlasticityCallback):
                  utility: str = "adaptable_contribution", init: str = "kaiming", bias_correction: bool = True,
                  layer_map: Mapping | None = None, exclude: Sequence[str] | None = None, seed: int = 0,
                  selection: Selection | Mapping | None = None):
-        check_number("replacement_rate", replacement_rate, 0.0, 1.0, "(paper: 1e-4)")
+        check_number("replacement_rate", replacement_rate, 0.0, 1.0, "(0 replaces nothing; paper: 1e-4)", low_open=True)
         check_int("maturity_threshold", maturity_threshold, 0, hint="(paper: 100)")
-        check_number("decay_rate", decay_rate, 0.0, 0.999999, "(paper: 0.99)")
+        check_number("decay_rate", decay_rate, 0.0, 1.0, "(1 never updates the utility; paper: 0.99)", high_open=True)
         if utility not in cbp.KINDS:
             raise ValueError(f"utility={utility!r} is not one of {cbp.KINDS}")
         if init not in cbp.BOUNDS:
@@ -105,14 +105,12 @@ class ContinualBackprop(PlasticityCallback):
             raise ValueError(f"bias_correction={bias_correction!r} must be true or false")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} must be an integer")
-        if layer_map is not None and not isinstance(layer_map, Mapping):
-            raise ValueError(f"layer_map={layer_map!r} must be a mapping {{name: (up, down)}} of module names, e.g. "
-                             '{"mlp0": ("fc1", "fc2")}, or None to find the layers')
+        layer_map = check_layer_map(layer_map, "ContinualBackprop")
         validate_patterns(exclude=exclude)
         super().__init__(None, with_exclude(Selection.build(selection, "ContinualBackprop"), exclude))
         self.rate, self.maturity, self.decay = float(replacement_rate), maturity_threshold, float(decay_rate)
         self.utility, self.init, self.bias_correction, self.seed = utility, init, bias_correction, seed
-        self.layer_map = None if layer_map is None else {k: v for k, v in layer_map.items()}
+        self.layer_map = layer_map
         self.exclude = list(self.selection.exclude) if self.selection.exclude else None
         self.layers: list[HiddenUnits] = []
         self.stats: list[dict[str, torch.Tensor]] = []  # per layer: util, mean, age
@@ -129,7 +127,7 @@ class ContinualBackprop(PlasticityCallback):
         return self._generate_state_key(rate=self.rate, maturity=self.maturity, layers=sorted(self.layer_map or {}))
 
     def check_targets(self, trainer, pl_module) -> None:
-        self.layers = find_neuron_layers(pl_module, self.layer_map, selection=self.selection)
+        self.layers = find_neuron_layers(pl_module, self.layer_map, selection=self.selection, owner=self.owner)
         if not self.layers:
             raise ValueError(f"ContinualBackprop found no hidden-unit layers: {candidates_hint(pl_module)}. Pass "
                              "layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...)")

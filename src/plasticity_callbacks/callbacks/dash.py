@@ -155,7 +155,7 @@ class DASHShrink(DirectionalShrink):
 
     Args:
         schedule: when to act (a Schedule or a mapping of its fields); None: ``Schedule(at_fit_start=True)``.
-        min_factor: the smallest factor λ in [0, 1] (paper: 0.3).
+        min_factor: the smallest factor λ in (0, 1] (paper: 0.3; 0 would zero a row).
         gradient_ema_weight: weight of each new negative gradient in the EMA ``G``, in (0, 1] (paper: 0.3).
         n_batches: training batches averaged (None: one full pass).
         selection: which weights (:class:`~model_map.Selection` or a mapping);
@@ -196,10 +196,9 @@ class DASHShrink(DirectionalShrink):
     ):
         super().__init__(schedule, selection, shrink_bias, skip_muon_params, log_per_layer)
         check_int("n_batches", n_batches, optional=True, hint="(None = one full pass)")
-        check_number("min_factor", min_factor, 0.0, 1.0)
-        check_number("gradient_ema_weight", gradient_ema_weight, 0.0, 1.0)
-        if gradient_ema_weight == 0:
-            raise ValueError("gradient_ema_weight=0 must lie in (0, 1]: the EMA would never see a gradient")
+        check_number("min_factor", min_factor, 0.0, 1.0, "(0 would zero a row: a dead neuron; paper: 0.3)", low_open=True)
+        check_number("gradient_ema_weight", gradient_ema_weight, 0.0, 1.0, "(0: the EMA would never see a gradient)",
+                     low_open=True)
         if gradient_mode not in GRADIENT_MODES:
             raise ValueError(f"gradient_mode={gradient_mode!r} is not one of {GRADIENT_MODES}")
         self.min_factor, self.gradient_ema_weight, self.n_batches = min_factor, gradient_ema_weight, n_batches

@@ -41,8 +41,8 @@ class DASHPeriodic(DirectionalShrink):
     Args:
         schedule: when to act (step triggers; a Schedule or a mapping); None: ``Schedule(every_n_steps=2000)``.
         cosine_threshold: a row whose cosine with the gradient exceeds this, in [-1, 1], is shrunk.
-        shrink_rate: shrink per unit of cosine above ``cosine_threshold``.
-        min_factor: the smallest factor in one event, in [0, 1].
+        shrink_rate: shrink per unit of cosine above ``cosine_threshold``, in (0, 1].
+        min_factor: the smallest factor in one event, in (0, 1] (0 would zero a row).
         selection: which weights (:class:`~model_map.Selection` or a mapping);
             None: every weight but the head.
         shrink_bias: also shrink a selected layer's bias, by one factor from the whole bias vector.
@@ -80,8 +80,8 @@ class DASHPeriodic(DirectionalShrink):
         self.schedule.require_step_triggers("DASHPeriodic", "uses the step's gradient (DASHShrink acts at any "
                                             "trigger)")
         check_number("cosine_threshold", cosine_threshold, -1.0, 1.0, "(a cosine threshold)")
-        check_number("shrink_rate", shrink_rate, 0.0)
-        check_number("min_factor", min_factor, 0.0, 1.0)
+        check_number("shrink_rate", shrink_rate, 0.0, 1.0, "(0 never shrinks; default 0.005)", low_open=True)
+        check_number("min_factor", min_factor, 0.0, 1.0, "(0 would zero a row: a dead neuron)", low_open=True)
         self.cosine_threshold, self.shrink_rate, self.min_factor = cosine_threshold, shrink_rate, min_factor
 
     def act(self, trainer, pl_module, reason: str) -> dict[str, torch.Tensor | float]:

@@ -57,7 +57,7 @@ class HareTortoise(PlasticityCallback):
 
     def __init__(self, decay: float = 0.999, schedule: Schedule | Mapping | None = None, reset_optimizer: bool = False,
                  evaluate_tortoise: bool = True, selection: Selection | Mapping | None = None):
-        check_number("decay", decay, 0.0, 0.999999999, "(paper: 0.999)")
+        check_number("decay", decay, 0.0, 1.0, "(1 never moves the tortoise; paper: 0.999)", high_open=True)
         for name, value in (("reset_optimizer", reset_optimizer), ("evaluate_tortoise", evaluate_tortoise)):
             if not isinstance(value, bool):
                 raise ValueError(f"HareTortoise {name}={value!r} must be true or false")

@@ -35,7 +35,7 @@ class L2Init(PlasticityCallback):
     ``trainer.log_every_n_steps``, once each (:func:`~callbacks.step_logging.log_at_step`).
 
     Args:
-        strength: ``λ`` >= 0 (the paper sweeps 1e-2 to 1e-5).
+        strength: ``λ`` > 0 (the paper sweeps 1e-2 to 1e-5).
         include_norms: also pull the parameters of normalization layers.
         selection: name patterns (a Selection or a mapping with ``include``/``exclude``, ``fnmatch`` on
             parameter names); None: every trainable parameter.
@@ -54,7 +54,7 @@ class L2Init(PlasticityCallback):
 
     def __init__(self, strength: float = 1e-3, include_norms: bool = False,
                  selection: Selection | Mapping | None = None):
-        check_number("strength", strength, 0.0, hint="(paper: 1e-2 to 1e-5)")
+        check_number("strength", strength, 0.0, hint="(0 does nothing; paper: 1e-2 to 1e-5)", low_open=True)
         if not isinstance(include_norms, bool):
             raise ValueError(f"L2Init include_norms={include_norms!r} must be true or false")
         super().__init__(selection=name_selection(selection, "L2Init"))

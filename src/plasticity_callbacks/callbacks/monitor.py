@@ -19,7 +19,7 @@ from ..distributed.strategy import is_dtensor, rank_identical_generator
 from ..functional import diagnostics as D
 from ..functional.dormancy import dormancy_scores
 from ..functional.isometry import target_scale
-from ..model_map import HiddenUnits, Selection, find_neuron_layers
+from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers
 from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.patterns import matching_parameters, name_selection
 from .base import PlasticityCallback
@@ -152,7 +152,8 @@ class PlasticityMonitor(PlasticityCallback):
         super().__init__(selection=name_selection(selection, "PlasticityMonitor"))
         self.every = dict(zip(GROUPS, intervals))
         self.tau, self.feature_patterns, self.per_layer, self.plot = float(tau), list(feature_layers), per_layer, plot
-        self.layer_map, self.curvature_iterations, self.curvature_loss = layer_map, curvature_iterations, curvature_loss
+        self.layer_map, self.curvature_iterations = check_layer_map(layer_map, "PlasticityMonitor"), curvature_iterations
+        self.curvature_loss = curvature_loss
         self.layers: list[HiddenUnits] = []
         self.feature_layers: list[int] = []  # indices into self.layers
         self.names: list[str] = []  # the chosen parameters
@@ -184,7 +185,7 @@ class PlasticityMonitor(PlasticityCallback):
         matching_parameters(pl_module, self.selection, self.owner)  # none: fails before any training
         if not self.every["activations"]:
             return
-        self.layers = find_neuron_layers(pl_module, self.layer_map)
+        self.layers = find_neuron_layers(pl_module, self.layer_map, owner=self.owner)
         if not self.layers:
             raise ValueError("PlasticityMonitor found no neuron layers for its activation metrics (dormant units, "
                              "feature rank); pass layer_map={name: (up_or_[gate, up], down)}, "

@@ -10,7 +10,7 @@ from torch import nn
 from ..arguments import check_bool, check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
-from ..model_map import HiddenUnits, Selection, find_neuron_layers, validate_patterns
+from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers, validate_patterns
 from ..model_map.experts import ExpertMatrix, expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.neurons import candidates_hint
@@ -140,9 +140,7 @@ class ReDoMonitor(PlasticityCallback):
         check_number("tau", tau, 0.0, 1.0, "(0 = exactly dead; ReDo uses 0.025 or 0.1)")
         check_int("collect_every_n_steps", collect_every_n_steps)
         check_int("log_every_n_steps", log_every_n_steps)
-        if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
-            raise ValueError(f"ema_decay={ema_decay!r} must be a number in [0, 1)")
-        validate_patterns(exclude=exclude)
+        check_number("ema_decay", ema_decay, 0.0, 1.0, "(1 never updates the EMA)", high_open=True)
         super().__init__(schedule, with_exclude(Selection.build(selection, "ReDoMonitor"), exclude))
         if self.schedule is not None and self.schedule.at_fit_start:
             raise ValueError("ReDoMonitor schedule.at_fit_start=True: recycling needs statistics, and at fit start "
@@ -152,7 +150,7 @@ class ReDoMonitor(PlasticityCallback):
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an integer")
         validate_patterns(exclude=exclude)
-        self.layer_map = _validate_layer_map(layer_map)
+        self.layer_map = check_layer_map(layer_map, "ReDoMonitor")
         self.tau, self.ema_decay, self.init = float(tau), float(ema_decay), init
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps
         check_bool("plot_scores", plot_scores)
@@ -183,7 +181,7 @@ class ReDoMonitor(PlasticityCallback):
 
     # ------------------------------------------------------------------ setup and teardown
     def check_targets(self, trainer, pl_module) -> None:
-        self.layers = find_neuron_layers(pl_module, self.layer_map, selection=self.selection)
+        self.layers = find_neuron_layers(pl_module, self.layer_map, selection=self.selection, owner=self.owner)
         if not self.layers:
             raise ValueError(f"ReDoMonitor found no neuron layers: {candidates_hint(pl_module)}. Pass "
                              "layer_map={name: (up_or_[gate, up], down)} or declare_plasticity(model, neurons=...)")
@@ -357,6 +355,7 @@ class ReDoMonitor(PlasticityCallback):
     # ------------------------------------------------------------------ figure
     def on_train_end(self, trainer, pl_module) -> None:
         from .figures import can_draw
+        super().on_train_end(trainer, pl_module)  # the base's fit-end check of the schedule
 
         if not self.plot_scores or self.collections == 0 or not can_draw("ReDoMonitor", "plot_scores"):
             return
@@ -464,23 +463,3 @@ def _init_stds(layer: HiddenUnits) -> torch.Tensor:
     """``[std(up.weight), std(gate.weight)]`` (the gate's is up's when there is no gate), on device."""
     gate = layer.up if layer.gate is None else layer.gate
     return torch.stack([finite_std(layer.up.weight), finite_std(gate.weight)])
-
-
-def _validate_layer_map(layer_map) -> dict | None:
-    """``{name: (up | [gate, up], down)}`` with module names; any Mapping / Sequence types accepted."""
-    if layer_map is None:
-        return None
-    error = ValueError(f"layer_map={layer_map!r} must map a name to (up_name | [gate_name, up_name], down_name)")
-    if not isinstance(layer_map, Mapping) or not layer_map:
-        raise error
-    clean = {}
-    for name, entry in layer_map.items():
-        if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
-            raise error
-        incoming, down = entry
-        incoming = [incoming] if isinstance(incoming, str) else list(incoming) if isinstance(incoming, Sequence) else None
-        if not incoming or len(incoming) > 2 or not all(isinstance(n, str) for n in [*incoming, down]):
-            raise error
-        clean[str(name)] = (incoming[0] if len(incoming) == 1 else incoming, down)
-    return clean
-

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..arguments import build_options, check_int, check_number, sorted_int_list
+from ..arguments import build_options, check_int, check_number, refuse_unknown_fields, sorted_int_list
 from .state import OPTIONAL_INT, OPTIONAL_NUMBER, check_state
 from ..distributed.strategy import all_reduce_mean
 
@@ -49,6 +49,7 @@ _THRESHOLD_STATE_TYPES = {"threshold_fires": int, "threshold_fired_step": OPTION
                           "threshold_acted_on": OPTIONAL_NUMBER, "threshold_value": OPTIONAL_NUMBER}
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class Threshold:
     """Act when a logged metric is beyond a threshold: a trigger on what the run measures, not on a clock.
@@ -112,6 +113,7 @@ class Threshold:
                 else f"{self.metric}={value:.4g} > {self.above:g}")
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class Schedule:
     """When a callback acts. Any combination of triggers; several falling on the same optimizer step act once.
@@ -262,6 +264,7 @@ class ScheduleState:
         self.threshold_acted_on: float | None = None  # the value the last threshold action read
         self._restored_value: float | None = None  # the metric's value when the checkpoint was written
         self._warned_missing = False
+        self._warned_unreachable = False
 
     # ------------------------------------------------------------------ hooks
     def begin_fit(self, stage: str | None) -> None:
@@ -280,10 +283,71 @@ class ScheduleState:
                            "pass val_dataloaders to trainer.fit, or use a step or epoch trigger")
         if self.last_step is None:  # a fresh fit (a resumed one keeps its saved clock)
             self.last_step = trainer.global_step - 1
+        self._warn_if_unreachable(trainer)
         if self.schedule.at_fit_start and not self.fit_start_fired:
             self.fit_start_fired = True
             return self._fire(trainer, "fit start")
         return None
+
+    def warn_if_never_fired(self, trainer) -> None:
+        """Call at the fit's end (``on_train_end``): a clock trigger that never acted in this fit, not already
+        warned about at its start (a fit whose length was not known then), is one warning naming it and the fit's
+        last step, never a silent no-op."""
+        schedule = self.schedule
+        if self.fired or self._warned_unreachable or not self._clock_triggers() or schedule.monitor or \
+                schedule.threshold:  # a metric that never crossed is a finding, not a schedule beyond the fit
+            return
+        self._warned_unreachable = True
+        rank_zero_warn(f"{self.owner}: Schedule({schedule.describe()}) never acted in this fit, which ended at step "
+                       f"{trainer.global_step}: {self._fix()}")
+
+    def _warn_if_unreachable(self, trainer) -> None:
+        """At fit start, when the fit's length is known (``max_steps``, or ``max_epochs`` for epoch triggers): warn
+        once when no clock trigger of a schedule that has only clock triggers can act before the fit ends."""
+        schedule, first = self.schedule, self.last_step + 1
+        if self._warned_unreachable or not self._clock_triggers() or schedule.monitor or schedule.threshold:
+            return
+        if schedule.at_fit_start and not self.fit_start_fired and first >= schedule.start_step:
+            return
+        max_steps = getattr(trainer, "max_steps", -1)
+        max_epochs = getattr(trainer, "max_epochs", None)
+        if not isinstance(max_steps, int) or max_steps < 0:
+            max_steps = None
+        if not isinstance(max_epochs, int) or max_epochs < 0:
+            max_epochs = None
+        if max_steps is None and (max_epochs is None or not schedule.acts_on_epochs):
+            return  # the fit's length is not known yet: warn_if_never_fired says it at the end
+        end = min(max_steps if max_steps is not None else math.inf, schedule.end_step if schedule.end_step is not None
+                  else math.inf)
+        low = max(first, schedule.start_step)
+        n = schedule.every_n_steps
+        steps = [s for s in (*schedule.steps, *self._boundaries) if s >= first]
+        if any(low <= s <= end for s in steps) or (n is not None and _multiple_in(low - 1, end, n)):
+            return
+        if schedule.acts_on_epochs:
+            if max_steps is not None and low <= end and max_epochs is None:
+                return  # epoch lengths unknown: an epoch may start within the steps left
+            start_epoch = getattr(trainer, "current_epoch", 0)
+            last_epoch = (max_epochs - 1) if max_epochs is not None else math.inf
+            epochs = [e for e in schedule.epochs if start_epoch <= e <= last_epoch]
+            every = schedule.every_n_epochs
+            if (epochs or (every is not None and _multiple_in(start_epoch - 1, last_epoch, every))) and low <= end:
+                return
+        self._warned_unreachable = True
+        length = (f"max_steps={max_steps}" if max_steps is not None else "") + \
+            (", " if max_steps is not None and max_epochs is not None else "") + \
+            (f"max_epochs={max_epochs}" if max_epochs is not None else "")
+        rank_zero_warn(f"{self.owner}: Schedule({schedule.describe()}) can never act in this fit ({length}, starting "
+                       f"at step {first}): {self._fix()}")
+
+    def _clock_triggers(self) -> bool:
+        schedule = self.schedule
+        return bool(schedule.at_fit_start or schedule.steps or schedule.every_n_steps or schedule.acts_on_epochs
+                    or schedule.at_task_boundaries)
+
+    def _fix(self) -> str:
+        return ("move its steps/epochs inside the fit (or start_step/end_step around them), or raise the trainer's "
+                "max_steps/max_epochs")
 
     def due_at_epoch_start(self, trainer) -> str | None:
         """Call from ``on_train_epoch_start``."""

@@ -69,6 +69,9 @@ class ShrinkPerturb(PlasticityCallback):
                  selection: Selection | Mapping | None = None, reset_optimizer: bool = False, seed: int = 0):
         check_number("shrink", shrink, 0.0, 1.0, "(paper: 0.4)")
         check_number("perturb", perturb, 0.0, hint="(paper: 0.1)")
+        if shrink == 1 and perturb == 0 and reset_optimizer is False:  # with it: the optimizer-state reset alone
+            raise ValueError(f"{self.owner} shrink=1 with perturb=0 leaves every weight as it is: lower shrink "
+                             "(paper: 0.4), raise perturb (paper: 0.1), or set reset_optimizer=true")
         if not isinstance(reset_optimizer, bool):
             raise ValueError(f"{self.owner} reset_optimizer={reset_optimizer!r} must be true or false")
         if isinstance(seed, bool) or not isinstance(seed, int):

@@ -149,7 +149,7 @@ class WeightClip(PlasticityCallback):
     default_schedule = None  # clips after every optimizer step
 
     def __init__(self, kappa: float = 2.0, selection: Selection | Mapping | None = None):
-        check_number("kappa", kappa, 1e-12, hint="(paper: 1 to 4)")
+        check_number("kappa", kappa, 0.0, hint="(paper: 1 to 4)", low_open=True)
         super().__init__(selection=name_selection(selection, "WeightClip"))
         self.kappa = float(kappa)
         self._params: list[torch.nn.Parameter] = []

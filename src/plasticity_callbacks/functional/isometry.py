@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..arguments import refuse_unknown_fields
+
 from .spectral import (
     DegenerateMatrixError,
     PolarOptions,
@@ -92,6 +94,7 @@ def target_scale(param: torch.Tensor, rule: str | float, groups: int = 1) -> flo
     return float(peak * torch.linalg.vector_norm(param.detach().double() / peak)) / math.sqrt(rank)
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class FIREOptions(PolarOptions):
     """How FIRE orthogonalizes and rescales each weight; checked once, when built. The polar-factor

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arguments import refuse_unknown_fields
+
 METHODS = ("auto", "svd", "eigh", "polar_express", "newton_schulz")
 ITERATIVE = ("polar_express", "newton_schulz")
 NORMALIZATIONS = ("frobenius", "spectral", "gram")
@@ -125,6 +127,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class PolarOptions:
     """How :func:`orthogonalize` computes a polar factor; checked once, when built.

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..arguments import check_bool, check_int, check_number
+from ..arguments import check_bool, check_int, check_number, refuse_unknown_fields
 from .subspace import (
     SVD, SVD_METHODS, decide_mode, gram_triplets, largest_next_rank, next_rank, rank_bounds, subspace_angle,
     svd_triplets,
@@ -31,6 +31,7 @@ WARM_MIN_ORDER = 512
 PREVIOUS_START_DRIFT = 1e-2
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class SwitchThresholds:
     """When a matrix switches between full and minor training (see ``functional.subspace.decide_mode``).
@@ -56,6 +57,7 @@ class SwitchThresholds:
         check_number("stable_angle", self.stable_angle, 0.0, math.pi / 2, "(radians)")
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class SVDOptions:
     """How each SVD cycle computes the singular triplets.

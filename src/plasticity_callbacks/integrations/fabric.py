@@ -14,18 +14,35 @@ Calls (loop → Lightning hooks):
     epoch_start()            → on_train_epoch_start          (optional: epoch triggers)
     validation_end(metrics)  → on_validation_end             (optional: ``Schedule(monitor=...)`` reads them)
     fit_end()                → on_train_end, on_fit_end, teardown("fit")
-    state_dict() / load_state_dict(state)  for ``fabric.save`` / ``fabric.load`` (call load before fit_start)
+    save(path) / load(path)  the callbacks' states in their own verified file (call load before fit_start)
+
+Saving and resuming: :meth:`FabricPlasticity.save` writes ``{"global_step", "callbacks"}`` through a temporary
+file with its ``.sha256`` beside it (rank 0; the states are the same on every rank), and
+:meth:`FabricPlasticity.load` reads it back through ``read_checkpoint``: checked against the checksum and unpickled
+with ``weights_only=True``, so a damaged, altered or hostile file is one :class:`~plasticity_callbacks.errors.
+CheckpointError` naming it, and no code in it runs. ``fabric.save``/``fabric.load`` keep the model and optimizer;
+``fabric.load`` is torch's reader (no checksum), so the callbacks' states do not travel through it.
+``state_dict()`` / ``load_state_dict(state)`` remain for a loop that stores the states itself; ``load_state_dict``
+checks the state's shape and refuses anything else in one line.
 """
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
+from ..app.runs.checkpoints import read_checkpoint
+from ..app.runs.verified_files import write_verified
+from ..arguments import check_int
+from ..errors import CheckpointError
 from .lightning_hooks import TaskBoundaries, run_hook
+
+STATE_KEY = "fabric_plasticity"  # the one entry of a file written by FabricPlasticity.save
 
 
 class FabricPlasticity:
@@ -41,6 +58,8 @@ class FabricPlasticity:
         train_dataloader: the loop's training batches, for that pass.
         task_boundary_steps: global steps where a new task starts, for ``Schedule(at_task_boundaries=True)``.
         log_every_n_steps: the cadence of callbacks that log every k steps by the trainer's setting.
+        max_steps: the loop's length in optimizer steps, if known: a schedule that can never act within it is
+            warned about at fit start (None: at fit end, if it never acted).
 
     Raises:
         TypeError: a callback is not a Lightning callback.
@@ -59,7 +78,10 @@ class FabricPlasticity:
 
     def __init__(self, fabric, model: nn.Module, optimizers, *callbacks: L.Callback,
                  training_step: Callable[[Any, int], torch.Tensor] | None = None, train_dataloader=None,
-                 task_boundary_steps: list[int] | None = None, log_every_n_steps: int = 50):
+                 task_boundary_steps: list[int] | None = None, log_every_n_steps: int = 50,
+                 max_steps: int | None = None):
+        check_int("FabricPlasticity log_every_n_steps", log_every_n_steps)
+        check_int("FabricPlasticity max_steps", max_steps, optional=True, hint="(the loop's optimizer steps)")
         if not callbacks:
             raise ValueError("FabricPlasticity needs at least one callback, e.g. FabricPlasticity(fabric, model, "
                              "optimizer, FIREReinit())")
@@ -77,6 +99,7 @@ class FabricPlasticity:
         optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         self.view = _LoopView(fabric, self.module, [getattr(o, "optimizer", o) for o in optimizers],
                               training_step, train_dataloader, task_boundary_steps, log_every_n_steps, self.callbacks)
+        self.view.max_steps = -1 if max_steps is None else max_steps
 
     def __repr__(self) -> str:
         return f"FabricPlasticity({', '.join(type(c).__name__ for c in self.callbacks)})"
@@ -133,18 +156,68 @@ class FabricPlasticity:
         return {"global_step": self.view.global_step,
                 "callbacks": {c.state_key: c.state_dict() for c in self.callbacks}}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], source: str = "the state") -> None:
         """Restore what :meth:`state_dict` gave, before :meth:`fit_start` (as Lightning restores before fit start).
 
+        Args:
+            state: ``{"global_step": int, "callbacks": {state_key: dict}}``.
+            source: what the state was read from, for the error (:meth:`load` passes the file).
+
         Raises:
-            KeyError: the state holds no entry for one of the callbacks (other callbacks or arguments).
+            CheckpointError: the state is not of that shape, or holds no entry for one of the callbacks (other
+                callbacks or arguments than the saved run's); one line naming ``source``.
         """
+        if not isinstance(state, Mapping) or not isinstance(state.get("callbacks"), Mapping) or isinstance(
+                state.get("global_step"), bool) or not isinstance(state.get("global_step"), int) or \
+                state["global_step"] < 0:
+            shown = sorted(map(str, state))[:4] if isinstance(state, Mapping) else type(state).__name__
+            raise CheckpointError(f"{self!r}: {source} is not a FabricPlasticity state ({shown}); expected "
+                                  "{'global_step': int >= 0, 'callbacks': {state_key: state}} as state_dict() gives")
+        bad = [key for key, value in state["callbacks"].items() if not isinstance(value, Mapping)]
+        if bad:
+            raise CheckpointError(f"{self!r}: {source} holds a state for {bad} that is not a mapping; it was not "
+                                  "written by FabricPlasticity.state_dict()")
         missing = [c.state_key for c in self.callbacks if c.state_key not in state["callbacks"]]
         if missing:
-            raise KeyError(f"{self!r}: the state holds no entry for {missing}; it holds {sorted(state['callbacks'])} "
-                           "(callbacks or their arguments differ from the saved run's?)")
+            raise CheckpointError(f"{self!r}: {source} holds no entry for {missing}; it holds "
+                                  f"{sorted(state['callbacks'])} (callbacks or their arguments differ from the saved "
+                                  "run's: give the run's callbacks with the same arguments)")
         self.view.global_step = int(state["global_step"])
         self._restored = state  # loaded into the callbacks by fit_start, after their setup
+
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`state_dict` to ``path`` with its ``.sha256`` (rank 0 writes; every rank waits for it).
+
+        Example:
+            >>> fabric.save("ckpt/step-500.ckpt", {"model": model, "optimizer": optimizer})
+            >>> plasticity.save("ckpt/step-500.plasticity.pt")
+        """
+        path = Path(path)
+        if self.view.is_global_zero:
+            buffer = io.BytesIO()
+            torch.save({STATE_KEY: self.state_dict()}, buffer)
+            write_verified(buffer.getvalue(), path)
+        self.view.strategy.barrier("FabricPlasticity.save")
+        return path
+
+    def load(self, path: str | Path, trust: bool | None = None) -> None:
+        """Read a file written by :meth:`save` (checksum verified, ``weights_only``) and restore it before
+        :meth:`fit_start`; a missing, damaged, altered, foreign or hostile file is one ``CheckpointError`` naming it.
+
+        Args:
+            path: the file :meth:`save` wrote.
+            trust: full unpickling, for a file from a source you trust (None: ``PLASTICITY_TRUST_CHECKPOINTS``).
+
+        Example:
+            >>> fabric.load("ckpt/step-500.ckpt", {"model": model, "optimizer": optimizer})
+            >>> plasticity.load("ckpt/step-500.plasticity.pt")
+            >>> with plasticity: ...
+        """
+        saved = read_checkpoint(path, trust=trust)
+        if STATE_KEY not in saved:
+            raise CheckpointError(f"checkpoint {path} holds no FabricPlasticity state (keys {sorted(map(str, saved))[:4]}): "
+                                  "it was not written by FabricPlasticity.save; load the file that save() wrote")
+        self.load_state_dict(saved[STATE_KEY], source=f"checkpoint {path}")
 
     # ------------------------------------------------------------------------------- internals
     def _call(self, hook: str, *args) -> None:

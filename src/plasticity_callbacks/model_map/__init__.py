@@ -22,10 +22,12 @@ from .neurons import HiddenUnits
 from .select import (
     SCOPES,
     Selection,
+    check_layer_map,
     find_neuron_layers,
     refuse_factorized,
     refuse_parametrized,
     refuse_unknown_splits,
+    require_patterns_match,
     require_targets,
     select_targets,
     validate_patterns,
@@ -34,8 +36,8 @@ from .weights import WeightView, is_conv1d, output_heads
 
 __all__ = [
     "Declaration", "HeadLayout", "HiddenUnits", "Interleaved", "RowBlock", "SCOPES", "Selection", "WeightView",
-    "coverage_report", "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight",
+    "check_layer_map", "coverage_report", "declare_plasticity", "describe", "find_neuron_layers", "fresh_layer_weight",
     "fresh_parameters", "grouped_heads", "interleaved_heads", "is_conv1d", "linear_map", "output_heads",
-    "refuse_factorized", "refuse_parametrized", "refuse_unknown_splits", "require_targets", "select_targets",
-    "stacked_matrices", "validate_patterns",
+    "refuse_factorized", "refuse_parametrized", "refuse_unknown_splits", "require_patterns_match", "require_targets",
+    "select_targets", "stacked_matrices", "validate_patterns",
 ]

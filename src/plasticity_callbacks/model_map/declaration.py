@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..arguments import close_matches
 from .layouts import Bare, HeadLayout, declared_blocks, parse_fused
 
 ROLES = ("attention", "mlp", "position", "other")
@@ -73,7 +74,8 @@ def declare_plasticity(module: nn.Module, *, fused: Mapping | None = None, neuro
     for name in [*declaration.heads, *declaration.roles, *(n for up, down in declaration.neurons.values()
                                                            for n in (*up, down))]:
         if name and not _has_module(module, name):
-            raise ValueError(f"declare_plasticity: the module has no submodule {name!r}")
+            known = [n for n, _ in module.named_modules() if n]
+            raise ValueError(f"declare_plasticity: the module has no submodule {name!r}{close_matches(name, known)}")
     for name, spec in declaration.fused.items():
         _check_fused(module, name, spec)  # every entry checked before the module is touched
     object.__setattr__(module, ATTRIBUTE, declaration)  # a plain attribute, not a submodule
@@ -95,10 +97,16 @@ def _check_fused(module: nn.Module, name: str, spec) -> None:
     what = f"declare_plasticity(fused={{{name!r}: ...}})"
     try:
         param = module.get_parameter(name)
-    except AttributeError as err:
-        raise ValueError(f"declare_plasticity(fused=...): the module has no parameter {name!r}") from err
+    except AttributeError:
+        names = [n for n, _ in module.named_parameters()]
+        raise ValueError(f"declare_plasticity(fused=...): the module has no parameter {name!r}"
+                         f"{close_matches(name, names)}") from None
     owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
     layer = isinstance(owner, (nn.Linear, nn.modules.conv._ConvNd)) or hasattr(owner, "nf")
+    if param.dim() < 2:  # a bias or a norm's scale: it has no rows to split, its layer's weight does
+        weight = f"{name.rsplit('.', 1)[0]}.weight" if "." in name else "the weight"
+        raise ValueError(f"{what}: {name!r} is a {param.dim()}-D parameter {tuple(param.shape)} (a bias?); fused "
+                         f"describes a weight matrix's rows: name {weight!r}")
     if isinstance(spec, Bare):
         if layer:
             raise ValueError(f"{what}: {type(owner).__name__}'s weight is a layer's, not a bare parameter: give its "

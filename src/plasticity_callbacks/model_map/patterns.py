@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from . import Selection
+from .select import require_patterns_match
 
 
 def name_selection(selection: Selection | Mapping | None, owner: str) -> Selection:
@@ -25,6 +26,7 @@ def matching_parameters(module: nn.Module, selection: Selection, owner: str) -> 
     Example:
         >>> matching_parameters(model, Selection(exclude=["*.bias"]), "L2Init")   # every weight but biases
     """
+    require_patterns_match(module, owner, include=selection.include, exclude=selection.exclude)
     chosen = [(name, p) for name, p in module.named_parameters() if p.requires_grad and selection.matches(name)]
     if not chosen:
         raise ValueError(f"{owner}: no trainable parameter matches include={selection.include}, "

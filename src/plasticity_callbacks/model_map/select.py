@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ..arguments import build_options
+from ..arguments import build_options, close_matches, refuse_unknown_fields
 from .declaration import ATTRIBUTE as DECLARATION
 from .holding import is_frozen, parametrization
 from .parametrized import parametrized_weight
@@ -146,6 +146,7 @@ def _weight_attributes(module: nn.Module, include_conv: bool):
                 yield attr, "matrix"
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class Selection:
     """Which weights a callback treats; checked here once, then passed whole to :func:`select_targets`.
@@ -242,7 +243,7 @@ def select_targets(model: nn.Module, selection: Selection | Mapping | None = Non
 
 
 def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclude: Sequence[str] | None = None,
-                       selection: Selection | Mapping | None = None) -> list[HiddenUnits]:
+                       selection: Selection | Mapping | None = None, owner: str = "ReDoMonitor") -> list[HiddenUnits]:
     """The layers of neurons ReDo and ContinualBackprop watch in ``model`` (see :mod:`.neurons` for how they are
     found); what the forward shows as hidden units but cannot be paired is named in one warning, with the
     ``layer_map`` that declares it.
@@ -255,6 +256,8 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
             :func:`select_targets` accepts its ``up`` (and gate) weights; a stack of experts when its parameter
             names pass ``include``/``exclude`` and ``scope`` is ``all`` or ``mlp``. The output layer is never an
             ``up``, whatever ``include_head`` says.
+        owner: the callback named in errors (a ``layer_map`` module name the model lacks is one error naming it,
+            the entry and the closest names).
 
     Example:
         >>> [(layer.name, layer.width, layer.gate is not None) for layer in find_neuron_layers(model)]
@@ -269,18 +272,19 @@ def find_neuron_layers(model: nn.Module, layer_map: Mapping | None = None, exclu
         layers = []
         for name, (incoming, down_name) in layer_map.items():
             in_names = [incoming] if isinstance(incoming, str) else list(incoming)
-            modules = [_submodule(model, n, name) for n in [*in_names, down_name]]
+            modules = [_submodule(model, n, name, owner) for n in [*in_names, down_name]]
             if any(n in heads for n in in_names):
-                raise ValueError(f"ReDoMonitor layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
+                raise ValueError(f"{owner} layer_map[{name!r}]: {sorted(heads & set(in_names))} is the output "
                                  "layer, which ReDo never recycles")
             computed = [n for n, m in zip([*in_names, down_name], modules) if parametrization(m, "weight")]
             if computed:
-                raise ValueError(f"ReDoMonitor layer_map[{name!r}]: the weights of {computed} are computed by a "
+                raise ValueError(f"{owner} layer_map[{name!r}]: the weights of {computed} are computed by a "
                                  "parametrization (weight norm, ...), which recycling would write past; remove it "
                                  "(torch.nn.utils.parametrize.remove_parametrizations) or leave the layer out")
             gate, up = (modules[0], modules[1]) if len(in_names) == 2 else (None, modules[0])
             layers.append(check_layer(HiddenUnits(name, up, modules[-1], gate)))
         return layers
+    require_patterns_match(model, owner, exclude=exclude)
     recurrent = recurrent_refusals(model)
     if recurrent:
         warnings.warn(f"ReDo does not recycle the hidden units of {recurrent}: a recurrent unit's output feeds back "
@@ -322,11 +326,42 @@ def _plain_trainable(layer: nn.Module) -> bool:
     return not is_frozen(layer, "weight") and not parametrization(layer, "weight")
 
 
-def _submodule(model: nn.Module, path: str, entry: str) -> nn.Module:
+def _submodule(model: nn.Module, path: str, entry: str, owner: str) -> nn.Module:
     try:
         return model.get_submodule(path)
-    except AttributeError as err:
-        raise ValueError(f"ReDoMonitor layer_map[{entry!r}]: the model has no module {path!r} ({err})") from err
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        raise ValueError(f"{owner} layer_map[{entry!r}]: the model has no module {path!r}"
+                         f"{close_matches(path, names)}; name modules as model.named_modules() lists them, e.g. "
+                         f"{names[:4]}") from None
+
+
+def check_layer_map(layer_map, owner: str) -> dict | None:
+    """``layer_map`` (``{name: (up | [gate, up], down)}`` by module names; any Mapping / Sequence types) as a plain
+    dict, or None; another shape is one error naming ``owner`` and the entry. Whether the names exist is checked
+    at setup, against the model (:func:`find_neuron_layers`).
+
+    Example:
+        >>> check_layer_map({"ffn": (["w_gate", "w_up"], "w_down")}, "ReDoMonitor")
+        {'ffn': (['w_gate', 'w_up'], 'w_down')}
+    """
+    if layer_map is None:
+        return None
+    shape = "{name: (up_name | [gate_name, up_name], down_name)}, e.g. {'mlp0': ('fc1', 'fc2')}, or None to find them"
+    if not isinstance(layer_map, Mapping) or not layer_map:
+        raise ValueError(f"{owner} layer_map={layer_map!r} must be a mapping {shape}")
+    clean = {}
+    for name, entry in layer_map.items():
+        incoming = down = None
+        if not isinstance(entry, str) and isinstance(entry, Sequence) and len(entry) == 2:
+            incoming, down = entry
+            incoming = ([incoming] if isinstance(incoming, str) else list(incoming)
+                        if isinstance(incoming, Sequence) else None)
+        if not incoming or len(incoming) > 2 or not all(isinstance(n, str) and n for n in [*incoming, down]):
+            raise ValueError(f"{owner} layer_map[{name!r}]={entry!r} must be (up_name | [gate_name, up_name], "
+                             f"down_name): layer_map is {shape}")
+        clean[str(name)] = (incoming[0] if len(incoming) == 1 else incoming, down)
+    return clean
 
 
 def validate_patterns(**patterns) -> None:
@@ -341,6 +376,28 @@ def validate_patterns(**patterns) -> None:
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def require_patterns_match(model: nn.Module, owner: str, **patterns) -> None:
+    """Each ``include``/``exclude`` pattern must match a parameter of ``model``: one that matches none is a typo
+    (an ``exclude`` that leaves the layer treated, an ``include`` that drops it), so it is one error at setup
+    naming ``owner``, the argument, the pattern and the closest parameter names.
+
+    Example:
+        >>> require_patterns_match(model, "L2Init", include=None, exclude=["head.wieght"])
+        ValueError: L2Init exclude pattern 'head.wieght' matches no parameter of the model (did you mean 'head.weight'?) ...
+    """
+    names = [name for name, _ in model.named_parameters()]
+    for argument, values in patterns.items():
+        for pattern in values or ():
+            if not _matches_any(pattern, names):
+                raise ValueError(f"{owner} {argument} pattern {pattern!r} matches no parameter of the model"
+                                 f"{close_matches(pattern, names)}; patterns are fnmatch patterns on parameter names, "
+                                 f"e.g. {names[:3]}")
+
+
+def _matches_any(pattern: str, names: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names)
 
 
 def refuse_parametrized(targets: Iterable[WeightView], owner: str, through: Mapping[str, str] | None = None

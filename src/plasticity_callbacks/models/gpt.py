@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import KVCache, rms_norm
+from ..arguments import refuse_unknown_fields
 from ..errors import ConfigError
 from .registry import ATTENTIONS, MLPS, POSITIONS
 
 
+@refuse_unknown_fields
 @dataclass
 class GPTConfig:
     vocab_size: int = 264  # 256 bytes + special tokens, padded to a multiple of 8

@@ -33,11 +33,13 @@ from pathlib import Path
 import torch
 
 from ..console import configure_run_output
-from ..methods import method_names
+from ...errors import ConfigError
+from ..methods import check_method_targets, method_names
 from .figure import plot_ranking
 from .metrics import late_stream_accuracy
-from .results import SHIPPED_RESULTS, Results, RunResult, check_comparable, load_results, save_results
-from .runs import STREAMS, Job, run_job, sweep
+from .results import (SHIPPED_RESULTS, Results, ResultsError, RunResult, check_comparable, load_results,
+                      save_results)
+from .runs import STREAMS, Job, compose_run, run_job, sweep
 from .table import BASELINES, PRIMARY, caption, per_seed_csv, ranking_table, short_table, tuning_table
 
 README_MARKERS = ("<!-- plasticity-benchmark: table -->", "<!-- plasticity-benchmark: end -->")
@@ -154,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.methods and not args.rerun_baselines:
         if not SHIPPED_RESULTS.is_file():
             raise SystemExit(f"plasticity-benchmark: no shipped results at {SHIPPED_RESULTS}; add --rerun-baselines")
-        shipped = load_results(SHIPPED_RESULTS)
+        try:
+            shipped = load_results(SHIPPED_RESULTS, require_checksum=True)
+        except ResultsError as error:
+            raise SystemExit(f"plasticity-benchmark: {error}") from None
         try:
             check_comparable(shipped, results)
         except ValueError as error:
@@ -172,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
         results.tuned = {m: s for m, s in shipped.tuned.items() if m not in methods}
     elif args.methods:
         methods = [*[b for b in BASELINES if b not in methods], *methods]
+    for method in methods:  # a user's method file instantiates only the package's classes, checked before any run
+        try:
+            check_method_targets(compose_run(Path("unused"), [f"+method={method}"], args.config_dir).method,
+                                 [args.config_dir] if args.config_dir else [])
+        except ConfigError as error:
+            raise SystemExit(f"plasticity-benchmark: {error}") from None
     started = cpu_seconds(), time.perf_counter()
     jobs = [Job(s, m, "", seed) for seed in args.seeds for m in methods for s in streams]
     sweeps = {} if args.no_tuning else {m: found for m in methods if (found := sweep(m, args.config_dir))}

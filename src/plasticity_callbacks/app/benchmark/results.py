@@ -4,6 +4,9 @@ accuracies and the CPU seconds, in one JSON file.
 The package ships the baselines' file (``benchmark_results/ranking_runs.json``), so a user's method is
 placed against them, paired by seed, without re-running them; :func:`check_comparable` refuses to pair
 runs of unlike settings (another stream length, other seeds) instead of comparing them silently.
+The file is written with its SHA-256 beside it (``ranking_runs.json.sha256``) and :func:`load_results` checks it
+and the file's shape: numbers edited by hand, a truncated or foreign file is one :class:`ResultsError` line
+naming the file, never a ranking built on them.
 
 Example:
     >>> shipped = load_results(SHIPPED_RESULTS)
@@ -13,10 +16,12 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ... import __version__
+from ..runs.verified_files import recorded_checksum, sha256_of_file, write_verified
 
 SHIPPED_RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results" / "ranking_runs.json"
 
@@ -80,18 +85,75 @@ class Results:
         return [r for r in self.runs if r.seed in self.tuning_seeds]
 
 
+class ResultsError(ValueError):
+    """A benchmark results file that cannot be trusted or read: one line naming it and what is wrong."""
+
+
 def save_results(results: Results, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``results`` as JSON with its ``.sha256`` beside it (:func:`load_results` checks both)."""
     data = asdict(results)
     data["runs"] = sorted(data["runs"], key=lambda r: (r["stream"], r["method"], r["setting"], r["seed"]))
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    write_verified((json.dumps(data, indent=1) + "\n").encode(), path)
     return path
 
 
-def load_results(path: Path) -> Results:
-    data = json.loads(Path(path).read_text())
-    runs = [RunResult(**r) for r in data.pop("runs")]
-    return Results(**data, runs=runs)
+def load_results(path: Path, require_checksum: bool = False) -> Results:
+    """The results in ``path``, checked: against the SHA-256 recorded beside it (required with
+    ``require_checksum``, as for the shipped runs), and its shape (the fields, every run's numbers finite,
+    accuracies in [0, 1], one per task of its stream, its seed among the file's seeds).
+
+    Raises:
+        ResultsError: one line naming the file and what is wrong.
+
+    Example:
+        >>> shipped = load_results(SHIPPED_RESULTS, require_checksum=True)
+    """
+    path = Path(path)
+    try:
+        recorded = recorded_checksum(path)
+    except ValueError as err:  # a malformed checksum file
+        raise ResultsError(str(err)) from None
+    if recorded is None and require_checksum:
+        raise ResultsError(f"{path} has no .sha256 beside it: its numbers cannot be verified; reinstall the package "
+                           "or rerun the baselines (--rerun-baselines)")
+    if recorded is not None and (not path.is_file() or sha256_of_file(path) != recorded[0]):
+        raise ResultsError(f"{path} does not match its recorded SHA-256: its numbers were edited or the file replaced; "
+                           "reinstall the package or rerun the baselines (--rerun-baselines)")
+    try:
+        data = json.loads(path.read_text())
+        runs = [RunResult(**r) for r in data.pop("runs")]
+        results = Results(**data, runs=runs)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ResultsError(f"{path} is not a benchmark results file ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); expected the fields "
+                           f"{[f.name for f in fields(Results)]}") from None
+    problem = _first_problem(results)
+    if problem:
+        raise ResultsError(f"{path}: {problem}; the file was edited or written by something else")
+    return results
+
+
+def _first_problem(results: Results) -> str | None:
+    if not isinstance(results.streams, dict) or not all(isinstance(s, dict) and isinstance(s.get("num_tasks"), int)
+                                                        for s in results.streams.values()):
+        return f"streams={results.streams!r} is not {{name: {{data, num_tasks, steps_per_task}}}}"
+    seeds = set(results.seeds) | set(results.tuning_seeds)
+    for run in results.runs:
+        what = f"run {run.stream}/{run.method}/{run.setting or 'default'}/seed {run.seed}"
+        if run.stream not in results.streams:
+            return f"{what} names a stream the file does not describe"
+        if run.seed not in seeds:
+            return f"{what}: seed {run.seed} is neither a ranking nor a tuning seed"
+        numbers = [*run.accuracy, *run.online_accuracy]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1
+                   for v in numbers):
+            return f"{what}: an accuracy outside [0, 1] or not a number"
+        tasks = results.streams[run.stream]["num_tasks"] if run.seed in results.seeds else None
+        if tasks is not None and len(run.accuracy) != tasks:
+            return f"{what}: {len(run.accuracy)} accuracies for {tasks} tasks"
+        if not isinstance(run.cpu_seconds, (int, float)) or not math.isfinite(run.cpu_seconds) or run.cpu_seconds < 0:
+            return f"{what}: cpu_seconds={run.cpu_seconds!r}"
+    return None
 
 
 def check_comparable(shipped: Results, mine: Results) -> None:

@@ -15,6 +15,7 @@ require_app()  # the [app] extra: one line naming the install, before the import
 import argparse
 from pathlib import Path
 
+from .metric_logs import RunFolderError
 from .runs import build_report
 from .streams import build_stream_report, has_stream_runs
 
@@ -31,5 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         text, figures = report(args.run_dir, args.out)
     except FileNotFoundError as err:
         parser.exit(2, f"plasticity-report: {err}\n")
+    except RunFolderError as err:  # a damaged or foreign file in the folder: named, one line
+        parser.exit(1, f"plasticity-report: {err}\n")
     print(text)
     print("\n".join(f"wrote {p}" for p in [(args.out or args.run_dir / "report") / "report.md", *figures]))

@@ -11,6 +11,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +20,32 @@ from pathlib import Path
 # run dir itself (a plain Lightning run: lightning_logs/version_0/metrics.csv or its event files).
 LOG_FOLDERS = ("logs", "tensorboard", "")
 MLFLOW_STORE = "mlflow.db"  # configs/logger/mlflow.yaml: a SQLite tracking store in the run dir
+
+
+class RunFolderError(ValueError):
+    """A file of a run folder the report cannot read as the package writes it: one line naming it."""
+
+
+@contextlib.contextmanager
+def reading(path: Path, what: str):
+    """Inside, a file of a run folder that is not what the package writes (not JSON, a list for a dict, a word
+    for a number, a missing column) is one :class:`RunFolderError` naming ``path``, not a traceback from deep in
+    the report: a run folder is data, possibly damaged or written by something else.
+
+    Example:
+        >>> with reading(run_dir / "pipeline.json", "a pipeline state"):
+        ...     state = json.loads((run_dir / "pipeline.json").read_text())
+    """
+    import yaml
+
+    try:
+        yield
+    except RunFolderError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, csv.Error, yaml.YAMLError) as err:
+        detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else ""
+        raise RunFolderError(f"{path} is not {what} as plasticity-train writes it ({type(err).__name__}: {detail}); "
+                             "remove it from the folder or restore it") from None
 
 
 def holds_metrics(path: Path) -> bool:

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .metric_logs import has_metrics, read_rows
+from .metric_logs import RunFolderError, has_metrics, read_rows, reading
 
 log = logging.getLogger(__name__)
 
@@ -175,24 +175,42 @@ def find_runs(root: Path) -> list[Run]:
     varies among them."""
     runs = []
     for state_file in sorted(root.rglob("pipeline.json")):
-        state = json.loads(state_file.read_text())
-        if state.get("phases"):
-            runs.append(Run(state_file.parent, state["method"], int(state["seed"]), state))
+        with reading(state_file, "a pipeline state"):
+            state = json.loads(state_file.read_text())
+            if state.get("phases"):
+                _check_pipeline_state(state)
+                runs.append(Run(state_file.parent, str(state["method"]), int(state["seed"]), state))
     pipeline_dirs = {r.path for r in runs}
     single_fits = {config.parent.parent for config in root.rglob(".hydra/config.yaml")}
     for run_dir in sorted(single_fits):
-        if run_dir not in pipeline_dirs and (found := single_fit_state(run_dir)) is not None:
-            runs.append(Run(run_dir, found[0], found[1], found[2]))
+        with reading(run_dir / ".hydra" / "config.yaml", "a run's config with its metrics"):
+            if run_dir not in pipeline_dirs and (found := single_fit_state(run_dir)) is not None:
+                runs.append(Run(run_dir, found[0], found[1], found[2]))
     known = pipeline_dirs | single_fits
     logged = {p.parent for pattern in ("metrics.csv", "events.out.tfevents.*") for p in root.rglob(pattern)}
     for run_dir in sorted(logged):
         if not any(run_dir == d or run_dir.is_relative_to(d) for d in known):
             runs.append(plain_run(run_dir, root))
     for run in runs:
-        run.overrides = read_overrides(run.path)
-        run.curves = read_curves(run)
+        with reading(run.path, "a run folder (its .hydra/overrides.yaml and metric logs)"):
+            run.overrides = read_overrides(run.path)
+            run.curves = read_curves(run)
     label_runs(runs)
     return runs
+
+
+def _check_pipeline_state(state) -> None:
+    """The shape the report reads: ``{method, seed, phases: {name: {step_offset, numbers or null, ...}}}``."""
+    phases = state["phases"]
+    if not isinstance(phases, dict) or not all(isinstance(p, dict) for p in phases.values()):
+        raise TypeError("phases must map each phase name to its record (a mapping)")
+    for name, phase in phases.items():
+        for key in ("step_offset", "steps", "val_loss", "retention_loss", "dormant_fraction", "minutes"):
+            value = phase.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"phases.{name}.{key}={value!r} is not a number")
+        if not isinstance(phase.get("summary") or {}, dict):
+            raise TypeError(f"phases.{name}.summary is not a mapping")
 
 
 def label_runs(runs: list[Run]) -> list[str]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from matplotlib.ticker import MaxNLocator
 
 from ...callbacks.figures import plt
+from .metric_logs import reading
 from .runs import LINE_STYLES, MARKERS, mean_std, read_overrides
 
 # (column, title, y label): the figure's panels, in reading order
@@ -112,9 +113,14 @@ def find_stream_runs(root: Path) -> list[StreamRun]:
         tasks_file = info_file.with_name("tasks.csv")
         if not tasks_file.is_file():
             continue
-        info = json.loads(info_file.read_text())
-        with tasks_file.open(newline="") as f:
+        with reading(info_file, "a stream record"):
+            info = json.loads(info_file.read_text())
+            int(info["seed"])
+        with reading(tasks_file, "a task table"), tasks_file.open(newline="") as f:
             rows = [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(f)]
+            missing = sorted({"task", "accuracy"} - set(rows[0])) if rows else []
+            if missing:
+                raise KeyError(f"no column {missing}")
         tasks = sorted(rows, key=lambda r: r["task"])
         if not tasks:
             continue
@@ -212,7 +218,8 @@ def diagnostics_table(runs: list[StreamRun], k: int | None = None) -> str:
         cells = [label]
         for name, digits in shown:
             for part in (slice(0, k), slice(-k, None)):
-                cells.append(cell([finite_mean(t[name] for t in r.tasks[part]) for r in members], digits))
+                cells.append(cell([finite_mean(t.get(name, math.nan) for t in r.tasks[part]) for r in members],
+                                  digits))  # a diagnostic a table lacks: shown as —
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

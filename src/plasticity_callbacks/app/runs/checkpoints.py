@@ -384,6 +384,9 @@ class ModelCheckpointAfterValidation(ModelCheckpoint):
 
     def _save_and_stop(self, trainer) -> None:
         path = Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        # Recorded before the save, so the checkpoint's own state names it: a stop before the first interval's
+        # save would otherwise leave last_model_path empty and the resumed run write last-v1.ckpt beside it.
+        self.last_model_path = str(path)
         self._save_checkpoint(trainer, str(path))
         trainer.strategy.barrier("stop_signal_checkpoint")
         verify_file(path)
