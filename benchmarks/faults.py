@@ -806,7 +806,7 @@ def bad_inputs(root: Path):
         ("Schedule(bogus=1)", lambda: Schedule(bogus=1), ValueError),
         ("declare_plasticity fused naming a bias", lambda: declare_plasticity(
             nn.Sequential(nn.Linear(4, 6)), fused={"0.bias": {"a": 3, "b": 3}}), ValueError),
-        ("ReDoMonitor exclude pattern matching nothing", lambda: ReDoMonitor(exclude=["nett.*"]).setup(
+        ("ReDoMonitor exclude pattern matching nothing", lambda: ReDoMonitor(selection={"exclude": ["nett.*"]}).setup(
             SimpleNamespace(strategy=None), model, "fit"), ValueError),
     ]
 

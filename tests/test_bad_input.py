@@ -47,7 +47,7 @@ BAD_ARGUMENTS = [
     ("ReDoMonitor", dict(schedule={"at_fit_start": True}), "at_fit_start"),
     ("ReDoMonitor", dict(schedule="every 100 steps"), "schedule"),
     ("ReDoMonitor", dict(init="kaiming"), "init"),
-    ("ReDoMonitor", dict(exclude="blocks.*"), "exclude"),
+    ("ReDoMonitor", dict(selection={"exclude": "blocks.*"}), "exclude"),
     ("ReDoMonitor", dict(layer_map={}), "layer_map"),
     ("ReDoMonitor", dict(seed="zero"), "seed"),
     ("DASHPeriodic", dict(schedule={"every_n_steps": 0}), "every_n_steps"),
@@ -143,7 +143,7 @@ def _fake_trainer(module: nn.Module):
 
 
 EMPTY_SELECTIONS = [
-    ("ReDoMonitor", dict(exclude=["*"]), "setup"),
+    ("ReDoMonitor", dict(selection={"exclude": ["*"]}), "setup"),
     ("DASHShrink", dict(selection=dict(include=["no_such_layer.*"])), "on_fit_start"),
     ("DASHShrink", dict(selection=dict(scope="attention")), "on_fit_start"),  # the MLP declares no attention
     ("AdaptiveSVDSwitch", dict(selection=dict(exclude=["*"])), "setup"),

@@ -117,8 +117,10 @@ def test_hook_based_redo_on_a_model_compiled_before_it_attached_fails_loudly():
     module = TinyMLPModule()
     module.forward = torch.compile(module.forward, backend="eager")  # Dynamo alone: seconds, not minutes
     cpu_trainer(max_steps=2).fit(module, regression_loader())  # traced without hooks
+    # a declared layer_map: no forward at setup, which would have Dynamo trace the graph again
     with pytest.raises(RuntimeError, match="saw no activations.*compiled"):
-        cpu_trainer(max_steps=2, callbacks=[ReDoMonitor(collect_every_n_steps=1)]).fit(module, regression_loader())
+        cpu_trainer(max_steps=2, callbacks=[ReDoMonitor(collect_every_n_steps=1, layer_map={"mlp": ("net.0", "net.2")})]
+                    ).fit(module, regression_loader())
     torch._dynamo.reset()  # traced with the hooks in place, they run
     redo = ReDoMonitor(collect_every_n_steps=1)
     cpu_trainer(max_steps=2, callbacks=[redo]).fit(module, regression_loader())

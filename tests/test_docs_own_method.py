@@ -97,7 +97,7 @@ def test_the_doc_method_refuses_bad_arguments_damaged_state_and_fsdp2_by_name(do
 # What the scratch copy must run and pass for the new method: its own test and each cross-cutting test.
 EXPECTED = {
     "test_parseval": 2,
-    "test_bad_input": 6,  # beta and scale: Inf, NaN and a word each
+    "test_bad_input": 7,  # beta and scale: Inf, NaN and a word each; a selection pattern that matches nothing
     "test_resume_safety": 3,  # wrong keys, a list, a string
     "test_non_finite": 1,  # a NaN weight in the step it acts (it reads no gradient)
     "test_fsdp": 1,  # FSDP2 refused, as it declares

@@ -286,6 +286,21 @@ def test_the_kept_model_map_keeps_no_model_alive():
     assert alive() is None
 
 
+
+def test_a_kept_model_map_leaves_the_parameters_swappable():
+    """``model.to()`` under swap-on-conversion (FSDP2's ``model_to_device``) swaps each parameter's tensor in
+    place, which torch refuses for a tensor with a weak reference: the kept map must hold none."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    select_targets(model)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert {v.param.dtype for v in select_targets(model)} == {torch.float64}  # the map read again, not kept
+
 class Symmetric(nn.Module):
     """A user's own parametrization: no method knows what value of its original gives a wanted weight."""
 

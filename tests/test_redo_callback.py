@@ -323,7 +323,7 @@ def test_layer_map_and_errors():
     dict(tau=-0.1), dict(tau=2.0), dict(collect_every_n_steps=0), dict(log_every_n_steps=1.5), dict(ema_decay=1.0),
     dict(schedule={"every_n_steps": 0}), dict(schedule={"start_step": -1, "steps": [1]}),
     dict(schedule={"at_fit_start": True}), dict(init="kaiming"),
-    dict(layer_map={"x": "net.0"}), dict(layer_map={"x": (["a", "b", "c"], "d")}), dict(exclude="net.*"),
+    dict(layer_map={"x": "net.0"}), dict(layer_map={"x": (["a", "b", "c"], "d")}), dict(selection={"exclude": "net.*"}),
 ])
 def test_constructor_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError, match=f"(?i){next(iter(kwargs))}"):

@@ -95,8 +95,8 @@ def test_step_triggers_are_read_off_global_step_in_any_hook(step_hook, first_see
 def test_every_step_acts_at_every_optimizer_step_of_the_fit_step_0_included(step_hook, seen):
     """every_n_steps=1 is every step: before (or, at a batch end, after) each of the fit's optimizer steps; n > 1
     counts its multiples from the fit's start, which is not one of them."""
-    assert [step for step, _ in fit(Schedule(every_n_steps=1), max_steps=4, step_hook=step_hook)] == seen
-    assert [step for step, _ in fit(Schedule(every_n_steps=2), max_steps=5)] == [2, 4]
+    assert [step for step, _ in fired(Schedule(every_n_steps=1), max_steps=4, step_hook=step_hook)] == seen
+    assert [step for step, _ in fired(Schedule(every_n_steps=2), max_steps=5)] == [2, 4]
 
 
 def test_gradient_accumulation_counts_optimizer_steps_and_fires_once():

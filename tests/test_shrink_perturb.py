@@ -124,7 +124,7 @@ def test_bad_arguments_name_the_argument(kwargs, name):
 
 def test_no_matching_parameters_is_an_error():
     module, loader = build("mlp")
-    with pytest.raises(ValueError, match="no parameters"):
+    with pytest.raises(ValueError, match="matches no parameter"):
         cpu_trainer(max_steps=1, callbacks=[ShrinkPerturb(selection={"include": ["nothing.*"]})]).fit(module, loader)
 
 

@@ -405,8 +405,8 @@ def test_selection_picks_the_layers_like_every_other_method():
     assert [layer.name for layer in find_neuron_layers(model, selection=Selection(include=["blocks.1.*"]))] \
         == ["blocks.1"]
     assert [layer.name for layer in find_neuron_layers(model, selection={"exclude": ["blocks.1.*"]})] == ["blocks.0"]
-    redo = ReDoMonitor(selection={"exclude": ["blocks.0.*"]}, exclude=["nothing"])
-    assert redo.selection.exclude == ("blocks.0.*", "nothing")
+    redo = ReDoMonitor(selection={"exclude": ["blocks.0.*"]})
+    assert redo.selection.exclude == ("blocks.0.*",)
     with pytest.raises(ValueError, match=r"found no neuron layers: the layers found \(blocks.0, blocks.1\) are all "
                                          r"left out by the selection"):
         ReDoMonitor(selection=Selection(scope="attention")).check_targets(None, model)

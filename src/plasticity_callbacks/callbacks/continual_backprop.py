@@ -1,7 +1,7 @@
 """``ContinualBackprop``: Dohare et al.'s generate-and-test, replacing a trickle of low-utility units every step."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -9,11 +9,10 @@ from torch import nn
 
 from ..arguments import check_int, check_number
 from ..distributed.strategy import all_reduce_mean, is_dtensor, rank_identical_generator
-from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers, is_conv1d, validate_patterns
+from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers, is_conv1d
 from ..model_map.experts import expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.neurons import candidates_hint, stores_in_out
-from ..model_map.select import with_exclude
 from ..ops.neuron_reset import reset_norm_channels, zero_unit_state
 from ..distributed.sharding import local_part
 from ..functional import continual_backprop as cbp
@@ -71,7 +70,6 @@ class ContinualBackprop(PlasticityCallback):
             (``√(3/fan_in)``) or ``default`` (``1/√fan_in``, PyTorch's Linear init).
         bias_correction: move a replaced unit's mean contribution into ``down``'s bias.
         layer_map: ``{name: (up | [gate, up], down)}`` by module names; None: found automatically.
-        exclude: shorthand for ``selection.exclude`` (added to it).
         selection: which layers it acts on (a :class:`~model_map.Selection` or a mapping of its fields, as for
             every method): a layer whose ``up`` (and gate) weights it selects; ``scope="mlp"``, ``include`` and
             ``exclude`` patterns on parameter names. ``layer_map`` is the explicit declaration instead.
@@ -92,7 +90,7 @@ class ContinualBackprop(PlasticityCallback):
 
     def __init__(self, replacement_rate: float = 1e-4, maturity_threshold: int = 100, decay_rate: float = 0.99,
                  utility: str = "adaptable_contribution", init: str = "kaiming", bias_correction: bool = True,
-                 layer_map: Mapping | None = None, exclude: Sequence[str] | None = None, seed: int = 0,
+                 layer_map: Mapping | None = None, seed: int = 0,
                  selection: Selection | Mapping | None = None):
         check_number("replacement_rate", replacement_rate, 0.0, 1.0, "(0 replaces nothing; paper: 1e-4)", low_open=True)
         check_int("maturity_threshold", maturity_threshold, 0, hint="(paper: 100)")
@@ -106,8 +104,7 @@ class ContinualBackprop(PlasticityCallback):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} must be an integer")
         layer_map = check_layer_map(layer_map, "ContinualBackprop")
-        validate_patterns(exclude=exclude)
-        super().__init__(None, with_exclude(Selection.build(selection, "ContinualBackprop"), exclude))
+        super().__init__(None, Selection.build(selection, "ContinualBackprop"))
         self.rate, self.maturity, self.decay = float(replacement_rate), maturity_threshold, float(decay_rate)
         self.utility, self.init, self.bias_correction, self.seed = utility, init, bias_correction, seed
         self.layer_map = layer_map
@@ -203,7 +200,7 @@ class ContinualBackprop(PlasticityCallback):
         if missing:
             raise RuntimeError(f"ContinualBackprop saw no activations of {missing} in this training step: their forward "
                                "hooks did not run (a model compiled before the callback attached, or a forward that "
-                               "bypasses these modules); attach it before compiling or pass layer_map= / exclude=")
+                               "bypasses these modules); attach it before compiling or pass layer_map= / selection={'exclude': [...]}")
         device = self.layers[0].up.weight.device
         seen = [(pair, 1.0) if pair is not None else ((torch.zeros(l.width, device=device),) * 2, 0.0)
                 for l, pair in zip(self.layers, self._batch)]

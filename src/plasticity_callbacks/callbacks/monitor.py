@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..arguments import build_options, check_int, check_number
+from ..arguments import build_options, check_int, check_number, refuse_unknown_fields
 from ..distributed.sharded_state import copies_of, state_copy
 from ..distributed.strategy import is_dtensor, rank_identical_generator
 from ..functional import diagnostics as D
@@ -28,6 +28,7 @@ from .step_logging import log_at_step
 GROUPS = ("activations", "weights", "spectra", "curvature")
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class Curvature:
     """The monitor's curvature group: the top Hessian eigenvalue of the loss on a held batch (Lyle et al. 2023),

@@ -1,7 +1,7 @@
 """``ReDoMonitor``: watch dormant neurons during training and optionally recycle them (ReDo)."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -10,11 +10,10 @@ from torch import nn
 from ..arguments import check_bool, check_int, check_number
 from ..errors import CheckpointError
 from ..distributed.strategy import all_reduce_mean, rank_identical_generator
-from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers, validate_patterns
+from ..model_map import HiddenUnits, Selection, check_layer_map, find_neuron_layers
 from ..model_map.experts import ExpertMatrix, expert_hidden
 from ..model_map.hidden_inputs import HiddenInputReaders
 from ..model_map.neurons import candidates_hint
-from ..model_map.select import with_exclude
 from ..ops.redo import recycle_
 from .schedule import Schedule
 from .step_logging import log_at_step
@@ -95,7 +94,6 @@ class ReDoMonitor(PlasticityCallback):
         selection: which layers are watched (a :class:`~model_map.Selection` or a mapping of its fields, as for
             every method): a layer whose ``up`` (and gate) weights it selects; ``scope="mlp"``, ``include`` and
             ``exclude`` patterns on parameter names. ``layer_map`` is the explicit declaration instead.
-        exclude: shorthand for ``selection.exclude`` (added to it).
         plot_scores: save a histogram of the scores per layer at the end of training.
         seed: mixed with the global step and layer into the re-sampling generator.
 
@@ -132,7 +130,6 @@ class ReDoMonitor(PlasticityCallback):
         schedule: Schedule | Mapping | None = None,
         init: str = "init_std",
         layer_map: Mapping | None = None,
-        exclude: Sequence[str] | None = None,
         selection: Selection | Mapping | None = None,
         plot_scores: bool = False,
         seed: int = 0,
@@ -141,7 +138,7 @@ class ReDoMonitor(PlasticityCallback):
         check_int("collect_every_n_steps", collect_every_n_steps)
         check_int("log_every_n_steps", log_every_n_steps)
         check_number("ema_decay", ema_decay, 0.0, 1.0, "(1 never updates the EMA)", high_open=True)
-        super().__init__(schedule, with_exclude(Selection.build(selection, "ReDoMonitor"), exclude))
+        super().__init__(schedule, Selection.build(selection, "ReDoMonitor"))
         if self.schedule is not None and self.schedule.at_fit_start:
             raise ValueError("ReDoMonitor schedule.at_fit_start=True: recycling needs statistics, and at fit start "
                              "there are none yet; use steps, every_n_steps, epochs, task boundaries or a plateau")
@@ -149,7 +146,6 @@ class ReDoMonitor(PlasticityCallback):
             raise ValueError(f"init={init!r} is not one of {CALLBACK_INITS}")
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an integer")
-        validate_patterns(exclude=exclude)
         self.layer_map = check_layer_map(layer_map, "ReDoMonitor")
         self.tau, self.ema_decay, self.init = float(tau), float(ema_decay), init
         self.collect_every_n_steps, self.log_every_n_steps = collect_every_n_steps, log_every_n_steps

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import build_options
+from ..arguments import build_options, refuse_unknown_fields
 
 from .corpus import read_text, split_files, stdlib_dir, stdlib_files
 from .digits import DigitsTaskStream, Task, generator
@@ -43,6 +43,7 @@ BYTES = 256
 _WINDOWS, _TARGETS, _PERMUTATION, _PROBE, _HELD_OUT = 10, 11, 12, 13, 14
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class LMDesign:
     """What changes from task to task in an :class:`LMTaskStream`, with that design's own settings (the module

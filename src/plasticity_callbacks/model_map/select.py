@@ -75,7 +75,8 @@ def _structure(model: nn.Module) -> tuple[tuple, list]:
         declared = module.__dict__.get(DECLARATION)
         parts.append((name, id(module), type(module), params, id(declared),
                       _attribute(module, "plasticity_role"), _attribute(module, "output_head_name")))
-        objects += [p for p in module._parameters.values() if p is not None]
+        # no weak reference to a parameter: torch.utils.swap_tensors (model.to() under FSDP2, swap-on-conversion)
+        # refuses a tensor that has one. A parameter's id cannot be reused while the kept views hold it.
         objects += [o for o in (module, declared) if o is not None and o is not model]
     return tuple(parts), objects
 
@@ -175,7 +176,7 @@ class Selection:
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"scope={self.scope!r} is not one of {SCOPES}")
-        validate_patterns(include=self.include, exclude=self.exclude)
+        validate_patterns("Selection", include=self.include, exclude=self.exclude)
         for name in ("include_conv", "include_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Selection {name}={getattr(self, name)!r} must be true or false")
@@ -202,7 +203,7 @@ class Selection:
 
 def with_exclude(selection: Selection, exclude: Sequence[str] | None) -> Selection:
     """``selection`` with the ``exclude`` patterns added to its own (ReDo's and ContinualBackprop's shorthand)."""
-    validate_patterns(exclude=exclude)
+    validate_patterns("find_neuron_layers", exclude=exclude)
     return replace(selection, exclude=(*(selection.exclude or ()), *exclude)) if exclude else selection
 
 
@@ -364,14 +365,14 @@ def check_layer_map(layer_map, owner: str) -> dict | None:
     return clean
 
 
-def validate_patterns(**patterns) -> None:
-    """Each keyword (``include=``, ``exclude=``) must be None or a list of ``fnmatch`` patterns."""
+def validate_patterns(owner: str, **patterns) -> None:
+    """Each keyword (``include=``, ``exclude=``) must be None or a list of ``fnmatch`` patterns; errors name ``owner``."""
     for name, value in patterns.items():
         if value is None:
             continue
         # A bare string would be iterated character by character: demand a list of patterns.
         if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
-            raise ValueError(f"{name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
+            raise ValueError(f"{owner} {name} must be a list of fnmatch patterns such as ['blocks.*'], got {value!r}")
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..arguments import build_options, check_int, check_number
+from ..arguments import build_options, check_int, check_number, refuse_unknown_fields
 from ..model_map import Selection, select_targets
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class OptimizerSettings:
     """The GPT's optimizer and learning-rate schedule, as ``configs/optimizer/<name>.yaml`` writes them; checked
