@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-import torch
 
 from plasticity_callbacks.callbacks.figures import new_figure, save_figure
 

@@ -4,7 +4,6 @@ Every check reads the raw parameters after a fit with SGD at lr 0, so every chan
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -101,7 +100,7 @@ def test_a_frozen_layer_is_left_bit_identical_by_every_callback(method):
     model.fc2.requires_grad_(False)  # the down of fc1's units and the up of its own
     before = snapshot(model)
     fit(Lit(model, inputs()), CALLBACKS[method](), steps=3)
-    assert_untouched(model, before, ["fc2.weight", "fc2.bias"])  # today: changed by each
+    assert_untouched(model, before, ["fc2.weight", "fc2.bias"])  # the failure this catches: changed by each
     changed = [n for n in ("fc1.weight", "fc3.weight") if not torch.equal(dict(model.named_parameters())[n], before[n])]
     assert changed, f"{method} changed nothing: the frozen check must not silence the method"
 
@@ -126,7 +125,7 @@ def test_dash_leaves_a_weight_without_gradient_as_it_is():
     model.output_head_name = "head"  # the last Linear registered is no longer the head
     before = snapshot(model)
     fit(Lit(model, inputs()), DASHShrink(n_batches=2, shrink_bias=False))
-    assert torch.equal(model.unused.weight, before["unused.weight"])  # today: every row × 0.3
+    assert torch.equal(model.unused.weight, before["unused.weight"])  # the failure this catches: every row × 0.3
     assert not torch.equal(model.fc1.weight, before["fc1.weight"])
 
 
@@ -157,7 +156,7 @@ def test_lora_base_and_head_stay_bit_identical(method):
     fit(Lit(model, inputs()), CALLBACKS[method]())
     frozen = frozen_names(model)
     assert len(frozen) == 6  # fc1, fc2 base weight and bias, the head's weight and bias
-    assert_untouched(model, before, frozen)  # today: DASH ×0.3, FIRE polar factors, S&P a fresh head
+    assert_untouched(model, before, frozen)  # the failure this catches: DASH ×0.3, FIRE polar factors, S&P a fresh head
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_" in n)
 
 
@@ -170,7 +169,7 @@ def test_lora_adapters_are_redrawn_by_peft_init():
         torch.testing.assert_close(params[name].detach(), 0.5 * value, rtol=0, atol=0)
     fit(Lit(model, inputs()), FullReset(seed=3))
     for name in lora_names(model, "B"):
-        assert torch.count_nonzero(params[name]) == 0  # today: Linear's kaiming draw
+        assert torch.count_nonzero(params[name]) == 0  # the failure this catches: Linear's kaiming draw
     for name in lora_names(model, "A"):  # kaiming_uniform(a=√5): U(±1/√fan_in), std 1/√(3·fan_in)
         fan_in = params[name].shape[1]
         assert params[name].std().item() == pytest.approx(1 / math.sqrt(3 * fan_in), rel=0.1)
@@ -218,8 +217,8 @@ def originals(model: Deep) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", sorted(PARAMETRIZED))
 def test_parametrized_weight_is_named_in_coverage_with_what_each_method_does(kind):
     model = parametrized_mlp(kind)
-    table = coverage_report(model)  # today: AttributeError
-    assert f"fc2.parametrizations.weight.original" in table and f"parametrized ({PARAMETRIZED[kind][1]})" in table
+    table = coverage_report(model)  # the failure this catches: AttributeError
+    assert "fc2.parametrizations.weight.original" in table and f"parametrized ({PARAMETRIZED[kind][1]})" in table
     assert [t.name for t in select_targets(model)] == ["fc1.weight", "fc2.weight", "fc3.weight"]
     kept = originals(model)  # DASHShrink: weight norm through g, the others refused by name (tests/test_parametrized)
     if kind == "weight_norm":
@@ -248,7 +247,7 @@ def test_redo_leaves_parametrized_units_alone_and_says_so(kind):
 def test_full_reset_draws_a_parametrized_weight_through_its_parametrization(kind):
     model = parametrized_mlp(kind)
     kept = originals(model)
-    fit(Lit(model, inputs()), FullReset(seed=7))  # today: AttributeError (delta) or original0/1 skipped
+    fit(Lit(model, inputs()), FullReset(seed=7))  # the failure this catches: AttributeError (delta) or original0/1 skipped
     fresh = originals(model)
     v = fresh["original1" if kind == "weight_norm" else "original"]  # a fresh Linear weight: U(±1/√fan_in)
     assert not torch.equal(v, kept["original1" if kind == "weight_norm" else "original"])
@@ -359,7 +358,7 @@ def test_full_reset_draws_nanogpt_by_its_own_init():
     tokens = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
     fit(Lit(model, tokens), FullReset(seed=1))
     for name, p in model.named_parameters():
-        if p.dim() == 2:  # today: c_proj 0.051 and c_fc 0.10 (PyTorch's Linear default), not 0.010 and 0.020
+        if p.dim() == 2:  # the failure this catches: c_proj 0.051 and c_fc 0.10 (PyTorch's Linear default), not 0.010 and 0.020
             assert p.std().item() == pytest.approx(nano_std(name), rel=0.1), name
             assert abs(p.mean().item()) < 0.2 * nano_std(name), name
         elif name.endswith("bias"):
@@ -392,7 +391,7 @@ def test_full_reset_draws_nn_transformer_by_its_xavier_pass():
     module.model = _SelfTransformer(model)
     fit(module, FullReset(seed=2))
     for name, p in model.named_parameters():
-        if p.dim() == 2:  # xavier_uniform: std √(2 / (fan_in + fan_out)); today linear1/2 and out_proj: kaiming
+        if p.dim() == 2:  # xavier_uniform: std √(2 / (fan_in + fan_out)); the failure this catches: linear1/2 and out_proj kaiming
             assert p.std().item() == pytest.approx(math.sqrt(2 / sum(p.shape)), rel=0.12), name
 
 
@@ -430,7 +429,7 @@ def test_fire_on_mha_with_kdim_vdim_treats_each_projection_and_leaves_a_frozen_o
     model.attn.k_proj_weight.requires_grad_(False)
     before = snapshot(model)
     fit(Lit(model, torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(0))), FIREReinit())
-    assert torch.equal(model.attn.k_proj_weight, before["attn.k_proj_weight"])  # today: orthogonalized
+    assert torch.equal(model.attn.k_proj_weight, before["attn.k_proj_weight"])  # the failure this catches: orthogonalized
     for name in ("q_proj_weight", "v_proj_weight", "out_proj.weight"):
         s = singular_values(model.attn.get_parameter(name))
         torch.testing.assert_close(s / s[0], torch.ones_like(s), atol=1e-4, rtol=0)
@@ -481,7 +480,7 @@ def test_redo_recycles_nanogpt_rows_by_its_own_init():
     weight = model.transformer.h[0].mlp.c_fc.weight.detach()
     recycled = (weight != before["transformer.h.0.mlp.c_fc.weight"]).any(dim=1)
     assert 16 <= int(recycled.sum()) < 128
-    assert weight[recycled].std().item() == pytest.approx(0.02, rel=0.15)  # today: Linear's default, 0.10
+    assert weight[recycled].std().item() == pytest.approx(0.02, rel=0.15)  # the failure this catches: Linear's default, 0.10
 
 
 class BareParameter(nn.Module):

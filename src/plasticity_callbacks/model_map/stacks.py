@@ -144,7 +144,7 @@ def unproven_split(name: str, rows: int, use: ParameterUse, declaration: str | N
             "trace) before cutting it, so whether its rows form one matrix or several cannot be proven; declare the "
             f"split the forward uses: declare_plasticity(model, fused={{{name!r}: {suggested}}})"
             + ("  # as read through those ops: check it against the forward" if use.suggested else
-               f"  # one matrix; give row counts or row index lists if the forward cuts it"))
+               "  # one matrix; give row counts or row index lists if the forward cuts it"))
 
 
 def read_layouts(model: nn.Module, layer_params: set[int]) -> Layouts:

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .metric_logs import RunFolderError, has_metrics, read_rows, reading
+from .metric_logs import has_metrics, read_rows, reading
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ...errors import CheckpointError
-from .checkpoint_folders import load_sharded, read_folder, verify_folder
+from .checkpoint_folders import load_sharded, read_folder
 from .checkpoints import VerifiedCheckpointIO, verify_file
 from .verified_files import trusted_by_environment
 
