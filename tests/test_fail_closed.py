@@ -290,3 +290,129 @@ def test_a_causal_depthwise_conv_of_any_sequence_mixer_is_left_alone_and_listed(
     assert max(off_isometry(w[i * H:(i + 1) * H]) for i in range(3)) < 1e-6
     [row] = [r for r in coverage(model) if r[0] == "mixer.conv.weight"]
     assert row[2] == "untreated" and "depthwise causal conv1d of ShortConv" in row[3] and "include=" in row[3]
+
+
+# --- Models the map must run on an input it makes (or be told one), else refuse -----------------------------------
+
+
+def polar64(matrix: torch.Tensor) -> torch.Tensor:
+    """The polar factor U Vᵀ of ``matrix`` in float64 (an independent SVD, not FIRE's solver)."""
+    u, _, vh = torch.linalg.svd(matrix.detach().double(), full_matrices=False)
+    return u @ vh
+
+
+def assert_scaled_polar(new: torch.Tensor, old: torch.Tensor, what: str) -> None:
+    """``new`` is a positive multiple of ``old``'s polar factor (the multiple is FIRE's scale rule, not checked)."""
+    target = polar64(old)
+    new = new.detach().double()
+    scale = float((new * target).sum() / (target * target).sum())
+    assert scale > 0 and torch.allclose(new, scale * target, atol=1e-5 * scale), what
+
+
+class PixelViT(nn.Module):
+    """Images in, a fused qkv reshaped ``(B, T, 3, heads, hd)``: no token id or vector input runs it."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.patch, self.qkv, self.proj, self.head = nn.Conv2d(3, d, 4, 4), nn.Linear(d, 3 * d), nn.Linear(d, d), \
+            nn.Linear(d, 5)
+        self.d, self.heads = d, heads
+
+    def forward(self, image):
+        x = self.patch(image).flatten(2).transpose(1, 2)  # (B, T, d)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attention = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads), -1) @ v
+        return self.head(self.proj(attention.transpose(1, 2).reshape(b, t, d)).mean(1))
+
+
+def test_a_model_that_takes_images_is_run_on_a_made_image_and_its_fused_qkv_treated_per_block():
+    torch.manual_seed(3)
+    model = PixelViT()
+    before = model.qkv.weight.detach().clone()
+    apply_fire(model, None, FIREOptions(method="svd"))
+    d = model.d
+    for i, part in enumerate("qkv"):  # the forward's reshape puts q, k, v in consecutive d-row blocks
+        rows = slice(i * d, (i + 1) * d)
+        assert_scaled_polar(model.qkv.weight[rows], before[rows], part)
+
+
+class TwoInputs(nn.Module):
+    """A forward that needs a mask beside ``x``: nothing the map can make runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(H, 4 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x, mask):
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up * mask)
+
+
+def test_a_model_whose_forward_cannot_run_is_refused_by_name_until_it_carries_an_example_input():
+    torch.manual_seed(4)
+    model = TwoInputs()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"\['gate_up.weight'.*example_input_array"):
+        apply_fire(model, None, FIREOptions(method="svd"))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before touching anything
+    model.example_input_array = (torch.zeros(1, 2, H), torch.ones(1, 2, 2 * H))  # read by a fresh map
+    apply_fire(model, None, FIREOptions(method="svd"))
+    for rows, part in ((slice(0, 2 * H), "gate"), (slice(2 * H, 4 * H), "up")):
+        assert_scaled_polar(model.gate_up.weight[rows], before["gate_up.weight"][rows], part)
+
+
+class HeldFused(nn.Module):
+    """Linear -> chunk -> GLU -> Linear, held by a LightningModule that computes in ``training_step``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused, self.out = nn.Linear(H, 2 * H), nn.Linear(H, 3)
+
+    def forward(self, x):
+        a, b = self.fused(x).chunk(2, -1)
+        return self.out(a * torch.sigmoid(b))
+
+
+def test_a_lightning_module_without_forward_is_read_through_the_one_network_it_holds():
+    import lightning as L
+
+    class StepsOnly(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = HeldFused()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+    torch.manual_seed(5)
+    module = StepsOnly()
+    before = module.net.fused.weight.detach().clone()
+    apply_fire(module, None, FIREOptions(method="svd"))
+    for rows in (slice(0, H), slice(H, 2 * H)):
+        assert_scaled_polar(module.net.fused.weight[rows], before[rows], str(rows))
+
+
+class GatedConv(nn.Module):
+    """A conv whose output channels the forward cuts in two (a gated conv, GLU over channels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.mix, self.head = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(8, 8, 3), nn.Linear(8, 2)
+
+    def forward(self, image):
+        a, b = self.conv(image).chunk(2, dim=1)
+        return self.head(F.adaptive_avg_pool2d(self.mix(a * torch.sigmoid(b)), 1).flatten(1))
+
+
+def test_a_conv_whose_channels_the_forward_cuts_is_treated_per_block_per_tap():
+    torch.manual_seed(6)
+    model = GatedConv()
+    before = model.conv.weight.detach().clone()
+    (target,) = [t for t in select_targets(model) if t.name == "conv.weight"]
+    assert [list(b.rows) for b in target.blocks] == [list(range(8)), list(range(8, 16))]
+    apply_fire(model, None, FIREOptions(method="svd"))
+    for rows in (slice(0, 8), slice(8, 16)):
+        for i in range(3):
+            for j in range(3):
+                assert_scaled_polar(model.conv.weight[rows, :, i, j], before[rows, :, i, j], f"{rows} tap {i},{j}")

@@ -402,7 +402,8 @@ def test_an_unknown_split_is_refused_by_fire_with_the_declaration_and_treated_wh
         if not isinstance(callback, AdaptiveSVDSwitch):
             assert not torch.equal(module.attn.qkv.weight, before), type(callback).__name__
     module = MaskedModel()  # the suggested declaration, written by the user: FIRE acts on the forward's blocks
-    declare_plasticity(module, fused={"attn.qkv.weight": interleaved_heads(heads=4)})
+    # its steps call two modules, whose outputs the map cannot follow: every matrix declared
+    declare_plasticity(module, fused={"attn.qkv.weight": interleaved_heads(heads=4), "attn.proj.weight": [16]})
     fit(module, [FIREReinit(schedule=Schedule(at_fit_start=True), options=FIREOptions(method="svd"))])
     for part, M in zip("qkv", _heads(module.attn.qkv.weight.detach(), 4, 3).unbind(1)):
         _scaled_isometry(M, part)

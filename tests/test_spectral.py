@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from plasticity_callbacks.ops.fire import apply_fire
-from plasticity_callbacks.model_map import Selection
+from plasticity_callbacks.model_map import Selection, declare_plasticity
 from plasticity_callbacks.functional.isometry import FIREOptions
 from plasticity_callbacks.ops.optimizer_state import leaf_optimizers
 from plasticity_callbacks.functional.spectral import (
@@ -612,7 +612,9 @@ def test_apply_fire_on_several_threads_equals_one_thread_and_restores_the_count(
         layers = [nn.Linear(48, 48), nn.Linear(48, 192), nn.Linear(192, 48), nn.Conv2d(4, 8, 3), nn.Linear(48, 2)]
         with torch.no_grad():
             layers[1].weight.zero_()
-        return nn.Sequential(*layers)
+        net = nn.Sequential(*layers)  # no input runs through it: each matrix declared whole
+        declare_plasticity(net, fused={"0.weight": [48], "1.weight": [192], "2.weight": [48]})
+        return net
 
     threads = torch.get_num_threads()
     results = []

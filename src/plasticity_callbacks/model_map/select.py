@@ -26,7 +26,7 @@ from .parametrized import parametrized_weight
 from .neurons import (HiddenUnits, adapter_layers, check_layer, declared_layers, find_layers, recurrent_refusals,
                       state_space_refusals, unpaired_message, unpaired_units)
 from .probe import probe_fused_layouts
-from .stacks import left_alone, read_layouts
+from .stacks import NOT_TRACED, left_alone, read_layouts
 from .weights import (CONV, CONV_TRANSPOSE, WeightView, in_attention, is_conv1d, is_probe_candidate, known_blocks,
                       module_roles, output_heads, stored_param, table_blocks, unknown_split)
 
@@ -78,7 +78,8 @@ def _structure(model: nn.Module) -> tuple[tuple, list]:
         # no weak reference to a parameter: torch.utils.swap_tensors (model.to() under FSDP2, swap-on-conversion)
         # refuses a tensor that has one. A parameter's id cannot be reused while the kept views hold it.
         objects += [o for o in (module, declared) if o is not None and o is not model]
-    return tuple(parts), objects
+    example = getattr(model, "example_input_array", None)  # a forward that could not run may run with it
+    return (*parts, id(example)), objects + ([example] if example is not None else [])
 
 
 def _attribute(module: nn.Module, name: str):
@@ -119,11 +120,13 @@ def _read_weight_views(model: nn.Module, include_conv: bool) -> list[tuple[str, 
             blocks = probed.get(module_name)
             if blocks is None:  # the probe could not tell: the trace of the same forward decides (or refuses)
                 blocks, unknown = layouts.layer_split(name, module_name, rows)
-                if unknown is None and is_probe_candidate(model, module_name, module, attr):
+                if (unknown is None or unknown.endswith(NOT_TRACED)) and is_probe_candidate(model, module_name,
+                                                                                            module, attr):
+                    # the config's head layout gives a better declaration to suggest than "one matrix"
                     blocks, unknown = (), unknown_split(model, module_name, module, rows)
             blocks, unknown = blocks or (), unknown or ""
         elif blocks is None:  # the forward's own cut of this output (or a refusal), else the name table's guess
-            blocks, unknown = layouts.layer_split(name, module_name, rows)
+            blocks, unknown = layouts.layer_split(name, module_name, rows, conv=kind == "conv")
             blocks, unknown = (table_blocks(module_name, rows), "") if unknown is None else (blocks, unknown)
         views.append((module_name, WeightView(name, module, param, roles[module_name], kind, attr,
                                               transposed=transposed, blocks=blocks, groups=groups,
@@ -464,7 +467,11 @@ def require_targets(targets: list[WeightView], owner: str, selection: Selection,
 def refuse_unknown_splits(views: Iterable[WeightView], owner: str) -> None:
     """Raise, with the declarations that fit, when a method that treats each block of a fused matrix (Q, K, V,
     gate/up, ...) on its own meets one whose split is unknown or not proven by the trace."""
-    unknown = [v.split_unknown for v in views if v.split_unknown]
+    views = [v for v in views if v.split_unknown]
+    untraced = [v.name for v in views if v.split_unknown.endswith(NOT_TRACED)]
+    unknown = [v.split_unknown for v in views if not v.split_unknown.endswith(NOT_TRACED)]
+    if untraced:  # one reason for every weight of the model: said once, after their names
+        unknown.append(f"{untraced}: {NOT_TRACED}")
     if unknown:
         raise ValueError(f"{owner} treats each block of a fused weight (Q, K, V, gate/up, ...) on its own and needs "
                          "their rows: " + "; ".join(unknown)

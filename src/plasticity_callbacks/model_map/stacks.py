@@ -64,10 +64,13 @@ class Layouts:
         use = (self.uses or {}).get(name)
         return use if use is not None and use.consistent else None
 
-    def layer_split(self, name: str, module_name: str, rows: int) -> tuple[tuple[RowBlock, ...], str | None]:
+    def layer_split(self, name: str, module_name: str, rows: int, conv: bool = False
+                    ) -> tuple[tuple[RowBlock, ...], str | None]:
         """``(blocks, refusal)`` of a layer's weight as its traced forward cuts it: ``(blocks, "")`` when proven
         (``()``: whole), ``((), why)`` with the declaration to give when a cut came after an op the trace does not
-        model, ``((), None)`` when the forward did not use it as a linear map (or did not run)."""
+        model, ``((), None)`` when the forward did not use it as a linear map, ``((), why)`` when no forward ran."""
+        if self.uses is None and not conv:  # no forward ran: nothing proves the rows whole
+            return (), not_traced(name, rows)  # (a conv's channels are not read by the trace: a run proves no more)
         use = self.traced(name)
         if use is None:
             return (), None
@@ -145,6 +148,18 @@ def unproven_split(name: str, rows: int, use: ParameterUse, declaration: str | N
             f"split the forward uses: declare_plasticity(model, fused={{{name!r}: {suggested}}})"
             + ("  # as read through those ops: check it against the forward" if use.suggested else
                "  # one matrix; give row counts or row index lists if the forward cuts it"))
+
+
+NOT_TRACED = ("the model map could not run the model's forward on an input it can make (one token id, the model's "
+              "example_input_array, a zero image for its first conv, a zero vector for its first Linear), so whether "
+              "the forward cuts these weights' rows into blocks cannot be read; give it one input: "
+              "model.example_input_array = <one input batch> (Lightning's attribute, on any module), or declare each "
+              "layout: declare_plasticity(model, fused={'<name>': [<rows>]}) for one matrix")
+
+
+def not_traced(name: str, rows: int) -> str:
+    """Why a weight of a model whose forward did not run is refused by methods that need its blocks."""
+    return f"{name} ({rows} rows): {NOT_TRACED}"
 
 
 def read_layouts(model: nn.Module, layer_params: set[int]) -> Layouts:

@@ -30,8 +30,9 @@ recorded as one the trace cannot vouch for, and the weight is refused by name (`
 ``declare_plasticity`` line to give; a result of another shape loses the numbers, which refuses the weight too (no
 later cut could be seen). Results
 are cached per model until a parameter's shape changes (so a model read before FSDP2 shards it keeps
-its layouts; a sharded model is never run here, its forward would all-gather). A model that cannot run on one token id
-(or on ``x`` for a model without embeddings) gives no result: nothing is read, nothing is guessed.
+its layouts; a sharded model is never run here, its forward would all-gather). A model the map cannot run
+(:func:`run_forward` names the inputs it makes) gives no result: nothing is read, nothing is guessed, and the map
+refuses its Linear weights to the methods that need their blocks.
 A half-precision model is traced in float32 (the numbers must stay exact), which needs the memory of a
 float32 copy of its weights for the duration of the trace.
 """
@@ -49,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from .detached_hooks import hooks_detached
 from .layouts import RowBlock
+from .weights import CONV, is_conv1d
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,12 @@ _CONSUME = {"gather", "take_along_dim", "index_select", "sum", "mean", "amax", "
             "vector_norm", "cross_entropy", "nll_loss", "mse_loss", "one_hot", "multinomial", "new_empty", "new_zeros",
             "new_ones", "new_full", "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
             "randn_like"}
+# Spatial pooling and resizing: each channel's values stay in that channel.
+_POOLS = {"avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_avg_pool1d",
+          "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+          "adaptive_max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices", "lp_pool2d", "interpolate",
+          "upsample", "upsample_nearest2d", "upsample_bilinear2d"}
+_CONV_FUNCS = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d}
 _JOIN = {"cat", "concat", "concatenate", "stack", "hstack", "vstack"}
 # Ops that keep every value where it is: a numbered operand's numbers, broadcast to the result, are the result's.
 # (Activations and norms are probed as the identity, so a split after "conv -> act" (Mamba-2's xBC) is still read.)
@@ -215,8 +223,15 @@ class _Tracer(TorchFunctionMode):
             return self._product(left, right, result)
         if name == "einsum":
             return self._einsum(args, result)
-        if func in (F.conv1d, torch.conv1d):
-            return self._depthwise(args, kwargs, result)
+        if func in _CONV_FUNCS:
+            kept = self._depthwise(args, kwargs, result)  # a depthwise conv carries its input's channel numbers
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if kept is result and isinstance(result, torch.Tensor) and result.dim() >= 3:
+                # any other conv mixes its input channels into new ones, numbered by its own kernel's rows
+                return self._used(weight, False, result, feature_dim=-(result.dim() - 1))
+            return kept
+        if name.startswith("conv_transpose"):  # mixes its input channels (its own output channels are not read)
+            return result
         if func is _SDPA:  # the output holds the value's features: attention mixes tokens, not features
             value = args[2] if len(args) > 2 else kwargs.get("value")
             return self._product(None, value, result)
@@ -232,6 +247,8 @@ class _Tracer(TorchFunctionMode):
             for piece in pieces:
                 self._keep(first, piece)
             return result
+        if first is not None and name in _POOLS and isinstance(result, torch.Tensor):
+            return self._keep(first, result)  # a channel's positions all hold its number: pooled, they still do
         if first is not None and name in _SHAPE:
             for piece in (result if isinstance(result, (tuple, list)) else [result]):
                 self._keep(first, piece)
@@ -456,14 +473,16 @@ class _Tracer(TorchFunctionMode):
             self.cuts.setdefault(param_id, []).append((rows, "" if numbering.exact else numbering.via or "?"))
 
     def _depthwise(self, args, kwargs, result):
-        """A depthwise conv keeps channels apart: its output channel ``c`` carries input channel ``c``'s number."""
+        """A depthwise conv keeps channels apart: its output channel ``c`` carries input channel ``c``'s number;
+        any other conv mixes its input channels into new ones, as a Linear mixes features."""
         x = args[0] if args else kwargs.get("input")
         numbering = self._numbers(x)
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
         if numbering is None or weight is None or groups != x.shape[1] or weight.shape[0] != groups:
             return result
-        numbered = x[..., :1].expand_as(result).clone()  # (B, C, L): every position holds its channel's number
+        first = x[(..., *[slice(0, 1)] * (x.dim() - 2))]  # (B, C, 1, ...): every position holds its channel's number
+        numbered = first.expand_as(result).clone()
         self.numbered[id(numbered)] = _Numbering(numbering.params, numbered, numbering.exact, numbering.via)
         return numbered
 
@@ -478,7 +497,8 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
         >>> uses["model.layers.0.mlp.experts.gate_up_proj"].stacked
         True
     """
-    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    # a new example input may let a forward run that could not before: part of what the reading depends on
+    shapes = ({n: tuple(p.shape) for n, p in params.items()}, id(getattr(model, "example_input_array", None)))
     cached = _CACHE.get(model)
     if cached is not None and cached[0] == shapes:
         return cached[1]
@@ -487,7 +507,7 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
     tracer = _Tracer({id(p): p for p in params.values()})
     with hooks_detached(model), in_float32(model), preserved(model), torch.no_grad(), warnings.catch_warnings(), tracer:
         warnings.simplefilter("ignore")
-        ran = torch.compiler.disable(_forward)(model)  # eager: a compiled forward is neither run nor recompiled
+        ran = torch.compiler.disable(run_forward)(model)  # eager: a compiled forward is neither run nor recompiled
     result = None
     if ran:
         result = {}
@@ -598,19 +618,75 @@ def _partition(cuts: list[tuple[list[set[int]], str]], joins: list[tuple[set[int
     return tuple(blocks)
 
 
-def _forward(model: nn.Module) -> bool:
-    """Run the model on one token (see :func:`run_one_token`), else on one zero input vector of its first
-    Linear's width."""
+def run_forward(model: nn.Module) -> bool:
+    """Run ``model`` once on an input the map can make, and return whether one ran: one token id (see
+    :func:`run_one_token`), else the module's ``example_input_array`` (Lightning's attribute; set it on any
+    module), else a zero image of the first conv's channels (the first side it accepts of 32, 28, 224, 64, 96,
+    then 1…63) or a zero vector of the first Linear's width. A LightningModule without a ``forward`` of its own is read through the one network it
+    holds (every weight in one child, as ``self.net``): that network's forward is what its steps call. The
+    trace and the hidden-unit reader both read the forward through this one run."""
     if run_one_token(model):
         return True
-    first = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    held = held_network(model)
+    return _run_on_made_input(model) or (held is not None and _run_on_made_input(held))
+
+
+def _on(value, device: torch.device):
+    """``value`` (a tensor, or a tuple / list / dict of them) with its tensors on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on(v, device) for k, v in value.items()}
+    return value
+
+
+# Common dataset sides first, then every small one: a flatten -> Linear fixes the side, and a failing attempt
+# costs one trunk pass (all of 1…63 together cost about two 224-side passes).
+_IMAGE_SIDES = (32, 28, 224, 64, 96, *(side for side in range(1, 64) if side not in (28, 32)))
+
+
+def held_network(model: nn.Module) -> nn.Module | None:
+    """The child holding every weight of a module whose class defines no ``forward`` (a LightningModule that
+    computes in ``training_step``), or None: with several children, how its steps combine them is not read."""
+    if "forward" in {name for cls in type(model).__mro__ if cls.__module__.split(".")[0] not in ("torch", "lightning",
+                                                                                                "pytorch_lightning")
+                     for name in vars(cls)}:
+        return None
+    holders = [child for child in model.children() if any(p.dim() >= 2 for p in child.parameters())]
+    own = any(p.dim() >= 2 for p in model.parameters(recurse=False))
+    return holders[0] if len(holders) == 1 and not own else None
+
+
+def _run_on_made_input(model: nn.Module) -> bool:
+    example = getattr(model, "example_input_array", None)
+    if example is not None:
+        device = next(model.parameters()).device
+        example = _on(example, device)
+        try:
+            model(*example) if isinstance(example, tuple) else model(**example) if isinstance(example, dict) \
+                else model(example)
+            return True
+        except Exception:  # noqa: BLE001 - a forward that will not run here means "unknown", not a crash
+            pass
+    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *CONV)) or is_conv1d(m)), None)
     if first is None:
         return False
-    try:
-        model(torch.zeros(1, 1, first.in_features, device=first.weight.device))
-        return True
-    except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
-        return False
+    weight = first.weight
+    if isinstance(first, CONV):
+        inputs = [torch.zeros(1, first.in_channels, *([size] * (weight.dim() - 2)), device=weight.device)
+                  for size in _IMAGE_SIDES]
+    else:
+        width = first.nx if is_conv1d(first) else first.in_features
+        inputs = [torch.zeros(1, 1, width, device=weight.device)]
+    for x in inputs:
+        try:
+            model(x)
+            return True
+        except Exception:  # noqa: BLE001 - see above
+            continue
+    return False
 
 
 def run_one_token(model: nn.Module) -> bool:

@@ -26,8 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .detached_hooks import hooks_detached
-from .trace import in_float32, preserved, run_one_token
-from .weights import CONV, is_conv1d
+from .trace import in_float32, preserved, run_forward
 
 _ACTIVATIONS = {F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.celu, F.selu, F.leaky_relu, F.softplus, F.hardswish,
                 F.hardsigmoid, F.hardtanh, F.logsigmoid, F.tanhshrink, F.softsign, F.prelu, F.rrelu, torch.relu,
@@ -357,36 +356,6 @@ def _feature_dim(numbered: torch.Tensor) -> int | None:
     return None
 
 
-def _run(model: nn.Module) -> bool:
-    if run_one_token(model):
-        return True
-    example = getattr(model, "example_input_array", None)
-    if example is not None:  # a LightningModule's own example input
-        try:
-            model(*example) if isinstance(example, tuple) else model(**example) if isinstance(example, dict) \
-                else model(example)
-            return True
-        except Exception:  # noqa: BLE001 - a forward that will not run here means "unknown", not a crash
-            pass
-    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *CONV)) or is_conv1d(m)), None)
-    if first is None:
-        return False
-    weight = first.weight
-    if isinstance(first, CONV):
-        inputs = [torch.zeros(1, first.in_channels, *([size] * (weight.dim() - 2)), device=weight.device)
-                  for size in (32, 28, 64)]
-    else:
-        width = first.nx if is_conv1d(first) else first.in_features
-        inputs = [torch.zeros(1, 1, width, device=weight.device)]
-    for x in inputs:
-        try:
-            model(x)
-            return True
-        except Exception:  # noqa: BLE001 - see above
-            continue
-    return False
-
-
 def read_unit_flow(model: nn.Module) -> FlowResult | None:
     """The chains and escapes of ``model``'s forward (see the module docstring), or None when no forward ran
     (the model needs inputs the map cannot make: give the LightningModule an ``example_input_array``).
@@ -411,7 +380,7 @@ def read_unit_flow(model: nn.Module) -> FlowResult | None:
             params = {id(p): p for p in model.parameters()}  # in_float32 swaps .data only: same objects
             flow = _Flow(params)
             with flow:
-                ran = torch.compiler.disable(_run)(model)
+                ran = torch.compiler.disable(run_forward)(model)
             result = flow.result if ran else None
     _CACHE[model] = (shapes, result)
     return result

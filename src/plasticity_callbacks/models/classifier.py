@@ -95,6 +95,7 @@ class DigitsClassifier(L.LightningModule):
         self.lr, self.weight_decay = float(lr), float(weight_decay)
         self.network = (mlp(list(widths), norm=norm) if architecture == "mlp"
                         else small_cnn(list(channels), hidden, norm=norm))
+        self.example_input_array = torch.zeros(1, 64)  # one flattened digit: what the model map runs its forward on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)  # (B, 10) logits
