@@ -28,6 +28,8 @@ from rank_exit import exit_after_results
 
 
 def model() -> nn.Module:
+    from plasticity_callbacks.model_map import declare_plasticity
+
     torch.manual_seed(0)
     layers = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 40), nn.Linear(40, 12), nn.Conv2d(6, 10, 3),
                            nn.Linear(7, 33), nn.Linear(12, 12), nn.Linear(16, 16),
@@ -35,6 +37,9 @@ def model() -> nn.Module:
     with torch.no_grad():
         layers[5].weight[:, 3] = 0  # rank 11 of 12: no full isometry from its Gram matrix
         layers[6].weight[2, 5] = math.nan
+    # a bag of matrices no input runs through: each declared one matrix (the map refuses what it cannot read)
+    declare_plasticity(layers, fused={f"{i}.weight": [rows] for i, rows in
+                                      ((0, 40), (1, 40), (2, 12), (4, 33), (5, 12), (6, 16), (8, 40), (9, 7))})
     return layers
 
 

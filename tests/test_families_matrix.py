@@ -144,6 +144,16 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, Callable], tuple[st
                     "*.in_proj_ba.weight": lambda w: per_group(w, 2, {"b": 2, "a": 2}),
                     "*.gate_up_proj": experts_chunked, "*.down_proj": experts_whole, "*.mlp.gate.weight": whole},
                    ("*.linear_attn.conv1d.weight",)),
+    # Whisper: images of sound (mel frames) through two conv1d (per tap), separate q/k/v, an encoder-decoder: the map
+    # runs it on zero mel frames its config sizes, with one decoder token
+    "whisper": (lambda: _hf("WhisperConfig", "WhisperForConditionalGeneration", vocab_size=32, d_model=W,
+                            encoder_layers=1, decoder_layers=1, encoder_attention_heads=HEADS,
+                            decoder_attention_heads=HEADS, encoder_ffn_dim=24, decoder_ffn_dim=24, num_mel_bins=8,
+                            max_source_positions=16, max_target_positions=16, pad_token_id=0, bos_token_id=0,
+                            eos_token_id=0, decoder_start_token_id=0), {}, ("*proj_out*",)),
+    # Swin: pixel input, shifted windows, a relative position bias table indexed (not a linear map), patch merging
+    "swin": (lambda: _hf("SwinConfig", "SwinForImageClassification", image_size=16, patch_size=2, embed_dim=8,
+                         depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=3), {}, ()),
 }
 HEAD = ("*lm_head*", "*classifier*")
 
@@ -163,7 +173,7 @@ def true_maps(family: str, model: nn.Module) -> dict[str, dict[str, torch.Tensor
                 maps[name] = fused[pattern](param)
             elif isinstance(module, nn.Linear) and attr == "weight":
                 maps[name] = {"all": param}
-            elif isinstance(module, nn.Conv2d) and attr == "weight" and module.groups == 1:
+            elif isinstance(module, (nn.Conv1d, nn.Conv2d)) and attr == "weight" and module.groups == 1:
                 maps[name] = {f"tap{i}": param.flatten(2)[..., i] for i in range(param[0, 0].numel())}
     return maps
 
@@ -242,7 +252,7 @@ def clip_cell(family: str) -> str:
     for name, blocks in true_maps(family, model).items():
         matrix = next(iter(blocks.values()))
         expected = 1 / math.sqrt(matrix.shape[1] if matrix.dim() == 2 else matrix[0].numel())
-        conv = next((m for n, m in model.named_modules() if f"{n}.weight" == name and isinstance(m, nn.Conv2d)), None)
+        conv = next((m for n, m in model.named_modules() if f"{n}.weight" == name and isinstance(m, (nn.Conv1d, nn.Conv2d))), None)
         if conv is not None:
             expected = 1 / math.sqrt(conv.weight[0].numel())  # PyTorch's conv init: fan-in over the kernel
         if name not in bounds or abs(bounds[name][1] - expected) > 1e-9:

@@ -620,7 +620,8 @@ def _partition(cuts: list[tuple[list[set[int]], str]], joins: list[tuple[set[int
 
 def run_forward(model: nn.Module) -> bool:
     """Run ``model`` once on an input the map can make, and return whether one ran: one token id (see
-    :func:`run_one_token`), else the module's ``example_input_array`` (Lightning's attribute; set it on any
+    :func:`run_one_token`), else a Hugging Face image or audio model on a zero input its config sizes, else the
+    module's ``example_input_array`` (Lightning's attribute; set it on any
     module), else a zero image of the first conv's channels (the first side it accepts of 32, 28, 224, 64, 96,
     then 1…63) or a zero vector of the first Linear's width. A LightningModule without a ``forward`` of its own is read through the one network it
     holds (every weight in one child, as ``self.net``): that network's forward is what its steps call. The
@@ -629,6 +630,28 @@ def run_forward(model: nn.Module) -> bool:
         return True
     held = held_network(model)
     return _run_on_made_input(model) or (held is not None and _run_on_made_input(held))
+
+
+def _hf_call(model: nn.Module):
+    """A call of the outermost Hugging Face module that takes images or audio, on a zero input its config sizes
+    (``pixel_values``: ``image_size``; ``input_features``: Whisper's mel frames; ``input_values``: one second of
+    16 kHz audio), with one decoder token for an encoder-decoder; None when there is none."""
+    hf = next((m for m in model.modules() if hasattr(m, "config")
+               and getattr(m, "main_input_name", "") in ("pixel_values", "input_features", "input_values")), None)
+    if hf is None:
+        return None
+    config, device = hf.config, next(model.parameters()).device
+    if hf.main_input_name == "pixel_values":
+        side = getattr(config, "image_size", 224)
+        x = torch.zeros(1, getattr(config, "num_channels", 3), *(side if isinstance(side, (tuple, list)) else (side, side)))
+    elif hf.main_input_name == "input_features":
+        x = torch.zeros(1, getattr(config, "num_mel_bins", 80), 2 * getattr(config, "max_source_positions", 1500))
+    else:
+        x = torch.zeros(1, 16000)
+    inputs = {hf.main_input_name: x.to(device)}
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return lambda: hf(**inputs)
 
 
 def _on(value, device: torch.device):
@@ -660,6 +683,13 @@ def held_network(model: nn.Module) -> nn.Module | None:
 
 
 def _run_on_made_input(model: nn.Module) -> bool:
+    hf = _hf_call(model)
+    if hf is not None:
+        try:
+            hf()
+            return True
+        except Exception:  # noqa: BLE001 - a forward that will not run here means "unknown", not a crash
+            pass
     example = getattr(model, "example_input_array", None)
     if example is not None:
         device = next(model.parameters()).device
