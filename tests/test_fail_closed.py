@@ -416,3 +416,28 @@ def test_a_conv_whose_channels_the_forward_cuts_is_treated_per_block_per_tap():
         for i in range(3):
             for j in range(3):
                 assert_scaled_polar(model.conv.weight[rows, :, i, j], before[rows, :, i, j], f"{rows} tap {i},{j}")
+
+
+class Captioner(nn.Module):
+    """An image encoder with a fused gate/up and a token decoder; the forward takes both. One token runs the
+    decoder alone, which says nothing of the encoder's weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = HeldFused()
+        self.text = LM(nn.Linear(H, H))
+
+    def forward(self, features, idx):
+        return self.text(idx) + self.vision(features).sum()
+
+
+def test_weights_outside_the_part_of_the_model_a_token_reaches_are_refused_not_treated_whole():
+    torch.manual_seed(7)
+    model = Captioner()
+    before = model.vision.fused.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"\['vision.fused.weight', 'vision.out.weight'\].*could not run the forward"):
+        apply_fire(model, None, FIREOptions(method="svd"))
+    model.example_input_array = (torch.zeros(1, H), torch.zeros(1, 1, dtype=torch.long))
+    apply_fire(model, None, FIREOptions(method="svd"))
+    for rows in (slice(0, H), slice(H, 2 * H)):
+        assert_scaled_polar(model.vision.fused.weight[rows], before[rows], str(rows))

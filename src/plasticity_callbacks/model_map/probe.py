@@ -154,7 +154,7 @@ def _forward(model: nn.Module, layers: dict[str, nn.Module]) -> bool:
             return True
         except Exception:  # noqa: BLE001 - an attention that needs more than x (rotary tables, a mask): try the model
             pass
-    return run_one_token(model)
+    return run_one_token(model) is not None
 
 
 def _operands(calls) -> list[torch.Tensor] | None:

@@ -69,8 +69,9 @@ class Layouts:
         """``(blocks, refusal)`` of a layer's weight as its traced forward cuts it: ``(blocks, "")`` when proven
         (``()``: whole), ``((), why)`` with the declaration to give when a cut came after an op the trace does not
         model, ``((), None)`` when the forward did not use it as a linear map, ``((), why)`` when no forward ran."""
-        if self.uses is None and not conv:  # no forward ran: nothing proves the rows whole
-            return (), not_traced(name, rows)  # (a conv's channels are not read by the trace: a run proves no more)
+        unread = self.uses is None or (name in self.uses and self.uses[name] is None)
+        if unread and not conv:  # no forward that uses it ran: nothing proves the rows whole
+            return (), not_traced(name, rows)
         use = self.traced(name)
         if use is None:
             return (), None
@@ -150,8 +151,9 @@ def unproven_split(name: str, rows: int, use: ParameterUse, declaration: str | N
                "  # one matrix; give row counts or row index lists if the forward cuts it"))
 
 
-NOT_TRACED = ("the model map could not run the model's forward on an input it can make (one token id, the model's "
-              "example_input_array, a zero image for its first conv, a zero vector for its first Linear), so whether "
+NOT_TRACED = ("the model map could not run the forward that uses them on an input it can make (one token id, the "
+              "model's example_input_array, a zero image or audio for its first conv, a zero vector for its first "
+              "Linear), so whether "
               "the forward cuts these weights' rows into blocks cannot be read; give it one input: "
               "model.example_input_array = <one input batch> (Lightning's attribute, on any module), or declare each "
               "layout: declare_plasticity(model, fused={'<name>': [<rows>]}) for one matrix")

@@ -487,10 +487,11 @@ class _Tracer(TorchFunctionMode):
         return numbered
 
 
-def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, ParameterUse] | None:
+def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, ParameterUse | None] | None:
     """How ``model``'s forward uses each of ``params`` (by name), or None when the model would not run.
 
-    A parameter absent from the answer was never used as a linear map.
+    A parameter absent from the answer was never used as a linear map; one mapped to None lies outside the
+    part of the model the map could run (:func:`run_forward`), so nothing is known of it.
 
     Example:
         >>> uses = trace_uses(model, dict(model.named_parameters()))
@@ -509,8 +510,10 @@ def trace_uses(model: nn.Module, params: dict[str, nn.Parameter]) -> dict[str, P
         warnings.simplefilter("ignore")
         ran = torch.compiler.disable(run_forward)(model)  # eager: a compiled forward is neither run nor recompiled
     result = None
-    if ran:
-        result = {}
+    if ran is not None:
+        reached = {id(p) for p in ran.parameters()}
+        # a weight outside the module that ran (an encoder when only a decoder took the token) is not read: None
+        result = {name: None for name, param in params.items() if id(param) not in reached}
         for name, param in params.items():
             uses = tracer.uses.get(id(param))
             if uses:
@@ -618,24 +621,41 @@ def _partition(cuts: list[tuple[list[set[int]], str]], joins: list[tuple[set[int
     return tuple(blocks)
 
 
-def run_forward(model: nn.Module) -> bool:
-    """Run ``model`` once on an input the map can make, and return whether one ran: one token id (see
-    :func:`run_one_token`), else a Hugging Face image or audio model on a zero input its config sizes, else the
-    module's ``example_input_array`` (Lightning's attribute; set it on any
-    module), else a zero image of the first conv's channels (the first side it accepts of 32, 28, 224, 64, 96,
-    then 1…63) or a zero vector of the first Linear's width. A LightningModule without a ``forward`` of its own is read through the one network it
-    holds (every weight in one child, as ``self.net``): that network's forward is what its steps call. The
-    trace and the hidden-unit reader both read the forward through this one run."""
-    if run_one_token(model):
-        return True
+def run_forward(model: nn.Module) -> nn.Module | None:
+    """Run ``model`` once on an input the map can make and return the module whose forward ran (``model``, or the
+    part of it the input reaches), or None: the module's ``example_input_array`` (Lightning's attribute; set it
+    on any module) first, else a Hugging Face image or audio model on a zero input its config sizes, else one
+    token id (see :func:`run_one_token`), else a zero image of the first conv's channels (the first side it
+    accepts of 32, 28, 224, 64, 96, then 1…63) or a zero vector of the first Linear's width. A LightningModule without a
+    ``forward`` of its own is read through the one network it holds (every weight in one child, as
+    ``self.net``): that network's forward is what its steps call. The trace and the hidden-unit reader both read
+    the forward through this one run; weights outside the module that ran are not read."""
+    if _run_example(model):  # the user's own statement of the input comes first
+        return model
+    hf = _hf_call(model)
+    if hf is not None and _ran(hf[1]):
+        return hf[0]
+    token = run_one_token(model)
+    if token is not None:
+        return token
+    if _run_on_made_input(model):
+        return model
     held = held_network(model)
-    return _run_on_made_input(model) or (held is not None and _run_on_made_input(held))
+    return held if held is not None and (_run_example(held) or _run_on_made_input(held)) else None
+
+
+def _ran(call) -> bool:
+    try:
+        call()
+        return True
+    except Exception:  # noqa: BLE001 - a forward that will not run here means "unknown", not a crash
+        return False
 
 
 def _hf_call(model: nn.Module):
     """A call of the outermost Hugging Face module that takes images or audio, on a zero input its config sizes
     (``pixel_values``: ``image_size``; ``input_features``: Whisper's mel frames; ``input_values``: one second of
-    16 kHz audio), with one decoder token for an encoder-decoder; None when there is none."""
+    16 kHz audio), with one decoder token for an encoder-decoder, as ``(module, call)``; None when there is none."""
     hf = next((m for m in model.modules() if hasattr(m, "config")
                and getattr(m, "main_input_name", "") in ("pixel_values", "input_features", "input_values")), None)
     if hf is None:
@@ -651,7 +671,7 @@ def _hf_call(model: nn.Module):
     inputs = {hf.main_input_name: x.to(device)}
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = torch.zeros(1, 1, dtype=torch.long, device=device)
-    return lambda: hf(**inputs)
+    return hf, lambda: hf(**inputs)
 
 
 def _on(value, device: torch.device):
@@ -682,24 +702,17 @@ def held_network(model: nn.Module) -> nn.Module | None:
     return holders[0] if len(holders) == 1 and not own else None
 
 
-def _run_on_made_input(model: nn.Module) -> bool:
-    hf = _hf_call(model)
-    if hf is not None:
-        try:
-            hf()
-            return True
-        except Exception:  # noqa: BLE001 - a forward that will not run here means "unknown", not a crash
-            pass
+def _run_example(model: nn.Module) -> bool:
+    """Run ``model`` on its ``example_input_array`` (a tensor, a tuple of arguments or a dict of keywords)."""
     example = getattr(model, "example_input_array", None)
-    if example is not None:
-        device = next(model.parameters()).device
-        example = _on(example, device)
-        try:
-            model(*example) if isinstance(example, tuple) else model(**example) if isinstance(example, dict) \
-                else model(example)
-            return True
-        except Exception:  # noqa: BLE001 - a forward that will not run here means "unknown", not a crash
-            pass
+    if example is None:
+        return False
+    example = _on(example, next(model.parameters()).device)
+    return _ran(lambda: model(*example) if isinstance(example, tuple) else model(**example)
+                if isinstance(example, dict) else model(example))
+
+
+def _run_on_made_input(model: nn.Module) -> bool:
     first = next((m for m in model.modules() if isinstance(m, (nn.Linear, *CONV)) or is_conv1d(m)), None)
     if first is None:
         return False
@@ -719,23 +732,20 @@ def _run_on_made_input(model: nn.Module) -> bool:
     return False
 
 
-def run_one_token(model: nn.Module) -> bool:
+def run_one_token(model: nn.Module) -> nn.Module | None:
     """Run the module that takes token ids on one token: a Hugging Face model on ``input_ids`` (without a
     cache), else the outermost module holding an embedding whose ``forward(idx)`` runs (the model itself, or
     the network a LightningModule holds when it has no ``forward`` of its own, litgpt's ``GPT``).
-    Returns whether one ran."""
+    Returns the module that ran, or None."""
     device = next(model.parameters()).device
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
     hf = next((m for m in model.modules() if hasattr(m, "config") and getattr(m, "main_input_name", "") == "input_ids"),
               None)
-    attempts = [lambda: hf(input_ids=token, use_cache=False), lambda: hf(input_ids=token),
-                lambda: hf(input_ids=token, decoder_input_ids=token, use_cache=False)] if hf is not None else []
+    attempts = [(hf, lambda: hf(input_ids=token, use_cache=False)), (hf, lambda: hf(input_ids=token)),
+                (hf, lambda: hf(input_ids=token, decoder_input_ids=token, use_cache=False))] if hf is not None else []
     holders = [m for m in model.modules() if any(isinstance(x, nn.Embedding) for x in m.modules())]
-    attempts += [lambda m=m: m(token) for m in holders if not isinstance(m, nn.Embedding)]
-    for attempt in attempts:
-        try:
-            attempt()
-            return True
-        except Exception:  # noqa: BLE001 - a forward that needs more than one input means "unknown", not a crash
-            continue
-    return False
+    attempts += [(m, lambda m=m: m(token)) for m in holders if not isinstance(m, nn.Embedding)]
+    for module, attempt in attempts:
+        if _ran(attempt):
+            return module
+    return None

@@ -381,6 +381,6 @@ def read_unit_flow(model: nn.Module) -> FlowResult | None:
             flow = _Flow(params)
             with flow:
                 ran = torch.compiler.disable(run_forward)(model)
-            result = flow.result if ran else None
+            result = flow.result if ran is not None else None
     _CACHE[model] = (shapes, result)
     return result
