@@ -18,7 +18,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ..methods import sensitivity
+from ..methods import DESCRIPTION_KEYS, sensitivity
 from ..train import config_dir, fit
 from .results import RunResult, Stream
 
@@ -74,10 +74,16 @@ def sweep(method: str, user_config_dir: Path | None) -> tuple[str, list[str], st
 
 
 def fingerprint(cfg) -> str:
-    """The composed config as text, interpolations unresolved, without ``paths`` (where the run is written is
-    not a setting of it: a folder moved elsewhere is still the same run)."""
+    """The composed config as text, interpolations unresolved, without what is not a setting of the run: ``paths``
+    (a folder moved elsewhere is still the same run) and what the method file says about itself (its name, regime,
+    sweep grid: :data:`~app.methods.DESCRIPTION_KEYS`; a reworded regime line is still the same run, and two
+    method files with equal fingerprints are one configuration)."""
     config = OmegaConf.to_container(cfg, resolve=False)
     config.pop("paths", None)
+    for block in ("method", "default_method"):
+        for key in DESCRIPTION_KEYS:
+            (config.get(block) or {}).pop(key, None)
+    config.get("callbacks", {}).get("task_metrics", {}).pop("method", None)  # the name, recorded in stream.json
     return yaml.safe_dump(config, sort_keys=True)
 
 
