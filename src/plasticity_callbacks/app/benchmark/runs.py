@@ -61,16 +61,34 @@ def compose_run(out: Path, overrides: list[str], user_config_dir: Path | None):
 
 
 def sweep(method: str, user_config_dir: Path | None) -> tuple[str, list[str], str] | None:
-    """The method's sensitivity sweep as ``(key, the values as override strings, its default's string)``,
-    the default among the values, or None for a method without a ``sensitivity:`` block."""
+    """The method's sensitivity sweep as ``(key, the values as override strings, its file's own value's string)``
+    (the values as the file lists them: the benchmark checks that the file's own is among them), or None for a
+    method without a ``sensitivity:`` block."""
     cfg = compose_run(Path("unused"), [f"+method={method}"], user_config_dir).method
     found = sensitivity(cfg)
     if found is None:
         return None
     key, values = found
-    default = OmegaConf.select(cfg, key)
-    strings = [str(v) for v in values]
-    return key, strings if str(default) in strings else [str(default), *strings], str(default)
+    return key, [str(v) for v in values], str(OmegaConf.select(cfg, key))
+
+
+def configuration(stream: Stream, method: str, setting: str, user_config_dir: Path | None) -> str:
+    """The :func:`fingerprint` of ``method`` at ``setting`` on ``stream`` (seed 0): two methods with equal ones
+    are one configuration under two names."""
+    return fingerprint(compose_run(Path("unused"), Job(stream, method, setting, 0).overrides(), user_config_dir))
+
+
+def identical_groups(configurations: dict[str, str]) -> list[list[str]]:
+    """The names whose configurations are equal, each group of two or more in the order given.
+
+    Example:
+        >>> identical_groups({"fire_continual": "a", "fire_lm": "a", "warm": "b"})
+        [['fire_continual', 'fire_lm']]
+    """
+    groups: dict[str, list[str]] = {}
+    for name, config in configurations.items():
+        groups.setdefault(config, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def fingerprint(cfg) -> str:
