@@ -348,11 +348,12 @@ def test_an_unranked_method_is_left_out_and_refused_by_name(tmp_path, fake_runs,
     assert not fake_runs
 
 
-def mine(tmp_path, lr: str):
-    """A user's method file that is warm start under another name, its own lr ``lr``."""
+def mine(tmp_path, lr: str | None):
+    """A user's method file that is warm start under another name, with its own lr ``lr`` (None: the run's)."""
     (tmp_path / "method").mkdir(exist_ok=True)
+    model = f"model:\n  lr: {lr}\n" if lr else ""
     (tmp_path / "method" / "mine.yaml").write_text(
-        f"name: mine\nregime: \"Designed for nothing.\"\ncarry_optimizer: true\ncallbacks: {{}}\nmodel:\n  lr: {lr}\n"
+        f"name: mine\nregime: \"Designed for nothing.\"\ncarry_optimizer: true\ncallbacks: {{}}\n{model}"
         "sensitivity:\n  key: model.lr\n  values: [3.0e-4, 1.0e-3, 3.0e-3]\n")
     return tmp_path
 
@@ -361,7 +362,7 @@ def test_two_method_files_of_one_configuration_are_refused(tmp_path, fake_runs):
     args = ["--out", str(tmp_path / "out"), "--methods", "mine", "--rerun-baselines", "--tasks", "2"]
     with pytest.raises(SystemExit, match="mine and warm compose the same configuration on memorization|"
                                          "warm and mine compose the same configuration on memorization"):
-        benchmark.main([*args, "--config-dir", str(mine(tmp_path, "1.0e-3"))])
+        benchmark.main([*args, "--config-dir", str(mine(tmp_path, None))])
     assert not fake_runs
 
 

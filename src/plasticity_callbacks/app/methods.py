@@ -230,7 +230,10 @@ def sensitivity(method: DictConfig) -> tuple[str, list] | None:
     if block is None:
         return None
     key, values = block.get("key"), block.get("values")
-    if not key or not values or OmegaConf.select(method, key) is None:
+    # a run setting (model.lr) may be swept without the file setting it: the run's own value is its default
+    run_setting = str(key or "").startswith(("model.", "optimizer."))
+    if not key or not values or (OmegaConf.select(method, key) is None and not run_setting):
         raise ConfigError(f"method {method.get('name')!r}: sensitivity needs key (a setting of the method, "
-                          f"e.g. callbacks.sp.shrink) and values; got key={key!r}, values={values!r}")
+                          f"e.g. callbacks.sp.shrink, or of the run, e.g. model.lr) and values; got key={key!r}, "
+                          f"values={values!r}")
     return str(key), list(values)

@@ -48,7 +48,7 @@ class Job:
         return out / "runs" / self.stream.name / self.method / setting / f"seed{self.seed}"
 
     def overrides(self) -> list[str]:
-        setting = [f"method.{self.setting}"] if self.setting else []
+        setting = [f"++method.{self.setting}"] if self.setting else []  # ++: model.lr, which the file may not set
         return [f"+method={self.method}", f"seed={self.seed}", *self.stream.overrides(), *MEASUREMENT, *setting]
 
 
@@ -64,12 +64,13 @@ def sweep(method: str, user_config_dir: Path | None) -> tuple[str, list[str], st
     """The method's sensitivity sweep as ``(key, the values as override strings, its file's own value's string)``
     (the values as the file lists them: the benchmark checks that the file's own is among them), or None for a
     method without a ``sensitivity:`` block."""
-    cfg = compose_run(Path("unused"), [f"+method={method}"], user_config_dir).method
-    found = sensitivity(cfg)
+    cfg = compose_run(Path("unused"), [f"+method={method}"], user_config_dir)
+    found = sensitivity(cfg.method)
     if found is None:
         return None
     key, values = found
-    return key, [str(v) for v in values], str(OmegaConf.select(cfg, key))
+    default = OmegaConf.select(cfg.method, key)
+    return key, [str(v) for v in values], str(OmegaConf.select(cfg, key) if default is None else default)
 
 
 def configuration(stream: Stream, method: str, setting: str, user_config_dir: Path | None) -> str:
