@@ -94,45 +94,50 @@ def test_paired_interval_is_scipys_paired_t_test_and_the_t_table():
             paired_difference(*bad)
 
 
-def test_ranking_is_ordered_by_late_accuracy_and_every_cell_is_recomputed():
+def test_ranking_is_one_row_per_method_ordered_by_late_accuracy_and_every_cell_is_recomputed():
     results = made_results()
-    results.runs += [made_run(s, "fire", seed, setting="callbacks.fire.options.steps=10") for s in STREAMS
-                     for seed in SEEDS]
+    results.runs = [replace(r, setting="callbacks.fire.options.steps=10") if r.method == "fire" else r
+                    for r in results.runs]  # fire's row at its selected setting
+    results.runs = [replace(r, setting="callbacks.fire.options.steps=5")
+                    if r.method == "fire" and r.stream == "generalization" else r for r in results.runs]
     k = 3
     table = ranking_table(results, k)
     rows = rows_of(table)
 
-    def late(label, stream):
+    def late(method, stream):
         return {r.seed: late_stream_accuracy(r.accuracy, k) for r in results.runs
-                if r.label == label and r.stream == stream}
+                if r.method == method and r.stream == stream}
 
-    labels = [row[1] for row in rows]
-    assert "fire (steps=10, tuned)" in labels and len(labels) == 4
-    means = [statistics.fmean(late(label, "memorization").values()) for label in labels]
+    methods = [row[1] for row in rows]
+    assert sorted(methods) == ["fire", "reset", "warm"]  # one row per method, whatever its setting per stream
+    [fire] = [row for row in rows if row[1] == "fire"]
+    assert (fire[3], fire[9]) == ("steps=10", "steps=5")  # the setting each stream's cells ran at
+    means = [statistics.fmean(late(m, "memorization").values()) for m in methods]
     assert means == sorted(means, reverse=True)
     for row in rows:
-        label = row[1]
-        mine = late(label, "memorization")
-        assert row[3] == f"{statistics.fmean(mine.values()):.3f} ± {statistics.stdev(mine.values()):.3f}"
-        for column, baseline in ((4, "warm"), (5, "reset")):
-            if label == baseline:
+        method = row[1]
+        mine = late(method, "memorization")
+        assert row[4] == f"{statistics.fmean(mine.values()):.3f} ± {statistics.stdev(mine.values()):.3f}"
+        for column, baseline in ((5, "warm"), (6, "reset")):
+            if method == baseline:
                 assert row[column] == "·"
                 continue
             theirs = late(baseline, "memorization")
             d = [mine[s] - theirs[s] for s in SEEDS]
             ci = stats.ttest_rel([mine[s] for s in SEEDS], [theirs[s] for s in SEEDS]).confidence_interval()
             assert row[column] == f"{np.mean(d):+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
-        slopes = [slope_per_100_tasks(r.accuracy) for r in results.runs if r.label == label and r.stream == "memorization"]
-        assert row[6] == f"{np.mean(slopes):.3f} ± {np.std(slopes, ddof=1):.3f}"
-        general = late(label, "generalization")
-        assert row[8] == f"{statistics.fmean(general.values()):.3f} ± {statistics.stdev(general.values()):.3f}"
+        slopes = [slope_per_100_tasks(r.accuracy) for r in results.runs if r.method == method and r.stream == "memorization"]
+        assert row[7] == f"{np.mean(slopes):.3f} ± {np.std(slopes, ddof=1):.3f}"
+        general = late(method, "generalization")
+        assert row[10] == f"{statistics.fmean(general.values()):.3f} ± {statistics.stdev(general.values()):.3f}"
     short = rows_of(short_table(results, k))
-    assert [r[0].strip("`") for r in short] == [label for label in labels if "tuned" not in label]
+    assert [r[0].strip("`") for r in short] == methods
+    assert [r[1] for r in short if r[0] == "`fire`"] == ["steps=10 / steps=5"]
     reset = late("reset", "generalization")
     for row in short:
         general = late(row[0].strip("`"), "generalization")
-        assert row[3] == f"{statistics.fmean(general.values()):.3f}"
-        assert row[4] == ("·" if row[0] == "`reset`" else str(paired_difference(
+        assert row[4] == f"{statistics.fmean(general.values()):.3f}"
+        assert row[5] == ("·" if row[0] == "`reset`" else str(paired_difference(
             [general[s] for s in SEEDS], [reset[s] for s in SEEDS])))
 
 
@@ -143,18 +148,20 @@ def test_differences_pair_only_the_seeds_both_ran():
     [fire] = [row for row in rows_of(ranking_table(results, k)) if row[1] == "fire"]
     late = {(r.method, r.seed): late_stream_accuracy(r.accuracy, k) for r in results.runs if r.stream == "memorization"}
     assert fire[2] == "2"
-    assert fire[5] == str(paired_difference([late["fire", s] for s in (1, 2)], [late["reset", s] for s in (1, 2)]))
+    assert fire[6] == str(paired_difference([late["fire", s] for s in (1, 2)], [late["reset", s] for s in (1, 2)]))
 
 
 def test_tuning_table_and_per_seed_csv_hold_the_direct_numbers():
     results = made_results(methods=("warm",), seeds=[0])
-    tuning = [made_run("memorization", "sp", seed, setting=f"callbacks.sp.shrink={v}") for v in (0.4, 0.8)
-              for seed in (100, 101)]
+    tuning = [made_run(stream, "sp", seed, setting=f"callbacks.sp.shrink={v}") for stream in STREAMS
+              for v in (0.4, 0.8) for seed in (100, 101)]
     results.runs += tuning
-    results.tuned["sp"] = "callbacks.sp.shrink=0.4"
-    [row] = rows_of(tuning_table(results, 2))
-    means = [statistics.fmean(late_stream_accuracy(r.accuracy, 2) for r in tuning[i:i + 2]) for i in (0, 2)]
-    assert row == ["sp", "callbacks.sp.shrink", f"0.4: {means[0]:.3f}, 0.8: {means[1]:.3f}", "0.4 (tuned row)"]
+    results.tuned["sp"] = {"memorization": "callbacks.sp.shrink=0.4", "generalization": "callbacks.sp.shrink=0.8"}
+    rows = rows_of(tuning_table(results, 2))
+    assert [row[:3] for row in rows] == [["sp", stream, "callbacks.sp.shrink"] for stream in STREAMS]
+    for row, first, chosen in zip(rows, (0, 4), ("0.4", "0.8")):
+        means = [statistics.fmean(late_stream_accuracy(r.accuracy, 2) for r in tuning[i:i + 2]) for i in (first, first + 2)]
+        assert row[3:] == [f"0.4: {means[0]:.3f}, 0.8: {means[1]:.3f}", chosen]
     lines = list(csv.DictReader(io.StringIO(per_seed_csv(results, 2))))
     assert len(lines) == len(results.runs)
     for line in lines:
@@ -170,14 +177,35 @@ def test_swept_values_are_listed_by_size_whatever_order_the_runs_come_in():
     random.shuffle(values)
     results.runs += [made_run("memorization", "l2", 100, setting=f"model.weight_decay={v}") for v in values]
     [row] = rows_of(tuning_table(results, 2))
-    assert [cell.split(":")[0] for cell in row[2].split(", ")] == ["1e-05", "0.0001", "0.001", "0.01", "auto"]
+    assert [cell.split(":")[0] for cell in row[3].split(", ")] == ["1e-05", "0.0001", "0.001", "0.01", "auto"]
+
+
+def test_each_stream_selects_its_own_best_setting_ties_going_to_the_files_own():
+    """A fake results set where memorization's best value is 0.2 and generalization's 0.8: each stream's row runs
+    at its own best; a tie keeps the method file's value."""
+    results = made_results(methods=("warm",), seeds=[0])
+    best = {"memorization": "0.2", "generalization": "0.8"}
+    for stream in STREAMS:
+        for value in ("0.2", "0.4", "0.8"):
+            for seed in (100, 101):
+                level = 0.9 if value == best[stream] else 0.3 + 0.05 * (seed - 100)  # seeds differ, the order not
+                results.runs.append(RunResult(stream, "sp", f"k={value}", seed, [level] * 4, [level] * 4, 1.0))
+    results.runs.append(RunResult("memorization", "sp", "k=0.4", 0, [1.0] * 6, [1.0] * 6, 1.0))  # a ranking seed
+    for stream, value in best.items():
+        assert benchmark.best_setting("sp", stream, "k", ["0.2", "0.4", "0.8"], "0.4", results, 2) == f"k={value}"
+    results.runs = [r for r in results.runs if r.setting != "k=0.2"]  # memorization: 0.4 and 0.8 tie
+    assert benchmark.best_setting("sp", "memorization", "k", ["0.4", "0.8"], "0.8", results, 2) == "k=0.8"
+    assert benchmark.best_setting("sp", "memorization", "k", ["0.4", "0.8"], "0.4", results, 2) == "k=0.4"
 
 
 def test_results_round_trip_and_unlike_settings_are_refused(tmp_path):
     results = made_results()
-    results.tuned["fire"] = "callbacks.fire.options.steps=10"
+    results.tuned["fire"] = {"memorization": "callbacks.fire.options.steps=10",
+                             "generalization": "callbacks.fire.options.steps=5"}
+    results.regimes, results.notes = {"fire": "Designed for x; here y."}, ["a merged row"]
     loaded = load_results(save_results(results, tmp_path / "r.json"))
     assert loaded.version == results.version and loaded.tuned == results.tuned
+    assert (loaded.regimes, loaded.notes) == (results.regimes, results.notes)
     assert sorted(loaded.runs, key=str) == sorted(results.runs, key=str)
     check_comparable(loaded, made_results())
     shorter = json.loads(json.dumps(STREAMS))
@@ -188,15 +216,19 @@ def test_results_round_trip_and_unlike_settings_are_refused(tmp_path):
             check_comparable(loaded, replace(made_results(), **change))
 
 
+GRID = ("0.0003", "0.001", "0.003")  # the controls' model.lr sweep
+
+
 @pytest.fixture
 def fake_runs(monkeypatch):
-    """run_job without training: a run's accuracies are a function of its method, setting and seed."""
+    """run_job without training: a run's accuracies are a function of its method, setting and seed; the value
+    0.4 (sp's shrink) and lr 0.001 score best on every stream."""
     ran = []
 
     def run_job(job, out, config_dir):
         ran.append(job)
         rng = random.Random(f"{job.stream.name}{job.method}{job.setting}{job.seed}")
-        value = 0.9 if job.setting.endswith("=0.4") else rng.random() * 0.5
+        value = 0.9 if job.setting.endswith(("=0.4", "=0.001")) else rng.random() * 0.5
         return RunResult(job.stream.name, job.method, job.setting, job.seed, [value] * job.stream.num_tasks,
                          [value] * job.stream.num_tasks, 1.0)
 
@@ -204,37 +236,47 @@ def fake_runs(monkeypatch):
     return ran
 
 
+def shipped_results(methods=("warm", "reset")) -> Results:
+    """Shipped runs at the default settings: 20 tasks, the methods at lr 0.001 on the ranking seeds, their
+    three-value sweep on the tuning seeds 100-102 over the ranked streams' length."""
+    streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps} for (name, s), steps in zip(STREAMS.items(), (100, 25))}
+    shipped = Results(streams, list(SEEDS), [100, 101, 102], 20)
+    for stream in streams:
+        for method in methods:
+            shipped.runs += [RunResult(stream, method, "model.lr=0.001", seed, [random.random() for _ in range(20)],
+                                       [random.random() for _ in range(20)], random.uniform(1, 9)) for seed in SEEDS]
+            shipped.runs += [RunResult(stream, method, f"model.lr={v}", seed, [0.5] * 20, [0.5] * 20, 1.0)
+                             for v in GRID for seed in (100, 101, 102)]
+    shipped.tuned = {m: {s: "model.lr=0.001" for s in streams} for m in methods}
+    shipped.regimes = {m: f"the {m} regime" for m in methods}
+    return shipped
+
+
 def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeypatch, fake_runs, capsys):
-    shipped = made_results(methods=("warm", "reset"))
-    shipped.tuning_tasks, shipped.tuning_seeds = 10, [100]
-    shipped.streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps}
-                       for (name, s), steps in zip(STREAMS.items(), (100, 25))}
-    shipped.runs = [RunResult(r.stream, r.method, r.setting, r.seed, [0.5] * 20, [0.5] * 20, 1.0) for r in shipped.runs]
-    monkeypatch.setattr(benchmark, "SHIPPED_RESULTS", save_results(shipped, tmp_path / "shipped.json"))
+    monkeypatch.setattr(benchmark, "SHIPPED_RESULTS", save_results(shipped_results(), tmp_path / "shipped.json"))
     benchmark.main(["--out", str(tmp_path / "out"), "--methods", "sp"])
-    # only sp ran: its file on the ranking seeds, then its sweep on the tuning seeds, then the best (0.4) again
+    # only sp ran: its sweep on the tuning seeds and both streams at full length, then its best (0.4) per stream
     assert {job.method for job in fake_runs} == {"sp"}
-    assert {job.seed for job in fake_runs if not job.setting} == set(SEEDS)
-    sweep_values = {job.setting for job in fake_runs if job.seed in (100, 101)}
-    assert {s.rsplit("=", 1)[1] for s in sweep_values} == {"0.2", "0.4", "0.6", "0.8"}
-    assert {job.stream.num_tasks for job in fake_runs if job.seed in (100, 101)} == {10}  # the shorter sweep
-    table = (tmp_path / "out" / "ranking.md").read_text()
-    labels = [row[1] for row in rows_of(table.split("\n\n")[1])]
-    assert labels[0] == "sp (shrink=0.4, tuned)" and set(labels) == {"sp (shrink=0.4, tuned)", "sp", "warm", "reset"}
-    assert "[1/" in capsys.readouterr().out  # a progress line per run
+    tuning = [job for job in fake_runs if job.seed >= 100]
+    assert {job.seed for job in tuning} == {100, 101, 102} and {job.stream.num_tasks for job in tuning} == {20}
+    assert {(job.stream.name, job.setting.rsplit("=", 1)[1]) for job in tuning} == {
+        (stream, v) for stream in STREAMS for v in ("0.2", "0.4", "0.8")}
+    assert {(job.stream.name, job.setting, job.seed) for job in fake_runs if job.seed < 100} == {
+        (stream, "callbacks.shrink_perturb.shrink=0.4", seed) for stream in STREAMS for seed in SEEDS}
+    text = (tmp_path / "ranking.md").read_text() if (tmp_path / "ranking.md").exists() else \
+        (tmp_path / "out" / "ranking.md").read_text()
+    rows = rows_of(text.split("\n\n")[1])
+    assert [row[1] for row in rows][0] == "sp" and sorted(row[1] for row in rows) == ["reset", "sp", "warm"]
+    assert [row[3] for row in rows if row[1] == "sp"] == ["shrink=0.4"]
+    out = capsys.readouterr().out
+    assert "[1/" in out and "tuning runs +" in out and "CPU-minutes" in out  # a plan with its cost, a line per run
+    assert "- `sp`: Designed for warm-starting on growing data" in text and "- `warm`: the warm regime" in text
     with pytest.raises(SystemExit, match="num_tasks.*--rerun-baselines"):
         benchmark.main(["--out", str(tmp_path / "other"), "--methods", "sp", "--tasks", "5"])
 
 
 def test_ship_with_methods_adds_their_runs_and_keeps_every_shipped_entry(tmp_path, monkeypatch, fake_runs):
-    shipped = made_results(methods=("warm", "reset", "fire", "head_reset"))
-    shipped.tuning_tasks, shipped.tuning_seeds = 10, [100]
-    shipped.streams = {name: {**s, "num_tasks": 20, "steps_per_task": steps}
-                       for (name, s), steps in zip(STREAMS.items(), (100, 25))}
-    shipped.runs = [RunResult(r.stream, r.method, r.setting, r.seed, [random.random() for _ in range(20)],
-                              [random.random() for _ in range(20)], random.uniform(1, 9)) for r in shipped.runs]
-    shipped.runs += [made_run("memorization", "fire", 100, "callbacks.fire.options.steps=10", tasks=10)]
-    shipped.tuned = {"fire": "callbacks.fire.options.steps=10", "head_reset": "callbacks.x.y=1"}
+    shipped = shipped_results(methods=("warm", "reset", "head_reset"))
     path = save_results(shipped, tmp_path / "shipped.json")
     before = json.loads(path.read_text())
     monkeypatch.setattr(benchmark, "SHIPPED_RESULTS", path)
@@ -245,10 +287,12 @@ def test_ship_with_methods_adds_their_runs_and_keeps_every_shipped_entry(tmp_pat
     assert [run for run in after["runs"] if key(run) in kept] == list(kept.values())  # as shipped, in order
     assert {key(run) for run in after["runs"] if key(run) not in kept} == {
         (job.stream.name, job.method, job.setting, job.seed) for job in fake_runs}  # head_reset's new runs only
-    assert {job.method for job in fake_runs} == {"head_reset"} and len(fake_runs) == 2 * len(SEEDS)
-    assert after["tuned"] == {"fire": "callbacks.fire.options.steps=10"}  # head_reset's own is its new sweep's
-    assert {k: v for k, v in after.items() if k not in ("runs", "tuned")} == {
-        k: v for k, v in before.items() if k not in ("runs", "tuned")}
+    assert {job.method for job in fake_runs} == {"head_reset"}
+    assert len(fake_runs) == 2 * len(SEEDS) + 2 * len(GRID) * 3  # its ranking rows and its sweep
+    assert after["tuned"]["warm"] == before["tuned"]["warm"] and set(after["tuned"]) == {"warm", "reset", "head_reset"}
+    assert after["regimes"]["head_reset"].startswith("A control")  # its file's, not the shipped one
+    assert {k: v for k, v in after.items() if k not in ("runs", "tuned", "regimes")} == {
+        k: v for k, v in before.items() if k not in ("runs", "tuned", "regimes")}
     shipped_now = path.read_text()
     with pytest.raises(SystemExit):  # would replace every shipped run by warm, reset and the method's
         benchmark.main(["--out", str(tmp_path / "out"), "--methods", "head_reset", "--ship", "--rerun-baselines"])
@@ -264,7 +308,85 @@ def test_rerun_baselines_runs_warm_and_reset_with_the_new_method(tmp_path, fake_
     benchmark.main(["--out", str(tmp_path), "--methods", "warm_reset", "--tasks", "4", "--rerun-baselines",
                     "--seeds", "0", "1"])
     assert {job.method for job in fake_runs} == {"warm", "reset", "warm_reset"}
-    assert {job.stream.num_tasks for job in fake_runs} == {4}
+    assert {job.stream.num_tasks for job in fake_runs} == {4}  # the sweep as long as the ranked streams
+    results = load_results(tmp_path / "results.json")
+    assert results.tuned == {m: {s: "model.lr=0.001" for s in STREAMS} for m in ("warm", "reset", "warm_reset")}
+
+
+def test_every_shipped_method_file_sweeps_as_many_values_and_states_its_regime():
+    """Discovered from configs/method: every file has a sensitivity: block of the same size, its own value among
+    them, and a one-line regime:; the unranked ones say why in it."""
+    from plasticity_callbacks.app.benchmark.runs import sweep
+    from plasticity_callbacks.app.methods import method_names
+
+    names = method_names()
+    sweeps = {name: sweep(name, None) for name in names}
+    assert all(sweeps.values()), [n for n, s in sweeps.items() if s is None]
+    assert len({len(values) for _, values, _ in sweeps.values()}) == 1, {n: s[1] for n, s in sweeps.items()}
+    benchmark.check_grids(sweeps, {})
+    ranked, regimes = benchmark.ranked_methods(names, None)
+    for name in names:
+        assert regimes[name] and "\n" not in regimes[name] and len(regimes[name]) < 400, name
+        assert "designed" in regimes[name].lower() or "control" in regimes[name].lower(), name
+    assert set(names) - set(ranked) == {"fire_lm"}  # the authors' language-model recipe: not the digits regime
+
+
+def test_unequal_grids_a_missing_sweep_and_an_unswept_default_are_refused():
+    with pytest.raises(SystemExit, match=r"same number of values.*'a': 2.*'b': 3"):
+        benchmark.check_grids({"a": ("k", ["1", "2"], "1"), "b": ("k", ["1", "2", "3"], "1")}, {})
+    with pytest.raises(SystemExit, match=r"same number of values.*'warm \(shipped\)': 3"):
+        benchmark.check_grids({"a": ("k", ["1", "2"], "1")}, {"warm (shipped)": 3})
+    with pytest.raises(SystemExit, match=r"\['b'\] have no sensitivity"):
+        benchmark.check_grids({"a": ("k", ["1", "2"], "1"), "b": None}, {})
+    with pytest.raises(SystemExit, match="its own k=5 is not among its sensitivity values"):
+        benchmark.check_grids({"a": ("k", ["1", "2"], "5")}, {})
+
+
+def test_an_unranked_method_is_left_out_and_refused_by_name(tmp_path, fake_runs, capsys):
+    with pytest.raises(SystemExit, match=r"\['fire_lm'\] say ranked: false.*GPT"):
+        benchmark.main(["--out", str(tmp_path), "--methods", "fire_lm", "--rerun-baselines"])
+    assert not fake_runs
+
+
+def mine(tmp_path, lr: str | None):
+    """A user's method file that is warm start under another name, with its own lr ``lr`` (None: the run's)."""
+    (tmp_path / "method").mkdir(exist_ok=True)
+    model = f"model:\n  lr: {lr}\n" if lr else ""
+    (tmp_path / "method" / "mine.yaml").write_text(
+        f"name: mine\nregime: \"Designed for nothing.\"\ncarry_optimizer: true\ncallbacks: {{}}\n{model}"
+        "sensitivity:\n  key: model.lr\n  values: [3.0e-4, 1.0e-3, 3.0e-3]\n")
+    return tmp_path
+
+
+def test_two_method_files_of_one_configuration_are_refused(tmp_path, fake_runs):
+    args = ["--out", str(tmp_path / "out"), "--methods", "mine", "--rerun-baselines", "--tasks", "2"]
+    with pytest.raises(SystemExit, match="mine and warm compose the same configuration on memorization|"
+                                         "warm and mine compose the same configuration on memorization"):
+        benchmark.main([*args, "--config-dir", str(mine(tmp_path, None))])
+    assert not fake_runs
+
+
+def test_rows_tuned_to_one_configuration_are_merged_with_a_line(tmp_path, fake_runs, capsys):
+    """mine (lr 3e-4 in its file) and warm both select lr 0.001: one configuration, one row (warm's)."""
+    benchmark.main(["--out", str(tmp_path / "out"), "--methods", "mine", "--rerun-baselines", "--tasks", "2",
+                    "--config-dir", str(mine(tmp_path, "3.0e-4"))])
+    assert not [job for job in fake_runs if job.method == "mine" and job.seed < 100]  # no ranking run of its own
+    text = (tmp_path / "out" / "ranking.md").read_text()
+    assert "mine (lr=0.001) on memorization is the configuration of warm (lr=0.001): one row, warm's" in text
+    assert "note: mine (lr=0.001) on generalization is the configuration of warm" in capsys.readouterr().out
+    assert "mine" not in [row[1] for row in rows_of(text.split("\n\n")[1])]
+
+
+def test_identical_groups_and_the_run_fingerprint():
+    from plasticity_callbacks.app.benchmark.runs import STREAMS as RUN_STREAMS, configuration, identical_groups
+
+    assert identical_groups({"a": "x", "b": "y", "c": "x", "d": "x"}) == [["a", "c", "d"]]
+    assert identical_groups({"a": "x", "b": "y"}) == []
+    memorization = RUN_STREAMS[0]
+    # the authors' LM recipe at 10 steps is their continual recipe: the same run under two names
+    assert (configuration(memorization, "fire_lm", "callbacks.fire.options.steps=10", None)
+            == configuration(memorization, "fire_continual", "", None))
+    assert (configuration(memorization, "fire_lm", "", None) != configuration(memorization, "fire_continual", "", None))
 
 
 def test_bad_arguments_are_refused_in_one_line(tmp_path):

@@ -56,9 +56,12 @@ def differing_keys(a, b, prefix=""):
 
 def method_block(name):
     block = OmegaConf.to_container(compose_config(f"+method={name}").method, resolve=True)
-    block.pop("name")
-    block.pop("sensitivity", None)
-    return block
+    for key in ("name", "sensitivity", "regime", "ranked"):  # what the file says about itself, not a setting
+        block.pop(key, None)
+    # a model setting equal to the task streams' model default (warm's lr, named for its sweep) changes nothing
+    default = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "digits_mlp.yaml"))
+    model = {k: v for k, v in (block.pop("model", None) or {}).items() if default.get(k) != v}
+    return {**block, **({"model": model} if model else {})}
 
 
 @pytest.mark.parametrize("method, neighbour, difference", [

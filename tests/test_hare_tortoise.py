@@ -64,3 +64,51 @@ def test_matches_ema_and_periodic_reset():
 def test_bad_arguments_are_refused(bad):
     with pytest.raises((ValueError, TypeError)):
         HareTortoise(**bad)
+
+
+class HareRecorder(L.Callback):
+    """The hare's weights at the start and after every optimizer step (listed first: before any reset or measure)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.steps = [[p.detach().clone() for p in pl_module.parameters()]]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+@pytest.mark.parametrize("evaluate_tortoise", [True, False])
+def test_task_metrics_measure_the_tortoise_of_a_task_stream(evaluate_tortoise):
+    """Every task end of a task stream is measured on the tortoise, recomputed here as the EMA of the hare's
+    recorded weights (reset to it at the boundary); with evaluate_tortoise=False, on the hare."""
+    from plasticity_callbacks.callbacks.schedule import Schedule
+    from plasticity_callbacks.callbacks.task_metrics import TaskMetrics, plasticity_metrics
+    from plasticity_callbacks.data.digits import RandomLabelDigits
+    from plasticity_callbacks.models.classifier import DigitsClassifier
+
+    torch.manual_seed(0)
+    decay, per_task = 0.6, 4
+    module, stream = DigitsClassifier(widths=[16, 16], lr=1e-2), RandomLabelDigits(2, per_task, 32, seed=0)
+    recorder, metrics = HareRecorder(), TaskMetrics()
+    ht = HareTortoise(decay=decay, schedule=Schedule(at_task_boundaries=True), evaluate_tortoise=evaluate_tortoise)
+    cpu_trainer(max_epochs=1, callbacks=[recorder, metrics, ht]).fit(module, datamodule=stream)
+
+    tortoise, expected, hares = [w.clone() for w in recorder.steps[0]], [], []
+    for step, hare in enumerate(recorder.steps[1:], 1):
+        tortoise = [decay * t + (1 - decay) * h for t, h in zip(tortoise, hare)]
+        if step % per_task == 0:  # a task's end: the measured network
+            hares.append(hare)
+            expected.append(tortoise if evaluate_tortoise else hare)
+    assert ht.resets == 1
+    probe = DigitsClassifier(widths=[16, 16], lr=1e-2)
+    for task, (weights, hare) in enumerate(zip(expected, hares)):
+        with torch.no_grad():
+            for p, w in zip(probe.parameters(), weights):
+                p.copy_(w)
+        reference = plasticity_metrics(probe, *stream.eval_data(task), tau=0.025)
+        row = metrics.history[task]
+        for name in ("loss", "weight_norm", "accuracy"):
+            assert row[name] == pytest.approx(reference[name], rel=1e-5, abs=1e-6), (task, name)
+        hare_norm = torch.cat([h.flatten() for h in hare]).norm()
+        assert (abs(row["weight_norm"] - hare_norm) > 1e-3) == evaluate_tortoise  # the tortoise is not the hare
+    for p, h in zip(module.parameters(), recorder.steps[-1]):  # training ends with the hare's weights in place
+        assert torch.equal(p, h)

@@ -9,9 +9,11 @@ tasks of a task stream)::
       shrink_perturb: {_target_: plasticity_callbacks.ShrinkPerturb, shrink: 0.8, perturb: 0.2}
     task_stream:             # optional: what differs in a task stream, merged onto `callbacks`
       shrink_perturb: {reset_optimizer: true}
-    sensitivity:             # optional: the main hyperparameter and the values a sweep tries
-      key: callbacks.shrink_perturb.shrink
-      values: [0.2, 0.4, 0.6, 0.8]
+    sensitivity:             # the main hyperparameter and the values a sweep tries (the benchmark: every
+      key: callbacks.shrink_perturb.shrink   #   method the same number of values, the file's own among them)
+      values: [0.2, 0.4, 0.8]
+    regime: "Designed for ...; here ..."     # one line: what it was designed for, where that does not apply
+    ranked: false            # optional: not a row of the digits ranking (another regime; say why in regime)
     model:                   # optional: merged onto the run's ``model:``, for the whole run (every phase or
       norm: layer            #   task); the task streams' DigitsClassifier takes its norm and its Adam's
       weight_decay: 1.0e-3   #   lr and weight_decay here
@@ -42,7 +44,10 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import ConfigError
 from .config_checks import config_dir
 
-METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity", "model", "optimizer"}
+METHOD_KEYS = {"name", "callbacks", "carry_optimizer", "task_stream", "sensitivity", "model", "optimizer", "regime",
+               "ranked"}
+# What a method file says about itself, not a setting of the run: a run's fingerprint leaves them out.
+DESCRIPTION_KEYS = ("name", "regime", "ranked", "sensitivity")
 # The schedule of a callback that acts "at the boundary" of a pipeline phase; in a task stream that
 # boundary is every task boundary.
 AT_TASK_BOUNDARIES = {"_target_": "plasticity_callbacks.callbacks.schedule.Schedule", "at_task_boundaries": True}
@@ -225,7 +230,10 @@ def sensitivity(method: DictConfig) -> tuple[str, list] | None:
     if block is None:
         return None
     key, values = block.get("key"), block.get("values")
-    if not key or not values or OmegaConf.select(method, key) is None:
+    # a run setting (model.lr) may be swept without the file setting it: the run's own value is its default
+    run_setting = str(key or "").startswith(("model.", "optimizer."))
+    if not key or not values or (OmegaConf.select(method, key) is None and not run_setting):
         raise ConfigError(f"method {method.get('name')!r}: sensitivity needs key (a setting of the method, "
-                          f"e.g. callbacks.sp.shrink) and values; got key={key!r}, values={values!r}")
+                          f"e.g. callbacks.sp.shrink, or of the run, e.g. model.lr) and values; got key={key!r}, "
+                          f"values={values!r}")
     return str(key), list(values)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -25,8 +26,9 @@ class HareTortoise(PlasticityCallback):
     usual alternative), the hare is reset to the tortoise: ``θ_H ← θ_T``; ``reset_optimizer`` also drops
     the optimizer state of the reset parameters. The tortoise is the network evaluated, as in the paper:
     with ``evaluate_tortoise`` its weights are swapped in for Lightning's validation and test loops
-    (``on_validation_start``/``on_test_start``) and the hare's swapped back at their end; an evaluation
-    that runs inside training hooks (a task stream's TaskMetrics) sees the hare. Buffers (BatchNorm
+    (``on_validation_start``/``on_test_start``) and the hare's swapped back at their end, and for an
+    evaluation run inside a training hook that asks for them (:meth:`evaluation_weights`: a task stream's
+    TaskMetrics measures every task end on the tortoise, this step's EMA update included). Buffers (BatchNorm
     statistics) are the hare's. Deterministic, so identical on every DDP rank; the tortoise is in ``state_dict``.
     Under FSDP2 the tortoise is sharded like the hare: each rank averages, resets and swaps its own shards
     (:mod:`~distributed.sharded_state`: how it is saved).
@@ -90,11 +92,35 @@ class HareTortoise(PlasticityCallback):
         self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step != self._last_step:  # the optimizer stepped in this batch
+        self._update_tortoise(trainer, pl_module)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _update_tortoise(self, trainer, pl_module) -> None:
+        """The EMA step, once per optimizer step (whichever of this hook and an evaluation asks first)."""
+        if self._hare and trainer.global_step != self._last_step:  # the optimizer stepped in this batch
             self._last_step = trainer.global_step
             if not self.skip_nonfinite(trainer, pl_module, "the tortoise's EMA update"):  # it would keep the NaN
                 ema_toward_(self.tortoise, self._hare, self.decay)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @contextmanager
+    def evaluation_weights(self, trainer, pl_module):
+        """The tortoise's weights in ``pl_module`` while the block runs (with ``evaluate_tortoise``; else the
+        hare's, untouched), the hare's put back after, even when the block raises. For an evaluation run from a
+        training hook (Lightning's own loops swap in ``on_validation_start``): the tortoise first takes this
+        step's EMA update, so it is the same whichever callback's hook runs first.
+
+        Example:
+            >>> with hare_tortoise.evaluation_weights(trainer, pl_module):
+            ...     accuracy = accuracy_on(pl_module, x, y)   # the tortoise's accuracy
+        """
+        self._update_tortoise(trainer, pl_module)
+        nested = self._hare_saved is not None  # inside a validation loop: the tortoise is in already
+        self._swap_in_tortoise(pl_module)
+        try:
+            yield
+        finally:
+            if not nested:
+                self._swap_back_hare(pl_module)
 
     @torch.no_grad()
     def _swap_in_tortoise(self, pl_module) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+from contextlib import ExitStack, contextmanager
 from typing import ClassVar
 
 import lightning as L
@@ -101,6 +102,23 @@ def accuracy_on(pl_module: L.LightningModule, x: torch.Tensor, y: torch.Tensor) 
     return float(target_scores(logits, y.to(logits.device))[0])
 
 
+@contextmanager
+def evaluated_weights(trainer, pl_module: L.LightningModule):
+    """The weights a method evaluates with, in ``pl_module`` while the block runs: every callback with an
+    ``evaluation_weights(trainer, pl_module)`` context (HareTortoise: its tortoise) swaps them in, and back after.
+    Without such a callback, the trained weights as they are.
+
+    Example:
+        >>> with evaluated_weights(trainer, pl_module):
+        ...     metrics = plasticity_metrics(pl_module, x, y, tau=0.025)
+    """
+    with ExitStack() as stack:
+        for callback in trainer.callbacks:
+            if callable(getattr(callback, "evaluation_weights", None)):
+                stack.enter_context(callback.evaluation_weights(trainer, pl_module))
+        yield
+
+
 def total_norm(tensors: list[torch.Tensor]) -> float:
     """The L2 norm of all ``tensors`` together; FSDP2's ``DTensor`` shards are combined over the ranks
     (a collective: call it on every rank)."""
@@ -169,7 +187,8 @@ class TaskMetrics(L.Callback):
     - ``online_loss`` / ``online_accuracy``: mean over the task's steps of the training batch's loss and
       accuracy, each computed before that step's update (Dohare et al. 2024; Kumar et al. 2023). Needs a
       ``training_step`` that returns ``{"loss", "accuracy"}``; accuracy is NaN when it returns the loss only.
-    - :func:`plasticity_metrics` on the data module's ``eval_data(task)`` (end-of-task ``accuracy`` etc.).
+    - :func:`plasticity_metrics` on the data module's ``eval_data(task)`` (end-of-task ``accuracy`` etc.), on the
+      network the method evaluates (:func:`evaluated_weights`: Hare & Tortoise's tortoise), as are the two below.
     - ``retained_accuracy`` (stability): mean accuracy on ``eval_data`` of the previous
       ``stability_tasks`` tasks (NaN for task 0).
     - ``probe_accuracy``: :func:`probe_accuracy` on the stream's ``probe_data()``, every
@@ -251,16 +270,17 @@ class TaskMetrics(L.Callback):
         if step not in stream.task_boundary_steps and step != stream.total_steps:
             return
         task = stream.task_at(step - 1)
-        metrics = plasticity_metrics(pl_module, *stream.eval_data(task), self.tau)
+        with evaluated_weights(trainer, pl_module):  # the network the method evaluates (Hare & Tortoise: the tortoise)
+            metrics = plasticity_metrics(pl_module, *stream.eval_data(task), self.tau)
+            earlier = range(max(0, task - self.stability_tasks), task)
+            metrics["retained_accuracy"] = (sum(accuracy_on(pl_module, *stream.eval_data(j)) for j in earlier)
+                                            / len(earlier)) if task else float("nan")
+            probe_now = self.probe_steps and (task % self.probe_every == 0 or task == stream.num_tasks - 1)
+            metrics["probe_accuracy"] = (probe_accuracy(pl_module, *stream.probe_data(), self.probe_steps,
+                                                        self.probe_lr) if probe_now else float("nan"))
         loss_sum, accuracy_sum, steps = self._online
         metrics["online_loss"] = loss_sum / steps if steps else float("nan")
         metrics["online_accuracy"] = accuracy_sum / steps if steps else float("nan")
-        earlier = range(max(0, task - self.stability_tasks), task)
-        metrics["retained_accuracy"] = (sum(accuracy_on(pl_module, *stream.eval_data(j)) for j in earlier)
-                                        / len(earlier)) if task else float("nan")
-        probe_now = self.probe_steps and (task % self.probe_every == 0 or task == stream.num_tasks - 1)
-        metrics["probe_accuracy"] = (probe_accuracy(pl_module, *stream.probe_data(), self.probe_steps, self.probe_lr)
-                                     if probe_now else float("nan"))
         metrics["grad_norm"] = sum(self._grad_norms) / len(self._grad_norms) if self._grad_norms else float("nan")
         self._grad_norms, self._online = [], [0.0, 0.0, 0]
         # measured at task ends only: written at this step, never repeated in the rows of the next task

@@ -14,12 +14,12 @@ from ...callbacks.figures import new_figure
 from ..report.runs import LINE_STYLES, MARKERS
 from .metrics import late_stream_accuracy, paired_difference
 from .results import Results
-from .table import ordered_labels
+from .table import ordered_methods
 
 
 def plot_ranking(results: Results, k: int, path: Path) -> Path:
     """Write the figure to ``path``: a column per stream, accuracy curves on top, the forest plot below."""
-    labels = ordered_labels(results, k)
+    labels = ordered_methods(results, k)
     streams = list(results.streams)
     fig = new_figure(figsize=(7 * len(streams), 5 + 0.28 * len(labels)))
     axes = fig.subplots(2, len(streams), squeeze=False, height_ratios=[5, 0.28 * len(labels) + 1])
@@ -28,8 +28,8 @@ def plot_ranking(results: Results, k: int, path: Path) -> Path:
         late: dict[str, dict[int, float]] = defaultdict(dict)
         for run in results.ranking_runs():
             if run.stream == stream:
-                curves[run.label].append(run.accuracy)
-                late[run.label][run.seed] = late_stream_accuracy(run.accuracy, k)
+                curves[run.method].append(run.accuracy)
+                late[run.method][run.seed] = late_stream_accuracy(run.accuracy, k)
         top, bottom = axes[0, column], axes[1, column]
         for index, label in enumerate(labels):
             if label in curves:

@@ -11,7 +11,7 @@ naming the file, never a ranking built on them.
 Example:
     >>> shipped = load_results(SHIPPED_RESULTS)
     >>> sorted({r.method for r in shipped.runs})[:3]
-    ['cbp', 'dash', 'fire']
+    ['cbp', 'dash', 'fire_continual']
 """
 from __future__ import annotations
 
@@ -59,11 +59,17 @@ class RunResult:
 
     @property
     def label(self) -> str:
-        """The method as a table row names it: ``cbp`` or ``cbp (replacement_rate=0.001, tuned)``."""
-        if not self.setting:
-            return self.method
-        key, _, value = self.setting.partition("=")
-        return f"{self.method} ({key.rsplit('.', 1)[-1]}={value}, tuned)"
+        """The method with its setting: ``cbp`` (its file as is) or ``cbp (replacement_rate=0.001)``."""
+        return f"{self.method} ({short_setting(self.setting)})" if self.setting else self.method
+
+
+def short_setting(setting: str) -> str:
+    """``callbacks.continual_backprop.replacement_rate=0.001`` as a table shows it: ``replacement_rate=0.001``;
+    ``""`` (a method file as is) as ``as in its file``."""
+    if not setting:
+        return "as in its file"
+    key, _, value = setting.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}={value}"
 
 
 @dataclass
@@ -73,9 +79,12 @@ class Results:
     streams: dict[str, dict]       # stream name -> Stream.settings()
     seeds: list[int]               # the ranking seeds
     tuning_seeds: list[int]        # the seeds of the sensitivity sweep (never ranking seeds)
-    tuning_tasks: int              # the sweep's memorization stream: its tasks (steps as the ranking's)
-    tuned: dict[str, str] = field(default_factory=dict)  # method -> its best setting, where not its default
+    tuning_tasks: int              # the sweep's streams: their tasks (steps as the ranking's)
+    # method -> stream -> the setting its row runs at: the sweep's best on that stream's tuning runs
+    tuned: dict[str, dict[str, str]] = field(default_factory=dict)
     runs: list[RunResult] = field(default_factory=list)
+    regimes: dict[str, str] = field(default_factory=dict)  # method -> its file's regime: line
+    notes: list[str] = field(default_factory=list)          # what the run merged or left out, one line each
     version: str = __version__
 
     def ranking_runs(self) -> list[RunResult]:

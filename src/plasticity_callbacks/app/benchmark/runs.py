@@ -18,7 +18,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from ..methods import sensitivity
+from ..methods import DESCRIPTION_KEYS, sensitivity
 from ..train import config_dir, fit
 from .results import RunResult, Stream
 
@@ -48,7 +48,7 @@ class Job:
         return out / "runs" / self.stream.name / self.method / setting / f"seed{self.seed}"
 
     def overrides(self) -> list[str]:
-        setting = [f"method.{self.setting}"] if self.setting else []
+        setting = [f"++method.{self.setting}"] if self.setting else []  # ++: model.lr, which the file may not set
         return [f"+method={self.method}", f"seed={self.seed}", *self.stream.overrides(), *MEASUREMENT, *setting]
 
 
@@ -61,23 +61,48 @@ def compose_run(out: Path, overrides: list[str], user_config_dir: Path | None):
 
 
 def sweep(method: str, user_config_dir: Path | None) -> tuple[str, list[str], str] | None:
-    """The method's sensitivity sweep as ``(key, the values as override strings, its default's string)``,
-    the default among the values, or None for a method without a ``sensitivity:`` block."""
-    cfg = compose_run(Path("unused"), [f"+method={method}"], user_config_dir).method
-    found = sensitivity(cfg)
+    """The method's sensitivity sweep as ``(key, the values as override strings, its file's own value's string)``
+    (the values as the file lists them: the benchmark checks that the file's own is among them), or None for a
+    method without a ``sensitivity:`` block."""
+    cfg = compose_run(Path("unused"), [f"+method={method}"], user_config_dir)
+    found = sensitivity(cfg.method)
     if found is None:
         return None
     key, values = found
-    default = OmegaConf.select(cfg, key)
-    strings = [str(v) for v in values]
-    return key, strings if str(default) in strings else [str(default), *strings], str(default)
+    default = OmegaConf.select(cfg.method, key)
+    return key, [str(v) for v in values], str(OmegaConf.select(cfg, key) if default is None else default)
+
+
+def configuration(stream: Stream, method: str, setting: str, user_config_dir: Path | None) -> str:
+    """The :func:`fingerprint` of ``method`` at ``setting`` on ``stream`` (seed 0): two methods with equal ones
+    are one configuration under two names."""
+    return fingerprint(compose_run(Path("unused"), Job(stream, method, setting, 0).overrides(), user_config_dir))
+
+
+def identical_groups(configurations: dict[str, str]) -> list[list[str]]:
+    """The names whose configurations are equal, each group of two or more in the order given.
+
+    Example:
+        >>> identical_groups({"fire_continual": "a", "fire_lm": "a", "warm": "b"})
+        [['fire_continual', 'fire_lm']]
+    """
+    groups: dict[str, list[str]] = {}
+    for name, config in configurations.items():
+        groups.setdefault(config, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def fingerprint(cfg) -> str:
-    """The composed config as text, interpolations unresolved, without ``paths`` (where the run is written is
-    not a setting of it: a folder moved elsewhere is still the same run)."""
+    """The composed config as text, interpolations unresolved, without what is not a setting of the run: ``paths``
+    (a folder moved elsewhere is still the same run) and what the method file says about itself (its name, regime,
+    sweep grid: :data:`~app.methods.DESCRIPTION_KEYS`; a reworded regime line is still the same run, and two
+    method files with equal fingerprints are one configuration)."""
     config = OmegaConf.to_container(cfg, resolve=False)
     config.pop("paths", None)
+    for block in ("method", "default_method"):
+        for key in DESCRIPTION_KEYS:
+            (config.get(block) or {}).pop(key, None)
+    config.get("callbacks", {}).get("task_metrics", {}).pop("method", None)  # the name, recorded in stream.json
     return yaml.safe_dump(config, sort_keys=True)
 
 
