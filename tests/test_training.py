@@ -1,10 +1,12 @@
+import math
+
 import lightning as L
 import pytest
 import torch
 
 from plasticity_callbacks.data import CodeCorpusDataModule
 from plasticity_callbacks.models import GPTLightningModule
-from plasticity_callbacks.models.optimizers import CombinedOptimizer, build_optimizer, lr_lambda
+from plasticity_callbacks.models.optimizers import CombinedOptimizer, OptimizerSettings, build_optimizer, lr_lambda
 from tiny import cpu_trainer
 
 TINY = dict(n_layer=2, n_head=2, n_kv_head=2, n_embd=64, sequence_len=64)
@@ -129,3 +131,55 @@ def test_the_optimizer_settings_travel_whole_and_a_bad_one_is_named():
                        ({"momentum": 0.9}, r"unknown field\(s\) \['momentum'\]")):
         with pytest.raises(ConfigError, match=named):
             GPTLightningModule(TINY, bad)
+
+
+def warmup_cosine_per_task(step: int, steps_per_task: int, warmup: int, min_ratio: float) -> float:
+    """The schedule written out independently: task-local step, linear warmup from 1/warmup, cosine to min_ratio."""
+    local = step - (step // steps_per_task) * steps_per_task
+    if local < warmup:
+        return (local + 1) / warmup
+    return min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * (local - warmup) / (steps_per_task - warmup))) / 2
+
+
+def test_lr_schedule_restarts_its_warmup_and_cosine_every_period():
+    per_task = lr_lambda("cosine", 10_000, 10, 0.1, restart_every_n_steps=100)  # total_steps unused
+    for step in range(350):
+        assert per_task(step) == pytest.approx(warmup_cosine_per_task(step, 100, 10, 0.1), abs=1e-12), step
+    assert lr_lambda("cosine", 300, 10, 0.1)(150) != pytest.approx(per_task(150))  # one schedule over 300: no restart
+
+
+class LearningRates(L.Callback):
+    """The learning rate and weight decay of every param group at each training step, as the step uses them."""
+
+    def __init__(self):
+        self.lrs, self.decays = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        groups = trainer.optimizers[0].param_groups
+        self.lrs.append([g["lr"] for g in groups])
+        self.decays.append([g["weight_decay"] for g in groups])
+
+
+def test_a_task_stream_trains_every_task_with_its_own_warmup_and_cosine():
+    from plasticity_callbacks.data.lm_stream import LMTaskStream
+
+    steps, warmup, lr = 7, 2, 1e-2
+    stream = LMTaskStream(design={"windows_per_task": 16}, num_tasks=3, steps_per_task=steps, seed=0,
+                          corpus_max_bytes=200_000, window=16, batch_size=4)
+    module = GPTLightningModule({"n_layer": 1, "n_embd": 32, "n_head": 2, "n_kv_head": 2, "sequence_len": 16},
+                                {"lr": lr, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": warmup,
+                                 "min_lr_ratio": 0.1, "restart_every_n_steps": steps})
+    seen = LearningRates()
+    cpu_trainer(max_epochs=1, callbacks=[seen]).fit(module, datamodule=stream)
+    assert len(seen.lrs) == 3 * steps
+    for step, group_lrs in enumerate(seen.lrs):
+        assert group_lrs == pytest.approx([lr * warmup_cosine_per_task(step, steps, warmup, 0.1)], abs=1e-12)
+    assert seen.lrs[steps] == seen.lrs[2 * steps] == seen.lrs[0]  # each task boundary starts the warmup over
+    assert seen.decays[0] == [0.1]  # one group: every GPT parameter is a matrix (no biases, parameter-free norms)
+
+
+def test_a_restart_period_within_the_warmup_is_refused():
+    with pytest.raises(ValueError, match=r"optimizer.restart_every_n_steps=10 leaves no step after the warmup"):
+        OptimizerSettings(warmup_steps=10, restart_every_n_steps=10)
+    with pytest.raises(ValueError, match="optimizer.restart_every_n_steps"):
+        OptimizerSettings(restart_every_n_steps=-1)

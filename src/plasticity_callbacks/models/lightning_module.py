@@ -157,7 +157,8 @@ class GPTLightningModule(L.LightningModule):
         settings = self.optimizer_settings
         optimizer = build_optimizer(self.model, settings)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
-        factor = lr_lambda(settings.schedule, max(1, total), settings.warmup_steps, settings.min_lr_ratio)
+        factor = lr_lambda(settings.schedule, max(1, total), settings.warmup_steps, settings.min_lr_ratio,
+                           settings.restart_every_n_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

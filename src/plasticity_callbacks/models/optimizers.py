@@ -44,6 +44,8 @@ class OptimizerSettings:
     schedule: str = "cosine"  # cosine | linear | constant, after the warmup
     warmup_steps: int = 0  # linear warmup from lr / warmup_steps
     min_lr_ratio: float = 0.1  # cosine and linear decay to min_lr_ratio · lr
+    restart_every_n_steps: int = 0  # > 0: warmup and decay start over every this many steps (a task stream's
+    #                                  steps_per_task: a schedule per task); 0: one schedule over the whole fit
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -55,6 +57,10 @@ class OptimizerSettings:
         check_number("optimizer.muon_momentum", self.muon_momentum, 0.0, 1.0)
         check_number("optimizer.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_int("optimizer.warmup_steps", self.warmup_steps, minimum=0)
+        check_int("optimizer.restart_every_n_steps", self.restart_every_n_steps, minimum=0)
+        if 0 < self.restart_every_n_steps <= self.warmup_steps:
+            raise ValueError(f"optimizer.restart_every_n_steps={self.restart_every_n_steps} leaves no step after the "
+                             f"warmup (optimizer.warmup_steps={self.warmup_steps}); set it above the warmup, or 0")
         betas = self.betas
         if isinstance(betas, (str, bytes)) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"optimizer.betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
@@ -158,17 +164,30 @@ def build_optimizer(model: nn.Module, settings: OptimizerSettings | Mapping | No
     return CombinedOptimizer([muon, adamw])
 
 
-def lr_lambda(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
-    """Multiplier of the base LR at optimizer step ``s``: linear warmup, then cosine/linear decay to ``min_lr_ratio``."""
+def lr_lambda(schedule: str, total_steps: int, warmup_steps: int, min_lr_ratio: float,
+              restart_every_n_steps: int = 0) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step ``s``: linear warmup, then cosine/linear decay to ``min_lr_ratio``
+    at ``total_steps``. With ``restart_every_n_steps > 0`` the warmup and decay run over that many steps and start
+    over after each (``total_steps`` is then unused): in a task stream of ``steps_per_task`` steps per task, every
+    task gets the same warmup and decay, the per-phase schedule a pipeline gets from one ``Trainer`` per phase.
+
+    Example:
+        >>> per_task = lr_lambda("cosine", 0, 10, 0.1, restart_every_n_steps=100)
+        >>> per_task(0) == per_task(100) == 0.1 and per_task(10) == per_task(110) == 1.0
+        True
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"optimizer.schedule={schedule!r} is not one of {SCHEDULES}")
+    period = restart_every_n_steps if restart_every_n_steps > 0 else total_steps
 
     def factor(step: int) -> float:
+        if restart_every_n_steps > 0:
+            step %= restart_every_n_steps
         if warmup_steps > 0 and step < warmup_steps:
             return (step + 1) / warmup_steps
         if schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        progress = min(1.0, (step - warmup_steps) / max(1, period - warmup_steps))
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
         return min_lr_ratio + (1 - min_lr_ratio) * decay
 
