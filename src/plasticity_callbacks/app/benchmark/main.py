@@ -43,7 +43,7 @@ from .metrics import late_stream_accuracy
 from .results import (SHIPPED_RESULTS, Results, ResultsError, RunResult, check_comparable, load_results,
                       save_results, short_setting)
 from .runs import STREAMS, Job, compose_run, configuration, identical_groups, run_job, sweep
-from .table import (BASELINES, PRIMARY, caption, per_seed_csv, ranking_table, regime_lines, short_table,
+from .table import (BASELINES, caption, per_seed_csv, ranking_table, regime_lines, short_table,
                     tuning_table)
 
 README_MARKERS = ("<!-- plasticity-benchmark: table -->", "<!-- plasticity-benchmark: end -->")
