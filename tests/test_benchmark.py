@@ -252,6 +252,7 @@ def shipped_results(methods=("warm", "reset")) -> Results:
     return shipped
 
 
+@pytest.mark.slow  # composes every method file through Hydra: seconds each
 def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeypatch, fake_runs, capsys):
     monkeypatch.setattr(benchmark, "SHIPPED_RESULTS", save_results(shipped_results(), tmp_path / "shipped.json"))
     benchmark.main(["--out", str(tmp_path / "out"), "--methods", "sp"])
@@ -275,6 +276,7 @@ def test_a_new_method_runs_alone_against_the_shipped_baselines(tmp_path, monkeyp
         benchmark.main(["--out", str(tmp_path / "other"), "--methods", "sp", "--tasks", "5"])
 
 
+@pytest.mark.slow  # composes every method file through Hydra: seconds each
 def test_ship_with_methods_adds_their_runs_and_keeps_every_shipped_entry(tmp_path, monkeypatch, fake_runs):
     shipped = shipped_results(methods=("warm", "reset", "head_reset"))
     path = save_results(shipped, tmp_path / "shipped.json")
@@ -304,6 +306,7 @@ def test_ship_with_methods_adds_their_runs_and_keeps_every_shipped_entry(tmp_pat
     assert path.read_text() == shipped_now
 
 
+@pytest.mark.slow  # composes every method file through Hydra: seconds each
 def test_rerun_baselines_runs_warm_and_reset_with_the_new_method(tmp_path, fake_runs):
     benchmark.main(["--out", str(tmp_path), "--methods", "warm_reset", "--tasks", "4", "--rerun-baselines",
                     "--seeds", "0", "1"])
@@ -313,6 +316,7 @@ def test_rerun_baselines_runs_warm_and_reset_with_the_new_method(tmp_path, fake_
     assert results.tuned == {m: {s: "model.lr=0.001" for s in STREAMS} for m in ("warm", "reset", "warm_reset")}
 
 
+@pytest.mark.slow  # composes every method file through Hydra: seconds each
 def test_every_shipped_method_file_sweeps_as_many_values_and_states_its_regime():
     """Discovered from configs/method: every file has a sensitivity: block of the same size, its own value among
     them, and a one-line regime:; the unranked ones say why in it."""
@@ -358,6 +362,7 @@ def mine(tmp_path, lr: str | None):
     return tmp_path
 
 
+@pytest.mark.slow  # composes every method file through Hydra: seconds each
 def test_two_method_files_of_one_configuration_are_refused(tmp_path, fake_runs):
     args = ["--out", str(tmp_path / "out"), "--methods", "mine", "--rerun-baselines", "--tasks", "2"]
     with pytest.raises(SystemExit, match="mine and warm compose the same configuration on memorization|"
@@ -366,6 +371,7 @@ def test_two_method_files_of_one_configuration_are_refused(tmp_path, fake_runs):
     assert not fake_runs
 
 
+@pytest.mark.slow  # composes every method file through Hydra: seconds each
 def test_rows_tuned_to_one_configuration_are_merged_with_a_line(tmp_path, fake_runs, capsys):
     """mine (lr 3e-4 in its file) and warm both select lr 0.001: one configuration, one row (warm's)."""
     benchmark.main(["--out", str(tmp_path / "out"), "--methods", "mine", "--rerun-baselines", "--tasks", "2",
