@@ -80,3 +80,17 @@ def ddp_run(request, _ddp_launch):
     if request.node.get_closest_marker("ddp_run") is None:
         pytest.fail(f"{request.node.nodeid} uses the ddp_run fixture without a @pytest.mark.ddp_run(...) marker")
     return _ddp_launch[request.node.nodeid]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (CI) the ``ddp_run`` tests of every file run on one worker, since
+    their runs share one launch, and a file's process-starting tests on one worker, since they share its module
+    fixtures (an FSDP2 launch, a stopped run); the in-process tests go to whichever worker is free."""
+    if not config.getoption("loadgroup", False):  # xdist sets it on each worker under --dist loadgroup
+        return
+    for item in items:
+        if item.get_closest_marker("ddp_run"):
+            item.add_marker(pytest.mark.xdist_group("ddp_launch"))
+        elif any(item.get_closest_marker(name) for name in PROCESS_MARKERS):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
