@@ -74,7 +74,7 @@ def test_cnn_layer_norm_normalizes_each_images_feature_map_and_the_hidden_layer(
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"norm": "batch"}, r"model.norm='batch' is not one of \('none', 'layer'\)"),
+    ({"norm": "group"}, r"model.norm='group' is not one of \('none', 'layer', 'batch'\)"),
     ({"weight_decay": -1e-3}, r"model.weight_decay=-0.001 must be a number >= 0"),
     ({"weight_decay": True}, r"model.weight_decay=True must be a number >= 0"),
 ])
