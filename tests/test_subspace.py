@@ -405,3 +405,28 @@ def test_largest_eigenvalue_matches_eigvalsh_and_falls_back_where_lanczos_cannot
     M = (Q * spectra["separated"]) @ Q.mT
     assert subspace.largest_eigenvalue(M, steps=150, tolerance=0.0) == pytest.approx(float(real(M)[-1]), rel=1e-12)
     assert calls == [(k, k)]  # not certified in its steps: the whole solver answered
+
+
+def test_largest_eigenvalue_gives_up_early_on_a_bulk_edge_and_not_on_a_separated_top(monkeypatch):
+    """A top at the edge of a bulk (the angle of a subspace turned a little in every direction: no certificate in
+    LANCZOS_STEPS) goes to eigvalsh after LANCZOS_PATIENCE + 1 products instead of all of them, with eigvalsh's
+    value; a separated top is still certified by Lanczos alone. Fresh matrices, float64 and float32."""
+    from plasticity_callbacks.functional import subspace
+
+    gen = torch.Generator().manual_seed(210)
+    k = 400
+    Q = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64)).Q
+    edge = torch.linalg.svdvals(torch.randn(4 * k, k, generator=gen, dtype=torch.float64)) ** 2 / (4 * k)  # MP bulk
+    separated = torch.cat([torch.tensor([2.0], dtype=torch.float64), torch.rand(k - 1, generator=gen, dtype=torch.float64)])
+    real_eigvalsh, real_eigh = torch.linalg.eigvalsh, torch.linalg.eigh
+    for lam, gives_up in ((edge, True), (separated, False)):
+        M = (Q * lam) @ Q.mT
+        for dtype in (torch.float64, torch.float32):
+            calls, products = [], []
+            monkeypatch.setattr(torch.linalg, "eigvalsh", lambda A: calls.append(A.dtype) or real_eigvalsh(A))
+            monkeypatch.setattr(torch.linalg, "eigh", lambda T: products.append(1) or real_eigh(T))
+            got = subspace.largest_eigenvalue(M.to(dtype))
+            monkeypatch.undo()
+            assert got == pytest.approx(float(lam.max()), rel=1e-6 if dtype == torch.float64 else 1e-5)
+            assert calls == ([dtype] if gives_up else [])  # the whole solver, in the matrix's own dtype
+            assert len(products) <= (subspace.LANCZOS_PATIENCE + 1 if gives_up else subspace.LANCZOS_STEPS)

@@ -122,6 +122,23 @@ def test_a_tall_weights_warm_cycle_refuses_what_it_cannot_make_accurate():
         warm_tall_triplets(torch.randn(30, 10, generator=gen), torch.eye(20), 2)
 
 
+@pytest.mark.parametrize("d,c", [(7, 1), (7, 6), (64, 6), (600, 40)])
+def test_the_complement_is_the_complete_qrs_trailing_columns(d, c):
+    """The principal basis of a warm cycle, from the reflectors' compact WY form: LAPACK's complete QR's trailing
+    columns to rounding (float64, fresh orthonormal columns), orthonormal and orthogonal to the minor ones."""
+    from plasticity_callbacks.functional.warm_subspace import _complement
+
+    U_minor = frame(d, seed=d + c)[:, :c]
+    got = _complement(U_minor)
+    want = torch.linalg.qr(U_minor, mode="complete").Q[:, c:]
+    torch.testing.assert_close(got, want, atol=1e-13, rtol=0)
+    whole = torch.cat([got, U_minor], 1)
+    torch.testing.assert_close(whole.mT @ whole, torch.eye(d, dtype=torch.float64), atol=1e-13, rtol=0)
+    single = _complement(U_minor.float())
+    assert single.dtype == torch.float32
+    torch.testing.assert_close(single.double(), want, atol=1e-5, rtol=0)
+
+
 def test_an_unchanged_matrix_converges_in_one_step_and_a_replaced_one_falls_back():
     n, count = 64, 6
     gen = torch.Generator().manual_seed(7)

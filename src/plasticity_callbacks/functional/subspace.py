@@ -112,6 +112,7 @@ def gram_matrix(A: torch.Tensor, blocks: int = GRAM_BLOCKS) -> torch.Tensor:
 GRAM_SEPARATION = 1e4  # in units of eps: λ_{block+1} / λ_max below 1e4·eps (1.2e-3 in float32) is not trusted
 
 
+@torch.no_grad()  # its products write into preallocated outputs; eigenvector gradients mean little here anyway
 def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None,
                   right_vectors: bool = True) -> SVD | None:
     """The SVD of ``W`` from ``eigh`` of the Gram matrix of its smaller side, or None where that is inexact.
@@ -172,14 +173,19 @@ def gram_triplets(W: torch.Tensor, block: int, separation: float | None = None,
     if A is W:
         S_top = lam[block:].flip(0).sqrt()
     if A is not W or right_vectors:
-        right_top = A.mT @ left[:, :g - block]  # (n, g − block): the other side's top vectors, times σ
+        # the other side's vectors, (n, g), built in place: for a tall W these are a 4096 × 1024 U, where every
+        # temporary of that size (a product's copy, a concatenation) costs as much as a tenth of the product
+        right = A.new_empty(A.shape[1], g)
+        right_top = torch.matmul(A.mT, left[:, :g - block], out=right[:, :g - block])  # the top vectors, times σ
         if A is not W:
             # Tall W: these are U, which the switch compares and projects with. An eigenvector just above
             # the block can lean into the block (a close eigenvalue across the edge) and tilt Wv toward
-            # the block's U (X): remove that, so U stays orthonormal, and read σ as the norm.
-            right_top = right_top - X @ (Xh @ right_top)
-            S_top = torch.linalg.vector_norm(right_top, dim=0)
-        right = torch.cat([right_top / S_top, X], 1)  # (n, g)
+            # the block's U (X): remove that, so U stays orthonormal, and read σ as the norm (a column norm
+            # as a sum of squares: vector_norm over dim 0 of a row-major matrix is 10× slower).
+            right_top.addmm_(X, Xh @ right_top, alpha=-1)
+            S_top = right_top.square().sum(0).sqrt()
+        right_top.div_(S_top)
+        right[:, g - block:] = X
     S = torch.cat([S_top, S_bottom])
     if not bool(S_top[-1] >= S_bottom[0]):  # a near-tie at the block's edge swapped places
         S, order = S.sort(descending=True, stable=True)
@@ -221,13 +227,18 @@ def _largest_sine2_estimate(cross: torch.Tensor, steps: int = 8) -> float:
 
 LANCZOS_STEPS = 40  # largest_eigenvalue: at most this many Lanczos steps; matrices up to twice this size: eigvalsh
 LANCZOS_TOLERANCE = 1e-7  # relative residual of the top Ritz pair at which its value is taken
+# From this step on, Lanczos gives up where its residual's rate over the last four steps would not reach the
+# tolerance in the steps left: a top at the edge of a bulk (a weight whose whole subspace turned a little, as early in
+# training) shrinks it by ~0.9 a step and never certifies in LANCZOS_STEPS, while a separated top falls by 10× a step.
+LANCZOS_PATIENCE = 8
 
 
 def largest_eigenvalue(M: torch.Tensor, steps: int = LANCZOS_STEPS, tolerance: float = LANCZOS_TOLERANCE) -> float:
     """The largest eigenvalue of a symmetric positive semidefinite ``M (k, k)``: Lanczos in float64 with full
     reorthogonalization from a fixed random start (a private generator), stopped when the top Ritz pair's residual
     ``β_j |y_j|`` is at most ``tolerance·θ`` (plus the matrix's rounding): then an eigenvalue lies within that of
-    ``θ``. Where it does not get there in ``steps`` steps, and for ``k ≤ 2·steps``, ``eigvalsh`` answers.
+    ``θ``. Where it does not get there in ``steps`` steps (or, from step ``LANCZOS_PATIENCE`` on, would not at the
+    rate of its last four), and for ``k ≤ 2·steps``, ``eigvalsh`` in ``M``'s dtype answers.
 
     Why: :func:`subspace_angle` of a tall weight needs the extreme eigenvalue of a ``k × k`` matrix with
     ``k`` near ``g`` (its principal subspace); the symmetric solver reduces the whole matrix to tridiagonal form
@@ -251,7 +262,7 @@ def largest_eigenvalue(M: torch.Tensor, steps: int = LANCZOS_STEPS, tolerance: f
     Q = A.new_zeros(k, steps + 1)
     q = torch.randn(k, generator=generator, dtype=A.dtype, device=A.device)
     Q[:, 0] = q / torch.linalg.vector_norm(q)
-    alphas, betas = [], []
+    alphas, betas, residuals = [], [], []  # residuals: the top Ritz pair's, relative to θ
     for j in range(steps):
         w = A @ Q[:, j]
         alphas.append(float(Q[:, j] @ w))
@@ -264,11 +275,19 @@ def largest_eigenvalue(M: torch.Tensor, steps: int = LANCZOS_STEPS, tolerance: f
             off = torch.tensor(betas, dtype=torch.float64)
             T += torch.diag(off, 1) + torch.diag(off, -1)
         theta, Y = torch.linalg.eigh(T)
-        if beta * abs(float(Y[-1, -1])) <= tolerance * float(theta[-1]) + floor:
+        residual = beta * abs(float(Y[-1, -1]))
+        if residual <= tolerance * float(theta[-1]) + floor:
             return float(theta[-1])  # also an invariant subspace found (β = 0): θ is exact
+        residuals.append(residual / max(float(theta[-1]), torch.finfo(torch.float64).tiny))
+        if j >= LANCZOS_PATIENCE:  # at the rate of its last steps it would not certify in the steps left: stop paying
+            rate = min(1.0, (residuals[-1] / residuals[-5]) ** 0.25)
+            if residuals[-1] * rate ** (steps - 1 - j) > tolerance:
+                break
         betas.append(beta)
         Q[:, j + 1] = w / beta
-    return float(torch.linalg.eigvalsh(A).max())
+    # in M's own dtype: its entries carry that rounding (eps·‖M‖), which a float64 solve cannot take back; a
+    # float32 k × k eigvalsh costs half the float64 one
+    return float(torch.linalg.eigvalsh(M).max())
 
 
 def subspace_angle(U1: torch.Tensor, U2: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> float:
