@@ -38,9 +38,10 @@ def test_each_check_runs_the_shipped_selected_settings_and_the_spread_crosses_se
                               "--methods", "fire_exact"])
     jobs, streams = checks.jobs_for("spread", args)
     cells = {(j.seed, j.stream.data_overrides) for j in jobs if j.method == "fire_exact"}
-    assert cells == {(0, ("data.split_seed=0",)), (0, ("data.split_seed=7",)), (1, ("data.split_seed=0",)),
-                     (1, ("data.split_seed=7",)), (5, ("data.split_seed=5",))}
-    assert len(jobs) == 2 * 5 and {j.setting for j in jobs} == {"model.lr=0.003"}  # the sweep's choice
+    # seed 0 on split 0 is a shipped run (split seed = seed, the default): read from the shipped file, not rerun
+    assert cells == {(0, ("data.split_seed=7",)), (1, ("data.split_seed=0",)), (1, ("data.split_seed=7",)),
+                     (5, ("data.split_seed=5",))}
+    assert len(jobs) == 2 * 4 and {j.setting for j in jobs} == {"model.lr=0.003"}  # the sweep's choice
     assert {s.name for s in streams} == {"generalization_split0", "generalization_split5", "generalization_split7"}
     long_jobs, (stream,) = checks.jobs_for("long", checks.parse_args(["long", "--tasks", "60", "--methods", "sp"]))
     assert stream.num_tasks == 60 and stream.steps_per_task == 100 and stream.data == "digits_labels"
@@ -82,3 +83,43 @@ def test_the_multiplicity_family_counts_each_comparison_once():
     # 18 rows per stream: 17 against warm, 16 more against reset (reset vs warm is not counted twice)
     assert text.startswith("66 comparisons")
     assert "| generalization | fire_exact | reset | +0.014 [+0.009, +0.020] |" in text
+
+
+def test_the_fresh_check_and_its_control_differ_only_in_whether_images_recur():
+    from hydra.utils import instantiate
+
+    from plasticity_callbacks.app.benchmark.runs import compose_run
+
+    jobs, _ = checks.jobs_for("fresh", checks.parse_args(["fresh", "--methods", "warm", "--seeds", "0"]))
+    fresh, reused = (instantiate(compose_run(Path("unused"), job.overrides(), None).data)
+                     for job in jobs if job.method == "warm")
+    assert type(fresh).__name__ == "FreshRandomLabelDigits" and type(reused).__name__ == "RandomLabelDigits"
+    for name in ("num_tasks", "steps_per_task", "batch_size", "samples_per_task", "seed"):
+        assert getattr(fresh, name) == getattr(reused, name), name
+    assert (fresh.samples_per_task, fresh.batch_size, fresh.steps_per_task) == (89, 32, 25)
+
+
+def test_the_spread_table_reads_own_split_seeds_from_the_shipped_runs_and_crosses_the_rest():
+    from plasticity_callbacks.app.benchmark.metrics import mean_interval
+    from plasticity_callbacks.app.benchmark.results import SHIPPED_RESULTS, load_results
+
+    args = checks.parse_args(["spread", "--seeds", "0", "1", "--split-seeds", "0", "1", "--extra-seeds", "5", "6",
+                              "--methods", "fire_exact"])
+    jobs, _ = checks.jobs_for("spread", args)
+    runs = [RunResult(j.stream.name, j.method, j.setting, j.seed, [random.random() for _ in range(20)], [0.5] * 20,
+                      1.0) for j in jobs]
+    late = {(r.method, r.seed, int(r.stream.rsplit("split", 1)[1])): statistics.fmean(r.accuracy[-5:]) for r in runs}
+    for r in load_results(SHIPPED_RESULTS).ranking_runs():
+        if r.stream == "generalization" and r.method in ("reset", "fire_exact"):
+            late[r.method, r.seed, r.seed] = statistics.fmean(r.accuracy[-5:])
+    results = Results({}, [0, 1, 5, 6], [], 0, runs=runs)
+    row = rows_of(checks.spread_report(results, [0, 1], [0, 1], [5, 6]))["fire_exact"]
+
+    def gap(s, p):
+        return late["fire_exact", s, p] - late["reset", s, p]
+
+    assert row[1] == "+0.014 [+0.009, +0.020]"  # the shipped seeds on their own split: the ranking's cell
+    assert row[2] == str(mean_interval([gap(5, 5), gap(6, 6)]))
+    assert row[3] == str(mean_interval([gap(s, s) for s in (0, 1, 2, 3, 4, 5, 6)]))
+    assert row[5] == str(mean_interval([(gap(s, 0) + gap(s, 1)) / 2 for s in (0, 1)]))  # across seeds
+    assert row[6] == str(mean_interval([(gap(0, p) + gap(1, p)) / 2 for p in (0, 1)]))  # across splits

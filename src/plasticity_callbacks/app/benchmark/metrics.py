@@ -35,8 +35,9 @@ def late_stream_accuracy(accuracy: list[float], k: int) -> float:
 
 
 def slope_per_100_tasks(accuracy: list[float]) -> float:
-    """100 × the least-squares slope of end-of-task accuracy against the task index (NaN below two tasks):
-    the change over 100 tasks at the stream's rate, extrapolated on a shorter stream."""
+    """100 × the least-squares slope of end-of-task accuracy against the task index (NaN below two tasks).
+    A trend over the stream's own tasks, not a forecast: the curves are not linear, and on a 20-task stream this
+    number overstates what a 100-task stream measures many times over (docs/long_stream.md)."""
     return 100 * accuracy_slope(accuracy)
 
 
