@@ -172,7 +172,7 @@ def fresh_report(results: Results) -> str:
             for name, table in (("fresh", fresh), ("reused", reused))}
     header = ["method", "setting", "seeds", f"fresh images: acc (last {K})", "vs warm", "vs reset",
               f"recurring images: acc (last {K})", "vs reset", "fresh − recurring",
-              "fresh: slope per 100 tasks (all 20)"]
+              "fresh: acc slope ×100 (per task, 20 tasks)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in sorted(late["fresh"], key=lambda m: -statistics.fmean(late["fresh"][m].values())):
         f, r = late["fresh"][method], late["reused"].get(method, {})
