@@ -17,7 +17,10 @@ from plasticity_callbacks.app.benchmark.results import Results, RunResult  # noq
 
 def rows_of(table: str) -> dict[str, list[str]]:
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:] if line.startswith("|")]
-    return {row[0]: row for row in rows}
+    found: dict[str, list[str]] = {}
+    for row in rows:  # the first table's row of each method (a table below may name it again)
+        found.setdefault(row[0], row)
+    return found
 
 
 def test_arguments_default_per_check_and_bad_ones_are_refused(capsys):
