@@ -8,6 +8,7 @@ import math
 import random
 import statistics
 from dataclasses import replace
+from pathlib import Path
 import sys
 import warnings
 
@@ -19,8 +20,9 @@ pytest.importorskip("sklearn")
 
 from plasticity_callbacks.app.benchmark import main as benchmark  # noqa: E402
 from plasticity_callbacks.app.console import LIGHTNING_LOGGERS  # noqa: E402
-from plasticity_callbacks.app.benchmark.metrics import (late_stream_accuracy, online_average,  # noqa: E402
-                                                        paired_difference, slope_per_100_tasks)
+from plasticity_callbacks.app.benchmark.metrics import (holm_rejections, late_stream_accuracy,  # noqa: E402
+                                                        mean_interval, online_average, paired_difference,
+                                                        paired_p_value, slope_per_100_tasks, windowed_accuracy)
 from plasticity_callbacks.app.benchmark.results import (Results, RunResult, check_comparable,  # noqa: E402
                                                         load_results, save_results)
 from plasticity_callbacks.app.benchmark.table import (per_seed_csv, ranking_table, short_table,  # noqa: E402
@@ -74,6 +76,29 @@ def test_late_stream_slope_and_online_metrics_are_the_direct_computations():
     assert online_average(accuracy) == pytest.approx(np.mean(accuracy))
     with pytest.raises(ValueError, match="k >= 1"):
         late_stream_accuracy(accuracy, 0)
+
+
+def test_windowed_accuracy_counts_tasks_from_one_and_refuses_a_window_outside_the_stream():
+    accuracy = [random.random() for _ in range(30)]
+    assert windowed_accuracy(accuracy, 20, 5) == pytest.approx(np.mean(accuracy[15:20]))  # tasks 16-20
+    assert windowed_accuracy(accuracy, 30, 5) == late_stream_accuracy(accuracy, 5)
+    for task, width in ((31, 5), (4, 5), (5, 0)):
+        with pytest.raises(ValueError, match="within the stream's 30 tasks"):
+            windowed_accuracy(accuracy, task, width)
+
+
+def test_p_values_invert_the_intervals_and_holm_steps_down():
+    a, b = [random.random() for _ in range(6)], [random.random() for _ in range(6)]
+    assert paired_p_value(a, b) == pytest.approx(stats.ttest_rel(a, b).pvalue)
+    values = [random.gauss(0.1, 0.1) for _ in range(5)]
+    interval = mean_interval(values)
+    assert interval.excludes_zero == (stats.ttest_1samp(values, 0).pvalue < 0.05)
+    assert (interval.low, interval.high) == pytest.approx(stats.t.interval(0.95, 4, np.mean(values), stats.sem(values)))
+    # Holm at 5 % over 4: sorted 0.001 < 0.0125, 0.012 < 0.0167, 0.03 > 0.025 stops: the 0.04 stands too
+    assert holm_rejections([0.04, 0.001, 0.03, 0.012]) == [False, True, False, True]
+    assert holm_rejections([0.011, 0.02, 0.04]) == [True, True, True]  # 0.011 < 0.0167, 0.02 < 0.025, 0.04 < 0.05
+    assert holm_rejections([0.02, 0.02, 0.02]) == [False, False, False]  # Bonferroni's 0.0167 is the first bar
+    assert holm_rejections([math.nan, 0.001]) == [False, True]
 
 
 def test_paired_interval_is_scipys_paired_t_test_and_the_t_table():
@@ -393,6 +418,17 @@ def test_identical_groups_and_the_run_fingerprint():
     assert (configuration(memorization, "fire_lm", "callbacks.fire.options.steps=10", None)
             == configuration(memorization, "fire_continual", "", None))
     assert (configuration(memorization, "fire_lm", "", None) != configuration(memorization, "fire_continual", "", None))
+
+
+def test_a_streams_data_overrides_reach_the_composed_run():
+    from plasticity_callbacks.app.benchmark.runs import STREAMS as RUN_STREAMS, Job, compose_run
+
+    split = replace(RUN_STREAMS[1], name="generalization_split3", data_overrides=("data.split_seed=3",))
+    cfg = compose_run(Path("unused"), Job(split, "reset", "", 0).overrides(), None)
+    assert cfg.data.split_seed == 3 and cfg.data.seed == 0
+    assert split.settings()["data_overrides"] == ["data.split_seed=3"]
+    plain = compose_run(Path("unused"), Job(RUN_STREAMS[1], "reset", "", 0).overrides(), None)
+    assert plain.data.split_seed is None and "data_overrides" not in RUN_STREAMS[1].settings()
 
 
 def test_bad_arguments_are_refused_in_one_line(tmp_path):

@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("sklearn")
 
 from plasticity_callbacks.data.digits import (  # noqa: E402
-    PermutedDigits, RandomLabelDigits, StreamBatches, WarmStartDigits, load_digits_tensors,
+    FreshRandomLabelDigits, PermutedDigits, RandomLabelDigits, StreamBatches, WarmStartDigits, load_digits_tensors,
 )
 
 
@@ -62,6 +62,42 @@ def test_permuted_digits_apply_one_permutation_per_task(digits):
     assert torch.equal(*unpermuted)
 
 
+def test_fresh_images_are_never_seen_twice_and_their_labels_are_random(digits):
+    stream = FreshRandomLabelDigits(num_tasks=20, steps_per_task=5, batch_size=32, samples_per_task=89, seed=3)
+    tasks = [stream.task(t) for t in range(20)]
+    # read back from the pixels, not from the stream's own index: the digits have no exact duplicate rows
+    rows = [set(row_index(digits[0], task.train_x).tolist()) for task in tasks]
+    assert all(len(r) == 89 for r in rows) and len(set().union(*rows)) == 20 * 89  # pairwise disjoint
+    labels = torch.cat([task.train_y for task in tasks])
+    true = digits[1][torch.cat([row_index(digits[0], task.train_x) for task in tasks])]
+    assert 0.05 < (labels == true).float().mean() < 0.15  # random: right about one time in ten
+    counts = torch.bincount(labels, minlength=10).float()
+    assert counts.min() > 0.6 * counts.mean() and counts.max() < 1.4 * counts.mean()  # every class drawn
+    for task in tasks:
+        assert torch.equal(task.eval_x, task.train_x) and torch.equal(task.eval_y, task.train_y)  # memorization
+    # another seed: other blocks of other images, other labels
+    other = FreshRandomLabelDigits(num_tasks=20, steps_per_task=5, batch_size=32, samples_per_task=89, seed=4)
+    assert rows[0] != set(row_index(digits[0], other.task(0).train_x).tolist())
+    with pytest.raises(ValueError, match="1800 fresh images, more than the 1797 digits; at most 89"):
+        FreshRandomLabelDigits(num_tasks=20, samples_per_task=90)
+
+
+def test_the_split_seed_moves_the_held_out_split_and_nothing_else(digits):
+    def held(stream):
+        return set(row_index(digits[0], stream.task(0).eval_x[:, torch.argsort(stream.permutation(0))]).tolist())
+
+    own = PermutedDigits(num_tasks=2, steps_per_task=3, batch_size=32, seed=0)
+    assert held(own) == held(PermutedDigits(num_tasks=2, steps_per_task=3, batch_size=32, seed=0, split_seed=0))
+    moved = PermutedDigits(num_tasks=2, steps_per_task=3, batch_size=32, seed=0, split_seed=5)
+    assert len(held(moved) & held(own)) < 0.4 * len(held(own))  # another split (a fifth overlaps by chance)
+    assert torch.equal(moved.permutation(1), own.permutation(1))  # the same permutations
+    assert not torch.equal(StreamBatches(moved)[0][0], StreamBatches(own)[0][0])  # other training images
+    # the split follows split_seed alone: another init seed on split 5 holds out the same images
+    assert held(PermutedDigits(num_tasks=2, steps_per_task=3, batch_size=32, seed=9, split_seed=5)) == held(moved)
+    with pytest.raises(ValueError, match="data.split_seed='a' must be an integer or null"):
+        PermutedDigits(split_seed="a")
+
+
 def test_warm_start_subsets_are_nested_and_share_the_held_out_split(digits):
     stream = WarmStartDigits(fractions=[0.1, 0.5, 1.0], steps_per_task=5, batch_size=16, seed=2)
     tasks = [stream.task(t) for t in range(3)]
@@ -94,6 +130,7 @@ def test_boundaries_and_batches_follow_the_tasks():
 @pytest.mark.parametrize("make", [
     lambda seed: RandomLabelDigits(num_tasks=2, steps_per_task=3, batch_size=32, samples_per_task=100, seed=seed),
     lambda seed: PermutedDigits(num_tasks=2, steps_per_task=3, batch_size=32, seed=seed),
+    lambda seed: FreshRandomLabelDigits(num_tasks=2, steps_per_task=3, batch_size=32, samples_per_task=89, seed=seed),
     lambda seed: WarmStartDigits(fractions=[0.1, 1.0], steps_per_task=3, batch_size=32, seed=seed),
 ])
 def test_streams_are_deterministic_per_seed(make):

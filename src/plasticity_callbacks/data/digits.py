@@ -6,6 +6,8 @@ the later tasks worse than the first ones (Lyle et al. 2023; Dohare et al. 2024)
 
 - :class:`RandomLabelDigits`: memorization; each task draws ``samples_per_task`` images and
   gives them random labels. Plasticity = accuracy on the task's own (training) data.
+- :class:`FreshRandomLabelDigits`: the same, each task on images no earlier task saw (disjoint
+  subsets of the 1797), so nothing learned on earlier images can carry over.
 - :class:`PermutedDigits`: the true labels, the pixels shuffled by a new permutation per task.
   Plasticity = accuracy on the task's held-out split (the same images, permuted alike).
 - :class:`WarmStartDigits`: nested growing subsets of one training split (default 10 %, then
@@ -62,7 +64,8 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def held_out_split(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Disjoint (train, held-out) index sets of ``range(n)``, the held-out one ``round(fraction·n)`` long."""
+    """Disjoint (train, held-out) index sets of ``range(n)``, the held-out one ``round(fraction·n)`` long,
+    drawn from ``seed`` alone."""
     order = torch.randperm(n, generator=generator(seed, _SPLIT))
     n_held = round(fraction * n)
     return order[n_held:], order[:n_held]
@@ -270,29 +273,68 @@ class RandomLabelDigits(DigitsTaskStream):
         return Task(x, labels, x, labels)
 
 
+class FreshRandomLabelDigits(RandomLabelDigits):
+    """Memorization on fresh images: task ``t`` relabels at random the ``t``-th block of ``samples_per_task``
+    images of one shuffled order of the digits, so the tasks' image sets are disjoint and no image is seen twice.
+    Accuracy on an image an earlier task trained on is not there to be carried over: only plasticity is measured.
+
+    Args:
+        samples_per_task: images per task; ``num_tasks × samples_per_task`` must not exceed the 1797 digits
+            (20 tasks: at most 89 each).
+        (and the stream's arguments, see :class:`DigitsTaskStream`)
+
+    Example:
+        >>> stream = FreshRandomLabelDigits(num_tasks=20, samples_per_task=89, steps_per_task=50, batch_size=32)
+    """
+
+    def __init__(self, num_tasks: int = 20, steps_per_task: int = 300, batch_size: int = 128, seed: int = 0,
+                 samples_per_task: int = 89):
+        super().__init__(num_tasks, steps_per_task, batch_size, seed, samples_per_task)
+        if num_tasks * samples_per_task > 1797:
+            raise ValueError(f"data.num_tasks={num_tasks} × data.samples_per_task={samples_per_task} = "
+                             f"{num_tasks * samples_per_task} fresh images, more than the 1797 digits; at most "
+                             f"{1797 // num_tasks} per task for {num_tasks} tasks")
+
+    def rows(self, index: int) -> torch.Tensor:
+        """The indices (into the 1797 digits) of task ``index``'s images: one block of one shuffled order."""
+        self.load_data()
+        order = torch.randperm(len(self.labels), generator=generator(self.seed, _SPLIT))
+        return order[index * self.samples_per_task:(index + 1) * self.samples_per_task]
+
+    def make_task(self, index: int) -> Task:
+        labels = torch.randint(0, CLASSES, (self.samples_per_task,), generator=generator(self.seed, _TASK, index))
+        x = self.images[self.rows(index)]
+        return Task(x, labels, x, labels)
+
+
 class PermutedDigits(DigitsTaskStream):
     """True labels, pixels permuted by a new random permutation per task (task 0 included).
 
     Args:
         held_out_fraction: share of the images kept out of training (the same split for every task).
+        split_seed: the seed of that split; None: ``seed``. Set apart from ``seed``, the split varies while the
+            initialization, the permutations and the batch order stay (split-to-split against seed-to-seed spread).
         (and the stream's arguments, see :class:`DigitsTaskStream`)
 
     Example:
-        >>> stream = PermutedDigits(num_tasks=10, steps_per_task=200)
+        >>> stream = PermutedDigits(num_tasks=10, steps_per_task=200, split_seed=7)
     """
 
     def __init__(self, num_tasks: int = 20, steps_per_task: int = 300, batch_size: int = 128, seed: int = 0,
-                 held_out_fraction: float = 0.2):
+                 held_out_fraction: float = 0.2, split_seed: int | None = None):
         super().__init__(num_tasks, steps_per_task, batch_size, seed)
         if not 0 < held_out_fraction < 1:
             raise ValueError(f"data.held_out_fraction={held_out_fraction!r} must be in (0, 1)")
+        if split_seed is not None and (isinstance(split_seed, bool) or not isinstance(split_seed, int)):
+            raise ValueError(f"data.split_seed={split_seed!r} must be an integer or null (null: data.seed)")
         self.held_out_fraction = held_out_fraction
+        self.split_seed = seed if split_seed is None else split_seed
 
     def permutation(self, index: int) -> torch.Tensor:
         return torch.randperm(PIXELS, generator=generator(self.seed, _TASK, index))
 
     def make_task(self, index: int) -> Task:
-        train, held = held_out_split(len(self.labels), self.held_out_fraction, self.seed)
+        train, held = held_out_split(len(self.labels), self.held_out_fraction, self.split_seed)
         x = self.images[:, self.permutation(index)]
         return Task(x[train], self.labels[train], x[held], self.labels[held])
 

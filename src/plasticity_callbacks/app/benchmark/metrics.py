@@ -35,9 +35,22 @@ def late_stream_accuracy(accuracy: list[float], k: int) -> float:
 
 
 def slope_per_100_tasks(accuracy: list[float]) -> float:
-    """100 × the least-squares slope of end-of-task accuracy against the task index (NaN below two tasks):
-    the change over 100 tasks at the stream's rate, extrapolated on a shorter stream."""
+    """100 × the least-squares slope of end-of-task accuracy against the task index (NaN below two tasks).
+    A trend over the stream's own tasks, not a forecast: the curves are not linear, and on a 20-task stream this
+    number overstates what a 100-task stream measures many times over (docs/long_stream.md)."""
     return 100 * accuracy_slope(accuracy)
+
+
+def windowed_accuracy(accuracy: list[float], task: int, width: int = 5) -> float:
+    """The mean end-of-task accuracy over the ``width`` tasks ending at ``task`` (counted from 1, as a reader
+    counts them: ``task=20, width=5`` is tasks 16–20), so one noisy task end does not stand for the stream there.
+
+    Raises:
+        ValueError: ``task`` is not in ``width … len(accuracy)``.
+    """
+    if not 1 <= width <= task <= len(accuracy):
+        raise ValueError(f"task={task}, width={width}: the window must lie within the stream's {len(accuracy)} tasks")
+    return statistics.fmean(accuracy[task - width:task])
 
 
 def online_average(online_accuracy: list[float]) -> float:
@@ -88,3 +101,35 @@ def paired_difference(a: list[float], b: list[float], confidence: float = 0.95) 
         return PairedDifference(mean, math.nan, math.nan, n)
     half = t.ppf((1 + confidence) / 2, n - 1) * statistics.stdev(differences) / math.sqrt(n)
     return PairedDifference(mean, mean - half, mean + half, n)
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> PairedDifference:
+    """The mean of ``values`` (one per seed, or per split) with its Student-t interval: a paired difference from 0."""
+    return paired_difference(list(values), [0.0] * len(values), confidence)
+
+
+def paired_p_value(a: list[float], b: list[float]) -> float:
+    """The two-sided p-value of the paired t-test of ``a − b`` = 0 (the test the intervals invert: a 95 %
+    interval excludes 0 exactly when p < 0.05); NaN below two pairs or with no spread."""
+    from scipy.stats import t
+
+    differences = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(differences)
+    if n < 2 or statistics.stdev(differences) == 0:
+        return math.nan
+    statistic = statistics.fmean(differences) / (statistics.stdev(differences) / math.sqrt(n))
+    return float(2 * t.sf(abs(statistic), n - 1))
+
+
+def holm_rejections(p_values: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down test of ``m`` hypotheses at family-wise error ``alpha``: the ``i``-th smallest p-value
+    (from 0) is rejected while every p-value up to it is below ``alpha / (m − i)``; at the first that is not,
+    it and every larger one stand (a NaN p-value is never rejected). Uniformly more powerful than Bonferroni
+    (every p below ``alpha / m``), with the same family-wise guarantee."""
+    m = len(p_values)
+    rejected = [False] * m
+    for rank, index in enumerate(sorted(range(m), key=lambda i: (math.isnan(p_values[i]), p_values[i]))):
+        if not p_values[index] < alpha / (m - rank):  # NaN stops it too
+            break
+        rejected[index] = True
+    return rejected

@@ -35,14 +35,16 @@ class Stream:
     num_tasks: int
     steps_per_task: int
     measures: str        # what its end-of-task accuracy is measured on, for the table's caption
+    data_overrides: tuple[str, ...] = ()  # further settings of its data config ("data.split_seed=3")
 
     def overrides(self) -> list[str]:
         return [f"data={self.data}", f"data.num_tasks={self.num_tasks}", f"data.steps_per_task={self.steps_per_task}",
-                f"trainer.log_every_n_steps={self.steps_per_task}"]
+                *self.data_overrides, f"trainer.log_every_n_steps={self.steps_per_task}"]
 
     def settings(self) -> dict:
         """What must match for two runs of this stream to be compared."""
-        return {"data": self.data, "num_tasks": self.num_tasks, "steps_per_task": self.steps_per_task}
+        settings = {"data": self.data, "num_tasks": self.num_tasks, "steps_per_task": self.steps_per_task}
+        return {**settings, "data_overrides": list(self.data_overrides)} if self.data_overrides else settings
 
 
 @dataclass

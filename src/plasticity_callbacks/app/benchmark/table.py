@@ -86,7 +86,7 @@ def ranking_table(results: Results, k: int) -> str:
     for stream in streams:
         header += [f"{stream}: setting", f"end-of-task acc (last {k})", "vs warm", "vs reset"]
         if stream == PRIMARY:
-            header += ["acc change per 100 tasks", "online acc (all tasks)"]
+            header += ["acc slope ×100 (per task, fit over the stream)", "online acc (all tasks)"]
     header.append("CPU s per run")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     cost = defaultdict(list)
@@ -171,7 +171,7 @@ def per_seed_csv(results: Results, k: int) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["stream", "label", "method", "setting", "seed", f"end_of_task_acc_last_{k}",
-                     "acc_change_per_100_tasks", "online_acc_all_tasks", "cpu_seconds"])
+                     "acc_slope_per_task_x100", "online_acc_all_tasks", "cpu_seconds"])
     for run in sorted(results.runs, key=lambda r: (r.stream, r.method, r.setting, r.seed)):
         numbers = summary(run, k)
         writer.writerow([run.stream, run.label, run.method, run.setting, run.seed, f"{numbers['late']:.4f}",
