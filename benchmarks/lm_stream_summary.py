@@ -42,7 +42,10 @@ def window_mean(rows: list[dict], key: str, part: slice) -> float:
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
+    """``mean ± std`` over seeds; one seed has no spread, so its value alone (with ``(n=1)``)."""
+    if len(values) == 1:
+        return f"{values[0]:.3f} (n=1)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 METRICS = {"accuracy": "acc", "loss": "loss"}  # what the table ranks and pairs on: higher accuracy, lower loss
