@@ -3,13 +3,15 @@
 Reads every run's ``logs/tasks.csv`` and ``logs/stream.json`` (TaskMetrics) under the given folders,
 groups the runs by method, and prints, per method: end-of-task accuracy and loss on the task's own
 targets over the last ``k`` tasks (mean ± std over seeds, and each seed's value), the first ``k``
-tasks beside them, and the seed-paired difference to warm start and to full reset. The figure
+tasks beside them, and the seed-paired difference to warm start and to full reset (``--metric loss``: the same
+on the end-of-task loss, lower first, e.g. the held-out loss of ``design.name=slices``). The figure
 (``--figure``) shows end-of-task accuracy and online loss against the task index, mean over seeds.
 ``--saturation`` reads each run's last checkpoint and prints how far its output head drives the
 logits into the GPT's soft cap ``c·tanh(z/c)`` on the last task's windows (the cap's slope
 ``1 − tanh²(z/c)`` is the share of the gradient that passes it).
 
     python benchmarks/lm_stream_summary.py multirun/a multirun/b --k 5 --figure docs/lm_stream.png
+    python benchmarks/lm_stream_summary.py multirun/slices --k 1 --metric loss
 """
 from __future__ import annotations
 
@@ -40,25 +42,39 @@ def window_mean(rows: list[dict], key: str, part: slice) -> float:
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
+    """``mean ± std`` over seeds; one seed has no spread, so its value alone (with ``(n=1)``)."""
+    if len(values) == 1:
+        return f"{values[0]:.3f} (n=1)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def table(runs: dict[str, dict[int, list[dict]]], k: int) -> str:
+METRICS = {"accuracy": "acc", "loss": "loss"}  # what the table ranks and pairs on: higher accuracy, lower loss
+
+
+def table(runs: dict[str, dict[int, list[dict]]], k: int, metric: str = "accuracy") -> str:
+    """One row per method: ``metric`` at each task's end over the last ``k`` tasks (mean ± std over seeds, each
+    seed's value, the seed-paired differences to warm and to reset), the other metric over the same tasks, and
+    ``metric`` over the first ``k``. Rows best first (highest accuracy or lowest loss)."""
+    if metric not in METRICS:
+        raise ValueError(f"--metric {metric!r} is not one of {sorted(METRICS)}")
+    other = "loss" if metric == "accuracy" else "accuracy"
     last, first = slice(-k, None), slice(0, k)
-    late = {m: {s: window_mean(rows, "accuracy", last) for s, rows in seeds.items()} for m, seeds in runs.items()}
-    lines = [f"| method | end-of-task acc, last {k} | per seed | − warm (paired) | − reset (paired) | "
-             f"end-of-task loss, last {k} | end-of-task acc, first {k} |", "|---|---|---|---|---|---|---|"]
-    for method in sorted(late, key=lambda m: -statistics.mean(late[m].values())):
+    late = {m: {s: window_mean(rows, metric, last) for s, rows in seeds.items()} for m, seeds in runs.items()}
+    lines = [f"| method | end-of-task {METRICS[metric]}, last {k} | per seed | − warm (paired) | − reset (paired) | "
+             f"end-of-task {METRICS[other]}, last {k} | end-of-task {METRICS[metric]}, first {k} |",
+             "|---|---|---|---|---|---|---|"]
+    sign = -1 if metric == "accuracy" else 1
+    for method in sorted(late, key=lambda m: sign * statistics.mean(late[m].values())):
         seeds = sorted(late[method])
         paired = []
         for base in ("warm", "reset"):
             common = [s for s in seeds if s in late.get(base, {})]
             paired.append(spread([late[method][s] - late[base][s] for s in common]) if common else "—")
-        losses = [window_mean(runs[method][s], "loss", last) for s in seeds]
-        early = [window_mean(runs[method][s], "accuracy", first) for s in seeds]
+        others = [window_mean(runs[method][s], other, last) for s in seeds]
+        early = [window_mean(runs[method][s], metric, first) for s in seeds]
         per_seed = " ".join(f"{late[method][s]:.3f}" for s in seeds)
         lines.append(f"| {method} | {spread(list(late[method].values()))} | {per_seed} | {paired[0]} | {paired[1]} | "
-                     f"{spread(losses)} | {spread(early)} |")
+                     f"{spread(others)} | {spread(early)} |")
     return "\n".join(lines)
 
 
@@ -122,11 +138,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--metric", choices=sorted(METRICS), default="accuracy",
+                        help="what the table ranks and pairs on (loss: the held-out loss of design.name=slices)")
     parser.add_argument("--figure", default=None)
     parser.add_argument("--saturation", action="store_true", help="the head's soft-cap saturation per run")
     args = parser.parse_args()
     runs = read_runs(args.folders)
-    print(table(runs, args.k))
+    print(table(runs, args.k, args.metric))
     if args.figure:
         figure(runs, Path(args.figure))
         print(f"figure: {args.figure}")
