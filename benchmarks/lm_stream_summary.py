@@ -83,28 +83,39 @@ def figure(runs: dict[str, dict[int, list[dict]]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6))
     styles = ["-", "--", "-.", ":"]
-    for index, method in enumerate(sorted(runs)):
+    # the two references stand out in black and grey, drawn over the others; the rest take tab10's colors but its
+    # grey, then two more: 11 methods besides the references keep distinct colors
+    references = {"warm": ("black", "-"), "reset": ("dimgray", "--")}
+    palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] + ["navy", "gold"]
+    others = [m for m in sorted(runs) if m not in references]
+    for method in others + [m for m in references if m in runs]:
+        index = others.index(method) if method in others else 0
+        color, style = references.get(method, (palette[index % len(palette)], styles[index % len(styles)]))
         seeds = runs[method]
         n_tasks = min(len(rows) for rows in seeds.values())
         for ax, key in zip(axes, ("accuracy", "online_loss")):
             mean = [statistics.mean(rows[t][key] for rows in seeds.values()) for t in range(n_tasks)]
             low = [min(rows[t][key] for rows in seeds.values()) for t in range(n_tasks)]
             high = [max(rows[t][key] for rows in seeds.values()) for t in range(n_tasks)]
-            line, = ax.plot(range(n_tasks), mean, styles[index % len(styles)], marker="os^vDP"[index % 6],
-                            markersize=3, label=f"{method} (n={len(seeds)})")
-            ax.fill_between(range(n_tasks), low, high, color=line.get_color(), alpha=0.12, linewidth=0)
+            ax.plot(range(n_tasks), mean, style, marker="os^vDP"[index % 6], color=color, markersize=3,
+                    linewidth=2.2 if method in references else 1.4, label=f"{method} (n={len(seeds)})")
+            ax.fill_between(range(n_tasks), low, high, color=color, alpha=0.10, linewidth=0)
     axes[0].set(title="end-of-task accuracy on the task's random last bytes", xlabel="task", ylabel="accuracy",
                 ylim=(0, 1.02))
     axes[1].set(title="online training loss (mean over the task's steps)", xlabel="task", ylabel="nats")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # outside the axes: with many methods any corner inside one covers a curve
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     fig.suptitle("LM stream (experiment=continual_lm): mean over seeds, band = min–max over seeds")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def saturation(folders: list[str]) -> None:

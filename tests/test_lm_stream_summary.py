@@ -68,3 +68,20 @@ def test_an_unknown_metric_is_refused_by_name(tmp_path):
     write_runs(tmp_path)
     with pytest.raises(ValueError, match="'perplexity' is not one of"):
         table(read_runs([str(tmp_path)]), k=2, metric="perplexity")
+
+
+def test_the_figure_gives_each_method_its_own_color(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lm_stream_summary import figure
+    import matplotlib.pyplot as plt
+
+    write_runs(tmp_path)
+    runs = read_runs([str(tmp_path)])
+    for index in range(10):  # 13 methods, as the boundary-method sweep has
+        runs[f"method_{index}"] = runs["sp"]
+    figure(runs, tmp_path / "stream.png")
+    assert (tmp_path / "stream.png").read_bytes().startswith(b"\x89PNG")
+    fig = plt.gcf()
+    lines = {line.get_label(): line.get_color() for line in fig.axes[0].get_lines()}
+    assert len(lines) == 13 and len({str(color) for color in lines.values()}) == 13
+    assert lines["warm (n=2)"] == "black"
