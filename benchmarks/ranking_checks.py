@@ -268,6 +268,10 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f}{spread}"
 
 
+# Matplotlib's ten cycle colours, then four dark ones, so that up to 14 methods each get their own colour.
+PALETTE = [f"C{i}" for i in range(10)] + ["black", "navy", "darkgoldenrod", "darkgreen"]
+
+
 def plot_long(results: Results, path: Path) -> Path:
     """Per method, the end-of-task accuracy per task (mean over seeds, thin) and its 5-task windowed mean."""
     from plasticity_callbacks.app.report.runs import LINE_STYLES
@@ -281,7 +285,7 @@ def plot_long(results: Results, path: Path) -> Path:
     order = sorted(curves, key=lambda m: -statistics.fmean(windowed_accuracy(c, tasks, K) for c in curves[m].values()))
     for index, method in enumerate(order):
         mean = [statistics.fmean(v) for v in zip(*curves[method].values())]
-        color, style = f"C{index % 10}", LINE_STYLES[index // 10 % len(LINE_STYLES)]
+        color, style = PALETTE[index % len(PALETTE)], LINE_STYLES[index // len(PALETTE) % len(LINE_STYLES)]
         ax.plot(range(1, tasks + 1), mean, color=color, linewidth=0.6, alpha=0.35)
         ax.plot(range(K, tasks + 1), [windowed_accuracy(mean, t, K) for t in range(K, tasks + 1)], color=color,
                 linestyle=style, linewidth=1.8, label=f"{method} ({short_setting(setting_of(results, method, stream))})")

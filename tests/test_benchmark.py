@@ -546,3 +546,27 @@ def test_a_method_file_naming_code_outside_the_package_is_refused_unless_trusted
         from plasticity_callbacks.app.methods import config_dir
 
         check_method_targets(OmegaConf.load(f"{config_dir()}/method/{name}.yaml"))
+
+
+def test_a_finished_run_with_the_same_config_is_read_back_not_run_again(tmp_path, monkeypatch):
+    from plasticity_callbacks.app.benchmark import runs
+
+    fits = []
+
+    def fit(cfg):  # a stand-in for training: writes the per-task log a real run writes
+        fits.append(cfg.seed)
+        logs = Path(cfg.paths.output_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        rows = "".join(f"{t},{0.5 + t / 100},{0.4}\n" for t in range(cfg.data.num_tasks))
+        (logs / "tasks.csv").write_text("task,accuracy,online_accuracy\n" + rows)
+
+    monkeypatch.setattr(runs, "fit", fit)
+    job = runs.Job(runs.STREAMS[0], "reset", "model.lr=0.003", 0)
+    first = runs.run_job(job, tmp_path, None)
+    assert runs.run_job(job, tmp_path, None) == first and fits == [0]  # reused: same result, no second fit
+    config = job.folder(tmp_path) / runs.CONFIG_FILE
+    config.write_text(config.read_text().replace("lr: 0.003", "lr: 0.01"))  # saved with another config
+    assert runs.run_job(job, tmp_path, None).accuracy == first.accuracy and fits == [0, 0]  # run again
+    (job.folder(tmp_path) / "logs" / "tasks.csv").write_text("task,accuracy,online_accuracy\n0,0.5,0.4\n")
+    runs.run_job(job, tmp_path, None)  # stopped after one task: run again
+    assert fits == [0, 0, 0]

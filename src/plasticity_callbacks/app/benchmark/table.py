@@ -12,6 +12,7 @@ import io
 import statistics
 from collections import defaultdict
 
+from ..report.streams import SLOPE_COLUMN
 from .metrics import late_stream_accuracy, online_average, paired_difference, slope_per_100_tasks
 from .results import Results, RunResult, short_setting
 
@@ -86,7 +87,7 @@ def ranking_table(results: Results, k: int) -> str:
     for stream in streams:
         header += [f"{stream}: setting", f"end-of-task acc (last {k})", "vs warm", "vs reset"]
         if stream == PRIMARY:
-            header += ["acc slope ×100 (per task, fit over the stream)", "online acc (all tasks)"]
+            header += [SLOPE_COLUMN, "online acc (all tasks)"]
     header.append("CPU s per run")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     cost = defaultdict(list)

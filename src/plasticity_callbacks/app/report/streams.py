@@ -165,7 +165,9 @@ def run_summary(run: StreamRun, k: int) -> dict[str, float]:
             "seconds": float(run.info.get("seconds", math.nan))}
 
 
-RANK_COLUMNS = [("accuracy", "end-of-task acc (last {k})", 3), ("slope", "acc change per 100 tasks", 3),
+# the ranking's name for it too: a fit over the stream's tasks, not a change it forecasts for a longer one
+SLOPE_COLUMN = "acc slope ×100 (per task, fit over the stream)"
+RANK_COLUMNS = [("accuracy", "end-of-task acc (last {k})", 3), ("slope", SLOPE_COLUMN, 3),
                 ("online_accuracy", "online acc (all tasks)", 3), ("online_loss", "online loss (all tasks)", 3),
                 ("retained_accuracy", "retained acc (last {k})", 3), ("probe_accuracy", "probe acc (last {k})", 3),
                 ("seconds", "seconds", 0)]
@@ -328,8 +330,9 @@ def build_stream_report(root: Path, out: Path | None = None, k: int | None = Non
         "task's training steps of the batch's accuracy before its update; end-of-task = on the task's evaluation "
         f"data at its end; retained = on the previous {info.get('stability_tasks', 3)} tasks' evaluation data; "
         f"probe = a fixed random-label task refit for {info.get('probe_steps', 0)} Adam steps from the task's end "
-        "state; acc change per 100 tasks = 100 × the least-squares slope of end-of-task accuracy against the task "
-        "(extrapolated on a shorter stream); seconds = one run's training time. Ranked by end-of-task accuracy over "
+        "state; acc slope ×100 = 100 × the least-squares slope of end-of-task accuracy against the task, fit over "
+        "the stream's tasks (a trend over them, not a forecast of a longer stream); seconds = one run's training "
+        "time. Ranked by end-of-task accuracy over "
         f"the last {k} tasks; plasticity-benchmark adds seed-paired confidence intervals.", "",
         ranking_table(runs, k), "",
         *([f"## Sensitivity (end-of-task accuracy over the last {k} tasks)", "", sensitivity, ""] if sensitivity else []),
