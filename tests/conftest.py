@@ -34,6 +34,8 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         _running.pop()
+        if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+            freeze_what_lives()  # the module's fixtures are torn down: what is left lives on
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -98,10 +100,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """What collection imported (torch, Lightning, transformers, Hydra: half a million objects and more) lives
-    until the session ends, yet every full garbage collection walks it again: Python's own, and those libraries
-    ask for (accelerate's ``free_memory`` as each Hugging Face ``Trainer.train`` starts, pytest's at exit), a
-    few tenths of a CPU-second each. Frozen (``gc.freeze``), it is left out: a collection walks what the tests
-    made."""
+    freeze_what_lives()
+
+
+def freeze_what_lives():
+    """Collect, then leave what survives out of every later garbage collection (``gc.freeze``).
+
+    What collection imported (torch, Lightning, transformers, Hydra: half a million objects and more), and what
+    a test file leaves behind (modules it imported, caches), lives until the session ends, yet every full
+    collection would walk it again: Python's own, and those libraries ask for (accelerate's ``free_memory`` as
+    each Hugging Face ``Trainer.train`` starts, pytest's at exit), up to half a CPU-second each. Frozen after
+    collection and after each test file, a collection walks only what the current file made. (A frozen object
+    that a later reference cycle drops is not freed: what a test file leaves are modules and caches, which stay.)"""
     gc.collect()
     gc.freeze()
