@@ -7,6 +7,8 @@ state) take their callbacks from here, so a new method is in each of them withou
 """
 from __future__ import annotations
 
+import copy
+import functools
 import importlib
 from pathlib import Path
 
@@ -33,7 +35,14 @@ def methods() -> dict[str, type]:
 
 
 def configs() -> dict[str, dict]:
-    """``{class name: Hydra spec}`` from ``configs/callbacks/*.yaml`` (``${seed}`` resolved to 0)."""
+    """``{class name: Hydra spec}`` from ``configs/callbacks/*.yaml`` (``${seed}`` resolved to 0); a copy, the
+    caller may change it."""
+    return copy.deepcopy(_read_configs())
+
+
+@functools.cache
+def _read_configs() -> dict[str, dict]:
+    """Read once a session: ``acting_soon`` asks for the table per callback, at collection too."""
     specs = {}
     for path in sorted(CONFIGS.glob("*.yaml")):
         merged = OmegaConf.merge({"seed": 0}, OmegaConf.load(path))

@@ -4,23 +4,33 @@ entry points run by the interpreter under test (``sys.executable -m ...``), neve
 comes first)."""
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
 
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 from plasticity_callbacks.app.train import config_dir
 
 COMPOSE_DIR = "/tmp/plasticity-compose"  # a run directory composing resolves to; nothing is written there
 
 
-def compose_config(*overrides: str, output_dir: str | os.PathLike | None = COMPOSE_DIR):
+def compose_config(*overrides: str, output_dir: str | os.PathLike | None = COMPOSE_DIR) -> DictConfig:
     """The package's ``config.yaml`` with ``overrides``, as ``plasticity-train`` would compose it; ``output_dir``
-    sets ``paths.output_dir`` (None: the config's own)."""
-    paths = [] if output_dir is None else [f"paths.output_dir={output_dir}"]
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return compose("config", overrides=[*paths, *overrides])
+    sets ``paths.output_dir`` (None: the config's own). A copy: the test may change it."""
+    paths = () if output_dir is None else (f"paths.output_dir={output_dir}",)
+    return copy.deepcopy(_composed(config_dir(), (*paths, *overrides)))
+
+
+@functools.cache
+def _composed(directory: str, overrides: tuple[str, ...]) -> DictConfig:
+    """Composed once a session: Hydra reads and merges some twenty YAML files each time (about 0.1 CPU-s), and
+    many tests compose the same method or experiment; a copy costs a thirtieth of that."""
+    with initialize_config_dir(config_dir=directory, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
 
 
 def run_app(module: str, *args: str, cwd=None, env: dict | None = None, timeout: float = 300, stdout=None):

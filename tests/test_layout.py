@@ -78,15 +78,19 @@ def test_the_checker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_import_cycle_in_the_package():
-    graph = import_graph()
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """The package's import graph, parsed once for the tests that read it (every module's source: 0.5 CPU-s)."""
+    return import_graph()
+
+
+def test_no_import_cycle_in_the_package(graph):
     assert "plasticity_callbacks.app.runs.checkpoints" in graph  # the walk reached the nested layers
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 @pytest.mark.parametrize("layer", ["functional", "model_map", "ops"])
-def test_lower_layers_do_not_import_higher_ones(layer):
-    graph = import_graph()
+def test_lower_layers_do_not_import_higher_ones(layer, graph):
     higher = ("plasticity_callbacks.callbacks", "plasticity_callbacks.app", "plasticity_callbacks.integrations")
     for module, targets in graph.items():
         if module.startswith(f"plasticity_callbacks.{layer}"):
@@ -104,10 +108,9 @@ def external_imports(path: Path) -> set[str]:
     return found
 
 
-def test_checkpoints_and_the_hf_adapter_need_no_app_extra():
+def test_checkpoints_and_the_hf_adapter_need_no_app_extra(graph):
     """The Hugging Face adapter reads and writes its state through app.runs: neither may need Hydra."""
     needed = {"hydra", "omegaconf", "matplotlib"}
-    graph = import_graph()
     reached, todo = set(), ["plasticity_callbacks.integrations.hf"]
     while todo:
         module = todo.pop()
